@@ -17,7 +17,7 @@ from typing import Any
 
 from kproxy.protocol import primitives as P
 from kproxy.protocol.errors import DecodeError, EncodeError
-from kproxy.protocol.schema import FieldSpec, MessageSpec, StructSpec, Versions
+from kproxy.protocol.schema import FieldSpec, MessageSpec, StructSpec
 
 # Bytes and records values at least this long are not copied into the output buffer; the encoder
 # hands them to the writer as separate buffers for one vectored send.

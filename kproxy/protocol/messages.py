@@ -46,6 +46,11 @@ def api_by_name(name: str) -> ApiSpec:
     return _BY_NAME[name]
 
 
+def api_by_key(key: int) -> ApiSpec:
+    _load()
+    return _APIS[key]
+
+
 def standalone_message(name: str) -> MessageSpec:
     _load()
     return _MESSAGES[name]

@@ -54,9 +54,11 @@ def _inner(tp: object) -> tuple[object, bool, bool]:
 def kproxy_name(f: dataclasses.Field) -> str:
     """kio drops the ``_ms`` unit suffix on fields it types as timedelta or datetime."""
     kt = f.metadata.get("kafka_type", "")
-    if kt.startswith(("timedelta", "datetime")) and not f.name.endswith("_ms"):
-        return f.name + "_ms"
-    return f.name
+    # kio appends "_" to names that shadow Python builtins (``id_``); Kafka's name has none.
+    name = f.name[:-1] if f.name.endswith("_") else f.name
+    if kt.startswith(("timedelta", "datetime")) and not name.endswith("_ms"):
+        return name + "_ms"
+    return name
 
 
 def describe(cls: type, indent: int = 0) -> list[str]:
@@ -90,11 +92,16 @@ def describe(cls: type, indent: int = 0) -> list[str]:
 def to_plain(entity: object) -> dict:
     """A kio entity as nested dicts of kproxy-typed values (ints for times, UUIDs, bytes)."""
     out = {}
+    hints = typing.get_type_hints(type(entity))
     for f in dataclasses.fields(entity):  # type: ignore[arg-type]
         v = getattr(entity, f.name)
         kt = f.metadata.get("kafka_type")
+        array = _inner(hints[f.name])[1]
         # kio shows a -1 timestamp and the all-zero UUID as None; on the wire they are values.
-        if v is None and kt == "datetime_i64":
+        # A None array (nullable []uuid) is a real wire null and stays None.
+        if v is None and array:
+            pass
+        elif v is None and kt == "datetime_i64":
             v = -1
         elif v is None and kt == "uuid":
             v = uuid.UUID(int=0)
