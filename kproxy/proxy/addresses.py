@@ -1,0 +1,236 @@
+"""The broker address map and the filter that rewrites every endpoint a client can see.
+
+Which responses carry endpoints is read from the schema, not listed by hand: any struct with a
+``host`` string and a ``port`` beside a node id (its own, or its parent's) is a broker endpoint. So a
+new API or version that adds endpoints is rewritten as soon as its schema is written. Endpoints
+without a node id (Kafka Streams application endpoints) are the client's own and are left alone.
+Pure: the server is told about a newly exposed port through a callback and binds it synchronously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kproxy.protocol.errors import KProxyError
+from kproxy.protocol.messages import Request, Response, apis
+from kproxy.protocol.schema import MessageSpec, StructSpec
+from kproxy.proxy.filters import ConnectionContext, Filter
+
+NODE_ID_FIELDS = ("node_id", "broker_id", "leader_id", "replica_id", "voter_id")
+
+# KRaft quorum APIs name controller endpoints; a controller may share its node id with a broker
+# (combined mode) while listening elsewhere, so controllers get ports of their own.
+CONTROLLER_APIS = frozenset({52, 53, 54, 55, 59, 80, 81, 82})
+
+
+class AddressMapError(KProxyError):
+    """A broker cannot be exposed: its node id falls outside the configured port range."""
+
+
+@attrs.frozen(slots=True)
+class Route:
+    """Where a client connection on an exposed port or SNI name goes."""
+
+    role: str             # "broker" or "controller"
+    node_id: int
+    upstream: tuple[str, int]
+
+
+class AddressMap:
+    """Upstream endpoints (learned from responses) and the endpoints kproxy exposes for them.
+
+    Port-per-broker: node id -> port, either ``port_start + node_id - node_id_base`` (deterministic,
+    so every kproxy replica agrees) or, without a base, in order of discovery. SNI: every node is
+    exposed on the one TLS port as ``broker-<node_id>.<domain>``.
+    """
+
+    def __init__(self, advertised_host: str, port_start: int, port_count: int,
+                 node_id_base: int | None = None, sni_domain: str | None = None,
+                 sni_port: int | None = None,
+                 on_new_port: Callable[[int], None] | None = None) -> None:
+        self.advertised_host = advertised_host
+        self.port_start = port_start
+        self.port_count = port_count
+        self.node_id_base = node_id_base
+        self.sni_domain = sni_domain
+        self.sni_port = sni_port
+        self.on_new_port = on_new_port
+        self._port_of: dict[tuple[str, int], int] = {}      # (role, node id) -> port
+        self._routes: dict[int, Route] = {}                  # port -> route
+        self._by_name: dict[str, Route] = {}                 # SNI name -> route
+        self._next_broker = port_start
+        self._next_controller = port_start + port_count - 1
+
+    # -- learning and exposing
+
+    def expose(self, role: str, node_id: int, host: str, port: int) -> tuple[str, int]:
+        """Record the upstream endpoint of a node and return the endpoint clients should use."""
+        upstream = (host, port)
+        if self.sni_domain is not None:
+            name = f"{'broker' if role == 'broker' else 'controller'}-{node_id}.{self.sni_domain}"
+            self._by_name[name] = Route(role, node_id, upstream)
+            assert self.sni_port is not None
+            return name, self.sni_port
+        key = (role, node_id)
+        exposed = self._port_of.get(key)
+        if exposed is None:
+            exposed = self._allocate(role, node_id)
+            self._port_of[key] = exposed
+            self._routes[exposed] = Route(role, node_id, upstream)
+            if self.on_new_port is not None:
+                self.on_new_port(exposed)
+        elif self._routes[exposed].upstream != upstream:
+            # The node moved (new host or port): the same exposed port now leads to its new place.
+            self._routes[exposed] = Route(role, node_id, upstream)
+        return self.advertised_host, exposed
+
+    def _allocate(self, role: str, node_id: int) -> int:
+        end = self.port_start + self.port_count
+        if role == "broker" and self.node_id_base is not None:
+            port = self.port_start + node_id - self.node_id_base
+            if not self.port_start <= port < end or port in self._routes:
+                raise AddressMapError(
+                    f"broker node {node_id} maps to port {port}, outside {self.port_start}-{end - 1} "
+                    f"(node_id_base {self.node_id_base}); widen broker_port_count")
+            return port
+        if role == "broker":
+            while self._next_broker in self._routes:
+                self._next_broker += 1
+            port = self._next_broker
+        else:
+            while self._next_controller in self._routes:
+                self._next_controller -= 1
+            port = self._next_controller
+        if not self.port_start <= port < end:
+            raise AddressMapError(f"no free port left in {self.port_start}-{end - 1} for {role} node "
+                                  f"{node_id}; widen broker_port_count")
+        return port
+
+    # -- routing client connections
+
+    def route_for_port(self, port: int) -> Route | None:
+        return self._routes.get(port)
+
+    def route_for_name(self, server_name: str) -> Route | None:
+        return self._by_name.get(server_name.lower())
+
+    def route_for_node(self, node_id: int, role: str = "broker") -> Route | None:
+        port = self._port_of.get((role, node_id))
+        if port is not None:
+            return self._routes[port]
+        for r in self._by_name.values():
+            if r.node_id == node_id and r.role == role:
+                return r
+        return None
+
+    def exposed_ports(self) -> list[int]:
+        return sorted(self._routes)
+
+    def upstream_endpoints(self) -> set[tuple[str, int]]:
+        return {r.upstream for r in self._routes.values()} | {r.upstream for r in self._by_name.values()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Where endpoints sit in each response, derived from the schema
+
+
+@attrs.frozen(slots=True)
+class _Step:
+    field: str
+    array: bool
+    node_field: str | None     # node id field of the struct this step enters, if it has one
+
+
+def _node_field(s: StructSpec, v: int) -> str | None:
+    present = {f.name: f for f in s.fields if v in f.versions}
+    return next((n for n in NODE_ID_FIELDS if n in present and present[n].type == "int32"
+                 and not present[n].array), None)
+
+
+def _sites(s: StructSpec, v: int, has_node: bool, steps: tuple[_Step, ...],
+           out: list[tuple[_Step, ...]], seen: frozenset[str]) -> None:
+    present = {f.name: f for f in s.fields if v in f.versions}
+    has_node = has_node or _node_field(s, v) is not None
+    host, port = present.get("host"), present.get("port")
+    if (host is not None and port is not None and host.type == "string" and not host.array
+            and port.type in ("int32", "uint16") and has_node):
+        out.append(steps)
+    if s.name in seen:
+        return
+    for f in present.values():
+        if f.type == "struct":
+            assert f.struct is not None
+            step = _Step(f.name, f.array, _node_field(f.struct, v))
+            _sites(f.struct, v, has_node, (*steps, step), out, seen | {s.name})
+
+
+def endpoint_sites(msg: MessageSpec, v: int) -> list[tuple[_Step, ...]]:
+    """Paths from the message root to every broker endpoint struct in version ``v``."""
+    out: list[tuple[_Step, ...]] = []
+    _sites(msg.root, v, False, (), out, frozenset())
+    return out
+
+
+def apis_with_endpoints() -> frozenset[int]:
+    keys = set()
+    for key, api in apis().items():
+        msg = api.response
+        assert msg is not None and msg.versions.hi is not None
+        if any(endpoint_sites(msg, v) for v in range(msg.versions.lo, msg.versions.hi + 1)):
+            keys.add(key)
+    return frozenset(keys)
+
+
+class AddressRewriter(Filter):
+    """Rewrites every broker endpoint in responses to the one kproxy exposes for that node."""
+
+    name = "addresses"
+
+    def __init__(self, address_map: AddressMap) -> None:
+        self.address_map = address_map
+        self.response_api_keys = apis_with_endpoints()
+        self._plans: dict[tuple[int, int], tuple[str | None, list[tuple[_Step, ...]]]] = {}
+
+    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+        key = (response.api_key, response.api_version)
+        plan = self._plans.get(key)
+        if plan is None:
+            msg = apis()[response.api_key].response
+            assert msg is not None
+            plan = (_node_field(msg.root, response.api_version),
+                    endpoint_sites(msg, response.api_version))
+            self._plans[key] = plan
+        root_node, sites = plan
+        if not sites:
+            return 0.0
+        role = "controller" if response.api_key in CONTROLLER_APIS else "broker"
+        body = response.body
+        node_id = getattr(body, root_node) if root_node is not None else None
+        for steps in sites:
+            self._walk(body, steps, 0, role, node_id)
+        return 0.0
+
+    def _walk(self, obj: Any, steps: tuple[_Step, ...], i: int, role: str, node_id: int | None) -> None:
+        if i == len(steps):
+            self._rewrite(obj, role, node_id)
+            return
+        step = steps[i]
+        child = getattr(obj, step.field)
+        if child is None:
+            return
+        for item in (child if step.array else (child,)):
+            nid = getattr(item, step.node_field) if step.node_field is not None else node_id
+            self._walk(item, steps, i + 1, role, nid)
+
+    def _rewrite(self, endpoint: Any, role: str, node_id: int | None) -> None:
+        if node_id is None or node_id < 0 or not endpoint.host or endpoint.port <= 0:
+            # FindCoordinator errors carry node -1, host "" and port -1: nothing to expose, but no
+            # upstream detail may survive either.
+            if endpoint.host:
+                endpoint.host = ""
+            return
+        endpoint.host, endpoint.port = self.address_map.expose(role, node_id, endpoint.host,
+                                                               endpoint.port)

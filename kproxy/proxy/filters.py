@@ -1,0 +1,129 @@
+"""The hook interface that address rewriting, policy, quotas and telemetry plug into.
+
+A filter declares the api keys it wants to see; the session calls it only for those, with the decoded
+request or response, which it may change in place. A request hook may also answer the request itself
+with a Kafka error, or ask for it to be held back a while. Filters are pure: no I/O, time comes from
+``ConnectionContext.clock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from kproxy.protocol.messages import Request, Response
+
+ALL: frozenset[int] | None = None  # a filter's key set that means "every api key"
+
+
+@attrs.define(slots=True, eq=False)
+class ConnectionContext:
+    """What kproxy knows about one client connection; shared by every filter on it.
+
+    ``principal`` is the identity later filters act on: the mTLS client certificate's subject,
+    replaced by the SASL user once the broker has accepted the authentication.
+    """
+
+    connection_id: int
+    client_address: tuple[str, int] | None = None
+    listener: str = "bootstrap"            # "bootstrap" or "node-<id>"
+    clock: Callable[[], float] = attrs.field(default=lambda: 0.0)
+    tls_subject: str | None = None
+    sasl_mechanism: str | None = None
+    sasl_user: str | None = None
+    authenticated: bool = False
+    client_id: str | None = None
+    client_software_name: str | None = None
+    client_software_version: str | None = None
+    # Scratch space for filters (per connection), keyed by the filter's own name.
+    state: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def principal(self) -> str | None:
+        if self.authenticated and self.sasl_user is not None:
+            return f"User:{self.sasl_user}"
+        if self.tls_subject is not None:
+            return f"User:{self.tls_subject}"
+        return None
+
+
+@attrs.frozen(slots=True)
+class Respond:
+    """Answer the request locally instead of forwarding it.
+
+    Either a ready response ``body`` (of the request's api and version), or an ``error_code`` from
+    which kproxy builds the error response Kafka would send (per topic and partition where the API has
+    them). ``throttle_time_ms`` is copied into the response when the API has that field.
+    """
+
+    error_code: int = 0
+    body: Any = None
+    error_message: str | None = None
+    throttle_time_ms: int = 0
+
+
+@attrs.frozen(slots=True)
+class Delay:
+    """Hold the request back ``seconds`` before forwarding it (or answering it with ``then``).
+
+    Requests behind it on the same connection wait too, which keeps Kafka's per-connection order
+    and mirrors how a broker mutes a throttled channel.
+    """
+
+    seconds: float
+    then: Respond | None = None
+
+
+RequestVerdict = Respond | Delay | None
+
+
+class Filter:
+    """Base class: override what you need. Hooks run in the connection's order of filters."""
+
+    name: str = "filter"
+    request_api_keys: frozenset[int] | None = frozenset()   # ALL (None) for every api key
+    response_api_keys: frozenset[int] | None = frozenset()
+
+    def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
+        """See (and possibly change) a decoded request. Return None to forward it."""
+        return None
+
+    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+        """See (and possibly change) a decoded response to ``request``.
+
+        Returns seconds of throttle the client should observe from now on (0 for none); the session
+        holds further requests back by the largest value any filter returns.
+        """
+        return 0.0
+
+    def on_close(self, ctx: ConnectionContext) -> None:
+        """The connection ended; drop per-connection state."""
+
+
+class FilterChain:
+    """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
+
+    __slots__ = ("_by_request_key", "_by_response_key", "filters")
+
+    def __init__(self, filters: Iterable[Filter]) -> None:
+        self.filters = tuple(filters)
+        self._by_request_key: dict[int, tuple[Filter, ...]] = {}
+        self._by_response_key: dict[int, tuple[Filter, ...]] = {}
+
+    def for_request(self, api_key: int) -> tuple[Filter, ...]:
+        got = self._by_request_key.get(api_key)
+        if got is None:
+            got = tuple(f for f in self.filters
+                        if f.request_api_keys is None or api_key in f.request_api_keys)
+            self._by_request_key[api_key] = got
+        return got
+
+    def for_response(self, api_key: int) -> tuple[Filter, ...]:
+        got = self._by_response_key.get(api_key)
+        if got is None:
+            got = tuple(f for f in self.filters
+                        if f.response_api_keys is None or api_key in f.response_api_keys)
+            self._by_response_key[api_key] = got
+        return got

@@ -1,0 +1,210 @@
+"""The two pumps of one proxied connection: client -> broker and broker -> client.
+
+The connection's nursery runs both; when the client side ends, the cancel scope ends the other and
+both sockets close in ``finally``. A broker connection that is lost is not fatal to the client: the
+session answers what was waiting with retriable errors and the next request reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from kproxy.protocol.errors import FrameError
+from kproxy.protocol.framing import FrameReader
+from kproxy.proxy.session import Close, Hold, InFlight, Session, ToClient, ToUpstream
+from kproxy.server.transport import Transport, connect
+
+if TYPE_CHECKING:
+    from kproxy.server.app import ProxyServer
+
+log = logging.getLogger("kproxy.server")
+
+
+class ConnectionClosed(Exception):
+    """Ends a connection on purpose; the reason is logged once."""
+
+
+class ClientConnection:
+    """One client connection and the broker connection behind it."""
+
+    def __init__(self, server: ProxyServer, client: Transport, session: Session,
+                 upstream_address: tuple[str, int] | None) -> None:
+        self.server = server
+        self.client = client
+        self.session = session
+        self.upstream_address = upstream_address   # None: the bootstrap servers, tried in turn
+        self.upstream: Transport | None = None
+        self._client_lock = trio.StrictFIFOLock()
+        self._room = trio.Event()                   # set when in-flight drops below the limit
+        self._nursery: trio.Nursery | None = None
+        self.cancel_scope: trio.CancelScope | None = None
+        self.last_activity = trio.current_time()
+        self._upstream_generation = 0
+        session.completed = self._completed          # type: ignore[method-assign]
+
+    def _completed(self, entry: InFlight) -> None:
+        self.server.stats.record(entry, trio.current_time())
+        if not self._room.is_set():
+            self._room.set()
+
+    async def run(self) -> None:
+        ctx = self.session.ctx
+        reason = "client closed the connection"
+        try:
+            with trio.CancelScope() as scope:
+                self.cancel_scope = scope
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    if self.server.watchdog_needed:
+                        nursery.start_soon(self._watchdog)
+                    try:
+                        await self._client_pump()
+                    except ConnectionClosed as e:
+                        reason = str(e)
+                    except FrameError as e:
+                        reason = f"bad frame from client: {e}"
+                    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                        reason = f"client connection error: {e!r}"
+                    nursery.cancel_scope.cancel()
+            if scope.cancelled_caught and reason == "client closed the connection":
+                reason = "closed by kproxy (shutdown or timeout)"
+        finally:
+            self.client.close()
+            if self.upstream is not None:
+                self.upstream.close()
+            self.session.close()
+            log.info("connection %d from %s closed: %s", ctx.connection_id,
+                     _addr(ctx.client_address), reason)
+
+    # -- client -> broker
+
+    async def _client_pump(self) -> None:
+        reader = FrameReader(self.server.config.limits.max_frame_size)
+        session = self.session
+        limit = self.server.config.limits.max_in_flight_requests
+        client = self.client
+        while True:
+            n = await client.recv_into(reader.recv_buffer())
+            if n == 0:
+                return
+            reader.received(n)
+            self.last_activity = trio.current_time()
+            while (frame := reader.next_frame()) is not None:
+                if len(session.in_flight) >= limit:
+                    # Backpressure: stop reading the client until answers make room.
+                    self._room = trio.Event()
+                    while len(session.in_flight) >= limit:
+                        await self._room.wait()
+                        self._room = trio.Event()
+                await self._execute(session.client_frame(frame))
+
+    async def _execute(self, actions: list) -> None:
+        for a in actions:
+            if type(a) is ToUpstream:
+                await self._to_upstream(a.buffers)
+            elif type(a) is ToClient:
+                async with self._client_lock:
+                    await self.client.send(a.buffers)
+            elif type(a) is Hold:
+                await trio.sleep(a.seconds)
+            elif type(a) is Close:
+                raise ConnectionClosed(a.reason)
+
+    async def _to_upstream(self, buffers: list) -> None:
+        if self.upstream is None:
+            try:
+                await self._connect_upstream()
+            except (OSError, trio.TooSlowError) as e:
+                await self._upstream_lost(f"cannot connect: {e or 'timed out'}")
+                return
+        assert self.upstream is not None
+        try:
+            await self.upstream.send(buffers)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            await self._upstream_lost(f"send failed: {e!r}")
+
+    async def _connect_upstream(self) -> None:
+        cfg = self.server.config.upstream
+        targets = ([self.upstream_address] if self.upstream_address is not None
+                   else [(hp.host, hp.port) for hp in cfg.bootstrap_servers])
+        last: Exception | None = None
+        for host, port in targets:
+            try:
+                self.upstream = await connect(host, port, cfg.connect_timeout_s,
+                                              self.server.upstream_tls, cfg.tls.server_hostname)
+                break
+            except (OSError, trio.TooSlowError) as e:
+                last = e
+        else:
+            raise last or OSError("no upstream")
+        self._upstream_generation += 1
+        assert self._nursery is not None
+        self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
+
+    async def _upstream_lost(self, reason: str) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+            self.upstream = None
+        log.warning("connection %d: broker connection lost: %s", self.session.ctx.connection_id, reason)
+        await self._execute(self.session.upstream_lost(reason))
+
+    # -- broker -> client
+
+    async def _upstream_pump(self, upstream: Transport, generation: int) -> None:
+        reader = FrameReader(self.server.config.limits.max_frame_size)
+        session = self.session
+        try:
+            while True:
+                n = await upstream.recv_into(reader.recv_buffer())
+                if n == 0:
+                    raise ConnectionError("broker closed the connection")
+                reader.received(n)
+                while (frame := reader.next_frame()) is not None:
+                    actions = session.upstream_frame(frame)
+                    for a in actions:
+                        if type(a) is ToClient:
+                            async with self._client_lock:
+                                await self.client.send(a.buffers)
+                        elif type(a) is Close:
+                            raise ConnectionClosed(a.reason)
+        except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if generation == self._upstream_generation and self.upstream is upstream:
+                try:
+                    await self._upstream_lost(str(e) or repr(e))
+                except ConnectionClosed as closed:
+                    self._close_from_task(str(closed))
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e2:
+                    self._close_from_task(f"client connection error: {e2!r}")
+        except ConnectionClosed as e:
+            self._close_from_task(str(e))
+
+    def _close_from_task(self, reason: str) -> None:
+        log.warning("connection %d: %s", self.session.ctx.connection_id, reason)
+        self.client.close()
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+
+    # -- timeouts
+
+    async def _watchdog(self) -> None:
+        limits = self.server.config.limits
+        started = trio.current_time()
+        while True:
+            await trio.sleep(self.server.watchdog_period)
+            now = trio.current_time()
+            unauth = limits.unauthenticated_idle_timeout_s
+            if unauth > 0 and now - started > unauth and (
+                    self.session.sasl_in_progress or self.session.requests == 0):
+                self._close_from_task(f"not authenticated after {unauth:g}s")
+                return
+            idle = limits.idle_timeout_s
+            if idle > 0 and not self.session.in_flight and now - self.last_activity > idle:
+                self._close_from_task(f"idle for {idle:g}s")
+                return
+
+
+def _addr(a: tuple[str, int] | None) -> str:
+    return f"{a[0]}:{a[1]}" if a else "?"
