@@ -1,0 +1,92 @@
+"""kproxy in a background thread of another program: for blocking clients in tests, demo and bench.
+
+``with ProxyThread(config) as proxy:`` starts a trio loop in a daemon thread, waits until the
+bootstrap port listens, and on exit drains and joins the thread. ``proxy.call(fn)`` runs a function
+on the proxy's loop (to inspect the address map or stats without races).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from kproxy.config import ProxyConfig
+from kproxy.proxy.filters import Filter
+from kproxy.server.app import ProxyServer
+
+
+class ProxyThread:
+    def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = ()) -> None:
+        self.server = ProxyServer(config, filters)
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._cancel: trio.CancelScope | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        assert self.server.bootstrap_address is not None
+        host, port = self.server.bootstrap_address
+        return f"{host}:{port}"
+
+    def start(self, timeout: float = 30.0) -> ProxyThread:
+        self._thread = threading.Thread(target=self._run, name="kproxy", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("kproxy did not start listening in time")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._token = trio.lowlevel.current_trio_token()
+            with trio.CancelScope() as scope:
+                self._cancel = scope
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.server.serve)
+                    self._ready.set()
+
+        try:
+            trio.run(main)
+        except BaseException as e:  # reported to start() or stop()
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the proxy's trio loop and return its result."""
+        assert self._token is not None
+        return trio.from_thread.run_sync(fn, trio_token=self._token)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Graceful stop: stop accepting, let in-flight requests finish, close (as on SIGTERM)."""
+        assert self._token is not None
+        trio.from_thread.run(self.server.drain, timeout, trio_token=self._token)
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        if self._thread.is_alive() and self._token is not None:
+            try:
+                trio.from_thread.run_sync(self._cancel_all, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(10)
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def _cancel_all(self) -> None:
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    def __enter__(self) -> ProxyThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
