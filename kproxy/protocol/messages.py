@@ -149,11 +149,14 @@ class Request:
     """A decoded request: its header and body. ``api_key``, ``api_version``, ``correlation_id``
     and ``client_id`` read and write the header."""
 
-    __slots__ = ("body", "header")
+    __slots__ = ("body", "header", "trailing")
 
-    def __init__(self, header: Any, body: Any) -> None:
+    def __init__(self, header: Any, body: Any, trailing: Any = None) -> None:
         self.header = header
         self.body = body
+        # Bytes after the body that a lenient peer sent (Kafka brokers ignore them); kept only when
+        # decoded with keep_trailing, and re-emitted as they were.
+        self.trailing = trailing
 
     @classmethod
     def build(cls, api_key: int, api_version: int, correlation_id: int, client_id: str | None,
@@ -194,13 +197,15 @@ class Request:
 class Response:
     """A decoded response. The api key and version come from the request it answers."""
 
-    __slots__ = ("api_key", "api_version", "body", "header")
+    __slots__ = ("api_key", "api_version", "body", "header", "trailing")
 
-    def __init__(self, api_key: int, api_version: int, header: Any, body: Any) -> None:
+    def __init__(self, api_key: int, api_version: int, header: Any, body: Any,
+                 trailing: Any = None) -> None:
         self.api_key = api_key
         self.api_version = api_version
         self.header = header
         self.body = body
+        self.trailing = trailing
 
     @classmethod
     def build(cls, api_key: int, api_version: int, correlation_id: int, body: Any) -> Response:
@@ -227,8 +232,14 @@ def _view(frame: Any) -> memoryview:
     return mv
 
 
-def decode_request(frame: Any) -> Request:
-    """Decode one request frame (header and body, without the 4-byte size prefix)."""
+def decode_request(frame: Any, keep_trailing: bool = False) -> Request:
+    """Decode one request frame (header and body, without the 4-byte size prefix).
+
+    Bytes after the body are a DecodeError, unless ``keep_trailing``: then they ride along in
+    ``Request.trailing`` and are re-encoded unchanged. Brokers ignore such bytes, and some clients
+    send them (librdkafka 2.16's Metadata v12 for all topics carries three), so a transparent proxy
+    must let them through.
+    """
     mv = _view(frame)
     end = len(mv)
     if end < 4:
@@ -238,27 +249,36 @@ def decode_request(frame: Any) -> Request:
     header, pos = hc.decode_checked(mv, 0, end)
     body, pos = bc.decode_checked(mv, pos, end)
     if pos != end:
+        if keep_trailing:
+            return Request(header, body, mv[pos:end])
         raise DecodeError(f"{end - pos} trailing bytes after the body", pos, bc.name)
     return Request(header, body)
 
 
-def decode_response(frame: Any, api_key: int, api_version: int) -> Response:
-    """Decode one response frame; the api key and version are those of the request it answers."""
+def decode_response(frame: Any, api_key: int, api_version: int, keep_trailing: bool = False) -> Response:
+    """Decode one response frame; the api key and version are those of the request it answers.
+
+    ``keep_trailing`` as for ``decode_request``."""
     mv = _view(frame)
     end = len(mv)
     hc, bc = _RESP.get((api_key, api_version)) or response_codecs(api_key, api_version)
     header, pos = hc.decode_checked(mv, 0, end)
     body, pos = bc.decode_checked(mv, pos, end, 0)
     if pos != end:
+        if keep_trailing:
+            return Response(api_key, api_version, header, body, mv[pos:end])
         raise DecodeError(f"{end - pos} trailing bytes after the body", pos, bc.name)
     return Response(api_key, api_version, header, body)
 
 
-def _encode(hc: Codec, header: Any, bc: Codec, body: Any, framed: bool) -> tuple[bytearray, list]:
+def _encode(hc: Codec, header: Any, bc: Codec, body: Any, framed: bool,
+            trailing: Any = None) -> tuple[bytearray, list]:
     out = bytearray(4) if framed else bytearray()
     ins: list = []
     encode_to(hc, header, out, ins)
     encode_to(bc, body, out, ins)
+    if trailing is not None:
+        out += trailing
     if framed:
         size = len(out) - 4 + sum(len(b) for _, b in ins)
         P.INT32.pack_into(out, 0, size)
@@ -269,26 +289,26 @@ def encode_request(req: Request) -> bytearray | list:
     """Encode a request (no size prefix): one bytearray, or a list of buffers when large bytes or
     records values are passed through without copying. Joined, it equals the decoded frame."""
     hc, bc = request_codecs(req.api_key, req.api_version)
-    out, ins = _encode(hc, req.header, bc, req.body, False)
+    out, ins = _encode(hc, req.header, bc, req.body, False, req.trailing)
     return out if not ins else split_parts(out, ins)
 
 
 def encode_response(resp: Response) -> bytearray | list:
     """Encode a response (no size prefix); same return convention as ``encode_request``."""
     hc, bc = response_codecs(resp.api_key, resp.api_version)
-    out, ins = _encode(hc, resp.header, bc, resp.body, False)
+    out, ins = _encode(hc, resp.header, bc, resp.body, False, resp.trailing)
     return out if not ins else split_parts(out, ins)
 
 
 def encode_request_frame(req: Request) -> list:
     """The request with its 4-byte size prefix, as a list of buffers for one vectored send."""
     hc, bc = request_codecs(req.api_key, req.api_version)
-    return split_parts(*_encode(hc, req.header, bc, req.body, True))
+    return split_parts(*_encode(hc, req.header, bc, req.body, True, req.trailing))
 
 
 def encode_response_frame(resp: Response) -> list:
     hc, bc = response_codecs(resp.api_key, resp.api_version)
-    return split_parts(*_encode(hc, resp.header, bc, resp.body, True))
+    return split_parts(*_encode(hc, resp.header, bc, resp.body, True, resp.trailing))
 
 
 def peek_request_header(frame: Any) -> tuple[int, int, int]:

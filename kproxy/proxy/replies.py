@@ -62,13 +62,20 @@ def _fill(resp_obj: Any, resp_spec: StructSpec, req_obj: Any, req_spec: StructSp
         if f.type == "int64" and not f.array and not f.has_default and (
                 name.endswith("offset") or name == "high_watermark"):
             setattr(resp_obj, name, -1)
+        # Records and bytes default to null, which versions where they are not nullable cannot carry.
+        if (f.type in ("records", "bytes") and not f.array and rv not in f.nullable
+                and getattr(resp_obj, name) is None):
+            setattr(resp_obj, name, b"")
     if message is not None and "error_message" in rf and rf["error_message"].type == "string":
         resp_obj.error_message = message
     for name, f in rf.items():
         if name in _ALIASES and not top and req_obj is not None and f.type != "struct":
             for alias in _ALIASES[name]:
                 if alias in qf and qf[alias].type == f.type and not qf[alias].array:
-                    setattr(resp_obj, name, getattr(req_obj, alias))
+                    value = getattr(req_obj, alias)
+                    # A null the request may carry (Metadata v10-11 names) the response cannot.
+                    if value is not None or rv in f.nullable:
+                        setattr(resp_obj, name, value)
                     break
         if not (f.array and f.type == "struct") or req_spec is None:
             continue

@@ -180,7 +180,7 @@ class Session:
             return [Close(f"request of {len(frame)} bytes is shorter than a request header")]
         api_key, api_version, correlation_id = _HHI.unpack_from(frame, 0)
         try:
-            req = decode_request(frame)
+            req = decode_request(frame, keep_trailing=True)
         except UnsupportedVersionError as e:
             if self._raw_sasl:
                 actions.append(ToUpstream(_size_prefixed(frame)))
@@ -325,7 +325,7 @@ class Session:
             # A broker that does not know the requested ApiVersions version answers in v0 (KIP-511).
             version = 0
         try:
-            resp = decode_response(frame, entry.api_key, version)
+            resp = decode_response(frame, entry.api_key, version, keep_trailing=True)
         except DecodeError as e:
             return [Close(f"malformed {api_name(entry.api_key)} v{version} response from the broker: {e}")]
         throttle = 0.0

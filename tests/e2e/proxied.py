@@ -1,0 +1,98 @@
+"""kproxy in front of a test broker, with a tap that keeps every response a client receives.
+
+The tap is the last filter, so it sees each response exactly as kproxy encodes it for the client:
+after address rewriting. Tests use it to prove that no upstream host or port ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kproxy.config import config_from_args
+from kproxy.protocol.messages import Request, Response, api_name
+from kproxy.proxy.filters import ALL, ConnectionContext, Filter
+from kproxy.server.embedded import ProxyThread
+from tests.e2e.tansu import free_port
+
+
+class ResponseTap(Filter):
+    """Records (api name, version, body as plain dict) of every response, for every api key."""
+
+    name = "tap"
+    response_api_keys = ALL
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+
+    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+        with self._lock:
+            self.seen.append(
+                (
+                    api_name(response.api_key),
+                    response.api_version,
+                    response.body.to_dict(response.api_version),
+                )
+            )
+        return 0.0
+
+    def apis(self) -> set[str]:
+        with self._lock:
+            return {name for name, _, _ in self.seen}
+
+    def leaks(self, host: str, port: int) -> list[str]:
+        """Every place in a recorded response where the upstream host, or a port field equal to
+        the upstream port, appears."""
+        found: list[str] = []
+
+        def walk(v: Any, path: str) -> None:
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    if k == "port" and x == port:
+                        found.append(f"{path}.{k}={x}")
+                    walk(x, f"{path}.{k}")
+            elif isinstance(v, list):
+                for i, x in enumerate(v):
+                    walk(x, f"{path}[{i}]")
+            elif isinstance(v, str) and host in v:
+                found.append(f"{path}={v!r}")
+
+        with self._lock:
+            for name, version, body in self.seen:
+                walk(body, f"{name}.v{version}")
+        return found
+
+
+def free_port_block(count: int = 8) -> int:
+    """A port P with P..P+count-1 free a moment ago (bootstrap plus broker ports)."""
+    for _ in range(50):
+        p = free_port()
+        if p + count > 65535:
+            continue
+        import socket
+
+        socks = []
+        try:
+            for q in range(p, p + count):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", q))
+                socks.append(s)
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free block of ports")
+
+
+def start_proxy(
+    upstream: str, advertised_host: str = "localhost", filters: list[Filter] | None = None, **overrides: Any
+) -> ProxyThread:
+    port = free_port_block()
+    exposure = {"advertised_host": advertised_host, "broker_port_count": 6}
+    exposure.update(overrides.pop("exposure", {}))
+    cfg = config_from_args(upstream, f"127.0.0.1:{port}", exposure=exposure, **overrides)
+    return ProxyThread(cfg, filters or []).start()

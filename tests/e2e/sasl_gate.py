@@ -1,0 +1,485 @@
+"""A SASL-enforcing gate in front of tansu, for end-to-end tests of kproxy with authenticating brokers.
+
+tansu 0.6 can enforce SCRAM (``--authentication``) but its users live in the storage engine, and the
+only engine built into the shipped binary without an outside service is ``memory://``: its first user
+cannot be created once authentication is on (``tansu user create`` gets an early EOF, NotAuthenticated).
+So the gate plays the broker's SASL part (KIP-43 / KIP-152 / KIP-368): it answers SaslHandshake v1 and
+SaslAuthenticate itself (PLAIN, and SCRAM-SHA-256/512 per RFC 5802 and RFC 7677), closes the
+connection on any other request before authentication, and relays frames to tansu afterwards. tansu
+is started with its advertised listener pointing at the gate, so every address a client learns leads
+back through it. Threads and blocking sockets only; it never logs a token or a password.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kproxy.protocol.messages import Response, body_class, decode_request, encode_response_frame
+from tests.e2e.tansu import free_port
+
+_I32 = struct.Struct(">i")
+_HHI = struct.Struct(">hhi")
+
+PRODUCE, API_VERSIONS, SASL_HANDSHAKE, SASL_AUTHENTICATE = 0, 18, 17, 36
+UNSUPPORTED_SASL_MECHANISM, ILLEGAL_SASL_STATE, SASL_AUTHENTICATION_FAILED = 33, 34, 58
+
+SCRAM_HASHES = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
+MECHANISMS = ("PLAIN", *SCRAM_HASHES)
+
+
+# --------------------------------------------------------------------------------------------------
+# tansu advertised at another address (the gate's, or a TLS relay's)
+# --------------------------------------------------------------------------------------------------
+
+
+class TansuBehind:
+    """A tansu broker on a free loopback port that advertises ``advertised`` (host, port) in metadata."""
+
+    def __init__(self, binary: str, advertised: tuple[str, int], log_path: Path | None = None) -> None:
+        self.binary = binary
+        self.host = "127.0.0.1"
+        self.port = free_port(self.host)
+        self.advertised = advertised
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_timeout: float = 10.0) -> TansuBehind:
+        host, port = self.advertised
+        argv = [self.binary, "broker", "--listener-url", f"tcp://{self.host}:{self.port}",
+                "--advertised-listener-url", f"tcp://{host}:{port}", "--silent"]
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        deadline = time.monotonic() + ready_timeout
+        while not _answers_api_versions(self.host, self.port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"tansu did not start: {argv}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+    def __enter__(self) -> TansuBehind:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _answers_api_versions(host: str, port: int) -> bool:
+    body = _HHI.pack(API_VERSIONS, 0, 1) + struct.pack(">h", 5) + b"probe"
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as sock:
+            sock.sendall(_I32.pack(len(body)) + body)
+            frame = _read_frame(sock)
+    except OSError:
+        return False
+    return frame is not None and len(frame) >= 6 and frame[4:6] == b"\x00\x00"
+
+
+# --------------------------------------------------------------------------------------------------
+# SASL servers
+# --------------------------------------------------------------------------------------------------
+
+
+class AuthFailed(Exception):
+    """A SASL exchange failed; the message is safe to show (it names no secret)."""
+
+
+@attrs.define
+class ScramCredential:
+    """What a broker stores for a SCRAM user (RFC 5802 section 3): never the password itself."""
+
+    salt: bytes
+    iterations: int
+    stored_key: bytes
+    server_key: bytes
+
+    @classmethod
+    def create(cls, hash_name: str, password: str, iterations: int = 4096) -> ScramCredential:
+        salt = os.urandom(16)
+        salted = hashlib.pbkdf2_hmac(hash_name, password.encode(), salt, iterations)
+        client_key = hmac.digest(salted, b"Client Key", hash_name)
+        return cls(salt, iterations, hashlib.new(hash_name, client_key).digest(),
+                   hmac.digest(salted, b"Server Key", hash_name))
+
+
+class PlainServer:
+    """SASL/PLAIN (RFC 4616): one token ``authzid NUL authcid NUL passwd``."""
+
+    def __init__(self, passwords: dict[str, str]) -> None:
+        self.passwords = passwords
+        self.user: str | None = None
+        self.done = False
+
+    def step(self, token: bytes) -> bytes:
+        parts = token.split(b"\x00")
+        if len(parts) != 3:
+            raise AuthFailed("malformed PLAIN token")
+        authzid, user, password = (p.decode("utf-8", "replace") for p in parts)
+        expected = self.passwords.get(user)
+        if expected is None or not hmac.compare_digest(expected.encode(), password.encode()) or (
+                authzid and authzid != user):
+            raise AuthFailed("Authentication failed: Invalid username or password")
+        self.user, self.done = user, True
+        return b""
+
+
+class ScramServer:
+    """The server side of SCRAM-SHA-256/512 (RFC 5802, RFC 7677): two client tokens, two answers."""
+
+    def __init__(self, mechanism: str, credentials: dict[str, ScramCredential]) -> None:
+        self.hash_name = SCRAM_HASHES[mechanism]
+        self.credentials = credentials
+        self.user: str | None = None
+        self.done = False
+        self._first: tuple[str, str, str, ScramCredential] | None = None
+
+    def step(self, token: bytes) -> bytes:
+        text = token.decode("utf-8", "replace")
+        return self._final(text) if self._first else self._start(text)
+
+    def _start(self, client_first: str) -> bytes:
+        gs2, sep, bare = _split_gs2(client_first)
+        if not sep:
+            raise AuthFailed("malformed SCRAM client-first message")
+        attrs_ = _scram_attrs(bare)
+        user = attrs_.get("n", "").replace("=2C", ",").replace("=3D", "=")
+        nonce = attrs_.get("r")
+        cred = self.credentials.get(user)
+        if not nonce or cred is None:
+            raise AuthFailed("Authentication failed during authentication due to invalid credentials "
+                             "with SASL mechanism SCRAM")
+        full_nonce = nonce + base64.b64encode(os.urandom(18)).decode()
+        server_first = f"r={full_nonce},s={base64.b64encode(cred.salt).decode()},i={cred.iterations}"
+        self._first = (gs2, bare, server_first, cred)
+        self.user = user
+        return server_first.encode()
+
+    def _final(self, client_final: str) -> bytes:
+        assert self._first is not None
+        gs2, client_first_bare, server_first, cred = self._first
+        without_proof, _, proof_b64 = client_final.rpartition(",p=")
+        attrs_ = _scram_attrs(without_proof)
+        server_nonce = _scram_attrs(server_first)["r"]
+        if attrs_.get("c") != base64.b64encode(gs2.encode()).decode() or attrs_.get("r") != server_nonce:
+            raise AuthFailed("SCRAM channel binding or nonce mismatch")
+        auth_message = f"{client_first_bare},{server_first},{without_proof}".encode()
+        signature = hmac.digest(cred.stored_key, auth_message, self.hash_name)
+        try:
+            proof = base64.b64decode(proof_b64, validate=True)
+        except ValueError:
+            raise AuthFailed("malformed SCRAM proof") from None
+        if len(proof) != len(signature):
+            raise AuthFailed("malformed SCRAM proof")
+        client_key = bytes(a ^ b for a, b in zip(proof, signature, strict=True))
+        if not hmac.compare_digest(hashlib.new(self.hash_name, client_key).digest(), cred.stored_key):
+            raise AuthFailed("Authentication failed during authentication due to invalid credentials "
+                             "with SASL mechanism SCRAM")
+        self.done = True
+        server_signature = hmac.digest(cred.server_key, auth_message, self.hash_name)
+        return b"v=" + base64.b64encode(server_signature)
+
+
+def _split_gs2(message: str) -> tuple[str, bool, str]:
+    # gs2-header is "n,," (or "y,," / "n,a=authzid,"): everything up to the second comma, kept with it.
+    first = message.find(",")
+    second = message.find(",", first + 1) if first >= 0 else -1
+    if second < 0:
+        return "", False, ""
+    return message[: second + 1], True, message[second + 1:]
+
+
+def _scram_attrs(text: str) -> dict[str, str]:
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The gate
+# --------------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class Authentication:
+    """One SASL exchange the gate finished, successfully or not (no secrets)."""
+
+    connection: int
+    mechanism: str
+    user: str | None
+    ok: bool
+    reauthentication: bool
+
+
+class SaslGate:
+    """Listens on a free loopback port; one pair of threads per client connection.
+
+    ``tokens`` keeps every SASL token clients sent, so a test can check none of them leaked into a log.
+    ``session_lifetime_ms`` > 0 asks clients to re-authenticate (KIP-368); a connection whose session
+    has expired is closed at its next request, as Kafka brokers do.
+    """
+
+    def __init__(self, upstream: tuple[str, int] | None, users: dict[str, str], *,
+                 mechanisms: Iterable[str] = MECHANISMS, session_lifetime_ms: int = 0,
+                 port: int | None = None) -> None:
+        self.upstream = upstream
+        self.passwords = dict(users)
+        self.mechanisms = tuple(mechanisms)
+        self.scram = {mech: {u: ScramCredential.create(h, p) for u, p in users.items()}
+                      for mech, h in SCRAM_HASHES.items()}
+        self.session_lifetime_ms = session_lifetime_ms
+        self.host = "127.0.0.1"
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((self.host, port or 0))
+        self._listener.listen(64)
+        self.port: int = self._listener.getsockname()[1]
+        self.tokens: list[bytes] = []
+        self.authentications: list[Authentication] = []
+        self.refused: list[tuple[int, int]] = []           # (connection, api key) closed before auth
+        self.expired: list[int] = []                       # connections closed for an expired session
+        self.forwarded: list[tuple[int, int, str | None]] = []  # (connection, api key, user) relayed
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._ids = iter(range(1, 1 << 30))
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> SaslGate:
+        self._thread = threading.Thread(target=self._accept_loop, name="sasl-gate", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            socks = list(self._sockets)
+        for s in socks:
+            _close(s)
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def __enter__(self) -> SaslGate:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client, next(self._ids)), daemon=True).start()
+
+    def _track(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.add(sock)
+
+    def _serve(self, client: socket.socket, cid: int) -> None:
+        self._track(client)
+        assert self.upstream is not None
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=5)
+        except OSError:
+            _close(client)
+            return
+        upstream.settimeout(None)
+        self._track(upstream)
+        GateConnection(self, cid, client, upstream).run()
+
+
+class GateConnection:
+    """One client connection through the gate: SASL answered here, everything else relayed in order."""
+
+    def __init__(self, gate: SaslGate, cid: int, client: socket.socket, upstream: socket.socket) -> None:
+        self.gate = gate
+        self.cid = cid
+        self.client = client
+        self.upstream = upstream
+        self.send_lock = threading.Lock()
+        self.pending: set[int] = set()         # correlation ids relayed and not yet answered
+        self.pending_changed = threading.Condition()
+        self.user: str | None = None
+        self.expires_at: float | None = None
+        self.mechanism: str | None = None
+        self.server: PlainServer | ScramServer | None = None
+
+    def run(self) -> None:
+        pump = threading.Thread(target=self._upstream_pump, daemon=True)
+        pump.start()
+        try:
+            while (frame := _read_frame(self.client)) is not None:
+                if not self._client_frame(frame):
+                    break
+        except OSError:
+            pass
+        finally:
+            _close(self.client)
+            _close(self.upstream)
+            pump.join(5)
+
+    def _upstream_pump(self) -> None:
+        try:
+            while (frame := _read_frame(self.upstream)) is not None:
+                (correlation_id,) = _I32.unpack_from(frame, 0)
+                with self.send_lock:
+                    self.client.sendall(_I32.pack(len(frame)) + frame)
+                with self.pending_changed:
+                    self.pending.discard(correlation_id)
+                    self.pending_changed.notify_all()
+        except OSError:
+            pass
+        finally:
+            _close(self.client)
+
+    def _client_frame(self, frame: bytes) -> bool:
+        """Handle one request; False ends the connection."""
+        api_key, _version, correlation_id = _HHI.unpack_from(frame, 0)
+        if api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE):
+            return self._sasl(frame)
+        if self.user is None and api_key != API_VERSIONS:
+            # A broker that requires SASL only takes ApiVersions and the SASL requests before it.
+            self.gate.refused.append((self.cid, api_key))
+            return False
+        if self.expires_at is not None and time.monotonic() > self.expires_at:
+            self.gate.expired.append(self.cid)   # KIP-368: the session ran out without re-authentication
+            return False
+        expects_answer = not (api_key == PRODUCE and decode_request(frame).body.acks == 0)
+        if expects_answer:
+            with self.pending_changed:
+                self.pending.add(correlation_id)
+        self.gate.forwarded.append((self.cid, api_key, self.user))
+        self.upstream.sendall(_I32.pack(len(frame)) + frame)
+        return True
+
+    def _answer(self, api_key: int, api_version: int, correlation_id: int, body: Any) -> None:
+        # Answers in request order: wait until everything relayed before this request is answered.
+        with self.pending_changed:
+            if not self.pending_changed.wait_for(lambda: not self.pending, timeout=10):
+                raise OSError("upstream did not answer earlier requests")
+        data = b"".join(bytes(b) for b in encode_response_frame(
+            Response.build(api_key, api_version, correlation_id, body)))
+        with self.send_lock:
+            self.client.sendall(data)
+
+    def _sasl(self, frame: bytes) -> bool:
+        req = decode_request(frame)
+        key, version, correlation_id = req.api_key, req.api_version, req.correlation_id
+        body_cls = body_class(key, "response")
+        if key == SASL_HANDSHAKE:
+            if version == 0:
+                # v0 is followed by unframed tokens (pre KIP-152); every current client uses v1.
+                return False
+            mechanism = req.body.mechanism
+            ok = mechanism in self.gate.mechanisms
+            if ok:
+                self.mechanism = mechanism
+                self.server = (PlainServer(self.gate.passwords) if mechanism == "PLAIN"
+                               else ScramServer(mechanism, self.gate.scram[mechanism]))
+            self._answer(key, version, correlation_id, body_cls(
+                error_code=0 if ok else UNSUPPORTED_SASL_MECHANISM, mechanisms=list(self.gate.mechanisms)))
+            return True
+        token = bytes(req.body.auth_bytes)
+        self.gate.tokens.append(token)
+        server = self.server
+        if server is None or server.done:
+            self._answer(key, version, correlation_id, body_cls(
+                error_code=ILLEGAL_SASL_STATE, error_message="SaslAuthenticate before SaslHandshake",
+                auth_bytes=b""))
+            return False
+        reauth = self.user is not None
+        try:
+            reply = server.step(token)
+        except AuthFailed as e:
+            self.gate.authentications.append(
+                Authentication(self.cid, self.mechanism or "?", server.user, False, reauth))
+            self._answer(key, version, correlation_id, body_cls(
+                error_code=SASL_AUTHENTICATION_FAILED, error_message=str(e), auth_bytes=b""))
+            return False   # Kafka closes the connection after a failed authentication
+        lifetime = 0
+        if server.done:
+            if reauth and server.user != self.user:
+                # KIP-368: re-authentication must not change the principal.
+                self._answer(key, version, correlation_id, body_cls(
+                    error_code=SASL_AUTHENTICATION_FAILED, error_message="principal changed",
+                    auth_bytes=b""))
+                return False
+            self.user = server.user
+            self.gate.authentications.append(
+                Authentication(self.cid, self.mechanism or "?", server.user, True, reauth))
+            lifetime = self.gate.session_lifetime_ms
+            self.expires_at = time.monotonic() + lifetime / 1000 if lifetime > 0 else None
+        self._answer(key, version, correlation_id, body_cls(
+            error_code=0, error_message=None, auth_bytes=reply, session_lifetime_ms=lifetime))
+        return True
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _read_frame(sock: socket.socket) -> bytes | None:
+    head = _read_exact(sock, 4)
+    if head is None:
+        return None
+    (size,) = _I32.unpack(head)
+    if not 0 <= size <= 100 << 20:
+        raise OSError(f"bad frame size {size}")
+    return _read_exact(sock, size)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
