@@ -76,9 +76,9 @@ def free_port_block(count: int = 8) -> int:
         try:
             for q in range(p, p + count):
                 s = socket.socket()
+                socks.append(s)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", q))
-                socks.append(s)
             return p
         except OSError:
             continue

@@ -452,8 +452,9 @@ class GateConnection:
                 Authentication(self.cid, self.mechanism or "?", server.user, True, reauth))
             lifetime = self.gate.session_lifetime_ms
             self.expires_at = time.monotonic() + lifetime / 1000 if lifetime > 0 else None
+        extra = {"session_lifetime_ms": lifetime} if version >= 1 else {}
         self._answer(key, version, correlation_id, body_cls(
-            error_code=0, error_message=None, auth_bytes=reply, session_lifetime_ms=lifetime))
+            error_code=0, error_message=None, auth_bytes=reply, **extra))
         return True
 
 
@@ -483,3 +484,78 @@ def _close(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Real clients with security settings (shared by the TLS and SASL tests)
+# --------------------------------------------------------------------------------------------------
+
+N_RECORDS = 10
+CLIENT_TIMEOUT = 20.0
+
+
+def expected_pairs(n: int = N_RECORDS) -> list[tuple[bytes, bytes]]:
+    return [(f"k{i}".encode(), f"value {i}".encode()) for i in range(n)]
+
+
+def confluent_roundtrip(settings: dict[str, Any], topic: str, n: int = N_RECORDS) -> list[tuple[bytes, bytes]]:
+    """Create ``topic`` (1 partition), produce ``n`` records and read them back, with librdkafka."""
+    import confluent_kafka
+    import confluent_kafka.admin
+
+    common = {"socket.timeout.ms": int(CLIENT_TIMEOUT * 1000), **settings}
+    admin = confluent_kafka.admin.AdminClient(common)
+    for future in admin.create_topics([confluent_kafka.admin.NewTopic(topic, 1, 1)]).values():
+        future.result(CLIENT_TIMEOUT)
+    producer = confluent_kafka.Producer({**common, "acks": "all", "linger.ms": 5})
+    for key, value in expected_pairs(n):
+        producer.produce(topic, key=key, value=value)
+    assert producer.flush(CLIENT_TIMEOUT) == 0
+    consumer = confluent_kafka.Consumer({**common, "group.id": "unused", "enable.auto.commit": False})
+    try:
+        consumer.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
+        seen: list[tuple[bytes, bytes]] = []
+        deadline = time.monotonic() + CLIENT_TIMEOUT
+        while len(seen) < n and time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is None:
+                continue
+            if message.error():
+                raise confluent_kafka.KafkaException(message.error())
+            seen.append((message.key(), message.value()))
+        return seen
+    finally:
+        consumer.close()
+
+
+def kafka_python_roundtrip(settings: dict[str, Any], topic: str, n: int = N_RECORDS) -> list[tuple[bytes, bytes]]:
+    """The same round trip with kafka-python (``settings`` are its keyword arguments)."""
+    import kafka
+    import kafka.admin
+
+    admin = kafka.KafkaAdminClient(**settings)
+    try:
+        admin.create_topics([kafka.admin.NewTopic(topic, 1, 1)])
+    finally:
+        admin.close()
+    producer = kafka.KafkaProducer(acks="all", **settings)
+    try:
+        for key, value in expected_pairs(n):
+            producer.send(topic, key=key, value=value)
+        producer.flush(CLIENT_TIMEOUT)
+    finally:
+        producer.close(CLIENT_TIMEOUT)
+    consumer = kafka.KafkaConsumer(enable_auto_commit=False, consumer_timeout_ms=int(CLIENT_TIMEOUT * 1000),
+                                   **settings)
+    try:
+        tp = kafka.TopicPartition(topic, 0)
+        consumer.assign([tp])
+        consumer.seek_to_beginning(tp)
+        seen: list[tuple[bytes, bytes]] = []
+        for message in consumer:
+            seen.append((message.key, message.value))
+            if len(seen) == n:
+                break
+        return seen
+    finally:
+        consumer.close()

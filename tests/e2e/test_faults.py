@@ -1,0 +1,272 @@
+"""Faults through kproxy: bad frames, pipelining, disconnects with requests in flight, a broker that
+goes away and comes back, and a SIGTERM drain. Each asserts what the client sees, not just survival."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import confluent_kafka
+import pytest
+
+from kproxy.protocol.messages import body_class
+from kproxy.server.embedded import ProxyThread
+from tests.e2e.proxied import free_port_block, start_proxy
+from tests.e2e.relay import Relay
+from tests.e2e.scenarios import confluent_create_topic, confluent_produce_consume, expected_records
+from tests.e2e.tansu import TansuBroker, _api_versions_v0_answers, free_port
+from tests.e2e.wire import Wire
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def proxy(broker: TansuBroker) -> Iterator[ProxyThread]:
+    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_malformed_frame_closes_only_that_connection(proxy: ProxyThread, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kproxy")
+    good = Wire(proxy.bootstrap)
+    assert good.metadata(1).correlation_id == 1
+    bad = Wire(proxy.bootstrap)
+    # A Metadata v12 request whose topics array claims 2^30 entries in a 20-byte frame.
+    header = struct.pack(">hhih", 3, 12, 9, 4) + b"evil" + b"\x00"
+    bad.send_raw(struct.pack(">i", len(header) + 5) + header + b"\xff\xff\xff\xff\x04")
+    assert bad.closed_by_peer()
+    bad.close()
+    # The other connection is untouched, and the reason was logged with the field path.
+    assert good.metadata(2).correlation_id == 2
+    deadline = time.monotonic() + 5
+    while not any("metadata.v12.topics" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert any("malformed metadata v12 request" in r.getMessage() and "metadata.v12.topics" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    good.close()
+
+
+def test_oversized_frame_is_refused_before_reading_it(broker: TansuBroker,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kproxy")
+    p = start_proxy(broker.bootstrap, limits={"max_frame_size": 1024})
+    try:
+        w = Wire(p.bootstrap)
+        w.send_raw(struct.pack(">i", 50_000_000) + b"\x00" * 16)
+        assert w.closed_by_peer()
+        w.close()
+        deadline = time.monotonic() + 5   # the reason is logged as the connection winds down
+        while not any("exceeds the 1024-byte limit" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.02)
+        w = Wire(p.bootstrap)
+        assert w.metadata(3).correlation_id == 3
+        w.close()
+    finally:
+        p.stop()
+
+
+def test_pipelined_requests_are_answered_in_order(proxy: ProxyThread) -> None:
+    w = Wire(proxy.bootstrap)
+    # 60 requests of three APIs, sent before reading anything, with correlation ids out of order.
+    ids = [(i * 7919) % 1000 + 1 for i in range(60)]
+    kinds = []
+    for n, cid in enumerate(ids):
+        if n % 3 == 0:
+            w.send(3, 12, cid, body_class(3, "request")(topics=[]))
+            kinds.append((3, 12))
+        elif n % 3 == 1:
+            w.send(18, 3, cid, body_class(18, "request")(client_software_name="wire",
+                                                          client_software_version="1"))
+            kinds.append((18, 3))
+        else:
+            w.send(60, 0, cid, body_class(60, "request")())
+            kinds.append((60, 0))
+    got = [w.receive(k, v).correlation_id for k, v in kinds]
+    assert got == ids
+    w.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_client_gone_with_requests_in_flight_leaks_nothing(proxy: ProxyThread, broker: TansuBroker) -> None:
+    topic = f"leak-{free_port()}"
+    confluent_create_topic(broker.bootstrap, topic)
+    Wire(proxy.bootstrap).close()          # warm up: listeners, codecs
+    time.sleep(0.2)
+    before = _fds()
+    fetch = body_class(1, "request")
+    wires = []
+    for i in range(20):
+        w = Wire(proxy.bootstrap)
+        # A long poll the broker holds for up to 5 s: still in flight when the client vanishes.
+        w.send(1, 12, i, fetch(max_wait_ms=5000, min_bytes=1_000_000, max_bytes=1_000_000, topics=[
+            fetch.FetchTopic(topic=topic, partitions=[fetch.FetchPartition(
+                partition=0, fetch_offset=0, partition_max_bytes=1_000_000)])]))
+        w.send(3, 12, 100 + i, body_class(3, "request")(topics=[]))
+        wires.append(w)
+    deadline = time.monotonic() + 5
+    while proxy.call(lambda: len(proxy.server.connections)) < 20 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    in_flight = proxy.call(lambda: sum(len(c.session.in_flight) for c in proxy.server.connections))
+    assert in_flight >= 20
+    for w in wires:
+        w.sock.setsockopt(1, 13, struct.pack("ii", 1, 0))  # SO_LINGER 0: reset, like a crashed client
+        w.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (
+            proxy.call(lambda: len(proxy.server.connections)) or _fds() > before):
+        time.sleep(0.05)
+    assert proxy.call(lambda: len(proxy.server.connections)) == 0
+    assert proxy.call(lambda: proxy.server.stats.connections_open) == 0
+    assert _fds() <= before   # every client and broker socket of those connections is closed
+
+
+# -- a broker that goes away and comes back
+
+
+def _start_tansu(binary: str, listen_port: int, advertised: str) -> subprocess.Popen[bytes]:
+    url = f"tcp://127.0.0.1:{listen_port}"
+    proc = subprocess.Popen([binary, "broker", "--listener-url", url, "--advertised-listener-url",
+                             f"tcp://{advertised}", "--silent"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not _api_versions_v0_answers("127.0.0.1", listen_port, 1.0):
+        assert proc.poll() is None and time.monotonic() < deadline, "tansu did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def test_broker_outage_with_idempotent_producer_loses_no_acknowledged_record(tansu_binary: str) -> None:
+    broker_port, relay_port = free_port(), free_port()
+    relay = Relay(("127.0.0.1", broker_port), relay_port)
+    relay.start()
+    proc = _start_tansu(tansu_binary, broker_port, relay.bootstrap)   # metadata names the relay
+    p = None
+    try:
+        p = start_proxy(relay.bootstrap, advertised_host="127.0.0.1")
+        topic = f"outage-{broker_port}"
+        confluent_create_topic(p.bootstrap, topic)
+        acked: list[bytes] = []
+        failed: list[str] = []
+
+        def on_delivery(err: object, msg: confluent_kafka.Message) -> None:
+            if err is None:
+                acked.append(msg.value())
+            else:
+                failed.append(str(err))
+
+        producer = confluent_kafka.Producer({
+            "bootstrap.servers": p.bootstrap, "enable.idempotence": True, "acks": "all",
+            "message.timeout.ms": 60000, "retry.backoff.ms": 100, "reconnect.backoff.ms": 100,
+            "reconnect.backoff.max.ms": 500, "linger.ms": 5})
+        n = 600
+        for i in range(n):
+            producer.produce(topic, value=b"r%05d" % i, key=b"k%d" % (i % 7), on_delivery=on_delivery)
+            producer.poll(0)
+            if i == 200:
+                producer.flush(10)
+                relay.stop()                     # the broker "goes away" mid-run
+            if i == 300:
+                time.sleep(1.5)
+                relay.start()                    # ... and comes back
+            time.sleep(0.002)
+        assert producer.flush(60) == 0
+        assert failed == []
+        assert sorted(acked) == [b"r%05d" % i for i in range(n)]
+        # Every acknowledged record is there afterwards, once (idempotence: no duplicates).
+        consumer = confluent_kafka.Consumer({"bootstrap.servers": p.bootstrap, "group.id": f"g-{topic}",
+                                             "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([confluent_kafka.TopicPartition(topic, q, 0) for q in parts])
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < n and time.monotonic() < deadline:
+            m = consumer.poll(0.5)
+            if m is not None and m.error() is None:
+                seen.append(m.value())
+        consumer.close()
+        assert sorted(seen) == sorted(acked)
+    finally:
+        if p is not None:
+            p.stop()
+        relay.stop()
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_real_broker_restart_clients_recover(tansu_binary: str) -> None:
+    # A real tansu restart (memory storage: it comes back empty): the client is not hung, gets
+    # retriable errors while the broker is down, and works again once it is back.
+    b = TansuBroker(tansu_binary)
+    b.start()
+    p = None
+    try:
+        p = start_proxy(b.bootstrap, advertised_host="127.0.0.1")
+        topic = f"restart-{b.port}"
+        assert confluent_produce_consume(p.bootstrap, topic, n=20) == expected_records(20)
+        w = Wire(p.bootstrap)
+        assert w.metadata(1).correlation_id == 1
+        b.stop()
+        # While the broker is down, a request on the open connection is answered or the
+        # connection closes: never a hang (Wire's socket timeout would fail the test).
+        w.send(3, 12, 2, body_class(3, "request")(topics=[]))
+        assert w.read_frame() is None
+        w.close()
+        b.start()
+        assert confluent_produce_consume(p.bootstrap, f"{topic}-after", n=20) == expected_records(20)
+    finally:
+        if p is not None:
+            p.stop()
+        b.stop()
+
+
+def test_sigterm_drains_in_flight_requests(broker: TansuBroker) -> None:
+    port = free_port_block()
+    proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--upstream", broker.bootstrap,
+                             "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                w = Wire(f"127.0.0.1:{port}")
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "kproxy did not start"
+                time.sleep(0.1)
+        topic = f"drain-{port}"
+        confluent_create_topic(broker.bootstrap, topic)
+        fetch = body_class(1, "request")
+        started = time.monotonic()
+        w.send(1, 12, 42, fetch(max_wait_ms=1500, min_bytes=1_000_000, max_bytes=1_000_000, topics=[
+            fetch.FetchTopic(topic=topic, partitions=[fetch.FetchPartition(
+                partition=0, fetch_offset=0, partition_max_bytes=1_000_000)])]))
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        # The long poll still in flight is answered, then the connection closes and kproxy exits.
+        resp = w.receive(1, 12)
+        assert resp.correlation_id == 42 and resp.body.error_code == 0
+        assert w.closed_by_peer()
+        w.close()
+        assert proc.wait(10) == 0
+        assert time.monotonic() - started < 8
+        # No new connections once draining.
+        with pytest.raises(OSError):
+            Wire(f"127.0.0.1:{port}", timeout=2).metadata()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
