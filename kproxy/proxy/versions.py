@@ -2,7 +2,8 @@
 
 A broker newer than kproxy may offer versions (or whole APIs) kproxy's schema lacks; a client that
 picked one would send a frame kproxy cannot read. Offering only the intersection keeps every client
-working across version skew, with no frame forwarded blind. Pure.
+working across version skew, with no frame forwarded blind. Tagged fields that only restate their
+defaults are dropped too, which old librdkafka builds need. Pure.
 """
 
 from __future__ import annotations
@@ -36,5 +37,10 @@ class ApiVersionsNarrower(Filter):
         self.supported = supported_versions()
 
     def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
-        response.body.api_keys = narrow_api_keys(response.body.api_keys, self.supported)
+        body = response.body
+        body.api_keys = narrow_api_keys(body.api_keys, self.supported)
+        # Tagged fields that hold their default are left out, as Apache Kafka sends them. Some brokers
+        # (tansu) send all four explicitly, and librdkafka up to 2.0 (Debian's kcat) cannot skip
+        # tagged-field data in this response; the meaning is the same either way.
+        body._explicit = None
         return 0.0
