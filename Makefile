@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-fast lint bench system-deps
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -11,11 +11,23 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# kcat from Debian for the end-to-end tests (the only non-PyPI test tool). Installed when missing
+# and we may use apt; otherwise its tests report it as not installed.
+system-deps:
+	@command -v kcat >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kcat) >/dev/null \
+	      || echo "warning: could not install kcat"; \
+	  else echo "warning: kcat missing and apt-get unavailable"; fi; }
+
 demo: $(VENV)/.installed
 	$(BIN)/kproxy demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed system-deps
 	$(BIN)/python -m pytest -q
+
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m "not e2e"
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check kproxy tests bench
@@ -23,3 +35,4 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/codec.py
+	$(BIN)/python bench/proxy.py

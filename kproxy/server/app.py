@@ -113,7 +113,8 @@ class ProxyServer:
         self.bootstrap_address: tuple[str, int] | None = None
         self._draining = False
         limits = config.limits
-        timeouts = [t for t in (limits.unauthenticated_idle_timeout_s, limits.idle_timeout_s) if t > 0]
+        timeouts = [t for t in (limits.unauthenticated_idle_timeout_s, limits.idle_timeout_s,
+                                config.upstream.request_timeout_s) if t > 0]
         self.watchdog_needed = bool(timeouts)
         self.watchdog_period = min(timeouts) / 4 if timeouts else 1.0
 

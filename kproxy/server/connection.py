@@ -14,6 +14,7 @@ import trio
 
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
+from kproxy.protocol.messages import api_name
 from kproxy.proxy.session import Close, Hold, InFlight, Session, ToClient, ToUpstream
 from kproxy.server.transport import Transport, connect
 
@@ -189,14 +190,34 @@ class ClientConnection:
 
     # -- timeouts
 
+    def _overdue(self, now: float, request_timeout: float) -> str | None:
+        for entry in self.session.in_flight:
+            if entry.reply is None and entry.upstream_correlation_id is not None:
+                if now - entry.started > allowed_seconds(entry, request_timeout):
+                    return api_name(entry.api_key)
+                return None  # answers come in order: only the oldest can be the first overdue
+        return None
+
     async def _watchdog(self) -> None:
         limits = self.server.config.limits
+        request_timeout = self.server.config.upstream.request_timeout_s
         started = trio.current_time()
         while True:
             await trio.sleep(self.server.watchdog_period)
             now = trio.current_time()
+            if request_timeout > 0 and self.upstream is not None:
+                late = self._overdue(now, request_timeout)
+                if late is not None:
+                    # A broker that stopped answering without closing (a partition, a hung host):
+                    # drop that connection so waiting clients get retriable errors, not silence.
+                    try:
+                        await self._upstream_lost(f"no {late} response within the request timeout")
+                    except ConnectionClosed as e:
+                        self._close_from_task(str(e))
+                        return
+                    continue
             unauth = limits.unauthenticated_idle_timeout_s
-            if unauth > 0 and now - started > unauth and (
+            if unauth > 0 and now - started > unauth and not self.session.ctx.authenticated and (
                     self.session.sasl_in_progress or self.session.requests == 0):
                 self._close_from_task(f"not authenticated after {unauth:g}s")
                 return
@@ -204,6 +225,22 @@ class ClientConnection:
             if idle > 0 and not self.session.in_flight and now - self.last_activity > idle:
                 self._close_from_task(f"idle for {idle:g}s")
                 return
+
+
+# Fields by which a request asks the broker to hold it: the broker may take that long on top.
+_WAIT_FIELDS = ("max_wait_ms", "timeout_ms", "rebalance_timeout_ms", "session_timeout_ms")
+
+
+def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
+    """How long ``entry`` may wait for its response: the timeout plus any wait it asked for."""
+    extra = 0
+    body = entry.request.body if entry.request is not None else None
+    if body is not None:
+        for name in _WAIT_FIELDS:
+            v = getattr(body, name, None)
+            if isinstance(v, int) and v > extra:
+                extra = v
+    return request_timeout + extra / 1000.0
 
 
 def _addr(a: tuple[str, int] | None) -> str:

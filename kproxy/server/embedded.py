@@ -7,6 +7,7 @@ on the proxy's loop (to inspect the address map or stats without races).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,10 +73,8 @@ class ProxyThread:
         if self._thread is None:
             return
         if self._thread.is_alive() and self._token is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._cancel_all, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
         self._thread.join(10)
         self._thread = None
         if self._error is not None:

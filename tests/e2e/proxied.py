@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import attrs
+
 from kproxy.config import config_from_args
 from kproxy.protocol.messages import Request, Response, api_name
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter
@@ -94,5 +96,8 @@ def start_proxy(
     port = free_port_block()
     exposure = {"advertised_host": advertised_host, "broker_port_count": 6}
     exposure.update(overrides.pop("exposure", {}))
+    up = overrides.pop("upstream_settings", {})
     cfg = config_from_args(upstream, f"127.0.0.1:{port}", exposure=exposure, **overrides)
+    if up:
+        cfg = attrs.evolve(cfg, upstream=attrs.evolve(cfg.upstream, **up))
     return ProxyThread(cfg, filters or []).start()

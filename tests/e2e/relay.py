@@ -20,6 +20,7 @@ class Relay:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.connections_accepted = 0
+        self.hung = threading.Event()   # set: bytes are swallowed, connections stay open
 
     @property
     def bootstrap(self) -> str:
@@ -68,7 +69,8 @@ class Relay:
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(262144):
-                dst.sendall(data)
+                if not self.hung.is_set():
+                    dst.sendall(data)
         except OSError:
             pass
         finally:

@@ -207,6 +207,37 @@ def test_broker_outage_with_idempotent_producer_loses_no_acknowledged_record(tan
         proc.wait(10)
 
 
+def test_hung_broker_gives_retriable_errors_not_a_hung_socket(tansu_binary: str) -> None:
+    broker_port, relay_port = free_port(), free_port()
+    relay = Relay(("127.0.0.1", broker_port), relay_port)
+    relay.start()
+    proc = _start_tansu(tansu_binary, broker_port, relay.bootstrap)
+    p = None
+    try:
+        p = start_proxy(relay.bootstrap, advertised_host="127.0.0.1",
+                        upstream_settings={"request_timeout_s": 1.0})
+        w = Wire(p.bootstrap)
+        assert w.metadata(1).correlation_id == 1
+        relay.hung.set()       # the broker stops answering but keeps the connection open
+        lo = body_class(2, "request")
+        started = time.monotonic()
+        w.send(2, 7, 5, lo(replica_id=-1, topics=[lo.ListOffsetsTopic(name="t", partitions=[
+            lo.ListOffsetsPartition(partition_index=0, timestamp=-1)])]))
+        resp = w.receive(2, 7)
+        assert resp.correlation_id == 5
+        assert resp.body.topics[0].partitions[0].error_code == 6   # NOT_LEADER_OR_FOLLOWER: retriable
+        assert 0.9 < time.monotonic() - started < 5
+        relay.hung.clear()
+        assert w.metadata(6).correlation_id == 6       # next request reconnects
+        w.close()
+    finally:
+        if p is not None:
+            p.stop()
+        relay.stop()
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_real_broker_restart_clients_recover(tansu_binary: str) -> None:
     # A real tansu restart (memory storage: it comes back empty): the client is not hung, gets
     # retriable errors while the broker is down, and works again once it is back.
