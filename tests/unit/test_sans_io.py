@@ -1,0 +1,163 @@
+"""kproxy.protocol and kproxy.proxy stay sans-I/O (h11's rule): no module in them imports trio,
+sockets, TLS, clocks, event loops, OpenTelemetry, YAML or Spark, directly or through another kproxy
+module, including the package ``__init__`` files that every import of theirs runs."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import kproxy
+
+FORBIDDEN = frozenset(
+    {"trio", "socket", "ssl", "time", "asyncio", "opentelemetry", "yaml", "pyspark", "selectors"}
+)
+KPROXY_DIR = Path(kproxy.__file__).parent
+SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy")
+
+
+def module_file(name: str, root: Path) -> Path | None:
+    """The file of a module under ``root`` (the directory holding the top package), if it exists."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_names(path: Path, root: Path) -> list[tuple[str, int]]:
+    """Every module ``path`` imports (with its line), absolute; ``from a import b`` also yields
+    ``a.b`` in case ``b`` is a submodule. String arguments of import_module/__import__ count too."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.append((module, node.lineno))
+            found += [(f"{module}.{alias.name}", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.args[0].value, node.lineno))
+    return found
+
+
+def parent_packages(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def violations(start: list[Path], root: Path) -> list[str]:
+    """Forbidden imports reachable from ``start`` through modules under ``root``, each with its chain."""
+    top = {module_name(p, root).split(".")[0] for p in start}
+    chains: dict[Path, str] = {p: module_name(p, root) for p in start}
+    todo = list(start)
+    bad = []
+    while todo:
+        path = todo.pop()
+        for imported, line in imported_names(path, root):
+            first = imported.split(".")[0]
+            if first in FORBIDDEN:
+                bad.append(f"{chains[path]} imports {first} (line {line})")
+            if first not in top:
+                continue
+            # Importing a.b.c runs a/__init__.py and a/b/__init__.py first.
+            for dep in [*parent_packages(imported), imported]:
+                dep_file = module_file(dep, root)
+                if dep_file is not None and dep_file not in chains:
+                    chains[dep_file] = f"{chains[path]} -> {dep}"
+                    todo.append(dep_file)
+    return sorted(set(bad))
+
+
+def sans_io_files() -> list[Path]:
+    files = []
+    for package in SANS_IO_PACKAGES:
+        directory = KPROXY_DIR.parent.joinpath(*package.split("."))
+        # kproxy.proxy is written in parallel with the protocol core and may not exist yet.
+        if directory.is_dir():
+            files += sorted(directory.rglob("*.py"))
+    return files
+
+
+def test_the_protocol_package_is_found():
+    names = {module_name(p, KPROXY_DIR.parent) for p in sans_io_files()}
+    assert {"kproxy.protocol", "kproxy.protocol.messages", "kproxy.protocol.dissect"} <= names
+
+
+@pytest.mark.parametrize("path", sans_io_files(), ids=lambda p: module_name(p, KPROXY_DIR.parent))
+def test_sans_io_module_imports_no_io(path: Path):
+    assert violations([path], KPROXY_DIR.parent) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# The checker itself, on a throwaway package, so that a silent checker cannot pass the tests above.
+
+
+def write(root: Path, name: str, text: str) -> Path:
+    path = root.joinpath(*name.split(".")).with_suffix(".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import trio\n",
+        "import socket as s\n",
+        "from time import monotonic\n",
+        "import opentelemetry.trace\n",
+        "from asyncio import sleep\n",
+        "import os, ssl\n",
+        "def f():\n    import yaml\n",
+        "import importlib\nimportlib.import_module('pyspark.sql')\n",
+        "selectors = __import__('selectors')\n",
+    ],
+)
+def test_checker_catches_direct_imports(tmp_path, source):
+    mod = write(tmp_path, "pkg.core.mod", source)
+    assert len(violations([mod], tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from pkg.server import run\n",
+        "from pkg import server\n",
+        "from ..server import run\n",
+        "import pkg.server.sub\n",
+    ],
+)
+def test_checker_follows_internal_imports(tmp_path, source):
+    write(tmp_path, "pkg.__init__", "")
+    write(tmp_path, "pkg.core.__init__", "")
+    write(tmp_path, "pkg.server.__init__", "import trio\n")
+    write(tmp_path, "pkg.server.sub", "")
+    mod = write(tmp_path, "pkg.core.mod", source)
+    (found,) = violations([mod], tmp_path)
+    assert "pkg.server" in found and "trio" in found
+
+
+def test_checker_allows_look_alike_names(tmp_path):
+    mod = write(tmp_path, "pkg.core.mod", "import timeit\nimport socketserver_like\nfrom datetime import time\n")
+    assert violations([mod], tmp_path) == []
