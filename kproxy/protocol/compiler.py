@@ -274,7 +274,7 @@ class _V:
                 tagged.append(f)
             else:
                 regular.append(f)
-        tagged.sort(key=lambda f: f.tag)
+        tagged.sort(key=lambda f: f.tag if f.tag is not None else -1)
         return regular, tagged
 
     def nullable(self, f: FieldSpec) -> bool:

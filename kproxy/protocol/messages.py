@@ -167,15 +167,15 @@ class Request:
 
     @property
     def api_key(self) -> int:
-        return self.header.request_api_key  # type: ignore[no-any-return]
+        return self.header.request_api_key
 
     @property
     def api_version(self) -> int:
-        return self.header.request_api_version  # type: ignore[no-any-return]
+        return self.header.request_api_version
 
     @property
     def correlation_id(self) -> int:
-        return self.header.correlation_id  # type: ignore[no-any-return]
+        return self.header.correlation_id
 
     @correlation_id.setter
     def correlation_id(self, value: int) -> None:
@@ -183,7 +183,7 @@ class Request:
 
     @property
     def client_id(self) -> str | None:
-        return self.header.client_id  # type: ignore[no-any-return]
+        return self.header.client_id
 
     @client_id.setter
     def client_id(self, value: str | None) -> None:
@@ -214,7 +214,7 @@ class Response:
 
     @property
     def correlation_id(self) -> int:
-        return self.header.correlation_id  # type: ignore[no-any-return]
+        return self.header.correlation_id
 
     @correlation_id.setter
     def correlation_id(self, value: int) -> None:
@@ -315,6 +315,6 @@ def peek_request_header(frame: Any) -> tuple[int, int, int]:
     """(api_key, api_version, correlation_id) of a request frame without decoding the rest."""
     if len(frame) < 8:
         raise DecodeError(f"request of {len(frame)} bytes is shorter than its header", 0, "request_header")
-    return _HHI(frame, 0)  # type: ignore[return-value]
+    return _HHI(frame, 0)
 
 

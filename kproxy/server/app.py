@@ -38,6 +38,7 @@ from kproxy.server.connection import ClientConnection
 from kproxy.server.transport import (
     PlainTransport,
     TlsTransport,
+    Transport,
     client_context,
     connect,
     format_subject,
@@ -262,7 +263,7 @@ class ProxyServer:
                 t.close()
         return False
 
-    async def _discover_on(self, t: PlainTransport | TlsTransport) -> None:
+    async def _discover_on(self, t: Transport) -> None:
         reader = FrameReader(self.config.limits.max_frame_size)
 
         async def roundtrip(req: Request) -> Any:

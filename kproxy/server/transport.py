@@ -80,7 +80,7 @@ class TlsTransport(Transport):
 
     def close(self) -> None:
         # The TCP socket closes at once; a TLS close_notify is skipped on purpose (no await here).
-        self.stream.transport_stream.socket.close()  # type: ignore[attr-defined]
+        self.stream.transport_stream.socket.close()
 
 
 def tune(sock: Any) -> None:

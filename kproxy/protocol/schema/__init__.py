@@ -286,7 +286,7 @@ class _Parser:
         root = StructSpec(name, fields, ln.no)
         msg = MessageSpec(name, kind, api.key if api else None, api.name if api else None,
                           versions, flexible, root, self.path)
-        names = {}
+        names: dict[str, StructSpec] = {}
         for s in msg.structs():
             if s.name in names and names[s.name] is not s:
                 raise self.err(f"two different structs named {s.name}", s.line)
