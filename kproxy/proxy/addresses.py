@@ -24,6 +24,7 @@ NODE_ID_FIELDS = ("node_id", "broker_id", "leader_id", "replica_id", "voter_id")
 # KRaft quorum APIs name controller endpoints; a controller may share its node id with a broker
 # (combined mode) while listening elsewhere, so controllers get ports of their own.
 CONTROLLER_APIS = frozenset({52, 53, 54, 55, 59, 80, 81, 82})
+DESCRIBE_CLUSTER, CONTROLLER_ENDPOINTS = 60, 2
 
 
 class AddressMapError(KProxyError):
@@ -70,7 +71,8 @@ class AddressMap:
         """Record the upstream endpoint of a node and return the endpoint clients should use."""
         upstream = (host, port)
         if self.sni_domain is not None:
-            name = f"{'broker' if role == 'broker' else 'controller'}-{node_id}.{self.sni_domain}"
+            # route_for_name looks names up in lower case (DNS names are case-insensitive).
+            name = f"{'broker' if role == 'broker' else 'controller'}-{node_id}.{self.sni_domain}".lower()
             self._by_name[name] = Route(role, node_id, upstream)
             assert self.sni_port is not None
             return name, self.sni_port
@@ -206,8 +208,11 @@ class AddressRewriter(Filter):
         root_node, sites = plan
         if not sites:
             return 0.0
-        role = "controller" if response.api_key in CONTROLLER_APIS else "broker"
         body = response.body
+        # DescribeCluster v1+ lists controllers instead of brokers when asked for endpoint type 2
+        # (KIP-919); as brokers they would take over the broker ports of the same node ids.
+        role = "controller" if response.api_key in CONTROLLER_APIS or (
+            response.api_key == DESCRIBE_CLUSTER and body.endpoint_type == CONTROLLER_ENDPOINTS) else "broker"
         node_id = getattr(body, root_node) if root_node is not None else None
         for steps in sites:
             self._walk(body, steps, 0, role, node_id)

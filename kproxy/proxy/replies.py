@@ -13,6 +13,8 @@ from kproxy.protocol.compiler import message_class
 from kproxy.protocol.messages import Request, Response, api_by_key, response_codecs
 from kproxy.protocol.schema import FieldSpec, StructSpec
 
+FETCH = 1
+
 # Identity fields copied from a request element into the response element it mirrors, with the
 # request-side names each may have (Fetch says ``partition``, Produce says ``index``).
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -122,6 +124,10 @@ def error_response(request: Request, error_code: int, message: str | None = None
     if not _fill(body, api.response.root, request.body, api.request.root, request.api_version,
                  request.api_version, error_code, message, True):
         return None
+    if request.api_key == FETCH and any(t.partitions for t in body.responses):
+        # Fetch's top-level error is for fetch-session failures; with it set, consumers skip the
+        # per-partition errors that say what really happened (and retry a refusal forever).
+        body.error_code = 0
     if throttle_time_ms and "throttle_time_ms" in _present(api.response.root, request.api_version):
         body.throttle_time_ms = throttle_time_ms
     return Response(request.api_key, request.api_version, hc.cls(request.correlation_id), body)

@@ -117,7 +117,7 @@ class InFlight:
     response_bytes: int = 0
 
 
-def sasl_user(mechanism: str | None, token: bytes) -> str | None:
+def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
     """The user name in a client's first SASL token, for PLAIN and SCRAM; None otherwise.
 
     Only the name is taken; the token (with its password or proof) is dropped right here.
@@ -151,6 +151,9 @@ class Session:
         self.in_flight: collections.deque[InFlight] = collections.deque()
         self._by_upstream: dict[int, InFlight] = {}
         self._next_correlation_id = 0
+        # Correlation ids of recent acks=0 Produce requests (bounded: only a misbehaving broker
+        # answers them, and it answers promptly).
+        self._no_response: collections.deque[int] = collections.deque(maxlen=1024)
         self._throttle_until = 0.0
         self._raw_sasl = False               # after SaslHandshake v0: unframed SASL tokens follow
         self._sasl_pending_user: str | None = None
@@ -175,21 +178,18 @@ class Session:
             self._throttle_until = 0.0
         if len(frame) < 8:
             if self._raw_sasl:
-                actions.append(ToUpstream(_size_prefixed(frame)))
-                return actions
+                return actions + self._raw_sasl_token(frame)
             return [Close(f"request of {len(frame)} bytes is shorter than a request header")]
         api_key, api_version, correlation_id = _HHI.unpack_from(frame, 0)
         try:
             req = decode_request(frame, keep_trailing=True)
         except UnsupportedVersionError as e:
             if self._raw_sasl:
-                actions.append(ToUpstream(_size_prefixed(frame)))
-                return actions
+                return actions + self._raw_sasl_token(frame)
             return actions + self._unsupported(frame, api_key, api_version, correlation_id, e, now)
         except DecodeError as e:
             if self._raw_sasl:
-                actions.append(ToUpstream(_size_prefixed(frame)))
-                return actions
+                return actions + self._raw_sasl_token(frame)
             return [Close(f"malformed {api_name(api_key)} v{api_version} request: {e}")]
         if self._raw_sasl:
             # A frame that decodes as a whole request ends the raw token exchange (SASL v0).
@@ -213,8 +213,10 @@ class Session:
                 verdict = verdict.then
             return actions + self._answer_locally(entry, verdict)
         if api_key == PRODUCE and req.body.acks == 0:
-            # acks=0: the broker sends no response, so nothing waits for one.
+            # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
+            # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
             req.correlation_id = self._take_correlation_id()
+            self._no_response.append(req.correlation_id)
             actions.append(ToUpstream(encode_request_frame(req)))
             return actions
         upstream_id = self._take_correlation_id()
@@ -248,6 +250,13 @@ class Session:
             if self._sasl_exchanges == 0:
                 self._sasl_pending_user = sasl_user(ctx.sasl_mechanism, req.body.auth_bytes)
 
+    def _raw_sasl_token(self, frame: memoryview) -> list[Action]:
+        # The first raw token (handshake v0) names the user just as SaslAuthenticate's would.
+        if self._sasl_exchanges == 0:
+            self._sasl_pending_user = sasl_user(self.ctx.sasl_mechanism, frame)
+        self._sasl_exchanges += 1
+        return [ToUpstream(_size_prefixed(frame))]
+
     def _sasl_done(self) -> None:
         if not self.sasl_in_progress:
             return
@@ -264,7 +273,7 @@ class Session:
             # A client newer than kproxy: answer as a broker does, in v0 with UNSUPPORTED_VERSION
             # and kproxy's own ApiVersions range, so the client retries with a version we decode.
             lo, hi = supported_versions()[API_VERSIONS]
-            cls = message_class(api_by_key(API_VERSIONS).response)  # type: ignore[arg-type]
+            cls: Any = message_class(api_by_key(API_VERSIONS).response)  # type: ignore[arg-type]
             body = cls(error_code=UNSUPPORTED_VERSION,
                        api_keys=[cls.ApiVersion(api_key=API_VERSIONS, min_version=lo, max_version=hi)])
             entry = InFlight(correlation_id, api_key, 0, now, None)
@@ -292,10 +301,16 @@ class Session:
         if verdict.body is not None:
             resp = Response.build(req.api_key, req.api_version, entry.client_correlation_id, verdict.body)
         else:
-            resp = error_response(req, verdict.error_code, verdict.error_message, verdict.throttle_time_ms)
-            if resp is None:
-                return [Close(f"{api_name(req.api_key)} was refused (error {verdict.error_code}) "
-                              "and its response has no error code to say so")]
+            refused = error_response(req, verdict.error_code, verdict.error_message,
+                                     verdict.throttle_time_ms)
+            if refused is None:
+                # Answers already owed to the client go out first; then the connection closes.
+                entry.reply = []
+                entry.close_after = (f"{api_name(req.api_key)} was refused (error {verdict.error_code}) "
+                                     "and its response has no error code to say so")
+                self.in_flight.append(entry)
+                return self._flush()
+            resp = refused
             resp.correlation_id = entry.client_correlation_id
         entry.reply = encode_response_frame(resp)
         self.in_flight.append(entry)
@@ -313,6 +328,11 @@ class Session:
         (upstream_id,) = _I32.unpack_from(frame, 0)
         entry = self._by_upstream.pop(upstream_id, None)
         if entry is None:
+            if upstream_id in self._no_response:
+                self._no_response.remove(upstream_id)
+                log.debug("connection %d: dropped the broker's answer to an acks=0 Produce",
+                          self.ctx.connection_id)
+                return []
             return [Close(f"broker answered correlation id {upstream_id}, which kproxy never sent")]
         entry.response_bytes = len(frame) + 4
         if entry.request is None:
@@ -381,9 +401,14 @@ class Session:
         waiting = list(self._by_upstream.values())
         self._by_upstream.clear()
         self._raw_sasl = False
+        # After SASL a new broker connection would be unauthenticated, and only the client can
+        # authenticate again: end the client connection, as the broker's own loss would.
+        sasl_used = self.ctx.sasl_mechanism is not None
+        if sasl_used and not self.in_flight:
+            return [Close(f"broker connection lost after SASL ({reason})")]
         for entry in waiting:
             req = entry.request
-            if req is None or req.api_key in _CLOSE_ON_LOSS:
+            if sasl_used or req is None or req.api_key in _CLOSE_ON_LOSS:
                 entry.reply = []
                 entry.close_after = f"broker connection lost ({reason})"
                 continue

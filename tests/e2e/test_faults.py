@@ -301,3 +301,45 @@ def test_sigterm_drains_in_flight_requests(broker: TansuBroker) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_in_flight_limit_applies_backpressure_and_keeps_order(broker: TansuBroker) -> None:
+    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", limits={"max_in_flight_requests": 2})
+    try:
+        w = Wire(p.bootstrap)
+        ids = list(range(500, 440, -1))
+        for cid in ids:
+            w.send(3, 12, cid, body_class(3, "request")(topics=[]))
+        peak = p.call(lambda: max((len(c.session.in_flight) for c in p.server.connections), default=0))
+        assert peak <= 2
+        assert [w.receive(3, 12).correlation_id for _ in ids] == ids
+        w.close()
+    finally:
+        p.stop()
+
+
+def test_acks_zero_produce_gets_no_response_and_lands(proxy: ProxyThread, broker: TansuBroker) -> None:
+    topic = f"acks0-{free_port()}"
+    confluent_create_topic(broker.bootstrap, topic)
+    producer = confluent_kafka.Producer({"bootstrap.servers": proxy.bootstrap, "acks": "0",
+                                         "enable.idempotence": False, "linger.ms": 0})
+    for i in range(100):
+        producer.produce(topic, value=b"z%03d" % i, partition=i % 3)
+    assert producer.flush(10) == 0
+    consumer = confluent_kafka.Consumer({"bootstrap.servers": proxy.bootstrap, "group.id": f"g-{topic}",
+                                         "enable.auto.commit": False})
+    consumer.assign([confluent_kafka.TopicPartition(topic, q, 0) for q in range(3)])
+    seen: set[bytes] = set()
+    deadline = time.monotonic() + 15
+    while len(seen) < 100 and time.monotonic() < deadline:
+        m = consumer.poll(0.5)
+        if m is not None and m.error() is None:
+            seen.add(m.value())
+    consumer.close()
+    assert seen == {b"z%03d" % i for i in range(100)}
+    # acks=0 Produce requests were forwarded but never waited on: nothing is left in flight.
+    assert p_in_flight(proxy) == 0
+
+
+def p_in_flight(p: ProxyThread) -> int:
+    return int(p.call(lambda: sum(len(c.session.in_flight) for c in p.server.connections)))

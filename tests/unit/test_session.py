@@ -1,0 +1,679 @@
+"""The sans-I/O session: frames in, actions out, with no sockets and an injected clock."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+
+import pytest
+
+from kproxy.protocol.messages import (
+    Request,
+    Response,
+    body_class,
+    decode_request,
+    decode_response,
+    encode_request_frame,
+    encode_response_frame,
+    supported_versions,
+)
+from kproxy.proxy.filters import ConnectionContext, Delay, Filter, FilterChain, Respond
+from kproxy.proxy.session import Close, Hold, Session, ToClient, ToUpstream, sasl_user
+
+PRODUCE, FETCH, METADATA, HEARTBEAT, OFFSET_COMMIT = 0, 1, 3, 12, 8
+SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 17, 18, 36
+TOPIC_AUTHORIZATION_FAILED, SASL_AUTHENTICATION_FAILED = 29, 58
+
+
+class Clock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_session(*filters: Filter, passthrough: bool = False, clock: Clock | None = None,
+                 tls_subject: str | None = None) -> Session:
+    ctx = ConnectionContext(1, clock=clock or Clock(), tls_subject=tls_subject)
+    return Session(ctx, FilterChain(filters), passthrough_unknown_versions=passthrough)
+
+
+def request_frame(api_key: int, version: int, correlation_id: int, body, client_id: str = "app") -> memoryview:
+    req = Request.build(api_key, version, correlation_id, client_id, body)
+    return memoryview(b"".join(encode_request_frame(req))[4:])
+
+
+def response_frame(api_key: int, version: int, correlation_id: int, body) -> bytes:
+    return b"".join(encode_response_frame(Response.build(api_key, version, correlation_id, body)))[4:]
+
+
+def wire(action) -> bytes:
+    """The bytes an action sends, checked to carry a correct size prefix; returned without it."""
+    data = b"".join(bytes(b) for b in action.buffers)
+    (size,) = struct.unpack_from(">i", data, 0)
+    assert size == len(data) - 4
+    return data[4:]
+
+
+def forwarded(action) -> Request:
+    assert isinstance(action, ToUpstream)
+    return decode_request(wire(action))
+
+
+def answered(action, api_key: int, version: int) -> Response:
+    assert isinstance(action, ToClient)
+    return decode_response(wire(action), api_key, version)
+
+
+def kinds(actions) -> list[type]:
+    return [type(a) for a in actions]
+
+
+# -- request and response bodies
+
+
+def metadata_request(topics=("t",)):
+    cls = body_class(METADATA, "request")
+    return cls(topics=[cls.MetadataRequestTopic(name=t) for t in topics])
+
+
+def metadata_response(brokers=((1, "kafka-1.internal", 9092),)):
+    cls = body_class(METADATA, "response")
+    return cls(brokers=[cls.MetadataResponseBroker(node_id=n, host=h, port=p) for n, h, p in brokers])
+
+
+def produce_request(acks: int = 1, topics=(("t", (0, 1)),)):
+    cls = body_class(PRODUCE, "request")
+    return cls(acks=acks, timeout_ms=1000, topic_data=[
+        cls.TopicProduceData(name=name, partition_data=[
+            cls.PartitionProduceData(index=p, records=b"batch") for p in parts])
+        for name, parts in topics])
+
+
+def produce_response(topics=(("t", (0, 1)),)):
+    cls = body_class(PRODUCE, "response")
+    return cls(responses=[
+        cls.TopicProduceResponse(name=name, partition_responses=[
+            cls.PartitionProduceResponse(index=p, base_offset=42) for p in parts])
+        for name, parts in topics])
+
+
+def api_versions_response():
+    cls = body_class(API_VERSIONS, "response")
+    return cls(api_keys=[cls.ApiVersion(api_key=METADATA, min_version=0, max_version=12)])
+
+
+def heartbeat_request():
+    return body_class(HEARTBEAT, "request")(group_id="g", generation_id=3, member_id="m")
+
+
+class Refuse(Filter):
+    """Answers every request of the given api keys locally with ``error_code``."""
+
+    name = "refuse"
+
+    def __init__(self, keys, error_code=TOPIC_AUTHORIZATION_FAILED, delay: float | None = None) -> None:
+        self.request_api_keys = frozenset(keys)
+        self.error_code = error_code
+        self.delay = delay
+        self.seen: list[int] = []
+
+    def on_request(self, ctx, request):
+        self.seen.append(request.api_key)
+        verdict = Respond(self.error_code, error_message="refused by kproxy")
+        return Delay(self.delay, verdict) if self.delay is not None else verdict
+
+
+# -- correlation ids and order
+
+
+def test_correlation_ids_are_kproxys_upstream_and_the_clients_downstream():
+    s = make_session()
+    a = s.client_frame(request_frame(METADATA, 12, 1000, metadata_request()))
+    b = s.client_frame(request_frame(API_VERSIONS, 3, 1000, body_class(API_VERSIONS, "request")()))
+    up_a, up_b = forwarded(a[0]), forwarded(b[0])
+    # The same client id used twice still gets two distinct upstream ids.
+    assert up_a.correlation_id != up_b.correlation_id
+    assert {up_a.correlation_id, up_b.correlation_id}.isdisjoint({1000})
+    assert up_a.client_id == "app" and up_a.body == metadata_request()
+    assert s.awaiting_upstream == 2
+
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up_a.correlation_id, metadata_response())))
+    assert kinds(out) == [ToClient]
+    resp = answered(out[0], METADATA, 12)
+    assert resp.correlation_id == 1000
+    assert resp.body.brokers[0].host == "kafka-1.internal"
+
+    out = s.upstream_frame(memoryview(response_frame(API_VERSIONS, 3, up_b.correlation_id,
+                                                     api_versions_response())))
+    assert answered(out[0], API_VERSIONS, 3).correlation_id == 1000
+    assert s.awaiting_upstream == 0 and not s.in_flight
+
+
+def test_replies_keep_the_clients_order_when_the_broker_answers_out_of_order():
+    s = make_session()
+    first = forwarded(s.client_frame(request_frame(METADATA, 1, 7, metadata_request()))[0])
+    second = forwarded(s.client_frame(request_frame(METADATA, 1, 8, metadata_request(["u"])))[0])
+    assert s.upstream_frame(memoryview(response_frame(METADATA, 1, second.correlation_id,
+                                                      metadata_response()))) == []
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 1, first.correlation_id,
+                                                     metadata_response())))
+    assert [answered(a, METADATA, 1).correlation_id for a in out] == [7, 8]
+
+
+def test_a_local_answer_waits_behind_an_earlier_forwarded_request():
+    refuse = Refuse({PRODUCE})
+    s = make_session(refuse)
+    meta = forwarded(s.client_frame(request_frame(METADATA, 9, 1, metadata_request()))[0])
+    # The filter answers the Produce at once, but the client asked for Metadata first.
+    assert s.client_frame(request_frame(PRODUCE, 9, 2, produce_request())) == []
+    assert refuse.seen == [PRODUCE]
+    assert s.awaiting_upstream == 1
+
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 9, meta.correlation_id, metadata_response())))
+    assert kinds(out) == [ToClient, ToClient]
+    assert answered(out[0], METADATA, 9).correlation_id == 1
+    produce = answered(out[1], PRODUCE, 9)
+    assert produce.correlation_id == 2
+    assert [p.error_code for p in produce.body.responses[0].partition_responses] == [29, 29]
+
+
+def test_a_local_answer_with_nothing_pending_goes_out_at_once():
+    s = make_session(Refuse({HEARTBEAT}, error_code=25))
+    out = s.client_frame(request_frame(HEARTBEAT, 4, 9, heartbeat_request()))
+    assert kinds(out) == [ToClient]
+    resp = answered(out[0], HEARTBEAT, 4)
+    assert resp.correlation_id == 9 and resp.body.error_code == 25
+
+
+def test_filters_only_see_their_api_keys():
+    refuse = Refuse({HEARTBEAT})
+    s = make_session(refuse)
+    out = s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))
+    assert kinds(out) == [ToUpstream]
+    assert refuse.seen == []
+
+
+# -- acks=0
+
+
+def test_acks_0_produce_is_forwarded_and_not_awaited():
+    s = make_session()
+    out = s.client_frame(request_frame(PRODUCE, 9, 50, produce_request(acks=0)))
+    assert kinds(out) == [ToUpstream]
+    sent = forwarded(out[0])
+    assert sent.body.acks == 0 and sent.correlation_id != 50
+    assert s.awaiting_upstream == 0 and not s.in_flight
+
+    # A request after it is not held behind an answer that never comes.
+    meta = forwarded(s.client_frame(request_frame(METADATA, 9, 51, metadata_request()))[0])
+    assert meta.correlation_id != sent.correlation_id
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 9, meta.correlation_id, metadata_response())))
+    assert answered(out[0], METADATA, 9).correlation_id == 51
+
+
+def test_a_refused_acks_0_produce_gets_no_answer():
+    s = make_session(Refuse({PRODUCE}))
+    assert s.client_frame(request_frame(PRODUCE, 9, 1, produce_request(acks=0))) == []
+    assert not s.in_flight
+
+
+# -- local answers from filters
+
+
+@pytest.mark.parametrize("version", [3, 9, 13])
+def test_respond_error_code_gives_every_produce_partition_the_error(version):
+    topics = (("a", (0, 1)), ("b", (7,)))
+    body = produce_request(topics=topics)
+    if version >= 13:
+        for i, t in enumerate(body.topic_data):
+            t.topic_id = uuid.UUID(int=i + 1)
+    s = make_session(Refuse({PRODUCE}))
+    out = s.client_frame(request_frame(PRODUCE, version, 77, body))
+    resp = answered(out[0], PRODUCE, version)
+    assert resp.correlation_id == 77
+    got = [(t.topic_id if version >= 13 else t.name, p.index, p.error_code, p.base_offset)
+           for t in resp.body.responses for p in t.partition_responses]
+    keys = [uuid.UUID(int=1), uuid.UUID(int=2)] if version >= 13 else ["a", "b"]
+    assert got == [(keys[0], 0, 29, -1), (keys[0], 1, 29, -1), (keys[1], 7, 29, -1)]
+
+
+@pytest.mark.parametrize("version", [4, 11, 13])
+def test_respond_error_code_gives_every_fetch_partition_the_error(version):
+    cls = body_class(FETCH, "request")
+    body = cls(max_wait_ms=500, min_bytes=1, topics=[
+        cls.FetchTopic(topic="a", topic_id=uuid.UUID(int=5), partitions=[
+            cls.FetchPartition(partition=p, fetch_offset=10, partition_max_bytes=1024) for p in (2, 3)])])
+    s = make_session(Refuse({FETCH}))
+    resp = answered(s.client_frame(request_frame(FETCH, version, 5, body))[0], FETCH, version)
+    topic = resp.body.responses[0]
+    if version >= 13:
+        assert topic.topic_id == uuid.UUID(int=5)
+    else:
+        assert topic.topic == "a"
+    assert [(p.partition_index, p.error_code, p.high_watermark) for p in topic.partitions] == [
+        (2, 29, -1), (3, 29, -1)]
+
+
+def test_respond_with_a_body_is_sent_as_is():
+    class Answer(Filter):
+        request_api_keys = frozenset({METADATA})
+
+        def on_request(self, ctx, request):
+            return Respond(body=metadata_response([(9, "local", 1)]))
+
+    s = make_session(Answer())
+    resp = answered(s.client_frame(request_frame(METADATA, 5, 3, metadata_request()))[0], METADATA, 5)
+    assert resp.correlation_id == 3
+    assert [(b.node_id, b.host, b.port) for b in resp.body.brokers] == [(9, "local", 1)]
+
+
+def test_respond_for_an_api_without_error_codes_closes():
+    # An empty Produce has no partition to carry the error: a "success" would be a lie.
+    s = make_session(Refuse({PRODUCE}))
+    out = s.client_frame(request_frame(PRODUCE, 9, 1, produce_request(topics=())))
+    assert kinds(out) == [Close]
+    assert "Produce" in out[0].reason or "produce" in out[0].reason
+
+
+def test_delay_holds_before_forwarding():
+    class Slow(Filter):
+        request_api_keys = frozenset({METADATA})
+
+        def on_request(self, ctx, request):
+            return Delay(0.5)
+
+    s = make_session(Slow())
+    out = s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))
+    assert kinds(out) == [Hold, ToUpstream]
+    assert out[0].seconds == 0.5
+    assert s.awaiting_upstream == 1
+
+
+def test_delay_then_respond_holds_before_answering():
+    s = make_session(Refuse({PRODUCE}, delay=0.25))
+    out = s.client_frame(request_frame(PRODUCE, 9, 1, produce_request()))
+    assert kinds(out) == [Hold, ToClient]
+    assert out[0].seconds == 0.25
+    assert s.awaiting_upstream == 0
+
+
+# -- throttling
+
+
+class Throttle(Filter):
+    response_api_keys = frozenset({METADATA})
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_response(self, ctx, request, response):
+        return self.seconds
+
+
+def test_throttle_from_a_response_holds_the_next_request():
+    clock = Clock(100.0)
+    s = make_session(Throttle(2.0), Throttle(0.5), clock=clock)
+    up = forwarded(s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))[0])
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 4, up.correlation_id, metadata_response())))
+    assert kinds(out) == [ToClient]  # the answer itself is not held
+
+    clock.now = 100.5
+    out = s.client_frame(request_frame(METADATA, 4, 2, metadata_request()))
+    assert kinds(out) == [Hold, ToUpstream]
+    assert out[0].seconds == pytest.approx(1.5)  # the largest throttle, less the time gone by
+
+    # Held once: the request after it goes straight through.
+    assert kinds(s.client_frame(request_frame(METADATA, 4, 3, metadata_request()))) == [ToUpstream]
+
+
+def test_an_expired_throttle_holds_nothing():
+    clock = Clock(100.0)
+    s = make_session(Throttle(1.0), clock=clock)
+    up = forwarded(s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))[0])
+    s.upstream_frame(memoryview(response_frame(METADATA, 4, up.correlation_id, metadata_response())))
+    clock.now = 101.5
+    assert kinds(s.client_frame(request_frame(METADATA, 4, 2, metadata_request()))) == [ToUpstream]
+
+
+# -- malformed input
+
+
+def test_malformed_request_closes_naming_the_field_path():
+    s = make_session()
+    frame = request_frame(PRODUCE, 3, 1, produce_request())
+    out = s.client_frame(frame[:-2])
+    assert kinds(out) == [Close]
+    assert "produce.v3.topic_data[0].partition_data[1].records" in out[0].reason
+    assert s.awaiting_upstream == 0
+
+
+def test_request_shorter_than_a_header_closes():
+    out = make_session().client_frame(memoryview(b"\x00\x03\x00"))
+    assert kinds(out) == [Close]
+
+
+def test_response_with_an_unknown_correlation_id_closes():
+    s = make_session()
+    up = forwarded(s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))[0])
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 4, up.correlation_id + 1000,
+                                                     metadata_response())))
+    assert kinds(out) == [Close]
+    assert str(up.correlation_id + 1000) in out[0].reason
+
+
+def test_a_response_answered_twice_closes():
+    s = make_session()
+    up = forwarded(s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))[0])
+    frame = memoryview(response_frame(METADATA, 4, up.correlation_id, metadata_response()))
+    assert kinds(s.upstream_frame(frame)) == [ToClient]
+    assert kinds(s.upstream_frame(frame)) == [Close]
+
+
+def test_malformed_response_closes():
+    s = make_session()
+    up = forwarded(s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))[0])
+    frame = response_frame(METADATA, 4, up.correlation_id, metadata_response())
+    out = s.upstream_frame(memoryview(frame[:-3]))
+    assert kinds(out) == [Close]
+    assert "Metadata v4" in out[0].reason or "metadata" in out[0].reason.lower()
+
+
+# -- broker connection lost
+
+
+def test_upstream_lost_answers_produce_per_partition_and_groups_with_coordinator_errors():
+    s = make_session()
+    s.client_frame(request_frame(PRODUCE, 9, 10, produce_request(topics=(("a", (0, 1)), ("b", (4,))))))
+    s.client_frame(request_frame(HEARTBEAT, 4, 11, heartbeat_request()))
+    oc = body_class(OFFSET_COMMIT, "request")
+    s.client_frame(request_frame(OFFSET_COMMIT, 8, 12, oc(group_id="g", member_id="m", topics=[
+        oc.OffsetCommitRequestTopic(name="a", partitions=[
+            oc.OffsetCommitRequestPartition(partition_index=0, committed_offset=5)])])))
+    s.client_frame(request_frame(PRODUCE, 9, 13, produce_request(acks=0)))  # never answered
+
+    out = s.upstream_lost("connection reset")
+    assert kinds(out) == [ToClient, ToClient, ToClient]
+    produce = answered(out[0], PRODUCE, 9)
+    assert produce.correlation_id == 10
+    assert [(t.name, p.index, p.error_code) for t in produce.body.responses
+            for p in t.partition_responses] == [("a", 0, 6), ("a", 1, 6), ("b", 4, 6)]
+    heartbeat = answered(out[1], HEARTBEAT, 4)
+    assert (heartbeat.correlation_id, heartbeat.body.error_code) == (11, 15)
+    commit = answered(out[2], OFFSET_COMMIT, 8)
+    assert commit.correlation_id == 12
+    assert [p.error_code for p in commit.body.topics[0].partitions] == [15]
+    assert s.awaiting_upstream == 0 and not s.in_flight
+
+
+@pytest.mark.parametrize(("api_key", "version", "body"), [
+    (METADATA, 12, metadata_request()),
+    (API_VERSIONS, 3, body_class(API_VERSIONS, "request")(client_software_name="x",
+                                                          client_software_version="1")),
+])
+def test_upstream_lost_closes_for_metadata_and_api_versions(api_key, version, body):
+    s = make_session()
+    s.client_frame(request_frame(api_key, version, 1, body))
+    out = s.upstream_lost("eof")
+    assert kinds(out) == [Close]
+    assert "eof" in out[0].reason
+
+
+def test_upstream_lost_answers_earlier_requests_before_closing():
+    s = make_session()
+    s.client_frame(request_frame(HEARTBEAT, 4, 1, heartbeat_request()))
+    s.client_frame(request_frame(METADATA, 12, 2, metadata_request()))
+    s.client_frame(request_frame(HEARTBEAT, 4, 3, heartbeat_request()))
+    out = s.upstream_lost("eof")
+    assert kinds(out) == [ToClient, Close]
+    assert answered(out[0], HEARTBEAT, 4).correlation_id == 1
+
+
+def test_upstream_lost_with_nothing_waiting_does_nothing():
+    assert make_session().upstream_lost("eof") == []
+
+
+# -- SASL
+
+
+def sasl_handshake(s: Session, mechanism: str, version: int = 1, error_code: int = 0) -> None:
+    req = body_class(SASL_HANDSHAKE, "request")(mechanism=mechanism)
+    up = forwarded(s.client_frame(request_frame(SASL_HANDSHAKE, version, 1, req))[0])
+    resp = body_class(SASL_HANDSHAKE, "response")(error_code=error_code, mechanisms=[mechanism])
+    out = s.upstream_frame(memoryview(response_frame(SASL_HANDSHAKE, version, up.correlation_id, resp)))
+    assert answered(out[0], SASL_HANDSHAKE, version).body.error_code == error_code
+
+
+def sasl_authenticate(s: Session, token: bytes, error_code: int = 0, cid: int = 2) -> Response:
+    req = body_class(SASL_AUTHENTICATE, "request")(auth_bytes=token)
+    up = forwarded(s.client_frame(request_frame(SASL_AUTHENTICATE, 2, cid, req))[0])
+    resp = body_class(SASL_AUTHENTICATE, "response")(error_code=error_code, auth_bytes=b"server")
+    out = s.upstream_frame(memoryview(response_frame(SASL_AUTHENTICATE, 2, up.correlation_id, resp)))
+    return answered(out[0], SASL_AUTHENTICATE, 2)
+
+
+def test_sasl_plain_sets_the_principal_only_after_success():
+    s = make_session()
+    sasl_handshake(s, "PLAIN")
+    assert s.ctx.sasl_mechanism == "PLAIN" and s.sasl_in_progress
+    req = body_class(SASL_AUTHENTICATE, "request")(auth_bytes=b"\x00alice\x00secret")
+    up = forwarded(s.client_frame(request_frame(SASL_AUTHENTICATE, 2, 2, req))[0])
+    assert s.ctx.principal is None and not s.ctx.authenticated  # asked, not yet accepted
+    resp = body_class(SASL_AUTHENTICATE, "response")(error_code=0, auth_bytes=b"")
+    s.upstream_frame(memoryview(response_frame(SASL_AUTHENTICATE, 2, up.correlation_id, resp)))
+    assert s.ctx.authenticated
+    assert s.ctx.principal == "User:alice"
+    assert not s.sasl_in_progress
+
+
+def test_sasl_plain_failure_sets_no_principal():
+    s = make_session(tls_subject="CN=client")
+    sasl_handshake(s, "PLAIN")
+    resp = sasl_authenticate(s, b"\x00mallory\x00guess", error_code=SASL_AUTHENTICATION_FAILED)
+    assert resp.body.error_code == SASL_AUTHENTICATION_FAILED
+    assert not s.ctx.authenticated
+    assert s.ctx.sasl_user is None
+    assert s.ctx.principal == "User:CN=client"
+    # A later request does not promote the failed attempt either.
+    s.client_frame(request_frame(METADATA, 4, 3, metadata_request()))
+    assert s.ctx.sasl_user is None and s.ctx.principal == "User:CN=client"
+
+
+def test_sasl_scram_sets_the_principal_after_the_final_exchange():
+    s = make_session()
+    sasl_handshake(s, "SCRAM-SHA-256")
+    sasl_authenticate(s, b"n,,n=b=2Cob=3D,r=clientnonce", cid=2)
+    assert s.ctx.principal is None and s.sasl_in_progress  # server-first is no verdict yet
+    sasl_authenticate(s, b"c=biws,r=clientnonceservernonce,p=proof", cid=3)
+    assert s.ctx.authenticated
+    assert s.ctx.principal == "User:b,ob="
+
+
+def test_sasl_scram_failure_on_the_final_exchange_sets_no_principal():
+    s = make_session()
+    sasl_handshake(s, "SCRAM-SHA-512")
+    sasl_authenticate(s, b"n,,n=bob,r=nonce", cid=2)
+    sasl_authenticate(s, b"c=biws,r=nonce2,p=wrong", error_code=SASL_AUTHENTICATION_FAILED, cid=3)
+    assert not s.ctx.authenticated and s.ctx.principal is None and not s.sasl_in_progress
+
+
+def test_sasl_handshake_failure_ends_sasl():
+    s = make_session()
+    sasl_handshake(s, "GSSAPI", error_code=33)
+    assert not s.sasl_in_progress
+    s.client_frame(request_frame(METADATA, 4, 3, metadata_request()))
+    assert not s.ctx.authenticated
+
+
+@pytest.mark.parametrize(("mechanism", "token", "user"), [
+    ("PLAIN", b"\x00alice\x00pw", "alice"),
+    ("PLAIN", b"admin\x00alice\x00pw", "alice"),
+    ("PLAIN", b"admin\x00\x00pw", "admin"),
+    ("PLAIN", b"no separators", None),
+    ("SCRAM-SHA-256", b"n,,n=carol,r=abc", "carol"),
+    ("SCRAM-SHA-512", b"n,a=zed,n=c=3Dd=2Ce,r=abc", "c=d,e"),
+    ("SCRAM-SHA-256", b"n,,r=abc", None),
+    ("GSSAPI", b"\x60\x82opaque", None),
+    (None, b"\x00alice\x00pw", None),
+])
+def test_sasl_user(mechanism, token, user):
+    assert sasl_user(mechanism, memoryview(token)) == user
+
+
+def test_sasl_handshake_v0_relays_raw_tokens_both_ways_then_frames_again():
+    s = make_session()
+    sasl_handshake(s, "PLAIN", version=0)
+
+    # The client's raw token (no Kafka header) goes upstream byte for byte.
+    token = b"\x00alice\x00secret-password"
+    out = s.client_frame(memoryview(token))
+    assert kinds(out) == [ToUpstream]
+    assert wire(out[0]) == token
+    assert s.ctx.principal is None and s.awaiting_upstream == 0
+
+    # The broker's raw answer (empty for PLAIN) comes back as it is, with its size prefix.
+    out = s.upstream_frame(memoryview(b""))
+    assert kinds(out) == [ToClient]
+    assert b"".join(bytes(b) for b in out[0].buffers) == b"\x00\x00\x00\x00"
+
+    # The next whole request ends the raw exchange: the broker accepted the client.
+    up = forwarded(s.client_frame(request_frame(METADATA, 9, 5, metadata_request()))[0])
+    assert s.ctx.authenticated and s.ctx.principal == "User:alice"
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 9, up.correlation_id, metadata_response())))
+    assert answered(out[0], METADATA, 9).correlation_id == 5
+
+
+def test_sasl_handshake_v0_relays_short_and_header_like_raw_tokens():
+    s = make_session()
+    sasl_handshake(s, "SCRAM-SHA-256", version=0)
+    for token in (b"n,,n=dave,r=nonce0123", b"abc", b"\x00\x12\x7f\x00garbage"):
+        out = s.client_frame(memoryview(token))
+        assert kinds(out) == [ToUpstream] and wire(out[0]) == token
+        server = b"r=nonce0123server,s=salt,i=4096"
+        out = s.upstream_frame(memoryview(server))
+        assert kinds(out) == [ToClient] and wire(out[0]) == server
+    s.client_frame(request_frame(METADATA, 9, 5, metadata_request()))
+    assert s.ctx.principal == "User:dave"
+
+
+# -- versions kproxy cannot decode
+
+
+def test_api_versions_of_an_unknown_version_is_answered_locally_in_v0():
+    s = make_session()
+    frame = bytearray(request_frame(API_VERSIONS, 3, 31, body_class(API_VERSIONS, "request")()))
+    struct.pack_into(">h", frame, 2, 99)
+    out = s.client_frame(memoryview(frame))
+    assert kinds(out) == [ToClient]
+    resp = answered(out[0], API_VERSIONS, 0)
+    assert resp.correlation_id == 31
+    assert resp.body.error_code == 35
+    lo, hi = supported_versions()[API_VERSIONS]
+    assert [(k.api_key, k.min_version, k.max_version) for k in resp.body.api_keys] == [(18, lo, hi)]
+    assert s.awaiting_upstream == 0
+
+
+def test_api_versions_of_an_unknown_version_waits_its_turn():
+    s = make_session()
+    up = forwarded(s.client_frame(request_frame(METADATA, 4, 1, metadata_request()))[0])
+    frame = bytearray(request_frame(API_VERSIONS, 3, 2, body_class(API_VERSIONS, "request")()))
+    struct.pack_into(">h", frame, 2, 99)
+    assert s.client_frame(memoryview(frame)) == []
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 4, up.correlation_id, metadata_response())))
+    assert [answered(a, k, v).correlation_id for a, (k, v) in zip(out, [(METADATA, 4), (API_VERSIONS, 0)],
+                                                                 strict=True)] == [1, 2]
+
+
+def test_broker_answering_api_versions_in_v0_is_decoded_as_v0():
+    # KIP-511: a broker that does not know the requested version answers in v0 with error 35.
+    s = make_session()
+    up = forwarded(s.client_frame(request_frame(API_VERSIONS, 4, 8, body_class(API_VERSIONS, "request")()))[0])
+    body = body_class(API_VERSIONS, "response")(error_code=35, api_keys=[
+        body_class(API_VERSIONS, "response").ApiVersion(api_key=18, min_version=0, max_version=3)])
+    out = s.upstream_frame(memoryview(response_frame(API_VERSIONS, 0, up.correlation_id, body)))
+    resp = answered(out[0], API_VERSIONS, 0)
+    assert resp.correlation_id == 8 and resp.body.error_code == 35
+    assert resp.body.api_keys[0].max_version == 3
+
+
+def unknown_version_frame(correlation_id: int) -> bytes:
+    # Metadata v99: a header kproxy can read, a body it cannot.
+    return struct.pack(">hhih", METADATA, 99, correlation_id, 3) + b"app" + b"\x01\x02opaque body\xff"
+
+
+def test_unknown_version_closes_without_passthrough():
+    out = make_session().client_frame(memoryview(unknown_version_frame(4)))
+    assert kinds(out) == [Close]
+    assert "passthrough_unknown_versions" in out[0].reason
+
+
+def test_passthrough_forwards_unknown_versions_with_only_the_correlation_id_patched():
+    s = make_session(passthrough=True)
+    frame = unknown_version_frame(1234)
+    out = s.client_frame(memoryview(frame))
+    assert kinds(out) == [ToUpstream]
+    sent = wire(out[0])
+    assert len(sent) == len(frame)
+    assert sent[:4] == frame[:4] and sent[8:] == frame[8:]
+    (upstream_id,) = struct.unpack_from(">i", sent, 4)
+    assert upstream_id != 1234
+    assert s.awaiting_upstream == 1
+
+    response = struct.pack(">i", upstream_id) + b"\x00\x00whatever the broker says\x00"
+    out = s.upstream_frame(memoryview(response))
+    assert kinds(out) == [ToClient]
+    back = wire(out[0])
+    assert struct.unpack_from(">i", back, 0) == (1234,)
+    assert back[4:] == response[4:]
+    assert s.awaiting_upstream == 0
+
+
+def test_passthrough_keeps_order_with_decoded_requests():
+    s = make_session(passthrough=True)
+    opaque = struct.unpack_from(">i", wire(s.client_frame(memoryview(unknown_version_frame(1)))[0]), 4)[0]
+    meta = forwarded(s.client_frame(request_frame(METADATA, 4, 2, metadata_request()))[0])
+    assert s.upstream_frame(memoryview(response_frame(METADATA, 4, meta.correlation_id,
+                                                      metadata_response()))) == []
+    out = s.upstream_frame(memoryview(struct.pack(">i", opaque) + b"\x00"))
+    assert kinds(out) == [ToClient, ToClient]
+    assert struct.unpack_from(">i", wire(out[0]), 0) == (1,)
+    assert answered(out[1], METADATA, 4).correlation_id == 2
+
+
+def test_upstream_lost_closes_for_passthrough_frames():
+    s = make_session(passthrough=True)
+    s.client_frame(memoryview(unknown_version_frame(1)))
+    assert kinds(s.upstream_lost("eof")) == [Close]
+
+
+# -- context and lifecycle
+
+
+def test_client_id_and_software_are_recorded():
+    s = make_session()
+    req = body_class(API_VERSIONS, "request")(client_software_name="librdkafka", client_software_version="2.4")
+    s.client_frame(request_frame(API_VERSIONS, 3, 1, req, client_id="orders"))
+    assert s.ctx.client_id == "orders"
+    assert (s.ctx.client_software_name, s.ctx.client_software_version) == ("librdkafka", "2.4")
+
+
+def test_completed_hook_and_close_run_once():
+    closed = []
+    done = []
+
+    class Watch(Filter):
+        def on_close(self, ctx):
+            closed.append(ctx.connection_id)
+
+    class Counting(Session):
+        def completed(self, entry):
+            done.append((entry.api_key, entry.client_correlation_id, entry.response_bytes > 0))
+
+    s = Counting(ConnectionContext(7), FilterChain([Watch()]))
+    up = forwarded(s.client_frame(request_frame(METADATA, 4, 3, metadata_request()))[0])
+    s.upstream_frame(memoryview(response_frame(METADATA, 4, up.correlation_id, metadata_response())))
+    assert done == [(METADATA, 3, True)]
+    s.close()
+    s.close()
+    assert closed == [7]
