@@ -9,6 +9,7 @@ event loop with `asyncio.run`: never call them from inside a trio task (use `tri
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 import warnings
@@ -230,30 +231,61 @@ def _kp_group_member(bootstrap: str, topic: str, group: str) -> kafka.KafkaConsu
 
 
 def kafka_python_group(bootstrap: str, topic: str, group: str, n: int = N_RECORDS) -> GroupResult:
-    """Member A joins alone, member B joins (rebalance), then n records are produced and consumed."""
+    """Member A joins alone, member B joins (rebalance), then n records are produced and consumed.
+
+    Each member polls from its own thread: kafka-python blocks inside poll() while its group
+    rebalances, so one thread polling both members would leave the other out of the join.
+    """
     kafka_python_create_topic(bootstrap, topic)
     members: list[kafka.KafkaConsumer] = []
-    try:
-        seen: list[Record] = []
+    threads: list[threading.Thread] = []
+    seen: list[Record] = []
+    assignments: dict[int, set[Any]] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
 
-        def poll_all() -> None:
-            for member in members:
-                for messages in member.poll(timeout_ms=100).values():
+    def run(index: int, member: kafka.KafkaConsumer) -> None:
+        while not stop.is_set():
+            batch = member.poll(timeout_ms=100)
+            with lock:
+                for messages in batch.values():
                     seen.extend(_kp_record(m) for m in messages)
+                assignments[index] = set(member.assignment())
 
+    def start_member() -> None:
+        member = _kp_group_member(bootstrap, topic, group)
+        members.append(member)
+        t = threading.Thread(target=run, args=(len(members) - 1, member), daemon=True)
+        threads.append(t)
+        t.start()
+
+    def current() -> list[set[Any]]:
+        with lock:
+            return [set(assignments.get(i, set())) for i in range(len(members))]
+
+    try:
         remaining = _deadline(TIMEOUT)
-        members.append(_kp_group_member(bootstrap, topic, group))
-        while not members[0].assignment() and remaining() > 0:
-            poll_all()
-        members.append(_kp_group_member(bootstrap, topic, group))
-        while not _split(m.assignment() for m in members) and remaining() > 0:
-            poll_all()
+        start_member()
+        while not current()[0] and remaining() > 0:
+            time.sleep(0.05)
+        start_member()
+        while not _split(current()) and remaining() > 0:
+            time.sleep(0.05)
         _kp_produce(bootstrap, topic, n, idempotent=False)
         remaining = _deadline(TIMEOUT)
-        while len(set(seen)) < n and remaining() > 0:
-            poll_all()
-        return _group_result(seen, [m.assignment() for m in members])
+        while remaining() > 0:
+            with lock:
+                if len(set(seen)) >= n:
+                    break
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(TIMEOUT)
+        return _group_result(seen, current())
     finally:
+        stop.set()
+        for t in threads:
+            t.join(TIMEOUT)
         for member in members:
             member.close()
 
