@@ -42,7 +42,7 @@ class ClientConnection:
         self._room = trio.Event()                   # set when in-flight drops below the limit
         self._nursery: trio.Nursery | None = None
         self.cancel_scope: trio.CancelScope | None = None
-        self.last_activity = trio.current_time()
+        self.last_activity = 0        # changes with every receive from the client
         self._upstream_generation = 0
         session.completed = self._completed          # type: ignore[method-assign]
 
@@ -92,7 +92,7 @@ class ClientConnection:
             if n == 0:
                 return
             reader.received(n)
-            self.last_activity = trio.current_time()
+            self.last_activity += 1   # a counter the watchdog compares: no clock read per receive
             while (frame := reader.next_frame()) is not None:
                 if len(session.in_flight) >= limit:
                     # Backpressure: stop reading the client until answers make room.
@@ -107,12 +107,24 @@ class ClientConnection:
             if type(a) is ToUpstream:
                 await self._to_upstream(a.buffers)
             elif type(a) is ToClient:
-                async with self._client_lock:
-                    await self.client.send(a.buffers)
+                await self._to_client(a.buffers)
             elif type(a) is Hold:
                 await trio.sleep(a.seconds)
             elif type(a) is Close:
                 raise ConnectionClosed(a.reason)
+
+    async def _to_client(self, buffers: list) -> None:
+        # Both pumps write to the client; the lock keeps their frames whole. Uncontended (almost
+        # always) it is taken without a trip through the scheduler.
+        lock = self._client_lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()
+        try:
+            await self.client.send(buffers)
+        finally:
+            lock.release()
 
     async def _to_upstream(self, buffers: list) -> None:
         if self.upstream is None:
@@ -167,8 +179,7 @@ class ClientConnection:
                     actions = session.upstream_frame(frame)
                     for a in actions:
                         if type(a) is ToClient:
-                            async with self._client_lock:
-                                await self.client.send(a.buffers)
+                            await self._to_client(a.buffers)
                         elif type(a) is Close:
                             raise ConnectionClosed(a.reason)
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
@@ -201,7 +212,8 @@ class ClientConnection:
     async def _watchdog(self) -> None:
         limits = self.server.config.limits
         request_timeout = self.server.config.upstream.request_timeout_s
-        started = trio.current_time()
+        started = quiet_since = trio.current_time()
+        seen_activity = self.last_activity
         while True:
             await trio.sleep(self.server.watchdog_period)
             now = trio.current_time()
@@ -222,7 +234,9 @@ class ClientConnection:
                 self._close_from_task(f"not authenticated after {unauth:g}s")
                 return
             idle = limits.idle_timeout_s
-            if idle > 0 and not self.session.in_flight and now - self.last_activity > idle:
+            if self.last_activity != seen_activity or self.session.in_flight:
+                seen_activity, quiet_since = self.last_activity, now
+            if idle > 0 and now - quiet_since > idle:
                 self._close_from_task(f"idle for {idle:g}s")
                 return
 
