@@ -403,12 +403,12 @@ class Session:
         self._raw_sasl = False
         # After SASL a new broker connection would be unauthenticated, and only the client can
         # authenticate again: end the client connection, as the broker's own loss would.
-        sasl_used = self.ctx.sasl_mechanism is not None
-        if sasl_used and not self.in_flight:
-            return [Close(f"broker connection lost after SASL ({reason})")]
+        authenticated = self.ctx.authenticated
+        if authenticated and not self.in_flight:
+            return [Close(f"broker connection lost after SASL authentication ({reason})")]
         for entry in waiting:
             req = entry.request
-            if sasl_used or req is None or req.api_key in _CLOSE_ON_LOSS:
+            if authenticated or req is None or req.api_key in _CLOSE_ON_LOSS:
                 entry.reply = []
                 entry.close_after = f"broker connection lost ({reason})"
                 continue

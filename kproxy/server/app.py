@@ -190,14 +190,17 @@ class ProxyServer:
         try:
             if self.client_tls is not None:
                 stream = trio.SSLStream(trio.SocketStream(sock), self.client_tls, server_side=True)
-                with trio.fail_after(self.config.upstream.connect_timeout_s):
-                    await stream.do_handshake()
+                try:
+                    with trio.fail_after(self.config.upstream.connect_timeout_s):
+                        await stream.do_handshake()
+                finally:
+                    # The SNI callback keyed the server name by this SSLObject before the handshake
+                    # could fail (a refused client certificate): take it out either way.
+                    name = self._sni_names.pop(id(stream._ssl_object), None)
                 transport = TlsTransport(stream)
                 cert = stream.getpeercert()
                 if cert:
                     ctx.tls_subject = format_subject(cert)
-                sslobj = stream._ssl_object  # the SNI callback keyed the server name by this object
-                name = self._sni_names.pop(id(sslobj), None)
                 if self.sni and name is not None:
                     route = self.address_map.route_for_name(name)
                     if route is None and not name.startswith(self._sni_bootstrap_prefix()):

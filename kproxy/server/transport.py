@@ -46,6 +46,12 @@ class PlainTransport(Transport):
 
     async def send(self, buffers: list) -> None:
         sock = self.sock
+        if len(buffers) == 1:
+            # Most frames are one buffer: plain send, no list bookkeeping.
+            view = memoryview(buffers[0]).cast("B")
+            while view:
+                view = view[await sock.send(view):]
+            return
         bufs = [memoryview(b).cast("B") if not isinstance(b, bytes | bytearray) else b for b in buffers]
         while bufs:
             sent = await sock.sendmsg(bufs[:_IOV_MAX])
@@ -148,6 +154,10 @@ async def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | No
             stream = trio.SSLStream(trio.SocketStream(sock), tls, server_hostname=server_hostname or host)
             try:
                 await stream.do_handshake()
+            except trio.BrokenResourceError as e:
+                sock.close()
+                # trio wraps the ssl error (bad certificate, reset); callers handle OSError as "cannot connect".
+                raise OSError(f"TLS handshake with {host}:{port} failed: {e.__cause__ or 'connection closed'}") from e
             except BaseException:
                 sock.close()
                 raise
