@@ -8,6 +8,7 @@ records survive behind it.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -75,7 +76,5 @@ class Relay:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass

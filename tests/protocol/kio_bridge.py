@@ -47,7 +47,7 @@ def _inner(tp: object) -> tuple[object, bool, bool]:
         array = True
         tp = typing.get_args(tp)[0]
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
     return tp, array, optional
 
 

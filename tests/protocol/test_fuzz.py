@@ -3,6 +3,7 @@ raise DecodeError (no IndexError, no MemoryError, no hang)."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import hypothesis.strategies as st
@@ -63,7 +64,7 @@ def test_mutated_bodies_raise_only_decode_error(msg):
     def check(case):
         codec, data = case
         try:
-            _, pos = codec.decode_checked(memoryview(data), 0, len(data))
+            _, _pos = codec.decode_checked(memoryview(data), 0, len(data))
         except DecodeError as e:
             assert e.path and e.path.startswith(codec.name)
             assert e.offset is not None and 0 <= e.offset <= len(data)
@@ -83,15 +84,11 @@ def test_mutated_frames_raise_only_decode_error(api_key):
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.sampled_from(versions).flatmap(frame).flatmap(mutated))
     def check(data):
-        try:
+        with contextlib.suppress(DecodeError):
             decode_request(data)
-        except DecodeError:
-            pass
         # Responses are decoded knowing the request: feed the same bytes as a response too.
-        try:
+        with contextlib.suppress(DecodeError):
             decode_response(data, api_key, versions[-1])
-        except DecodeError:
-            pass
 
     check()
 
