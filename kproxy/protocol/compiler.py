@@ -164,6 +164,13 @@ class _Src:
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.depth = 0
+        self.readers: dict[str, str] = {}   # name -> struct format, defined once atop the source
+
+    def reader(self, fmt: str) -> str:
+        """A module-level name bound to ``Struct(fmt).unpack_from`` (no format lookup per call)."""
+        name = "_U_" + fmt[1:].replace("?", "o")
+        self.readers[name] = fmt
+        return name
 
     def __call__(self, line: str) -> None:
         self.lines.append("    " * self.depth + line)
@@ -182,7 +189,8 @@ class _Src:
         self.depth -= 1
 
     def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+        head = [f"{name} = _St({fmt!r}).unpack_from" for name, fmt in sorted(self.readers.items())]
+        return "\n".join([*head, *self.lines]) + "\n"
 
 
 def _exec(src: str, filename: str, ns: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +216,7 @@ def _base_ns() -> dict[str, Any]:
         "_uv": P.read_uvarint, "_wuv": P.write_uvarint, "_UV1": P.UVARINT_1,
         "_I8": P.INT8.unpack_from, "_I16": P.INT16.unpack_from, "_I32": P.INT32.unpack_from,
         "_P16": P.INT16.pack, "_P32": P.INT32.pack, "_P8": P.INT8.pack,
-        "_uuid": P.make_uuid, "_ZERO_UUID": P.ZERO_UUID, "_unpack": _struct.unpack_from,
+        "_uuid": P.make_uuid, "_ZERO_UUID": P.ZERO_UUID, "_unpack": _struct.unpack_from, "_St": _struct.Struct,
         "_pack": _struct.pack, "_Bad": Bad, "_NEW": NEW, "_ZC": ZERO_COPY_MIN,
     }
 
@@ -401,9 +409,9 @@ def _decode_fixed_group(src: _Src, group: list[FieldSpec], traced: bool) -> None
     if traced:
         _mark(src, traced, group[0].name)
     if len(names) == 1:
-        src(f"{names[0]}, = _unpack({fmt!r}, buf, pos)")
+        src(f"{names[0]}, = {src.reader(fmt)}(buf, pos)")
     else:
-        src(f"{', '.join(names)} = _unpack({fmt!r}, buf, pos)")
+        src(f"{', '.join(names)} = {src.reader(fmt)}(buf, pos)")
     src(f"pos += {size}")
     for f in group:
         if f.type == "uuid":
@@ -479,10 +487,10 @@ def _decode_scalar(src: _Src, vf: _V, f: FieldSpec, target: str, traced: bool, n
     if t in _FIXED:
         code, size = _FIXED[t]
         if t == "uuid":
-            src("_hi, _lo = _unpack('>QQ', buf, pos)")
+            src(f"_hi, _lo = {src.reader('>QQ')}(buf, pos)")
             src(f"{target} = _uuid(_hi, _lo)")
         else:
-            src(f"{target}, = _unpack('>{code}', buf, pos)")
+            src(f"{target}, = {src.reader('>' + code)}(buf, pos)")
         src(f"pos += {size}")
     elif t == "string":
         _read_length(src, "n", compact, 2)
