@@ -114,6 +114,9 @@ class ProxyServer:
         self.bootstrap_address: tuple[str, int] | None = None
         self._draining = False
         limits = config.limits
+        # A frame is forwarded only once it is whole, so what one direction of a connection holds
+        # is at most one frame: capping frames at the buffer limit bounds both.
+        self.frame_cap = min(limits.max_frame_size, limits.max_buffered_bytes)
         timeouts = [t for t in (limits.unauthenticated_idle_timeout_s, limits.idle_timeout_s,
                                 config.upstream.request_timeout_s) if t > 0]
         self.watchdog_needed = bool(timeouts)

@@ -83,7 +83,7 @@ class ClientConnection:
     # -- client -> broker
 
     async def _client_pump(self) -> None:
-        reader = FrameReader(self.server.config.limits.max_frame_size)
+        reader = FrameReader(self.server.frame_cap)
         session = self.session
         limit = self.server.config.limits.max_in_flight_requests
         client = self.client
@@ -167,7 +167,7 @@ class ClientConnection:
     # -- broker -> client
 
     async def _upstream_pump(self, upstream: Transport, generation: int) -> None:
-        reader = FrameReader(self.server.config.limits.max_frame_size)
+        reader = FrameReader(self.server.frame_cap)
         session = self.session
         try:
             while True:

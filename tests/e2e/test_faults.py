@@ -344,3 +344,32 @@ def test_acks_zero_produce_gets_no_response_and_lands(proxy: ProxyThread, broker
 def produce_in_flight(p: ProxyThread) -> int:
     return int(p.call(lambda: sum(1 for c in p.server.connections for e in c.session.in_flight
                                   if e.api_key == 0)))
+
+
+def test_connections_that_never_speak_are_closed(broker: TansuBroker) -> None:
+    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1",
+                    limits={"unauthenticated_idle_timeout_s": 0.5})
+    try:
+        silent = Wire(p.bootstrap)
+        talking = Wire(p.bootstrap)
+        assert talking.metadata(1).correlation_id == 1
+        started = time.monotonic()
+        assert silent.closed_by_peer()            # no request at all within the timeout
+        assert 0.4 < time.monotonic() - started < 3
+        time.sleep(0.5)
+        assert talking.metadata(2).correlation_id == 2   # a client that spoke is left alone
+        silent.close()
+        talking.close()
+    finally:
+        p.stop()
+
+
+def test_frames_over_the_buffer_limit_are_refused(broker: TansuBroker) -> None:
+    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", limits={"max_buffered_bytes": 4096})
+    try:
+        w = Wire(p.bootstrap)
+        w.send_raw(struct.pack(">i", 5000) + b"\x00" * 5000)
+        assert w.closed_by_peer()
+        w.close()
+    finally:
+        p.stop()
