@@ -158,6 +158,15 @@ class ProxyServer:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._accept_loop, boot, None)
+                exposure = self.config.exposure
+                if exposure.node_id_base is not None and not self.sni:
+                    # Deterministic ports: open the whole range now, so clients holding addresses
+                    # from before a restart can connect even if discovery cannot reach a broker.
+                    start = self.config.broker_port_start
+                    for port in range(start, start + exposure.broker_port_count):
+                        if port not in self._listeners:
+                            self._listeners[port] = self._bind(self._bind_host(), port)
+                            self._pending_ports.append(port)
                 for port in self._pending_ports:
                     nursery.start_soon(self._accept_loop, self._listeners[port], port)
                 self._pending_ports.clear()
@@ -190,6 +199,7 @@ class ProxyServer:
         ctx = ConnectionContext(cid, client_address=(addr[0], addr[1]), clock=trio.current_time)
         transport: PlainTransport | TlsTransport
         route: Route | None = None
+        name: str | None = None
         try:
             if self.client_tls is not None:
                 stream = trio.SSLStream(trio.SocketStream(sock), self.client_tls, server_side=True)
@@ -221,6 +231,11 @@ class ProxyServer:
         session = Session(ctx, self.chain,
                           passthrough_unknown_versions=self.config.passthrough_unknown_versions)
         conn = ClientConnection(self, transport, session, route.upstream if route else None)
+        if route is None and (port is not None or (self.sni and name is not None
+                                                  and not name.startswith(self._sni_bootstrap_prefix()))):
+            # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
+            # serve it through the bootstrap servers until a response teaches the route.
+            conn.unrouted = (port, name)
         self.connections.add(conn)
         self.stats.connections_total += 1
         self.stats.connections_open += 1
@@ -229,6 +244,11 @@ class ProxyServer:
         finally:
             self.connections.discard(conn)
             self.stats.connections_open -= 1
+
+    def route_for(self, port: int | None, name: str | None) -> Route | None:
+        if port is not None:
+            return self.address_map.route_for_port(port)
+        return self.address_map.route_for_name(name) if name is not None else None
 
     def _sni_bootstrap_prefix(self) -> str:
         sni = self.config.exposure.sni

@@ -38,6 +38,9 @@ class ClientConnection:
         self.session = session
         self.upstream_address = upstream_address   # None: the bootstrap servers, tried in turn
         self.upstream: Transport | None = None
+        self.connected_to: tuple[str, int] | None = None
+        self.unrouted: tuple[int | None, str | None] | None = None   # (port, SNI name) not yet placed
+        self._close_reason: str | None = None     # why another task closed the connection
         self._client_lock = trio.StrictFIFOLock()
         self._room = trio.Event()                   # set when in-flight drops below the limit
         self._nursery: trio.Nursery | None = None
@@ -70,8 +73,10 @@ class ClientConnection:
                     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                         reason = f"client connection error: {e!r}"
                     nursery.cancel_scope.cancel()
-            if scope.cancelled_caught and reason == "client closed the connection":
-                reason = "closed by kproxy (shutdown or timeout)"
+            if self._close_reason is not None:
+                reason = self._close_reason
+            elif scope.cancelled_caught and reason == "client closed the connection":
+                reason = "closed by kproxy (shutdown)"
         finally:
             self.client.close()
             if self.upstream is not None:
@@ -148,6 +153,7 @@ class ClientConnection:
             try:
                 self.upstream = await connect(host, port, cfg.connect_timeout_s,
                                               self.server.upstream_tls, cfg.tls.server_hostname)
+                self.connected_to = (host, port)
                 break
             except (OSError, trio.TooSlowError) as e:
                 last = e
@@ -182,6 +188,8 @@ class ClientConnection:
                             await self._to_client(a.buffers)
                         elif type(a) is Close:
                             raise ConnectionClosed(a.reason)
+                    if self.unrouted is not None and not session.in_flight:
+                        self._check_route()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             if generation == self._upstream_generation and self.upstream is upstream:
                 try:
@@ -193,8 +201,20 @@ class ClientConnection:
         except ConnectionClosed as e:
             self._close_from_task(str(e))
 
+    def _check_route(self) -> None:
+        assert self.unrouted is not None
+        route = self.server.route_for(*self.unrouted)
+        if route is None:
+            return
+        self.unrouted = None
+        if route.upstream != self.connected_to:
+            # Served by the wrong broker so far: close between requests; the client reconnects
+            # to the same address and now reaches the right one.
+            raise ConnectionClosed(f"learned that this address is node {route.node_id}; "
+                                   "closing so the client reconnects to it")
+
     def _close_from_task(self, reason: str) -> None:
-        log.warning("connection %d: %s", self.session.ctx.connection_id, reason)
+        self._close_reason = reason
         self.client.close()
         if self.cancel_scope is not None:
             self.cancel_scope.cancel()
@@ -231,7 +251,7 @@ class ClientConnection:
             unauth = limits.unauthenticated_idle_timeout_s
             if unauth > 0 and now - started > unauth and not self.session.ctx.authenticated and (
                     self.session.sasl_in_progress or self.session.requests == 0):
-                self._close_from_task(f"not authenticated after {unauth:g}s")
+                self._close_from_task(f"no request or completed authentication within {unauth:g}s")
                 return
             idle = limits.idle_timeout_s
             if self.last_activity != seen_activity or self.session.in_flight:

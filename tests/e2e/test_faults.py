@@ -19,6 +19,7 @@ from kproxy.protocol.messages import body_class
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
+from tests.e2e.sasl_gate import SaslGate, TansuBehind, confluent_roundtrip, expected_pairs
 from tests.e2e.scenarios import confluent_create_topic, confluent_produce_consume, expected_records
 from tests.e2e.tansu import TansuBroker, _api_versions_v0_answers, free_port
 from tests.e2e.wire import Wire
@@ -373,3 +374,29 @@ def test_frames_over_the_buffer_limit_are_refused(broker: TansuBroker) -> None:
         w.close()
     finally:
         p.stop()
+
+
+def test_unknown_broker_port_is_served_then_rerouted(tansu_binary: str) -> None:
+    # Brokers that demand SASL defeat kproxy's discovery (it has no credentials), so after a kproxy
+    # restart a client holding cached addresses connects straight to a broker port kproxy cannot
+    # place. kproxy serves it through the bootstrap servers, learns the node's address from the
+    # first response, then closes between requests; the client's reconnect reaches the node itself.
+    boot = SaslGate(None, {"alice": "pw"})           # the bootstrap address
+    node = SaslGate(None, {"alice": "pw"})           # the address tansu advertises for node 111
+    with TansuBehind(tansu_binary, node.address) as tansu:
+        boot.upstream = node.upstream = (tansu.host, tansu.port)
+        with boot, node:
+            p = start_proxy(f"127.0.0.1:{boot.port}", advertised_host="127.0.0.1",
+                            exposure={"node_id_base": 111, "broker_port_count": 4})
+            try:
+                broker_addr = f"127.0.0.1:{p.server.config.broker_port_start}"   # node 111's port
+                settings = {"bootstrap.servers": broker_addr, "security.protocol": "SASL_PLAINTEXT",
+                            "sasl.mechanism": "PLAIN", "sasl.username": "alice", "sasl.password": "pw"}
+                assert confluent_roundtrip(settings, f"reroute-{boot.port}", n=20) == expected_pairs(20)
+                # The first connection went through the bootstrap gate; requests after the reroute
+                # reached the node's own address.
+                assert {a.user for a in boot.authentications} == {"alice"}
+                assert any(api == 0 for _, api, _ in node.forwarded)   # Produce went to the node
+                assert not any(api == 0 for _, api, _ in boot.forwarded)
+            finally:
+                p.stop()
