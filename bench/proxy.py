@@ -36,6 +36,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from kproxy.protocol import Request, decode_response, encode_request_frame
 from kproxy.protocol.messages import body_class
+from kproxy.server.demo import broker_answers
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -78,24 +79,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
-def api_versions_answers(port: int, timeout: float = 1.0) -> bool:
-    """ApiVersions v0 on a fresh connection gets a well-formed, error-free answer."""
-    body = struct.pack(">hhih", 18, 0, 0x4B50, 5) + b"bench"
-    try:
-        with socket.create_connection((HOST, port), timeout=timeout) as s:
-            s.sendall(_I32.pack(len(body)) + body)
-            data = b""
-            while len(data) < 10:
-                chunk = s.recv(4096)
-                if not chunk:
-                    return False
-                data += chunk
-    except OSError:
-        return False
-    _size, cid, err = struct.unpack(">iih", data[:10])
-    return cid == 0x4B50 and err == 0
-
-
 @dataclass
 class Child:
     name: str
@@ -109,7 +92,7 @@ class Child:
                                          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         for port in ready_ports:
-            while not api_versions_answers(port):
+            while not broker_answers(HOST, port):
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
                 if time.monotonic() > deadline:

@@ -75,12 +75,16 @@ def _free_port_run(count: int, attempts: int = 50) -> int:
     raise DemoError(f"found no {count} consecutive free ports on {HOST}")
 
 
-def _answers_api_versions(port: int) -> bool:
-    # ApiVersions v0 with request header v1: api_key 18, version 0, correlation id, client id.
-    client_id = b"kproxy-demo"
+def broker_answers(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether a Kafka broker at host:port answers ApiVersions v0 without error on a fresh connection.
+
+    The readiness probe for an embedded broker (demo, tests and benchmarks share it).
+    """
+    client_id = b"kproxy-probe"
+    # Request header v1: api_key 18 (ApiVersions), version 0, correlation id, client id.
     body = struct.pack(">hhih", 18, 0, 7, len(client_id)) + client_id
     try:
-        with socket.create_connection((HOST, port), timeout=1.0) as s:
+        with socket.create_connection((host, port), timeout=timeout) as s:
             s.sendall(struct.pack(">i", len(body)) + body)
             data = b""
             while len(data) < 10:
@@ -125,7 +129,7 @@ def tansu_broker(port: int, ready_timeout: float = 10.0) -> Iterator[str]:
     )
     try:
         deadline = time.monotonic() + ready_timeout
-        while not _answers_api_versions(port):
+        while not broker_answers(HOST, port):
             if process.poll() is not None:
                 err = process.stderr.read().decode(errors="replace").strip() if process.stderr else ""
                 raise DemoError(f"tansu exited with {process.returncode} before answering"

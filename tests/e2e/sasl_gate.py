@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from kproxy.protocol.messages import Response, body_class, decode_request, encode_response_frame
+from kproxy.server.demo import broker_answers
 from tests.e2e.tansu import free_port
 
 _I32 = struct.Struct(">i")
@@ -75,7 +76,7 @@ class TansuBehind:
         with open(self.log_path or os.devnull, "ab") as log:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout
-        while not _answers_api_versions(self.host, self.port):
+        while not broker_answers(self.host, self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"tansu did not start: {argv}")
@@ -98,17 +99,6 @@ class TansuBehind:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _answers_api_versions(host: str, port: int) -> bool:
-    body = _HHI.pack(API_VERSIONS, 0, 1) + struct.pack(">h", 5) + b"probe"
-    try:
-        with socket.create_connection((host, port), timeout=1.0) as sock:
-            sock.sendall(_I32.pack(len(body)) + body)
-            frame = _read_frame(sock)
-    except OSError:
-        return False
-    return frame is not None and len(frame) >= 6 and frame[4:6] == b"\x00\x00"
 
 
 # --------------------------------------------------------------------------------------------------

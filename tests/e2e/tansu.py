@@ -9,12 +9,13 @@ import ctypes
 import re
 import signal
 import socket
-import struct
 import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from kproxy.server.demo import broker_answers
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,26 +29,6 @@ def unique_name(prefix: str) -> str:
     """A Kafka-legal topic or group name ([a-zA-Z0-9._-], well under 249 chars), unique per call."""
     clean = re.sub(r"[^a-zA-Z0-9._-]+", "-", prefix).strip("-")[:80] or "e2e"
     return f"{clean}-{uuid.uuid4().hex[:10]}"
-
-
-def _api_versions_v0_answers(host: str, port: int, timeout: float) -> bool:
-    """Send ApiVersions v0 on a fresh connection and check a well-formed, error-free answer comes back."""
-    client_id = b"kproxy-e2e-probe"
-    # Request header v1: api_key=18 (ApiVersions), api_version=0, correlation_id, client_id (int16 string).
-    body = struct.pack(">hhih", 18, 0, 0x4B50, len(client_id)) + client_id
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.sendall(struct.pack(">i", len(body)) + body)
-            data = b""
-            while len(data) < 4 + 6:
-                chunk = sock.recv(4096)
-                if not chunk:
-                    return False
-                data += chunk
-    except OSError:
-        return False
-    _size, correlation_id, error_code = struct.unpack(">iih", data[:10])
-    return correlation_id == 0x4B50 and error_code == 0
 
 
 def _listening(host: str, port: int) -> bool:
@@ -118,7 +99,7 @@ class TansuBroker:
             if log is not subprocess.DEVNULL:
                 log.close()
         deadline = time.monotonic() + ready_timeout
-        while not _api_versions_v0_answers(self.host, self.port, timeout=1.0) or not self.running:
+        while not broker_answers(self.host, self.port, timeout=1.0) or not self.running:
             if not self.running:
                 code = self.process.returncode
                 self.process = None

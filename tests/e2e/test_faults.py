@@ -16,12 +16,13 @@ import confluent_kafka
 import pytest
 
 from kproxy.protocol.messages import body_class
+from kproxy.server.demo import broker_answers
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
 from tests.e2e.sasl_gate import SaslGate, TansuBehind, confluent_roundtrip, expected_pairs
 from tests.e2e.scenarios import confluent_create_topic, confluent_produce_consume, expected_records
-from tests.e2e.tansu import TansuBroker, _api_versions_v0_answers, free_port
+from tests.e2e.tansu import TansuBroker, free_port
 from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
@@ -144,7 +145,7 @@ def _start_tansu(binary: str, listen_port: int, advertised: str) -> subprocess.P
                              f"tcp://{advertised}", "--silent"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    while not _api_versions_v0_answers("127.0.0.1", listen_port, 1.0):
+    while not broker_answers("127.0.0.1", listen_port, 1.0):
         assert proc.poll() is None and time.monotonic() < deadline, "tansu did not start"
         time.sleep(0.05)
     return proc
