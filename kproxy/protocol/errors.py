@@ -10,7 +10,9 @@ field path where they happened. This module must not import anything that does I
     │   │   ├── UnsupportedVersionError   an api key or version the schema does not define
     │   │   └── RecordsError       a record batch that fails its CRC, size or codec checks
     │   └── EncodeError            a message that cannot be encoded (bad value for its type)
+    ├── AddressMapError            a broker that cannot be given a port (kproxy.proxy.addresses)
     └── ConfigError                invalid configuration or rules (file, line, reason)
+        └── SchemaError            a .kschema file that does not parse (kproxy.protocol.schema)
 """
 
 from __future__ import annotations
