@@ -230,7 +230,7 @@ class ProxyServer:
             ctx.listener = f"{route.role}-{route.node_id}"
         session = Session(ctx, self.chain,
                           passthrough_unknown_versions=self.config.passthrough_unknown_versions)
-        conn = ClientConnection(self, transport, session, route.upstream if route else None)
+        conn = ClientConnection(self, transport, session, route.upstream if route else None, (port, name))
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):

@@ -32,11 +32,13 @@ class ClientConnection:
     """One client connection and the broker connection behind it."""
 
     def __init__(self, server: ProxyServer, client: Transport, session: Session,
-                 upstream_address: tuple[str, int] | None) -> None:
+                 upstream_address: tuple[str, int] | None,
+                 route_key: tuple[int | None, str | None] = (None, None)) -> None:
         self.server = server
         self.client = client
         self.session = session
         self.upstream_address = upstream_address   # None: the bootstrap servers, tried in turn
+        self.route_key = route_key                  # (exposed port, SNI name) the client connected to
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
         self.unrouted: tuple[int | None, str | None] | None = None   # (port, SNI name) not yet placed
@@ -146,6 +148,11 @@ class ClientConnection:
 
     async def _connect_upstream(self) -> None:
         cfg = self.server.config.upstream
+        # Look the route up on every connect, not only at accept: a broker that moved (learned from
+        # a later Metadata) is then reached through the same exposed port by connections already open.
+        route = self.server.route_for(*self.route_key)
+        if route is not None:
+            self.upstream_address = route.upstream
         targets = ([self.upstream_address] if self.upstream_address is not None
                    else [(hp.host, hp.port) for hp in cfg.bootstrap_servers])
         last: Exception | None = None
