@@ -29,6 +29,7 @@ from kproxy.protocol.messages import (
     encode_response_frame,
     supported_versions,
 )
+from kproxy.protocol.primitives import read_uvarint
 from kproxy.proxy.filters import ConnectionContext, Delay, FilterChain, Respond
 from kproxy.proxy.replies import error_response
 
@@ -134,6 +135,30 @@ def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
                 # RFC 5802: "," and "=" in names travel as =2C and =3D.
                 return attr[2:].replace("=2C", ",").replace("=3D", "=")
     return None
+
+
+def future_produce_acks(frame: Any) -> int | None:
+    """``acks`` of a Produce request newer than kproxy's schema, or None if it cannot be read.
+
+    Every Produce version since 9 starts the same way (header v2, then a compact nullable
+    transactional_id, then acks), so an acks=0 request still gets no in-flight entry when it is
+    forwarded opaquely; otherwise every later answer would wait behind one that never comes.
+    """
+    try:
+        pos = 8
+        (n,) = struct.unpack_from(">h", frame, pos)      # client_id (int16 length; -1 is null)
+        pos += 2 + max(n, 0)
+        count, pos = read_uvarint(frame, pos)           # header tagged fields
+        for _ in range(count):
+            _, pos = read_uvarint(frame, pos)
+            size, pos = read_uvarint(frame, pos)
+            pos += size
+        length, pos = read_uvarint(frame, pos)          # transactional_id: compact nullable
+        pos += max(length - 1, 0)
+        (acks,) = struct.unpack_from(">h", frame, pos)
+        return int(acks)
+    except (struct.error, IndexError, ValueError):
+        return None
 
 
 def _size_prefixed(frame: Any) -> list:
@@ -285,10 +310,13 @@ class Session:
                           "frames opaquely")]
         # Opaque passthrough: only the correlation id (bytes 4..8 of the header) is touched.
         upstream_id = self._take_correlation_id()
-        entry = InFlight(correlation_id, api_key, api_version, now, None, upstream_id,
-                         request_bytes=len(frame) + 4)
         patched = bytearray(frame)
         _I32.pack_into(patched, 4, upstream_id)
+        if api_key == PRODUCE and future_produce_acks(frame) == 0:
+            self._no_response.append(upstream_id)
+            return [ToUpstream(_size_prefixed(patched))]
+        entry = InFlight(correlation_id, api_key, api_version, now, None, upstream_id,
+                         request_bytes=len(frame) + 4)
         self.in_flight.append(entry)
         self._by_upstream[upstream_id] = entry
         return [ToUpstream(_size_prefixed(patched))]

@@ -677,3 +677,23 @@ def test_completed_hook_and_close_run_once():
     s.close()
     s.close()
     assert closed == [7]
+
+
+def future_produce_frame(correlation_id: int, acks: int) -> bytes:
+    # Produce v99: header v2 (client id "app", one tagged field), then transactional_id null and
+    # acks, as every flexible Produce version starts; then a body kproxy cannot read.
+    header = struct.pack(">hhih", 0, 99, correlation_id, 3) + b"app" + b"\x01\x05\x02zz"
+    return header + b"\x00" + struct.pack(">hi", acks, 1000) + b"\x07future fields"
+
+
+@pytest.mark.parametrize(("acks", "waits"), [(0, False), (1, True), (-1, True)])
+def test_passthrough_produce_of_a_future_version_waits_only_when_acked(acks, waits):
+    s = make_session(passthrough=True)
+    out = s.client_frame(memoryview(future_produce_frame(77, acks)))
+    assert kinds(out) == [ToUpstream]
+    assert s.awaiting_upstream == (1 if waits else 0)
+    # A request behind an acks=0 one is answered without waiting for it.
+    out = s.client_frame(memoryview(unknown_version_frame(78)))
+    (upstream_id,) = struct.unpack_from(">i", wire(out[0]), 4)
+    out = s.upstream_frame(memoryview(struct.pack(">i", upstream_id) + b"\x00\x00"))
+    assert kinds(out) == ([] if waits else [ToClient])
