@@ -62,19 +62,25 @@ class ClientConnection:
         try:
             with trio.CancelScope() as scope:
                 self.cancel_scope = scope
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    if self.server.watchdog_needed:
-                        nursery.start_soon(self._watchdog)
-                    try:
-                        await self._client_pump()
-                    except ConnectionClosed as e:
-                        reason = str(e)
-                    except FrameError as e:
-                        reason = f"bad frame from client: {e}"
-                    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                        reason = f"client connection error: {e!r}"
-                    nursery.cancel_scope.cancel()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        if self.server.watchdog_needed:
+                            nursery.start_soon(self._watchdog)
+                        try:
+                            await self._client_pump()
+                        except ConnectionClosed as e:
+                            reason = str(e)
+                        except FrameError as e:
+                            reason = f"bad frame from client: {e}"
+                        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                            reason = f"client connection error: {e!r}"
+                        nursery.cancel_scope.cancel()
+                except Exception as e:
+                    # A bug (in kproxy or a filter) ends this connection only, never the proxy.
+                    # The traceback names code, not message contents, so no secret reaches the log.
+                    log.error("connection %d: internal error", ctx.connection_id, exc_info=True)
+                    reason = f"internal error: {type(_leaf(e)).__name__}"
             if self._close_reason is not None:
                 reason = self._close_reason
             elif scope.cancelled_caught and reason == "client closed the connection":
@@ -282,6 +288,13 @@ def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
             if isinstance(v, int) and v > extra:
                 extra = v
     return request_timeout + extra / 1000.0
+
+
+def _leaf(e: BaseException) -> BaseException:
+    """The one exception inside nested single-member exception groups (trio's nurseries wrap)."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
 
 
 def _addr(a: tuple[str, int] | None) -> str:

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import confluent_kafka
 import pytest
 
-from kproxy.protocol.messages import body_class
+from kproxy.protocol.messages import Request, body_class, encode_request_frame
+from kproxy.proxy.filters import ConnectionContext, Filter
 from kproxy.server.demo import broker_answers
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block, start_proxy
@@ -401,3 +402,37 @@ def test_unknown_broker_port_is_served_then_rerouted(tansu_binary: str) -> None:
                 assert not any(api == 0 for _, api, _ in boot.forwarded)
             finally:
                 p.stop()
+
+
+class _Broken(Filter):
+    """A filter with a bug: raises on every Metadata request from client id "crash"."""
+
+    name = "broken"
+    request_api_keys = frozenset({3})
+
+    def on_request(self, ctx: ConnectionContext, request: Request) -> None:
+        if request.client_id == "crash":
+            raise RuntimeError("filter bug")
+        return None
+
+
+def test_a_failing_filter_ends_only_its_connection(broker: TansuBroker,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kproxy")
+    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", filters=[_Broken()])
+    try:
+        good = Wire(p.bootstrap)
+        assert good.metadata(1).correlation_id == 1
+        bad = Wire(p.bootstrap)
+        bad.sock.sendall(b"".join(bytes(b) for b in encode_request_frame(
+            Request.build(3, 12, 5, "crash", body_class(3, "request")(topics=[])))))
+        assert bad.closed_by_peer()
+        bad.close()
+        assert good.metadata(2).correlation_id == 2       # the proxy and other clients carry on
+        deadline = time.monotonic() + 5
+        while not any("internal error: RuntimeError" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        good.close()
+    finally:
+        p.stop()
