@@ -19,6 +19,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", "-c", help="YAML configuration file")
     run.add_argument("--upstream", help="HOST:PORT[,HOST:PORT...] bootstrap servers (no config file)")
     run.add_argument("--listen", help="HOST:PORT of the bootstrap listener (no config file)")
+    run.add_argument("--advertised-host", help="host clients are told to connect to (default: the "
+                     "listen host; needed when listening on 0.0.0.0)")
     run.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
 
     check = sub.add_parser("check", help="validate a configuration file and exit")

@@ -357,7 +357,9 @@ def run_from_args(args: Any) -> int:
             if args.log_level:
                 cfg = attrs.evolve(cfg, log_level=args.log_level.upper())
         elif args.upstream and args.listen:
-            cfg = config_from_args(args.upstream, args.listen, log_level=args.log_level)
+            exposure = {"advertised_host": args.advertised_host} if args.advertised_host else None
+            cfg = config_from_args(args.upstream, args.listen, log_level=args.log_level,
+                                   exposure=exposure)
         else:
             print("kproxy run: give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT",
                   file=sys.stderr)
