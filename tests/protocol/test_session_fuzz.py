@@ -66,7 +66,7 @@ def test_mutated_responses_only_ever_yield_actions(api_key):
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(_frame(api_key, "request"), _frame(api_key, "response"), st.data())
     def check(req, resp, data):
-        v_req, req_bytes = req
+        _, req_bytes = req
         s = _session()
         out = s.client_frame(memoryview(bytearray(req_bytes)))
         _only_actions(out)
