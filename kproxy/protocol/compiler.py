@@ -69,6 +69,14 @@ class Struct:
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
+    def omit_default_tags(self) -> None:
+        """Encode tagged fields that hold their default by leaving them out, as Kafka does.
+
+        A decoded message remembers which default-valued tags it carried, so it re-encodes byte
+        for byte; this forgets that (for this struct, not its children).
+        """
+        self._explicit = None  # type: ignore[misc]  # slot declared by each generated subclass
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._fields)
         return f"{type(self).__name__}({inner})"
@@ -216,7 +224,7 @@ def _base_ns() -> dict[str, Any]:
         "_uv": P.read_uvarint, "_wuv": P.write_uvarint, "_UV1": P.UVARINT_1,
         "_I8": P.INT8.unpack_from, "_I16": P.INT16.unpack_from, "_I32": P.INT32.unpack_from,
         "_P16": P.INT16.pack, "_P32": P.INT32.pack, "_P8": P.INT8.pack,
-        "_uuid": P.make_uuid, "_ZERO_UUID": P.ZERO_UUID, "_unpack": _struct.unpack_from, "_St": _struct.Struct,
+        "_uuid": P.make_uuid, "_ZERO_UUID": P.ZERO_UUID, "_St": _struct.Struct,
         "_pack": _struct.pack, "_Bad": Bad, "_NEW": NEW, "_ZC": ZERO_COPY_MIN,
     }
 

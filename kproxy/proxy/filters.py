@@ -115,15 +115,15 @@ class FilterChain:
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
         if got is None:
-            got = tuple(f for f in self.filters
-                        if f.request_api_keys is None or api_key in f.request_api_keys)
-            self._by_request_key[api_key] = got
+            got = self._by_request_key[api_key] = self._select(api_key, "request_api_keys")
         return got
 
     def for_response(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_response_key.get(api_key)
         if got is None:
-            got = tuple(f for f in self.filters
-                        if f.response_api_keys is None or api_key in f.response_api_keys)
-            self._by_response_key[api_key] = got
+            got = self._by_response_key[api_key] = self._select(api_key, "response_api_keys")
         return got
+
+    def _select(self, api_key: int, keys_attr: str) -> tuple[Filter, ...]:
+        return tuple(f for f in self.filters
+                     if (keys := getattr(f, keys_attr)) is None or api_key in keys)

@@ -16,17 +16,17 @@ from typing import Any
 
 import attrs
 
-from kproxy.protocol.compiler import message_class
 from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
 from kproxy.protocol.messages import (
     Request,
     Response,
-    api_by_key,
     api_name,
+    body_class,
     decode_request,
     decode_response,
     encode_request_frame,
     encode_response_frame,
+    peek_request_header,
     supported_versions,
 )
 from kproxy.protocol.primitives import read_uvarint
@@ -36,7 +36,6 @@ from kproxy.proxy.replies import error_response
 log = logging.getLogger("kproxy.session")
 
 _I32 = struct.Struct(">i")
-_HHI = struct.Struct(">hhi")
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
 UNSUPPORTED_VERSION = 35
@@ -205,7 +204,7 @@ class Session:
             if self._raw_sasl:
                 return actions + self._raw_sasl_token(frame)
             return [Close(f"request of {len(frame)} bytes is shorter than a request header")]
-        api_key, api_version, correlation_id = _HHI.unpack_from(frame, 0)
+        api_key, api_version, correlation_id = peek_request_header(frame)
         try:
             req = decode_request(frame, keep_trailing=True)
         except UnsupportedVersionError as e:
@@ -298,7 +297,7 @@ class Session:
             # A client newer than kproxy: answer as a broker does, in v0 with UNSUPPORTED_VERSION
             # and kproxy's own ApiVersions range, so the client retries with a version we decode.
             lo, hi = supported_versions()[API_VERSIONS]
-            cls: Any = message_class(api_by_key(API_VERSIONS).response)  # type: ignore[arg-type]
+            cls: Any = body_class(API_VERSIONS, "response")
             body = cls(error_code=UNSUPPORTED_VERSION,
                        api_keys=[cls.ApiVersion(api_key=API_VERSIONS, min_version=lo, max_version=hi)])
             entry = InFlight(correlation_id, api_key, 0, now, None)

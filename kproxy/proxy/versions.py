@@ -42,5 +42,5 @@ class ApiVersionsNarrower(Filter):
         # Tagged fields that hold their default are left out, as Apache Kafka sends them. Some brokers
         # (tansu) send all four explicitly, and librdkafka up to 2.0 (Debian's kcat) cannot skip
         # tagged-field data in this response; the meaning is the same either way.
-        body._explicit = None
+        body.omit_default_tags()
         return 0.0

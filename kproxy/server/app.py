@@ -101,7 +101,8 @@ class ProxyServer:
             sni_domain=exposure.sni.domain if self.sni and exposure.sni else None,
             sni_port=config.listen.port if self.sni else None,
             on_new_port=self._open_broker_listener)
-        builtin: list[Filter] = [AddressRewriter(self.address_map)]
+        self.rewriter = AddressRewriter(self.address_map)
+        builtin: list[Filter] = [self.rewriter]
         if not config.passthrough_unknown_versions:
             builtin.insert(0, ApiVersionsNarrower())
         self.chain = FilterChain([*builtin, *filters])
@@ -230,7 +231,7 @@ class ProxyServer:
             ctx.listener = f"{route.role}-{route.node_id}"
         session = Session(ctx, self.chain,
                           passthrough_unknown_versions=self.config.passthrough_unknown_versions)
-        conn = ClientConnection(self, transport, session, route.upstream if route else None, (port, name))
+        conn = ClientConnection(self, transport, session, (port, name))
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
@@ -308,11 +309,9 @@ class ProxyServer:
             raise KProxyError("broker offers no Metadata version kproxy decodes")
         version = meta.max_version
         body = body_class(3, "request")(topics=[])
-        resp = await roundtrip(Request.build(3, version, 2, "kproxy", body))
-        ctx = ConnectionContext(0, listener="discovery")
-        for f in self.chain.for_response(3):
-            if isinstance(f, AddressRewriter):
-                f.on_response(ctx, Request.build(3, version, 2, "kproxy", body), resp)
+        req = Request.build(3, version, 2, "kproxy", body)
+        resp = await roundtrip(req)
+        self.rewriter.on_response(ConnectionContext(0, listener="discovery"), req, resp)
 
     # -- shutdown
 

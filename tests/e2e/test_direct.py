@@ -99,28 +99,22 @@ def test_describe_configs(client: Client, broker: TansuBroker, topic: str) -> No
     assert {name: configs.get(name) for name in TOPIC_CONFIGS} == TOPIC_CONFIGS
 
 
-KCAT_RECORDS = [(f"key-{i}", f"value-{i}") for i in range(10)]
-needs_kcat = pytest.mark.skipif(
-    kcat.kcat_path() is None, reason="kcat is not installed (apt-get install kcat)"
-)
-
-
-@needs_kcat
+@pytest.mark.usefixtures("kcat_binary")
 def test_kcat_with_bundled_librdkafka(broker: TansuBroker, topic: str) -> None:
     librdkafka_dir = kcat.bundled_librdkafka_dir()
-    if librdkafka_dir is None:
-        pytest.skip("confluent-kafka wheel without a bundled librdkafka")
-    ok, output = kcat.kcat_roundtrip(broker.bootstrap, topic, KCAT_RECORDS, librdkafka_dir=librdkafka_dir)
+    assert librdkafka_dir is not None, "the confluent-kafka wheel bundles librdkafka"
+    ok, output = kcat.kcat_roundtrip(broker.bootstrap, topic, kcat.SAMPLE_RECORDS,
+                                     librdkafka_dir=librdkafka_dir)
     assert ok, output
 
 
-@needs_kcat
+@pytest.mark.usefixtures("kcat_binary")
 @pytest.mark.xfail(
     reason="Debian kcat's librdkafka 2.0.2 cannot skip the tagged fields in tansu's ApiVersions v3 answer",
     strict=True,
 )
 def test_kcat_with_system_librdkafka(broker: TansuBroker, topic: str) -> None:
-    ok, output = kcat.kcat_roundtrip(broker.bootstrap, topic, KCAT_RECORDS)
+    ok, output = kcat.kcat_roundtrip(broker.bootstrap, topic, kcat.SAMPLE_RECORDS)
     assert ok, output
 
 

@@ -3,6 +3,7 @@ goes away and comes back, and a SIGTERM drain. Each asserts what the client sees
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -17,7 +18,6 @@ import pytest
 
 from kproxy.protocol.messages import Request, body_class, encode_request_frame
 from kproxy.proxy.filters import ConnectionContext, Filter
-from kproxy.server.demo import broker_answers
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
@@ -140,27 +140,25 @@ def test_client_gone_with_requests_in_flight_leaks_nothing(proxy: ProxyThread, b
 # -- a broker that goes away and comes back
 
 
-def _start_tansu(binary: str, listen_port: int, advertised: str) -> subprocess.Popen[bytes]:
-    url = f"tcp://127.0.0.1:{listen_port}"
-    proc = subprocess.Popen([binary, "broker", "--listener-url", url, "--advertised-listener-url",
-                             f"tcp://{advertised}", "--silent"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not broker_answers("127.0.0.1", listen_port, 1.0):
-        assert proc.poll() is None and time.monotonic() < deadline, "tansu did not start"
-        time.sleep(0.05)
-    return proc
+@contextlib.contextmanager
+def relayed_tansu(binary: str) -> Iterator[Relay]:
+    """A tansu broker behind a relay that can be cut, hung and restored; it advertises the relay,
+    so every connection kproxy makes to the broker passes through it."""
+    relay_port = free_port()
+    tansu = TansuBehind(binary, ("127.0.0.1", relay_port))
+    relay = Relay(("127.0.0.1", tansu.port), relay_port)
+    relay.start()
+    try:
+        with tansu:
+            yield relay
+    finally:
+        relay.stop()
 
 
 def test_broker_outage_with_idempotent_producer_loses_no_acknowledged_record(tansu_binary: str) -> None:
-    broker_port, relay_port = free_port(), free_port()
-    relay = Relay(("127.0.0.1", broker_port), relay_port)
-    relay.start()
-    proc = _start_tansu(tansu_binary, broker_port, relay.bootstrap)   # metadata names the relay
-    p = None
-    try:
-        p = start_proxy(relay.bootstrap, advertised_host="127.0.0.1")
-        topic = f"outage-{broker_port}"
+    with relayed_tansu(tansu_binary) as relay, \
+            start_proxy(relay.bootstrap, advertised_host="127.0.0.1") as p:
+        topic = f"outage-{relay.address[1]}"
         confluent_create_topic(p.bootstrap, topic)
         acked: list[bytes] = []
         failed: list[str] = []
@@ -202,23 +200,11 @@ def test_broker_outage_with_idempotent_producer_loses_no_acknowledged_record(tan
                 seen.append(m.value())
         consumer.close()
         assert sorted(seen) == sorted(acked)
-    finally:
-        if p is not None:
-            p.stop()
-        relay.stop()
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_hung_broker_gives_retriable_errors_not_a_hung_socket(tansu_binary: str) -> None:
-    broker_port, relay_port = free_port(), free_port()
-    relay = Relay(("127.0.0.1", broker_port), relay_port)
-    relay.start()
-    proc = _start_tansu(tansu_binary, broker_port, relay.bootstrap)
-    p = None
-    try:
-        p = start_proxy(relay.bootstrap, advertised_host="127.0.0.1",
-                        upstream_settings={"request_timeout_s": 1.0})
+    with relayed_tansu(tansu_binary) as relay, start_proxy(
+            relay.bootstrap, advertised_host="127.0.0.1", upstream_settings={"request_timeout_s": 1.0}) as p:
         w = Wire(p.bootstrap)
         assert w.metadata(1).correlation_id == 1
         relay.hung.set()       # the broker stops answering but keeps the connection open
@@ -233,12 +219,6 @@ def test_hung_broker_gives_retriable_errors_not_a_hung_socket(tansu_binary: str)
         relay.hung.clear()
         assert w.metadata(6).correlation_id == 6       # next request reconnects
         w.close()
-    finally:
-        if p is not None:
-            p.stop()
-        relay.stop()
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_real_broker_restart_clients_recover(tansu_binary: str) -> None:

@@ -115,13 +115,10 @@ def test_zz_no_upstream_address_reached_any_client(tap: ResponseTap, broker: Tan
     assert tap.leaks(broker.host, broker.port) == []
 
 
-KCAT_RECORDS = [(f"key-{i}", f"value-{i}") for i in range(10)]
-
-
-@pytest.mark.skipif(kcat.kcat_path() is None, reason="kcat is not installed (make test installs it)")
+@pytest.mark.usefixtures("kcat_binary")
 def test_kcat_debian_build_works_through_kproxy(proxy: ProxyThread, broker: TansuBroker, topic: str) -> None:
     # Direct, Debian's kcat (librdkafka 2.0.2) fails on tansu's ApiVersions v3 answer (test_direct.py):
     # it cannot skip tagged fields that tansu sends with default values. kproxy leaves those out,
     # as Apache Kafka does, so the same binary works through kproxy.
-    ok, output = kcat.kcat_roundtrip(proxy.bootstrap, topic, KCAT_RECORDS)
+    ok, output = kcat.kcat_roundtrip(proxy.bootstrap, topic, kcat.SAMPLE_RECORDS)
     assert ok, output

@@ -28,6 +28,7 @@ from kproxy.config import parse_config
 from kproxy.protocol.messages import Request, body_class, decode_response, encode_request_frame
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
+from tests.e2e.relay import pipe
 from tests.e2e.sasl_gate import (
     TansuBehind,
     confluent_roundtrip,
@@ -268,20 +269,8 @@ class TlsRelay:
         assert self.target is not None
         up = socket.create_connection(self.target)
         self._sockets += [tls, up]
-        threading.Thread(target=_pump, args=(up, tls), daemon=True).start()
-        _pump(tls, up)
-
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.close()
+        threading.Thread(target=pipe, args=(up, tls), daemon=True).start()
+        pipe(tls, up)
 
 
 _SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU"}
