@@ -2,9 +2,10 @@
 
 The caller receives straight into the buffer that ``recv_buffer()`` hands out (``recv_into``) and
 reports how many bytes arrived with ``received(n)``; ``next_frame()`` then yields each complete frame
-(without its 4-byte prefix) as a memoryview. Small frames are views into a shared chunk buffer that
-is never overwritten while a frame may still reference it; a frame larger than what is left of the
-chunk gets a buffer of its own, sized from its prefix once the prefix has passed the size checks.
+(without its 4-byte prefix) as a memoryview. Memory follows the bytes that actually arrived: the
+receive chunk is allocated on first use, starts small and grows with the traffic, and an idle reader
+can give it back; a frame larger than the chunk gets a buffer of its own that, unless the peer's
+size claims are trusted, grows as its bytes arrive rather than by what its prefix claims.
 """
 
 from __future__ import annotations
@@ -17,44 +18,77 @@ _SIZE = struct.Struct(">i")
 
 DEFAULT_MAX_FRAME_SIZE = 100 * 1024 * 1024  # Kafka's socket.request.max.bytes default
 DEFAULT_CHUNK_SIZE = 256 * 1024
+FIRST_CHUNK_SIZE = 4 * 1024        # an idle connection costs a few KiB, not a whole chunk
+GROWTH_FLOOR = 64 * 1024           # first step of an untrusted large frame's buffer
 
 
 class FrameReader:
-    """Incremental frame splitter. Not thread-safe; one per connection direction."""
+    """Incremental frame splitter. Not thread-safe; one per connection direction.
 
-    __slots__ = ("_big", "_big_fill", "_buf", "_chunk_size", "_end", "_start", "max_frame_size",
-                 "total_bytes")
+    ``trust_claims``: allocate a large frame's buffer from its size prefix at once (the broker
+    side, where one copy of multi-megabyte Fetch answers matters); otherwise the buffer grows in
+    doubling steps no larger than twice what has arrived (the client side, where four bytes must not
+    buy an allocation of the frame limit).
+    """
+
+    __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_next_chunk",
+                 "_ready", "_start", "frames", "max_frame_size", "total_bytes", "trust_claims")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, *, trust_claims: bool = True) -> None:
         if max_frame_size < 1:
             raise ValueError("max_frame_size must be positive")
         self.max_frame_size = max_frame_size
+        self.trust_claims = trust_claims
         self._chunk_size = chunk_size
-        self._buf = bytearray(chunk_size)
+        self._next_chunk = min(FIRST_CHUNK_SIZE, chunk_size)
+        self._buf: bytearray | None = None   # allocated on first receive
         self._start = 0          # first unconsumed byte in _buf
         self._end = 0            # one past the last received byte in _buf
         self._big: bytearray | None = None   # dedicated buffer of a large frame being received
         self._big_fill = 0
+        self._big_size = 0       # the large frame's size (its buffer may still be smaller)
+        self._ready: memoryview | None = None   # a complete large frame not yet taken
         self.total_bytes = 0
+        self.frames = 0          # frames returned so far
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as frames."""
-        return self._end - self._start + (self._big_fill if self._big is not None else 0)
+        ready = len(self._ready) + 4 if self._ready is not None else 0
+        return self._end - self._start + (self._big_fill if self._big is not None else 0) + ready
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffer this reader holds allocated (for the process-wide buffer budget)."""
+        held = len(self._buf) if self._buf is not None else 0
+        if self._ready is not None:
+            held += len(self._ready)
+        return held + (len(self._big) if self._big is not None else 0)
 
     @property
     def at_frame_boundary(self) -> bool:
-        return self._big is None and self._end == self._start
+        return self._big is None and self._ready is None and self._end == self._start
 
     def recv_buffer(self) -> memoryview:
         """A writable view to receive into; never empty."""
-        if self._big is not None:
-            return memoryview(self._big)[self._big_fill:]
+        big = self._big
+        if big is not None:
+            if self._big_fill == self._big_size:
+                # Complete but not taken yet (a caller feeding ahead): set it aside.
+                self._ready = memoryview(big)
+                self._big = None
+                self._big_fill = 0
+                return self.recv_buffer()
+            if self._big_fill == len(big):
+                big = self._grow_big()
+            return memoryview(big)[self._big_fill:]
+        if self._buf is None:
+            self._buf = bytearray(self._next_chunk)
         if self._end == len(self._buf):
             self._make_room()
             if self._big is not None:
-                return memoryview(self._big)[self._big_fill:]
+                return self.recv_buffer()
         return memoryview(self._buf)[self._end:]
 
     def received(self, n: int) -> None:
@@ -74,69 +108,118 @@ class FrameReader:
             self.received(k)
             mv = mv[k:]
 
+    @property
+    def idle_chunk_is_large(self) -> bool:
+        """Nothing buffered, and the receive chunk has grown past the first size: worth releasing
+        if the connection is about to wait."""
+        return (self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE and self._big is None
+                and self._ready is None and self._end == self._start)
+
+    def release_idle(self) -> int:
+        """Give back the receive chunk when nothing is buffered; returns the bytes released.
+
+        Call it only between receives (never while a view from ``recv_buffer`` is being filled).
+        Frames already returned stay valid: they keep their chunk alive for as long as they are used.
+        The next chunk is allocated at the next receive, at the size the traffic had grown it to.
+        """
+        if self._buf is None or not self.at_frame_boundary:
+            return 0
+        released = len(self._buf)
+        self._buf = None
+        self._start = self._end = 0
+        return released
+
     def next_frame(self) -> memoryview | None:
         """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix."""
+        if self._ready is not None:
+            frame, self._ready = self._ready, None
+            self.frames += 1
+            return frame
         big = self._big
         if big is not None:
-            if self._big_fill < len(big):
+            if self._big_fill < self._big_size:
                 return None
             self._big = None
             self._big_fill = 0
+            self.frames += 1
             return memoryview(big)
+        buf = self._buf
         avail = self._end - self._start
-        if avail < 4:
+        if avail < 4 or buf is None:
             return None
         start = self._start
-        (size,) = _SIZE.unpack_from(self._buf, start)
+        (size,) = _SIZE.unpack_from(buf, start)
         if size < 0:
             raise FrameError(f"negative frame size {size}", self.total_bytes - avail, "frame.size")
         if size > self.max_frame_size:
             raise FrameError(f"frame of {size} bytes exceeds the {self.max_frame_size}-byte limit",
                              self.total_bytes - avail, "frame.size")
         if avail >= 4 + size:
-            frame = memoryview(self._buf)[start + 4 : start + 4 + size]
+            frame = memoryview(buf)[start + 4 : start + 4 + size]
             self._start = start + 4 + size
-            if self._start == self._end and self._end > len(self._buf) // 2:
+            self.frames += 1
+            if self._start == self._end and self._end > len(buf) // 2:
                 # Everything consumed and the chunk is half used: start the next frame on a fresh
                 # chunk so a small frame does not keep a nearly full chunk alive on its own.
-                self._new_chunk()
+                self._new_chunk(grow=self._end == len(buf))
             return frame
-        if start + 4 + size <= len(self._buf):
+        if start + 4 + size <= len(buf):
             return None  # fits in the current chunk: keep receiving into it
         if size <= self._chunk_size // 2:
             # Small frame that straddles the chunk end: move its head to a fresh chunk.
-            self._new_chunk()
+            self._new_chunk(grow=True, need=size + 4)
             return None
         self._to_big_buffer(size)
         return None
 
     def _to_big_buffer(self, size: int) -> None:
-        # Large frame: one buffer exactly its size, the bytes already here copied once.
-        big = bytearray(size)
+        # Large frame: a buffer of its own, the bytes already here copied once.
+        assert self._buf is not None
         have = self._end - self._start - 4
+        first = size if self.trust_claims else min(size, max(2 * have, GROWTH_FLOOR))
+        big = bytearray(first)
         big[:have] = self._buf[self._start + 4 : self._end]
         self._start = self._end = 0
-        self._buf = bytearray(self._chunk_size)
+        self._buf = None       # the next chunk is allocated when the frame is done
         self._big = big
         self._big_fill = have
+        self._big_size = size
+
+    def _grow_big(self) -> bytearray:
+        # An untrusted large frame's buffer is full: double it, never past the frame's size.
+        assert self._big is not None
+        old = self._big
+        new = bytearray(min(self._big_size, 2 * len(old)))
+        new[: len(old)] = old
+        self._big = new
+        return new
 
     def _make_room(self) -> None:
         """The chunk is full: move a large incomplete frame to its own buffer, else start a chunk."""
+        assert self._buf is not None
         avail = self._end - self._start
         if avail >= 4:
             (size,) = _SIZE.unpack_from(self._buf, self._start)
             if self._chunk_size // 2 < size <= self.max_frame_size and avail < 4 + size:
                 self._to_big_buffer(size)
                 return
-        self._new_chunk()
+        self._new_chunk(grow=True)
 
-    def _new_chunk(self) -> None:
-        tail = self._buf[self._start : self._end]
-        # Room for at least one more chunk of reads: a full chunk of unconsumed bytes (a caller
-        # feeding without taking frames) must still get a non-empty receive buffer.
-        size = self._chunk_size if len(tail) <= self._chunk_size // 2 else len(tail) + self._chunk_size
-        self._buf = bytearray(size)
-        self._buf[: len(tail)] = tail
+    def _new_chunk(self, grow: bool, need: int = 0) -> None:
+        old = self._buf
+        assert old is not None
+        if grow:
+            # The traffic filled a chunk: the next one is larger, up to the configured chunk size.
+            self._next_chunk = min(self._chunk_size, max(self._next_chunk * 2, len(old)))
+        tail = old[self._start : self._end]
+        # Room for at least one more receive: a chunk full of unconsumed bytes (a caller feeding
+        # without taking frames) must still get a non-empty receive buffer.
+        size = max(self._next_chunk, need, 2 * len(tail) if len(tail) > self._next_chunk // 2 else 0)
+        if len(tail) >= size:
+            size = len(tail) + self._next_chunk
+        buf = bytearray(size)
+        buf[: len(tail)] = tail
+        self._buf = buf
         self._start = 0
         self._end = len(tail)
 

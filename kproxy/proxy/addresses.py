@@ -4,12 +4,13 @@ Which responses carry endpoints is read from the schema, not listed by hand: any
 ``host`` string and a ``port`` beside a node id (its own, or its parent's) is a broker endpoint. So a
 new API or version that adds endpoints is rewritten as soon as its schema is written. Endpoints
 without a node id (Kafka Streams application endpoints) are the client's own and are left alone.
-Pure: the server is told about a newly exposed port through a callback and binds it synchronously.
+Pure: a port exposed for the first time is only a promise until the I/O layer reports it bound
+(``confirm``); the session asks for it to be opened before the response that names it is written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from typing import Any
 
 import attrs
@@ -18,6 +19,8 @@ from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.messages import Request, Response, apis
 from kproxy.protocol.schema import MessageSpec, StructSpec
 from kproxy.proxy.filters import ConnectionContext, Filter
+
+log = logging.getLogger("kproxy.addresses")
 
 NODE_ID_FIELDS = ("node_id", "broker_id", "leader_id", "replica_id", "voter_id")
 
@@ -50,15 +53,15 @@ class AddressMap:
 
     def __init__(self, advertised_host: str, port_start: int, port_count: int,
                  node_id_base: int | None = None, sni_domain: str | None = None,
-                 sni_port: int | None = None,
-                 on_new_port: Callable[[int], None] | None = None) -> None:
+                 sni_port: int | None = None) -> None:
         self.advertised_host = advertised_host
         self.port_start = port_start
         self.port_count = port_count
         self.node_id_base = node_id_base
         self.sni_domain = sni_domain
         self.sni_port = sni_port
-        self.on_new_port = on_new_port
+        self._unconfirmed: set[int] = set()               # exposed, not yet reported bound
+        self._unusable: dict[int, str] = {}               # ports that could not be bound, and why
         self._port_of: dict[tuple[str, int], int] = {}      # (role, node id) -> port
         self._routes: dict[int, Route] = {}                  # port -> route
         self._by_name: dict[str, Route] = {}                 # SNI name -> route
@@ -82,12 +85,35 @@ class AddressMap:
             exposed = self._allocate(role, node_id)
             self._port_of[key] = exposed
             self._routes[exposed] = Route(role, node_id, upstream)
-            if self.on_new_port is not None:
-                self.on_new_port(exposed)
+            self._unconfirmed.add(exposed)
         elif self._routes[exposed].upstream != upstream:
             # The node moved (new host or port): the same exposed port now leads to its new place.
             self._routes[exposed] = Route(role, node_id, upstream)
         return self.advertised_host, exposed
+
+    def pending_ports(self) -> list[int]:
+        """Ports exposed but not yet reported bound."""
+        return sorted(self._unconfirmed)
+
+    def is_confirmed(self, port: int) -> bool:
+        return port not in self._unconfirmed
+
+    def confirm(self, port: int) -> None:
+        """The I/O layer listens on ``port`` now."""
+        self._unconfirmed.discard(port)
+
+    def withdraw(self, port: int, reason: str) -> Route | None:
+        """``port`` could not be bound: forget its route so it is never advertised again.
+
+        In discovery order the node gets another port the next time a response names it; with
+        ``node_id_base`` its port is fixed, so it stays unreachable and every attempt says why.
+        """
+        self._unconfirmed.discard(port)
+        self._unusable[port] = reason
+        route = self._routes.pop(port, None)
+        if route is not None:
+            self._port_of.pop((route.role, route.node_id), None)
+        return route
 
     def _allocate(self, role: str, node_id: int) -> int:
         end = self.port_start + self.port_count
@@ -96,19 +122,22 @@ class AddressMap:
             if not self.port_start <= port < end or port in self._routes:
                 raise AddressMapError(
                     f"broker node {node_id} maps to port {port}, outside {self.port_start}-{end - 1} "
-                    f"(node_id_base {self.node_id_base}); widen broker_port_count")
+                    f"(exposure.node_id_base {self.node_id_base}); raise exposure.broker_port_count "
+                    f"or set exposure.node_id_base to the lowest broker id")
             return port
+        taken = self._routes.keys() | self._unusable.keys()
         if role == "broker":
-            while self._next_broker in self._routes:
+            while self._next_broker in taken:
                 self._next_broker += 1
             port = self._next_broker
         else:
-            while self._next_controller in self._routes:
+            while self._next_controller in taken:
                 self._next_controller -= 1
             port = self._next_controller
         if not self.port_start <= port < end:
             raise AddressMapError(f"no free port left in {self.port_start}-{end - 1} for {role} node "
-                                  f"{node_id}; widen broker_port_count")
+                                  f"{node_id}; raise exposure.broker_port_count (the cluster has more "
+                                  f"nodes than ports)")
         return port
 
     # -- routing client connections
@@ -194,6 +223,7 @@ class AddressRewriter(Filter):
     def __init__(self, address_map: AddressMap) -> None:
         self.address_map = address_map
         self.response_api_keys = apis_with_endpoints()
+        self._unexposable: set[tuple[str, int]] = set()   # nodes already reported as unexposable
         self._plans: dict[tuple[int, int], tuple[str | None, list[tuple[_Step, ...]]]] = {}
 
     def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
@@ -215,27 +245,60 @@ class AddressRewriter(Filter):
             response.api_key == DESCRIBE_CLUSTER and body.endpoint_type == CONTROLLER_ENDPOINTS) else "broker"
         node_id = getattr(body, root_node) if root_node is not None else None
         for steps in sites:
-            self._walk(body, steps, 0, role, node_id)
+            if not self._walk(ctx, body, steps, 0, role, node_id):
+                _blank(body)    # the endpoint is the body itself (FindCoordinator v0-3)
         return 0.0
 
-    def _walk(self, obj: Any, steps: tuple[_Step, ...], i: int, role: str, node_id: int | None) -> None:
+    def _walk(self, ctx: ConnectionContext, obj: Any, steps: tuple[_Step, ...], i: int, role: str,
+              node_id: int | None) -> bool:
+        """Rewrite the endpoints under ``obj``; False when ``obj`` itself is an endpoint to drop."""
         if i == len(steps):
-            self._rewrite(obj, role, node_id)
-            return
+            return self._rewrite(ctx, obj, role, node_id)
         step = steps[i]
         child = getattr(obj, step.field)
         if child is None:
-            return
-        for item in (child if step.array else (child,)):
+            return True
+        if not step.array:
+            nid = getattr(child, step.node_field) if step.node_field is not None else node_id
+            if not self._walk(ctx, child, steps, i + 1, role, nid):
+                _blank(child)
+            return True
+        dropped = False
+        for item in child:
             nid = getattr(item, step.node_field) if step.node_field is not None else node_id
-            self._walk(item, steps, i + 1, role, nid)
+            if not self._walk(ctx, item, steps, i + 1, role, nid):
+                dropped = True
+        if dropped and i + 1 == len(steps):
+            # A node kproxy cannot expose is left out of the list: clients treat its partitions as
+            # leaderless and retry, rather than being sent to the real broker behind kproxy.
+            setattr(obj, step.field, [e for e in child if e.host != _DROP])
+        return True
 
-    def _rewrite(self, endpoint: Any, role: str, node_id: int | None) -> None:
+    def _rewrite(self, ctx: ConnectionContext, endpoint: Any, role: str, node_id: int | None) -> bool:
         if node_id is None or node_id < 0 or not endpoint.host or endpoint.port <= 0:
             # FindCoordinator errors carry node -1, host "" and port -1: nothing to expose, but no
             # upstream detail may survive either.
             if endpoint.host:
                 endpoint.host = ""
-            return
-        endpoint.host, endpoint.port = self.address_map.expose(role, node_id, endpoint.host,
-                                                               endpoint.port)
+            return True
+        amap = self.address_map
+        try:
+            host, port = amap.expose(role, node_id, endpoint.host, endpoint.port)
+        except AddressMapError as e:
+            if (role, node_id) not in self._unexposable:
+                self._unexposable.add((role, node_id))
+                log.error("cannot expose %s node %d: %s", role, node_id, e)
+            endpoint.host = _DROP
+            return False
+        if not amap.is_confirmed(port) and port not in ctx.ports_to_open:
+            ctx.ports_to_open.append(port)
+        endpoint.host, endpoint.port = host, port
+        return True
+
+
+# Marks an endpoint that must not reach the client (its node has no port); never a real host name.
+_DROP = "\x00kproxy-unexposable"
+
+
+def _blank(endpoint: Any) -> None:
+    endpoint.host, endpoint.port = "", -1

@@ -22,13 +22,25 @@ ALL: frozenset[int] | None = None  # a filter's key set that means "every api ke
 class ConnectionContext:
     """What kproxy knows about one client connection; shared by every filter on it.
 
-    ``principal`` is the identity later filters act on: the mTLS client certificate's subject,
-    replaced by the SASL user once the broker has accepted the authentication.
+    ``principal`` is the identity filters act on: the SASL user once the broker has accepted the
+    authentication, else the verified mTLS client certificate's subject, else None. A user the client
+    only claims (a token the broker has not accepted yet, or refused) is never a principal.
+
+    ``listener`` says where the client connected, one of:
+
+    - ``bootstrap``: the bootstrap listener (or the SNI bootstrap name), and a broker port or name
+      kproxy has not placed yet (it is served through the bootstrap servers until it is learned);
+    - ``broker-<node id>``: a broker's port or SNI name;
+    - ``controller-<node id>``: a KRaft controller's port or SNI name (KIP-919);
+    - ``discovery``: kproxy's own start-up Metadata request, seen only by the address rewriter.
+
+    While a hook runs, ``exchange`` is the request's completed-request entry
+    (``kproxy.proxy.session.InFlight``); filters record their decisions on it with ``note()``.
     """
 
     connection_id: int
     client_address: tuple[str, int] | None = None
-    listener: str = "bootstrap"            # "bootstrap" or "node-<id>"
+    listener: str = "bootstrap"
     clock: Callable[[], float] = attrs.field(default=lambda: 0.0)
     tls_subject: str | None = None
     sasl_mechanism: str | None = None
@@ -39,6 +51,10 @@ class ConnectionContext:
     client_software_version: str | None = None
     # Scratch space for filters (per connection), keyed by the filter's own name.
     state: dict[str, Any] = attrs.field(factory=dict)
+    exchange: Any = None
+    # Broker ports the address rewriter exposed for the response at hand that no listener holds
+    # yet; the session asks the I/O layer to open them before the response is written.
+    ports_to_open: list[int] = attrs.field(factory=list)
 
     @property
     def principal(self) -> str | None:

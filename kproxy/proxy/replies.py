@@ -131,3 +131,25 @@ def error_response(request: Request, error_code: int, message: str | None = None
     if throttle_time_ms and "throttle_time_ms" in _present(api.response.root, request.api_version):
         body.throttle_time_ms = throttle_time_ms
     return Response(request.api_key, request.api_version, hc.cls(request.correlation_id), body)
+
+
+# What a client is told about a request whose broker connection was lost: an error that makes every
+# client refresh its view and retry. Partition-level APIs point at leadership, group and transaction
+# APIs at the coordinator; Metadata and the handshake APIs have no such error, so the client
+# connection is closed instead, which clients also treat as retriable.
+_LEADER_APIS = frozenset({0, 1, 2, 23, 78, 79})
+_COORDINATOR_APIS = frozenset({8, 9, 10, 11, 12, 13, 14, 15, 16, 22, 24, 25, 26, 28, 42, 47, 68, 69,
+                               76, 77, 88, 89, 90, 91})
+_CLOSE_ON_LOSS = frozenset({3, 17, 18, 36})
+NOT_LEADER_OR_FOLLOWER, REQUEST_TIMED_OUT, COORDINATOR_NOT_AVAILABLE = 6, 7, 15
+
+
+def lost_connection_error(api_key: int) -> int | None:
+    """The retriable error for a request whose broker connection was lost; None: close instead."""
+    if api_key in _CLOSE_ON_LOSS:
+        return None
+    if api_key in _LEADER_APIS:
+        return NOT_LEADER_OR_FOLLOWER
+    if api_key in _COORDINATOR_APIS:
+        return COORDINATOR_NOT_AVAILABLE
+    return REQUEST_TIMED_OUT

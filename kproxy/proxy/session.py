@@ -2,9 +2,10 @@
 
 The session decodes each request, runs the filters, gives it a correlation id of kproxy's own on the
 upstream connection, and remembers it until the answer comes back; answers go to the client in the
-order the client asked, whether they came from the broker or from a filter. It also follows SASL so
-the authenticated principal is known, without ever keeping or showing a token. No sockets, no clock:
-time comes from the context's injected clock.
+order the client asked, whether they came from the broker or from a filter. Every request ends in
+exactly one completed ``InFlight`` entry, handed to the I/O layer on the action that finishes it. It
+also follows SASL so the principal is the one the broker accepted, never one the client claims. No
+sockets, no clock: time comes from the context's injected clock.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from kproxy.logs import safe
 from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
 from kproxy.protocol.messages import (
     Request,
@@ -30,8 +32,8 @@ from kproxy.protocol.messages import (
     supported_versions,
 )
 from kproxy.protocol.primitives import read_uvarint
-from kproxy.proxy.filters import ConnectionContext, Delay, FilterChain, Respond
-from kproxy.proxy.replies import error_response
+from kproxy.proxy.filters import ConnectionContext, Delay, Filter, FilterChain, Respond
+from kproxy.proxy.replies import error_response, lost_connection_error
 
 log = logging.getLogger("kproxy.session")
 
@@ -40,15 +42,12 @@ _I32 = struct.Struct(">i")
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
 UNSUPPORTED_VERSION = 35
 
-# What a client is told about a request whose broker connection was lost: an error that makes every
-# client refresh its view and retry. Partition-level APIs point at leadership, group and transaction
-# APIs at the coordinator; Metadata and the handshake APIs have no such error, so the client
-# connection is closed instead, which clients also treat as retriable.
-_LEADER_APIS = frozenset({0, 1, 2, 23, 78, 79})
-_COORDINATOR_APIS = frozenset({8, 9, 10, 11, 12, 13, 14, 15, 16, 22, 24, 25, 26, 28, 42, 47, 68, 69,
-                               76, 77, 88, 89, 90, 91})
-_CLOSE_ON_LOSS = frozenset({3, 17, 18, 36})
-NOT_LEADER_OR_FOLLOWER, REQUEST_TIMED_OUT, COORDINATOR_NOT_AVAILABLE = 6, 7, 15
+# Outcomes of a request (``InFlight.outcome``).
+FORWARDED = "forwarded"          # the broker answered
+LOCAL = "local"                  # kproxy answered (a filter, an unsupported version)
+NO_RESPONSE = "no_response"      # acks=0 Produce: complete once written to the broker
+UPSTREAM_LOST = "upstream_lost"  # the broker connection was lost or timed out first
+PASSTHROUGH = "passthrough"      # forwarded opaquely (passthrough_unknown_versions)
 
 
 class Action:
@@ -58,23 +57,30 @@ class Action:
 
 
 class ToUpstream(Action):
-    __slots__ = ("buffers",)
+    """Write ``buffers`` to the broker. ``entry`` is the request they carry (None for raw SASL
+    tokens); the I/O layer stamps its ``forwarded_at`` and, for an acks=0 Produce, completes it."""
 
-    def __init__(self, buffers: list) -> None:
+    __slots__ = ("buffers", "entry")
+
+    def __init__(self, buffers: list, entry: InFlight | None = None) -> None:
         self.buffers = buffers
+        self.entry = entry
 
     def __repr__(self) -> str:
         return f"ToUpstream({sum(len(b) for b in self.buffers)} bytes)"
 
 
 class ToClient(Action):
-    __slots__ = ("buffers",)
+    """Write ``buffers`` to the client; the requests in ``done`` are complete once they are written."""
 
-    def __init__(self, buffers: list) -> None:
+    __slots__ = ("buffers", "done")
+
+    def __init__(self, buffers: list, done: tuple[InFlight, ...] = ()) -> None:
         self.buffers = buffers
+        self.done = done
 
     def __repr__(self) -> str:
-        return f"ToClient({sum(len(b) for b in self.buffers)} bytes)"
+        return f"ToClient({sum(len(b) for b in self.buffers)} bytes, {len(self.done)} done)"
 
 
 class Hold(Action):
@@ -89,13 +95,27 @@ class Hold(Action):
         return f"Hold({self.seconds:.3f}s)"
 
 
+class Listen(Action):
+    """Open these broker ports before doing what follows: the next write names them to the client."""
+
+    __slots__ = ("ports",)
+
+    def __init__(self, ports: tuple[int, ...]) -> None:
+        self.ports = ports
+
+    def __repr__(self) -> str:
+        return f"Listen({', '.join(map(str, self.ports))})"
+
+
 class Close(Action):
-    """Close the client connection, logging ``reason``."""
+    """Close the client connection, logging ``reason``; the requests in ``done`` end with it
+    (answered with the closed connection, as a broker does when it cannot answer)."""
 
-    __slots__ = ("reason",)
+    __slots__ = ("done", "reason")
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, done: tuple[InFlight, ...] = ()) -> None:
         self.reason = reason
+        self.done = done
 
     def __repr__(self) -> str:
         return f"Close({self.reason!r})"
@@ -103,7 +123,12 @@ class Close(Action):
 
 @attrs.define(slots=True, eq=False)
 class InFlight:
-    """A request the client is waiting on."""
+    """A request from the moment it is read until its answer is written: the completed-request entry.
+
+    Times come from the session's clock: ``started`` when the frame was read, ``forwarded_at`` when
+    it was written to the broker, ``answered_at`` when the response was complete, ``finished_at``
+    when the answer was written to the client (the last two stamped by the I/O layer).
+    """
 
     client_correlation_id: int
     api_key: int
@@ -114,13 +139,28 @@ class InFlight:
     reply: list | None = None              # the encoded response, once known
     close_after: str | None = None         # close the connection once this reply is sent
     request_bytes: int = 0
-    response_bytes: int = 0
+    response_bytes: int = 0                # as sent to the client, size prefix included
+    outcome: str = FORWARDED
+    response: Response | None = None       # the decoded answer (after filters), when there is one
+    forwarded_at: float | None = None
+    answered_at: float | None = None
+    finished_at: float | None = None
+    broker: tuple[str, int] | None = None  # the broker connection it went to
+    throttle_ms: int = 0                   # throttle_time_ms as sent to the client
+    # What filters decided about this request (rule names, quota keys), for metrics and logs.
+    notes: dict[str, Any] | None = None
+
+    def note(self, key: str, value: Any) -> None:
+        if self.notes is None:
+            self.notes = {}
+        self.notes[key] = value
 
 
 def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
     """The user name in a client's first SASL token, for PLAIN and SCRAM; None otherwise.
 
-    Only the name is taken; the token (with its password or proof) is dropped right here.
+    Only the name is taken; the token (with its password or proof) is dropped right here. The name is
+    a claim: it becomes the principal only once the broker has accepted the authentication.
     """
     if mechanism == "PLAIN":
         parts = bytes(token).split(b"\x00")
@@ -134,6 +174,10 @@ def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
                 # RFC 5802: "," and "=" in names travel as =2C and =3D.
                 return attr[2:].replace("=2C", ",").replace("=3D", "=")
     return None
+
+
+# Successful SaslAuthenticate round trips after which the broker has accepted the client.
+_SASL_ROUND_TRIPS = {"PLAIN": 1, "SCRAM-SHA-256": 2, "SCRAM-SHA-512": 2}
 
 
 def future_produce_acks(frame: Any) -> int | None:
@@ -164,6 +208,15 @@ def _size_prefixed(frame: Any) -> list:
     return [_I32.pack(len(frame)), frame]
 
 
+def _frame_size(buffers: list) -> int:
+    # Encoded frames start with their 4-byte size prefix.
+    return _I32.unpack_from(buffers[0], 0)[0] + 4 if buffers else 0
+
+
+class FilterFailed(Exception):
+    """A filter hook raised; the connection closes, the proxy carries on."""
+
+
 class Session:
     """The per-connection state machine between one client and its upstream connection."""
 
@@ -180,8 +233,9 @@ class Session:
         self._no_response: collections.deque[int] = collections.deque(maxlen=1024)
         self._throttle_until = 0.0
         self._raw_sasl = False               # after SaslHandshake v0: unframed SASL tokens follow
-        self._sasl_pending_user: str | None = None
-        self._sasl_exchanges = 0
+        self._sasl_claimed_user: str | None = None   # from the client's token; not trusted
+        self._sasl_round_trips = 0
+        self._sasl_handshake_ok = False
         self.sasl_in_progress = False
         self.requests = 0
         self.closed = False
@@ -216,40 +270,61 @@ class Session:
                 return actions + self._raw_sasl_token(frame)
             return [Close(f"malformed {api_name(api_key)} v{api_version} request: {e}")]
         if self._raw_sasl:
-            # A frame that decodes as a whole request ends the raw token exchange (SASL v0).
+            # A frame that decodes as a whole request ends the raw token exchange (SASL v0). It says
+            # nothing about the broker's verdict: only the broker's answers to the tokens do.
             self._raw_sasl = False
-            self._sasl_done()
         self.requests += 1
-        if self.sasl_in_progress and api_key not in (SASL_HANDSHAKE, SASL_AUTHENTICATE):
-            # The broker only answers other requests once authentication has succeeded.
-            self._sasl_done()
         self._observe_request(req)
         entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4)
-        for f in self.chain.for_request(api_key):
-            verdict = f.on_request(self.ctx, req)
-            if verdict is None:
-                continue
-            if isinstance(verdict, Delay):
-                if verdict.seconds > 0:
-                    actions.append(Hold(verdict.seconds))
-                if verdict.then is None:
-                    continue
-                verdict = verdict.then
+        try:
+            verdict = self._request_filters(entry, req, actions)
+        except FilterFailed as e:
+            return [Close(str(e))]
+        if verdict is not None:
             return actions + self._answer_locally(entry, verdict)
         if api_key == PRODUCE and req.body.acks == 0:
             # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
             # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
             req.correlation_id = self._take_correlation_id()
             self._no_response.append(req.correlation_id)
-            actions.append(ToUpstream(encode_request_frame(req)))
+            entry.outcome = NO_RESPONSE
+            actions.append(ToUpstream(encode_request_frame(req), entry))
             return actions
         upstream_id = self._take_correlation_id()
         entry.upstream_correlation_id = upstream_id
         req.correlation_id = upstream_id
         self.in_flight.append(entry)
         self._by_upstream[upstream_id] = entry
-        actions.append(ToUpstream(encode_request_frame(req)))
+        actions.append(ToUpstream(encode_request_frame(req), entry))
         return actions
+
+    def _request_filters(self, entry: InFlight, req: Request, actions: list[Action]) -> Respond | None:
+        ctx = self.ctx
+        ctx.exchange = entry
+        try:
+            for f in self.chain.for_request(req.api_key):
+                try:
+                    verdict = f.on_request(ctx, req)
+                except Exception as e:
+                    raise self._filter_failed(f, "on_request", req.api_key) from e
+                if verdict is None:
+                    continue
+                if isinstance(verdict, Delay):
+                    if verdict.seconds > 0:
+                        actions.append(Hold(verdict.seconds))
+                    if verdict.then is None:
+                        continue
+                    verdict = verdict.then
+                return verdict
+            return None
+        finally:
+            ctx.exchange = None
+
+    def _filter_failed(self, f: Filter, hook: str, api_key: int) -> FilterFailed:
+        # The traceback names code, not message contents, so no secret reaches the log.
+        log.error("connection %d: filter %r failed in %s on %s", self.ctx.connection_id, f.name, hook,
+                  api_name(api_key), exc_info=True)
+        return FilterFailed(f"internal error in filter {f.name!r} ({hook} on {api_name(api_key)})")
 
     def _take_correlation_id(self) -> int:
         cid = self._next_correlation_id
@@ -265,31 +340,55 @@ class Session:
             ctx.client_software_name = req.body.client_software_name
             ctx.client_software_version = req.body.client_software_version
         elif key == SASL_HANDSHAKE:
+            # A new handshake starts over (KIP-368 re-authentication too): until the broker accepts
+            # again, the connection keeps the identity it had, and a claim is only a claim.
             ctx.sasl_mechanism = req.body.mechanism
             self.sasl_in_progress = True
-            self._sasl_exchanges = 0
-            self._sasl_pending_user = None
-        elif key == SASL_AUTHENTICATE:
-            self.sasl_in_progress = True
-            if self._sasl_exchanges == 0:
-                self._sasl_pending_user = sasl_user(ctx.sasl_mechanism, req.body.auth_bytes)
+            self._sasl_handshake_ok = False
+            self._sasl_round_trips = 0
+            self._sasl_claimed_user = None
+        elif key == SASL_AUTHENTICATE and self._sasl_round_trips == 0:
+            self._sasl_claimed_user = sasl_user(ctx.sasl_mechanism, req.body.auth_bytes)
 
     def _raw_sasl_token(self, frame: memoryview) -> list[Action]:
         # The first raw token (handshake v0) names the user just as SaslAuthenticate's would.
-        if self._sasl_exchanges == 0:
-            self._sasl_pending_user = sasl_user(self.ctx.sasl_mechanism, frame)
-        self._sasl_exchanges += 1
+        if self._sasl_round_trips == 0 and self._sasl_claimed_user is None:
+            self._sasl_claimed_user = sasl_user(self.ctx.sasl_mechanism, frame)
         return [ToUpstream(_size_prefixed(frame))]
 
-    def _sasl_done(self) -> None:
+    def _raw_sasl_reply(self, frame: memoryview) -> list[Action]:
+        # A Kafka broker answers each raw token it accepts (PLAIN with an empty one) and closes the
+        # connection on failure: the last expected answer is the broker's acceptance.
+        self._sasl_round_trips += 1
+        needed = _SASL_ROUND_TRIPS.get(self.ctx.sasl_mechanism or "")
+        if needed is not None and self._sasl_round_trips >= needed:
+            self._sasl_accepted()
+        return [ToClient(_size_prefixed(frame))]
+
+    def _sasl_accepted(self) -> None:
+        """The broker accepted the authentication: the claimed user becomes the principal."""
         if not self.sasl_in_progress:
             return
         self.sasl_in_progress = False
-        self.ctx.authenticated = True
-        if self._sasl_pending_user is not None:
-            self.ctx.sasl_user = self._sasl_pending_user
-        log.info("connection %d authenticated as %s (%s)", self.ctx.connection_id,
-                 self.ctx.principal, self.ctx.sasl_mechanism)
+        ctx = self.ctx
+        ctx.authenticated = True
+        # Only PLAIN and SCRAM name the user in a form kproxy can read; other mechanisms leave the
+        # SASL user unset, so the principal stays what a verified certificate says, or none.
+        ctx.sasl_user = self._sasl_claimed_user
+        self._sasl_claimed_user = None
+        log.info("connection %d authenticated as %s (%s)", ctx.connection_id, safe(ctx.principal),
+                 safe(ctx.sasl_mechanism))
+
+    def _sasl_refused(self) -> None:
+        """The broker refused: no SASL identity at all, whatever was established before."""
+        self.sasl_in_progress = False
+        self._sasl_claimed_user = None
+        ctx = self.ctx
+        if ctx.authenticated or ctx.sasl_user is not None:
+            log.info("connection %d: the broker refused SASL re-authentication; identity cleared",
+                     ctx.connection_id)
+        ctx.authenticated = False
+        ctx.sasl_user = None
 
     def _unsupported(self, frame: memoryview, api_key: int, api_version: int, correlation_id: int,
                      err: Exception, now: float) -> list[Action]:
@@ -300,8 +399,11 @@ class Session:
             cls: Any = body_class(API_VERSIONS, "response")
             body = cls(error_code=UNSUPPORTED_VERSION,
                        api_keys=[cls.ApiVersion(api_key=API_VERSIONS, min_version=lo, max_version=hi)])
-            entry = InFlight(correlation_id, api_key, 0, now, None)
-            entry.reply = encode_response_frame(Response.build(API_VERSIONS, 0, correlation_id, body))
+            entry = InFlight(correlation_id, api_key, 0, now, None, request_bytes=len(frame) + 4,
+                             outcome=LOCAL)
+            resp = Response.build(API_VERSIONS, 0, correlation_id, body)
+            entry.response = resp
+            entry.reply = encode_response_frame(resp)
             self.in_flight.append(entry)
             return self._flush()
         if not self.passthrough:
@@ -311,20 +413,29 @@ class Session:
         upstream_id = self._take_correlation_id()
         patched = bytearray(frame)
         _I32.pack_into(patched, 4, upstream_id)
+        entry = InFlight(correlation_id, api_key, api_version, now, None, upstream_id,
+                         request_bytes=len(frame) + 4, outcome=PASSTHROUGH)
         if api_key == PRODUCE and future_produce_acks(frame) == 0:
             self._no_response.append(upstream_id)
-            return [ToUpstream(_size_prefixed(patched))]
-        entry = InFlight(correlation_id, api_key, api_version, now, None, upstream_id,
-                         request_bytes=len(frame) + 4)
+            entry.upstream_correlation_id = None
+            entry.outcome = NO_RESPONSE
+            return [ToUpstream(_size_prefixed(patched), entry)]
         self.in_flight.append(entry)
         self._by_upstream[upstream_id] = entry
-        return [ToUpstream(_size_prefixed(patched))]
+        return [ToUpstream(_size_prefixed(patched), entry)]
 
     def _answer_locally(self, entry: InFlight, verdict: Respond) -> list[Action]:
         req = entry.request
         assert req is not None
+        entry.outcome = LOCAL
         if req.api_key == PRODUCE and req.body.acks == 0:
-            return []  # the client expects no answer
+            # The client expects no answer, so a refusal cannot be told; a Kafka broker closes the
+            # connection when an acks=0 produce fails, and the client notices and refreshes metadata.
+            entry.reply = []
+            entry.close_after = (f"an acks=0 Produce was refused (error {verdict.error_code}); closing "
+                                 "as a broker does, so the client notices")
+            self.in_flight.append(entry)
+            return self._flush()
         if verdict.body is not None:
             resp = Response.build(req.api_key, req.api_version, entry.client_correlation_id, verdict.body)
         else:
@@ -339,6 +450,8 @@ class Session:
                 return self._flush()
             resp = refused
             resp.correlation_id = entry.client_correlation_id
+        entry.response = resp
+        entry.throttle_ms = verdict.throttle_time_ms
         entry.reply = encode_response_frame(resp)
         self.in_flight.append(entry)
         return self._flush()
@@ -349,7 +462,7 @@ class Session:
         """A complete response frame (without its size prefix) from the broker."""
         if self._raw_sasl and not self._by_upstream:
             # Unframed SASL tokens (handshake v0) have no Kafka header: relay them untouched.
-            return [ToClient(_size_prefixed(frame))]
+            return self._raw_sasl_reply(frame)
         if len(frame) < 4:
             return [Close(f"broker sent a {len(frame)}-byte response, shorter than its header")]
         (upstream_id,) = _I32.unpack_from(frame, 0)
@@ -361,7 +474,7 @@ class Session:
                           self.ctx.connection_id)
                 return []
             return [Close(f"broker answered correlation id {upstream_id}, which kproxy never sent")]
-        entry.response_bytes = len(frame) + 4
+        entry.answered_at = self.ctx.clock()
         if entry.request is None:
             patched = bytearray(frame)
             _I32.pack_into(patched, 0, entry.client_correlation_id)
@@ -377,49 +490,70 @@ class Session:
             return [Close(f"malformed {api_name(entry.api_key)} v{version} response from the broker: {e}")]
         throttle = 0.0
         req = entry.request
-        for f in self.chain.for_response(entry.api_key):
-            t = f.on_response(self.ctx, req, resp)
-            if t > throttle:
-                throttle = t
+        ctx = self.ctx
+        ctx.exchange = entry
+        try:
+            for f in self.chain.for_response(entry.api_key):
+                try:
+                    t = f.on_response(ctx, req, resp)
+                except Exception:
+                    return [Close(str(self._filter_failed(f, "on_response", entry.api_key)))]
+                if t > throttle:
+                    throttle = t
+        finally:
+            ctx.exchange = None
+        actions: list[Action] = []
+        if ctx.ports_to_open:
+            # The answer names broker ports that must be listening before the client reads them.
+            actions.append(Listen(tuple(ctx.ports_to_open)))
+            ctx.ports_to_open.clear()
         if throttle > 0:
-            self._throttle_until = max(self._throttle_until, self.ctx.clock() + throttle)
+            self._throttle_until = max(self._throttle_until, ctx.clock() + throttle)
         self._observe_response(entry, resp)
+        entry.throttle_ms = getattr(resp.body, "throttle_time_ms", 0) or 0
+        entry.response = resp
         resp.correlation_id = entry.client_correlation_id
         entry.reply = encode_response_frame(resp)
-        return self._flush()
+        actions += self._flush()
+        return actions
 
     def _observe_response(self, entry: InFlight, resp: Response) -> None:
         if entry.api_key == SASL_HANDSHAKE:
-            if resp.body.error_code == 0 and entry.api_version == 0:
-                self._raw_sasl = True
-            elif resp.body.error_code != 0:
-                self.sasl_in_progress = False
-        elif entry.api_key == SASL_AUTHENTICATE:
             if resp.body.error_code != 0:
-                self.sasl_in_progress = False
-                self._sasl_pending_user = None
+                self._sasl_refused()
                 return
-            self._sasl_exchanges += 1
-            mech = self.ctx.sasl_mechanism or ""
-            if (mech == "PLAIN" and self._sasl_exchanges >= 1) or (
-                    mech.startswith("SCRAM-") and self._sasl_exchanges >= 2):
-                self._sasl_done()
+            self._sasl_handshake_ok = True
+            if entry.api_version == 0:
+                self._raw_sasl = True
+        elif entry.api_key == SASL_AUTHENTICATE:
+            if resp.body.error_code != 0 or not self._sasl_handshake_ok:
+                self._sasl_refused()
+                return
+            self._sasl_round_trips += 1
+            needed = _SASL_ROUND_TRIPS.get(self.ctx.sasl_mechanism or "")
+            if needed is not None and self._sasl_round_trips >= needed:
+                self._sasl_accepted()
+        elif self.sasl_in_progress and self._sasl_handshake_ok:
+            # A broker answers other requests only after authentication succeeded (mechanisms
+            # whose round trips kproxy does not count, such as OAUTHBEARER or GSSAPI).
+            self._sasl_accepted()
 
     def _flush(self) -> list[Action]:
         out: list[Action] = []
         q = self.in_flight
         while q and q[0].reply is not None:
             entry = q.popleft()
-            if entry.reply:
-                out.append(ToClient(entry.reply))
-            self.completed(entry)
+            reply = entry.reply
+            assert reply is not None
             if entry.close_after is not None:
-                out.append(Close(entry.close_after))
+                if reply:
+                    entry.response_bytes = _frame_size(reply)
+                    out.append(ToClient(reply))
+                out.append(Close(entry.close_after, (entry,)))
                 break
+            entry.response_bytes = _frame_size(reply)
+            out.append(ToClient(reply, (entry,)))
         return out
-
-    def completed(self, entry: InFlight) -> None:
-        """Hook for the I/O layer (metrics); called once per answered request."""
 
     # -- faults
 
@@ -434,30 +568,31 @@ class Session:
         if authenticated and not self.in_flight:
             return [Close(f"broker connection lost after SASL authentication ({reason})")]
         for entry in waiting:
+            entry.outcome = UPSTREAM_LOST
             req = entry.request
-            if authenticated or req is None or req.api_key in _CLOSE_ON_LOSS:
+            code = lost_connection_error(req.api_key) if req is not None else None
+            if authenticated or req is None or code is None:
                 entry.reply = []
                 entry.close_after = f"broker connection lost ({reason})"
                 continue
-            if req.api_key in _LEADER_APIS:
-                code = NOT_LEADER_OR_FOLLOWER
-            elif req.api_key in _COORDINATOR_APIS:
-                code = COORDINATOR_NOT_AVAILABLE
-            else:
-                code = REQUEST_TIMED_OUT
             resp = error_response(req, code, f"kproxy: broker connection lost ({reason})")
             if resp is None:
                 entry.reply = []
                 entry.close_after = f"broker connection lost ({reason})"
                 continue
             resp.correlation_id = entry.client_correlation_id
+            entry.response = resp
             entry.reply = encode_response_frame(resp)
         return self._flush()
 
     def close(self) -> None:
+        """The connection ended: every filter's ``on_close`` runs, whatever the others do."""
         if self.closed:
             return
         self.closed = True
         for f in self.chain.filters:
-            f.on_close(self.ctx)
-
+            try:
+                f.on_close(self.ctx)
+            except Exception:
+                log.error("connection %d: filter %r failed in on_close", self.ctx.connection_id, f.name,
+                          exc_info=True)

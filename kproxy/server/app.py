@@ -1,30 +1,29 @@
 """The proxy process: listeners, one task tree per connection, broker discovery, drain on SIGTERM.
 
-A listener nursery accepts connections and starts one ``ClientConnection`` each. Broker listeners
-open on demand, synchronously, the moment a response reveals a new broker, so the port is bound
-before the client reads the address. This is the only layer that knows about trio and sockets.
+A listener nursery accepts connections and starts one ``ClientConnection`` each. Broker ports open
+the moment a response reveals a new broker, before that response is written, so a client never
+reads an address nobody listens on; a port that cannot be bound is never advertised. This is the only
+layer that knows about trio and sockets.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import signal
 import socket
 import ssl
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import trio
 
-from kproxy.config import ProxyConfig, config_from_args, load_config
-from kproxy.protocol.errors import ConfigError, KProxyError
+from kproxy.config import ProxyConfig
+from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
     Request,
-    api_name,
     body_class,
     decode_response,
     encode_request_frame,
@@ -34,9 +33,12 @@ from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.session import InFlight, Session
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
-from kproxy.server.connection import ClientConnection
+from kproxy.server.budget import BufferBudget
+from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import (
     PlainTransport,
+    SniNames,
     TlsTransport,
     Transport,
     client_context,
@@ -48,38 +50,13 @@ from kproxy.server.transport import (
 
 log = logging.getLogger("kproxy.server")
 
-
-@attrs.define(slots=True)
-class ApiStats:
-    count: int = 0
-    request_bytes: int = 0
-    response_bytes: int = 0
-    latency_sum: float = 0.0
-    latencies: list[float] = attrs.field(factory=list)   # a bounded sample for percentiles
+# accept() errors that mean "out of a resource for now": wait and try again. Anything else is a bug
+# or a closed listener, and retrying it forever would only hide it.
+_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
-class ProxyStats:
-    """Per-API counts, bytes and latency of answered requests, for the demo and the admin port."""
-
-    SAMPLE = 10_000
-
-    def __init__(self) -> None:
-        self.apis: dict[str, ApiStats] = {}
-        self.connections_total = 0
-        self.connections_open = 0
-
-    def record(self, entry: InFlight, now: float) -> None:
-        name = api_name(entry.api_key)
-        s = self.apis.get(name)
-        if s is None:
-            s = self.apis[name] = ApiStats()
-        s.count += 1
-        s.request_bytes += entry.request_bytes
-        s.response_bytes += entry.response_bytes
-        latency = now - entry.started
-        s.latency_sum += latency
-        if len(s.latencies) < self.SAMPLE:
-            s.latencies.append(latency)
+class ListenError(KProxyError):
+    """A port kproxy must listen on cannot be bound (in use, no permission, no such address)."""
 
 
 class ProxyServer:
@@ -90,17 +67,16 @@ class ProxyServer:
         self.stats = ProxyStats()
         exposure = config.exposure
         self.sni = exposure.mode == "sni"
-        self._sni_names: dict[int, str] = {}
+        self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None)
         self.client_tls: ssl.SSLContext | None = (
-            server_context(config.tls, self._sni_names if self.sni else None) if config.tls.enabled else None)
+            server_context(config.tls, self.sni_names if self.sni else None) if config.tls.enabled else None)
         self.upstream_tls: ssl.SSLContext | None = (
             client_context(config.upstream.tls) if config.upstream.tls.enabled else None)
         self.address_map = AddressMap(
             config.advertised_host, config.broker_port_start, exposure.broker_port_count,
             node_id_base=exposure.node_id_base,
             sni_domain=exposure.sni.domain if self.sni and exposure.sni else None,
-            sni_port=config.listen.port if self.sni else None,
-            on_new_port=self._open_broker_listener)
+            sni_port=config.listen.port if self.sni else None)
         self.rewriter = AddressRewriter(self.address_map)
         builtin: list[Filter] = [self.rewriter]
         if not config.passthrough_unknown_versions:
@@ -110,44 +86,75 @@ class ProxyServer:
         self.connections: set[ClientConnection] = set()
         self._nursery: trio.Nursery | None = None
         self._listeners: dict[int, trio.socket.SocketType] = {}
+        self._raw_listeners: dict[int, socket.socket] = {}     # fileno -> the stdlib listening socket
         self._accept_scopes: list[trio.CancelScope] = []
         self._pending_ports: list[int] = []
         self.bootstrap_address: tuple[str, int] | None = None
-        self._draining = False
+        self.draining = False
         limits = config.limits
-        # A frame is forwarded only once it is whole, so what one direction of a connection holds
-        # is at most one frame: capping frames at the buffer limit bounds both.
-        self.frame_cap = min(limits.max_frame_size, limits.max_buffered_bytes)
-        timeouts = [t for t in (limits.unauthenticated_idle_timeout_s, limits.idle_timeout_s,
-                                config.upstream.request_timeout_s) if t > 0]
-        self.watchdog_needed = bool(timeouts)
-        self.watchdog_period = min(timeouts) / 4 if timeouts else 1.0
+        self.budget = BufferBudget(_budget_limit(config))
+        upstream = config.upstream
+        self.settings = ConnectionSettings(
+            # A frame is forwarded only once it is whole, so what one direction of a connection
+            # holds is at most one frame: capping frames at the buffer limit bounds both.
+            frame_cap=min(limits.max_frame_size, limits.max_buffered_bytes),
+            max_in_flight=limits.max_in_flight_requests,
+            bootstrap_servers=tuple((hp.host, hp.port) for hp in upstream.bootstrap_servers),
+            connect_timeout_s=upstream.connect_timeout_s,
+            request_timeout_s=upstream.request_timeout_s,
+            unauthenticated_timeout_s=limits.unauthenticated_idle_timeout_s,
+            idle_timeout_s=limits.idle_timeout_s,
+            frame_timeout_s=getattr(limits, "frame_timeout_s", 30.0),
+            upstream_tls=self.upstream_tls,
+            upstream_server_hostname=upstream.tls.server_hostname,
+        )
+        self.tls_handshake_timeout_s = getattr(limits, "tls_handshake_timeout_s", 10.0)
 
-    # -- listeners
+    # -- listeners (the Router the connections use)
 
     def _bind(self, host: str, port: int) -> trio.socket.SocketType:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, port))
-        s.listen(1024)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            s.listen(1024)
+        except OSError as e:
+            s.close()
+            raise ListenError(f"cannot listen on {_hostport(host, port)}: {e.strerror or e}") from e
         s.setblocking(False)
+        self._raw_listeners[s.fileno()] = s
         return trio.socket.from_stdlib_socket(s)
 
-    def _bind_host(self) -> str:
-        return self.config.listen.host
+    def open_ports(self, ports: tuple[int, ...]) -> str | None:
+        """Bind broker ports now (synchronously, so before the response naming them is written)."""
+        for port in ports:
+            if port in self._listeners:
+                self.address_map.confirm(port)
+                continue
+            try:
+                sock = self._bind(self.config.listen.host, port)
+            except ListenError as e:
+                route = self.address_map.withdraw(port, str(e))
+                what = f"{route.role} {route.node_id}" if route is not None else "a broker"
+                log.error("%s; %s will not be advertised on it", e, what)
+                return f"{e} (for {what}); closing so the client fetches metadata again"
+            self._listeners[port] = sock
+            self.address_map.confirm(port)
+            route = self.address_map.route_for_port(port)
+            if route is not None:
+                log.info("exposing %s %d (%s) on port %d", route.role, route.node_id,
+                         _hostport(*route.upstream), port)
+            if self._nursery is not None:
+                self._nursery.start_soon(self._accept_loop, sock, port)
+            else:
+                self._pending_ports.append(port)
+        return None
 
-    def _open_broker_listener(self, port: int) -> None:
-        """Called by the address map when a broker gets a port: bind now, accept from a task."""
-        if port in self._listeners:
-            return
-        sock = self._bind(self._bind_host(), port)
-        self._listeners[port] = sock
-        log.info("exposing %s on port %d", self.address_map.route_for_port(port) or "broker", port)
-        if self._nursery is not None:
-            self._nursery.start_soon(self._accept_loop, sock, port)
-        else:
-            self._pending_ports.append(port)
+    def route_for(self, port: int | None, name: str | None) -> Route | None:
+        if port is not None:
+            return self.address_map.route_for_port(port)
+        return self.address_map.route_for_name(name) if name is not None else None
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled or drained; ``task_status.started(self)`` once the bootstrap port listens."""
@@ -166,13 +173,13 @@ class ProxyServer:
                     start = self.config.broker_port_start
                     for port in range(start, start + exposure.broker_port_count):
                         if port not in self._listeners:
-                            self._listeners[port] = self._bind(self._bind_host(), port)
+                            self._listeners[port] = self._bind(listen.host, port)
                             self._pending_ports.append(port)
                 for port in self._pending_ports:
                     nursery.start_soon(self._accept_loop, self._listeners[port], port)
                 self._pending_ports.clear()
                 await self.discover()
-                log.info("kproxy listening on %s:%d -> %s", listen.host, listen.port,
+                log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
                          ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
                 task_status.started(self)
         finally:
@@ -180,21 +187,36 @@ class ProxyServer:
                 s.close()
 
     async def _accept_loop(self, sock: trio.socket.SocketType, port: int | None) -> None:
+        listener = self._raw_listeners[sock.fileno()]
         with trio.CancelScope() as scope:
             self._accept_scopes.append(scope)
-            if self._draining:
+            if self.draining:
                 return
             while True:
                 try:
-                    conn, addr = await sock.accept()
+                    # Accepted as a stdlib socket, which kproxy then owns by a public name (the
+                    # transport peeks at it to tell an idle connection from a busy one).
+                    await trio.lowlevel.wait_readable(listener)
+                    try:
+                        raw, addr = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    raw.setblocking(False)
+                    conn = trio.socket.from_stdlib_socket(raw)
                 except OSError as e:
-                    log.warning("accept on port %s failed: %s", port, e)
-                    await trio.sleep(0.1)
-                    continue
+                    if e.errno in _CAPACITY_ERRNOS:
+                        log.warning("accept on port %s failed: %s; retrying in 100 ms",
+                                    port or self.config.listen.port, e.strerror or e)
+                        await trio.sleep(0.1)
+                        continue
+                    if self.draining:
+                        return
+                    raise
                 assert self._nursery is not None
-                self._nursery.start_soon(self._handle, conn, addr, port)
+                self._nursery.start_soon(self._handle, conn, addr, port, raw)
 
-    async def _handle(self, sock: trio.socket.SocketType, addr: Any, port: int | None) -> None:
+    async def _handle(self, sock: trio.socket.SocketType, addr: Any, port: int | None,
+                      raw: socket.socket | None = None) -> None:
         tune(sock)
         cid = next(self._ids)
         ctx = ConnectionContext(cid, client_address=(addr[0], addr[1]), clock=trio.current_time)
@@ -204,13 +226,9 @@ class ProxyServer:
         try:
             if self.client_tls is not None:
                 stream = trio.SSLStream(trio.SocketStream(sock), self.client_tls, server_side=True)
-                try:
-                    with trio.fail_after(self.config.upstream.connect_timeout_s):
-                        await stream.do_handshake()
-                finally:
-                    # The SNI callback keyed the server name by this SSLObject before the handshake
-                    # could fail (a refused client certificate): take it out either way.
-                    name = self._sni_names.pop(id(stream._ssl_object), None)
+                with trio.fail_after(self.tls_handshake_timeout_s):
+                    await stream.do_handshake()
+                name = self.sni_names.name_of(stream.context)
                 transport = TlsTransport(stream)
                 cert = stream.getpeercert()
                 if cert:
@@ -220,10 +238,11 @@ class ProxyServer:
                     if route is None and not name.startswith(self._sni_bootstrap_prefix()):
                         route = await self._route_after_discovery(name=name)
             else:
-                transport = PlainTransport(sock)
+                transport = PlainTransport(sock, raw)
         except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError) as e:
             sock.close()
-            log.info("connection %d from %s: TLS handshake failed: %s", cid, addr[0], e)
+            log.info("connection %d from %s: TLS handshake failed: %s", cid, addr[0],
+                     "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError) else e)
             return
         if port is not None:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
@@ -231,25 +250,27 @@ class ProxyServer:
             ctx.listener = f"{route.role}-{route.node_id}"
         session = Session(ctx, self.chain,
                           passthrough_unknown_versions=self.config.passthrough_unknown_versions)
-        conn = ClientConnection(self, transport, session, (port, name))
+        conn = ClientConnection(self.settings, self, transport, session, on_complete=self._completed,
+                                budget=self.budget, route_key=(port, name))
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
             # serve it through the bootstrap servers until a response teaches the route.
             conn.unrouted = (port, name)
+        log.info("connection %d from %s on %s", cid, _hostport(addr[0], addr[1]), ctx.listener)
         self.connections.add(conn)
         self.stats.connections_total += 1
         self.stats.connections_open += 1
         try:
+            if self.draining:
+                conn.drain()
             await conn.run()
         finally:
             self.connections.discard(conn)
             self.stats.connections_open -= 1
 
-    def route_for(self, port: int | None, name: str | None) -> Route | None:
-        if port is not None:
-            return self.address_map.route_for_port(port)
-        return self.address_map.route_for_name(name) if name is not None else None
+    def _completed(self, entry: InFlight) -> None:
+        self.stats.record(entry)
 
     def _sni_bootstrap_prefix(self) -> str:
         sni = self.config.exposure.sni
@@ -311,45 +332,84 @@ class ProxyServer:
         body = body_class(3, "request")(topics=[])
         req = Request.build(3, version, 2, "kproxy", body)
         resp = await roundtrip(req)
-        self.rewriter.on_response(ConnectionContext(0, listener="discovery"), req, resp)
+        ctx = ConnectionContext(0, listener="discovery")
+        self.rewriter.on_response(ctx, req, resp)
+        if ctx.ports_to_open:
+            self.open_ports(tuple(ctx.ports_to_open))
 
     # -- shutdown
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Stop accepting, let in-flight requests finish (up to ``timeout``), then close everything."""
+        """Stop accepting, answer what is in flight (up to ``timeout``), close each connection as soon
+        as it owes nothing, then stop."""
         timeout = self.config.limits.drain_timeout_s if timeout is None else timeout
-        self._draining = True
+        self.draining = True
         for scope in self._accept_scopes:
             scope.cancel()
         for s in self._listeners.values():
             s.close()
-        log.info("draining %d connections (up to %gs)", len(self.connections), timeout)
+        busy = sum(1 for c in self.connections if c.session.in_flight)
+        log.info("draining: %d connections open, %d with requests in flight (up to %gs)",
+                 len(self.connections), busy, timeout)
+        for c in list(self.connections):
+            c.drain()
         with trio.move_on_after(timeout):
             while self.connections:
-                for c in list(self.connections):
-                    if not c.session.in_flight and c.cancel_scope is not None:
-                        c.cancel_scope.cancel()
-                await trio.sleep(0.02)
-        for c in list(self.connections):
-            if c.cancel_scope is not None:
-                c.cancel_scope.cancel()
+                await trio.sleep(0.01)
+        if self.connections:
+            log.warning("drain timeout (limits.drain_timeout_s = %gs): closing %d connections with "
+                        "requests still in flight", timeout, len(self.connections))
+            for c in list(self.connections):
+                c._close_from_task(f"drain timeout ({timeout:g}s) with requests in flight")
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
 
 async def serve_until_signal(server: ProxyServer) -> None:
+    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP is logged and ignored."""
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
-                log.info("%s: draining", signal.Signals(signum).name)
-                await server.drain()
-                nursery.cancel_scope.cancel()
-                break
+                name = signal.Signals(signum).name
+                if signum == signal.SIGHUP:
+                    log.info("SIGHUP: nothing to reload (no rule files are configured)")
+                    continue
+                if server.draining:
+                    log.info("%s again: stopping now", name)
+                    break
+                log.info("%s: draining (send it again to stop at once)", name)
+                nursery.start_soon(_drain_then_stop, server, nursery.cancel_scope)
+            nursery.cancel_scope.cancel()
+    log.info("kproxy stopped")
+
+
+async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None:
+    await server.drain()
+    scope.cancel()
+
+
+def _budget_limit(config: ProxyConfig) -> int | None:
+    try:
+        from kproxy.config import effective_buffer_budget  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return int(effective_buffer_budget(config))
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def run_from_args(args: Any) -> int:
     """``kproxy run``: from a config file, or quick mode with --upstream and --listen."""
+    import sys
+
+    import attrs
+
+    from kproxy.config import config_from_args, load_config
+    from kproxy.protocol.errors import ConfigError
+
     try:
         if args.config:
             cfg = load_config(args.config)
@@ -367,6 +427,19 @@ def run_from_args(args: Any) -> int:
         print(f"kproxy: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    trio.run(serve_until_signal, ProxyServer(cfg))
+    try:
+        trio.run(serve_until_signal, ProxyServer(cfg))
+    except (ListenError, BaseExceptionGroup) as e:
+        leaf = listen_error(e)
+        if leaf is None:
+            raise
+        print(f"kproxy: {leaf}", file=sys.stderr)
+        return 1
     return 0
 
+
+def listen_error(e: BaseException) -> ListenError | None:
+    """The ListenError that ended the server, through trio's nursery exception groups; else None."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e if isinstance(e, ListenError) else None

@@ -1,25 +1,30 @@
 """The two pumps of one proxied connection: client -> broker and broker -> client.
 
 The connection's nursery runs both; when the client side ends, the cancel scope ends the other and
-both sockets close in ``finally``. A broker connection that is lost is not fatal to the client: the
-session answers what was waiting with retriable errors and the next request reconnects.
+both sockets close in ``finally``. Both pumps hand the session's actions to one executor. A broker
+connection that is lost is not fatal to the client: the session answers what was waiting with
+retriable errors and the next request reconnects. A connection needs no server: it gets a frozen
+settings snapshot, a router (where to connect, which ports to open) and a completion callback.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import ssl
+from collections.abc import Callable
+from typing import Protocol
 
+import attrs
 import trio
 
+from kproxy.logs import safe
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import api_name
-from kproxy.proxy.session import Close, Hold, InFlight, Session, ToClient, ToUpstream
+from kproxy.proxy.addresses import Route
+from kproxy.proxy.session import NO_RESPONSE, Close, Hold, InFlight, Listen, Session, ToClient, ToUpstream
+from kproxy.server.budget import BufferBudget
 from kproxy.server.transport import Transport, connect
-
-if TYPE_CHECKING:
-    from kproxy.server.app import ProxyServer
 
 log = logging.getLogger("kproxy.server")
 
@@ -28,31 +33,93 @@ class ConnectionClosed(Exception):
     """Ends a connection on purpose; the reason is logged once."""
 
 
+@attrs.frozen(slots=True)
+class ConnectionSettings:
+    """What a connection needs to know, fixed when it opens (a reload affects new connections)."""
+
+    frame_cap: int
+    max_in_flight: int
+    bootstrap_servers: tuple[tuple[str, int], ...]
+    connect_timeout_s: float
+    request_timeout_s: float
+    unauthenticated_timeout_s: float = 0.0
+    idle_timeout_s: float = 0.0
+    frame_timeout_s: float = 0.0
+    upstream_tls: ssl.SSLContext | None = None
+    upstream_server_hostname: str | None = None
+
+    @property
+    def watchdog_period(self) -> float | None:
+        """How often the watchdog looks; None when no timeout is set."""
+        timeouts = [t for t in (self.unauthenticated_timeout_s, self.idle_timeout_s, self.frame_timeout_s,
+                                self.request_timeout_s) if t > 0]
+        return min(min(timeouts) / 4, 5.0) if timeouts else None
+
+
+class Router(Protocol):
+    """Where connections go, and the ports they need open (the server implements it)."""
+
+    def route_for(self, port: int | None, name: str | None) -> Route | None: ...
+
+    def open_ports(self, ports: tuple[int, ...]) -> str | None:
+        """Listen on ``ports`` now; None when all are listening, else why one cannot be."""
+
+
+Completion = Callable[[InFlight], None]
+
+
 class ClientConnection:
     """One client connection and the broker connection behind it."""
 
-    def __init__(self, server: ProxyServer, client: Transport, session: Session,
+    def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
+                 *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None)) -> None:
-        self.server = server
+        self.settings = settings
+        self.router = router
         self.client = client
         self.session = session
+        self.on_complete = on_complete
+        self.budget = budget if budget is not None else BufferBudget(None)
         self.route_key = route_key                  # (exposed port, SNI name) the client connected to
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
         self.unrouted: tuple[int | None, str | None] | None = None   # (port, SNI name) not yet placed
-        self._close_reason: str | None = None     # why another task closed the connection
+        self.opened_at = trio.current_time()
+        self.requests_done = 0
+        self.bytes_in = 0                           # request bytes from the client
+        self.bytes_out = 0                          # response bytes to the client
+        self._close_reason: str | None = None       # why another task closed the connection
         self._client_lock = trio.StrictFIFOLock()
         self._room = trio.Event()                   # set when in-flight drops below the limit
         self._nursery: trio.Nursery | None = None
         self.cancel_scope: trio.CancelScope | None = None
-        self.last_activity = 0        # changes with every receive from the client
+        self.draining = False
         self._upstream_generation = 0
-        session.completed = self._completed          # type: ignore[method-assign]
+        self.client_reader = FrameReader(settings.frame_cap, trust_claims=False)
+        self._readers: list[FrameReader] = [self.client_reader]
+        self._held = 0                              # bytes this connection counts in the budget
 
-    def _completed(self, entry: InFlight) -> None:
-        self.server.stats.record(entry, trio.current_time())
+    # -- completion
+
+    def _complete(self, done: tuple[InFlight, ...] | list[InFlight], now: float) -> None:
+        for entry in done:
+            entry.finished_at = now
+            self.requests_done += 1
+            self.bytes_in += entry.request_bytes
+            self.bytes_out += entry.response_bytes
+            if self.on_complete is not None:
+                self.on_complete(entry)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("connection %d: %s v%d (correlation id %d) %s in %.2f ms, %d B in, %d B out",
+                          self.session.ctx.connection_id, api_name(entry.api_key), entry.api_version,
+                          entry.client_correlation_id, entry.outcome, (now - entry.started) * 1000,
+                          entry.request_bytes, entry.response_bytes)
         if not self._room.is_set():
             self._room.set()
+        if self.draining and not self.session.in_flight:
+            self._close_from_task("kproxy is shutting down (answered what was in flight)")
+
+    # -- the whole connection
 
     async def run(self) -> None:
         ctx = self.session.ctx
@@ -63,8 +130,8 @@ class ClientConnection:
                 try:
                     async with trio.open_nursery() as nursery:
                         self._nursery = nursery
-                        if self.server.watchdog_needed:
-                            nursery.start_soon(self._watchdog)
+                        if self.settings.watchdog_period is not None:
+                            nursery.start_soon(self._watchdog, self.settings.watchdog_period)
                         try:
                             await self._client_pump()
                         except ConnectionClosed as e:
@@ -87,23 +154,49 @@ class ClientConnection:
             self.client.close()
             if self.upstream is not None:
                 self.upstream.close()
+            self.budget.release(self._held)
+            self._held = 0
             self.session.close()
-            log.info("connection %d from %s closed: %s", ctx.connection_id,
-                     _addr(ctx.client_address), reason)
+            log.info("connection %d from %s closed after %.1fs: %s (client id %s, %d requests, "
+                     "%s in, %s out)", ctx.connection_id, _addr(ctx.client_address),
+                     trio.current_time() - self.opened_at, reason, safe(ctx.client_id),
+                     self.requests_done, _size(self.bytes_in), _size(self.bytes_out))
+
+    def drain(self) -> None:
+        """Shut down gently: answer what is in flight, take no new request, then close."""
+        self.draining = True
+        if not self.session.in_flight:
+            self._close_from_task("kproxy is shutting down (nothing in flight)")
+
+    def _account(self) -> None:
+        held = sum(r.held_bytes for r in self._readers)
+        if held != self._held:
+            self.budget.adjust(held - self._held)
+            self._held = held
 
     # -- client -> broker
 
     async def _client_pump(self) -> None:
-        reader = FrameReader(self.server.frame_cap)
+        reader = self.client_reader
         session = self.session
-        limit = self.server.config.limits.max_in_flight_requests
+        limit = self.settings.max_in_flight
         client = self.client
-        while True:
+        budget = self.budget
+        while not self.draining:
+            if budget.exhausted:
+                # Backpressure across the whole process: stop reading clients until buffers drain.
+                await budget.wait_for_room()
+            if reader.idle_chunk_is_large and not client.readable_now():
+                # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
+                reader.release_idle()
+                self._account()
             n = await client.recv_into(reader.recv_buffer())
+            if self.draining:
+                break
             if n == 0:
+                self._account()
                 return
             reader.received(n)
-            self.last_activity += 1   # a counter the watchdog compares: no clock read per receive
             while (frame := reader.next_frame()) is not None:
                 if len(session.in_flight) >= limit:
                     # Backpressure: stop reading the client until answers make room.
@@ -112,19 +205,41 @@ class ClientConnection:
                         await self._room.wait()
                         self._room = trio.Event()
                 await self._execute(session.client_frame(frame))
+                if self.draining:
+                    break
+            self._account()
+        # Draining: the requests already taken are answered; then the connection ends.
+        while session.in_flight:
+            self._room = trio.Event()
+            await self._room.wait()
+        raise ConnectionClosed("kproxy is shutting down (answered what was in flight)")
 
     async def _execute(self, actions: list) -> None:
+        """Carry out the session's actions in order; the same for both pumps."""
         for a in actions:
-            if type(a) is ToUpstream:
-                await self._to_upstream(a.buffers)
-            elif type(a) is ToClient:
+            kind = type(a)
+            if kind is ToUpstream:
+                await self._to_upstream(a)
+            elif kind is ToClient:
                 await self._to_client(a.buffers)
-            elif type(a) is Hold:
+                if a.done:
+                    self._complete(a.done, trio.current_time())
+            elif kind is Hold:
                 await trio.sleep(a.seconds)
-            elif type(a) is Close:
+            elif kind is Listen:
+                problem = self.router.open_ports(a.ports)
+                if problem is not None:
+                    raise ConnectionClosed(problem)
+            elif kind is Close:
+                if a.done:
+                    self._complete(a.done, trio.current_time())
                 raise ConnectionClosed(a.reason)
+            else:  # pragma: no cover - a new action type without an executor branch is a bug
+                raise AssertionError(f"no executor for {a!r}")
 
     async def _to_client(self, buffers: list) -> None:
+        if not buffers:
+            return
         # Both pumps write to the client; the lock keeps their frames whole. Uncontended (almost
         # always) it is taken without a trip through the scheduler.
         lock = self._client_lock
@@ -137,32 +252,41 @@ class ClientConnection:
         finally:
             lock.release()
 
-    async def _to_upstream(self, buffers: list) -> None:
+    async def _to_upstream(self, action: ToUpstream) -> None:
         if self.upstream is None:
             try:
                 await self._connect_upstream()
             except (OSError, trio.TooSlowError) as e:
                 await self._upstream_lost(f"cannot connect: {e or 'timed out'}")
+                if action.entry is not None and action.entry.outcome == NO_RESPONSE:
+                    # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
+                    raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection") from e
                 return
         assert self.upstream is not None
         try:
-            await self.upstream.send(buffers)
+            await self.upstream.send(action.buffers)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             await self._upstream_lost(f"send failed: {e!r}")
+            return
+        entry = action.entry
+        if entry is not None:
+            entry.forwarded_at = now = trio.current_time()
+            entry.broker = self.connected_to
+            if entry.outcome == NO_RESPONSE:
+                self._complete((entry,), now)
 
     async def _connect_upstream(self) -> None:
-        cfg = self.server.config.upstream
+        s = self.settings
         # Look the route up on every connect, not only at accept: a broker that moved (learned from
         # a later Metadata) is then reached through the same exposed port by connections already open.
         # No route (the bootstrap listener, or a broker not learned yet): the bootstrap servers in turn.
-        route = self.server.route_for(*self.route_key)
-        targets = ([route.upstream] if route is not None
-                   else [(hp.host, hp.port) for hp in cfg.bootstrap_servers])
+        route = self.router.route_for(*self.route_key)
+        targets = [route.upstream] if route is not None else list(s.bootstrap_servers)
         last: Exception | None = None
         for host, port in targets:
             try:
-                self.upstream = await connect(host, port, cfg.connect_timeout_s,
-                                              self.server.upstream_tls, cfg.tls.server_hostname)
+                self.upstream = await connect(host, port, s.connect_timeout_s, s.upstream_tls,
+                                              s.upstream_server_hostname)
                 self.connected_to = (host, port)
                 break
             except (OSError, trio.TooSlowError) as e:
@@ -177,29 +301,31 @@ class ClientConnection:
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
-        log.warning("connection %d: broker connection lost: %s", self.session.ctx.connection_id, reason)
+        where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
+        BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
+                            self.session.ctx.connection_id, where, reason)
         await self._execute(self.session.upstream_lost(reason))
 
     # -- broker -> client
 
     async def _upstream_pump(self, upstream: Transport, generation: int) -> None:
-        reader = FrameReader(self.server.frame_cap)
+        reader = FrameReader(self.settings.frame_cap, trust_claims=True)
+        self._readers.append(reader)
         session = self.session
         try:
             while True:
+                if reader.idle_chunk_is_large and not upstream.readable_now():
+                    reader.release_idle()
+                    self._account()
                 n = await upstream.recv_into(reader.recv_buffer())
                 if n == 0:
                     raise ConnectionError("broker closed the connection")
                 reader.received(n)
                 while (frame := reader.next_frame()) is not None:
-                    actions = session.upstream_frame(frame)
-                    for a in actions:
-                        if type(a) is ToClient:
-                            await self._to_client(a.buffers)
-                        elif type(a) is Close:
-                            raise ConnectionClosed(a.reason)
+                    await self._execute(session.upstream_frame(frame))
                     if self.unrouted is not None and not session.in_flight:
                         self._check_route()
+                self._account()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             if generation == self._upstream_generation and self.upstream is upstream:
                 try:
@@ -210,10 +336,13 @@ class ClientConnection:
                     self._close_from_task(f"client connection error: {e2!r}")
         except ConnectionClosed as e:
             self._close_from_task(str(e))
+        finally:
+            self._readers.remove(reader)
+            self._account()
 
     def _check_route(self) -> None:
         assert self.unrouted is not None
-        route = self.server.route_for(*self.unrouted)
+        route = self.router.route_for(*self.unrouted)
         if route is None:
             return
         self.unrouted = None
@@ -231,24 +360,28 @@ class ClientConnection:
 
     # -- timeouts
 
-    def _overdue(self, now: float, request_timeout: float) -> str | None:
+    def _overdue(self, now: float) -> str | None:
         for entry in self.session.in_flight:
             if entry.reply is None and entry.upstream_correlation_id is not None:
-                if now - entry.started > allowed_seconds(entry, request_timeout):
+                if now - entry.started > allowed_seconds(entry, self.settings.request_timeout_s):
                     return api_name(entry.api_key)
                 return None  # answers come in order: only the oldest can be the first overdue
         return None
 
-    async def _watchdog(self) -> None:
-        limits = self.server.config.limits
-        request_timeout = self.server.config.upstream.request_timeout_s
+    async def _watchdog(self, period: float) -> None:
+        s = self.settings
+        session = self.session
+        reader = self.client_reader
         started = quiet_since = trio.current_time()
-        seen_activity = self.last_activity
+        seen_requests = session.requests
+        # The frame being received (by the count of frames before it) and since when.
+        partial_frame: int | None = None
+        partial_since = started
         while True:
-            await trio.sleep(self.server.watchdog_period)
+            await trio.sleep(period)
             now = trio.current_time()
-            if request_timeout > 0 and self.upstream is not None:
-                late = self._overdue(now, request_timeout)
+            if s.request_timeout_s > 0 and self.upstream is not None:
+                late = self._overdue(now)
                 if late is not None:
                     # A broker that stopped answering without closing (a partition, a hung host):
                     # drop that connection so waiting clients get retriable errors, not silence.
@@ -258,16 +391,26 @@ class ClientConnection:
                         self._close_from_task(str(e))
                         return
                     continue
-            unauth = limits.unauthenticated_idle_timeout_s
-            if unauth > 0 and now - started > unauth and not self.session.ctx.authenticated and (
-                    self.session.sasl_in_progress or self.session.requests == 0):
-                self._close_from_task(f"no request or completed authentication within {unauth:g}s")
+            unauth = s.unauthenticated_timeout_s
+            if (unauth > 0 and session.sasl_in_progress and not session.ctx.authenticated
+                    and now - started > unauth):
+                self._close_from_task(f"SASL authentication not completed within {unauth:g}s "
+                                      "(limits.unauthenticated_idle_timeout_s)")
                 return
-            idle = limits.idle_timeout_s
-            if self.last_activity != seen_activity or self.session.in_flight:
-                seen_activity, quiet_since = self.last_activity, now
-            if idle > 0 and now - quiet_since > idle:
-                self._close_from_task(f"idle for {idle:g}s")
+            if s.frame_timeout_s > 0:
+                if reader.at_frame_boundary:
+                    partial_frame = None
+                elif partial_frame != reader.frames:
+                    partial_frame, partial_since = reader.frames, now
+                elif now - partial_since > s.frame_timeout_s:
+                    # One byte every few seconds must not keep a connection (and its buffer) forever.
+                    self._close_from_task(f"a request frame did not arrive whole within "
+                                          f"{s.frame_timeout_s:g}s (limits.frame_timeout_s)")
+                    return
+            if session.requests != seen_requests or session.in_flight:
+                seen_requests, quiet_since = session.requests, now
+            elif s.idle_timeout_s > 0 and now - quiet_since > s.idle_timeout_s:
+                self._close_from_task(f"no request for {s.idle_timeout_s:g}s (limits.idle_timeout_s)")
                 return
 
 
@@ -287,6 +430,32 @@ def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
     return request_timeout + extra / 1000.0
 
 
+class _RateLimited:
+    """A warning that repeats per key (a broker down, every client retrying) is logged once per
+    ``interval`` seconds per key, with the count of lines it held back."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = trio.current_time()
+        last, held = self._last.get(key, (float("-inf"), 0))
+        if now - last < self.interval:
+            self._last[key] = (last, held + 1)
+            return
+        if len(self._last) > 1000:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        if held:
+            msg += f" ({held} similar lines held back in the last {self.interval:g}s)"
+        self.logger.warning(msg, *args)
+
+
+BROKER_LOST = _RateLimited(log)
+
+
 def _leaf(e: BaseException) -> BaseException:
     """The one exception inside nested single-member exception groups (trio's nurseries wrap)."""
     while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
@@ -296,3 +465,11 @@ def _leaf(e: BaseException) -> BaseException:
 
 def _addr(a: tuple[str, int] | None) -> str:
     return f"{a[0]}:{a[1]}" if a else "?"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)

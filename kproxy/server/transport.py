@@ -25,6 +25,10 @@ class Transport:
     peer_subject: str | None = None
     server_name: str | None = None
 
+    def readable_now(self) -> bool:
+        """Whether a receive would return at once; transports that cannot tell say True."""
+        return True
+
     async def recv_into(self, buf: memoryview) -> int:
         raise NotImplementedError
 
@@ -36,13 +40,26 @@ class Transport:
 
 
 class PlainTransport(Transport):
-    __slots__ = ("sock",)
+    __slots__ = ("raw", "sock")
 
-    def __init__(self, sock: trio.socket.SocketType) -> None:
+    def __init__(self, sock: trio.socket.SocketType, raw: socket.socket | None = None) -> None:
         self.sock = sock
+        self.raw = raw            # the same socket as a stdlib object, when kproxy created it
 
     async def recv_into(self, buf: memoryview) -> int:
         return await self.sock.recv_into(buf)
+
+    def readable_now(self) -> bool:
+        """Whether a receive would return at once (bytes or end of stream); True when unknown."""
+        if self.raw is None:
+            return True
+        try:
+            self.raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return True
 
     async def send(self, buffers: list) -> None:
         sock = self.sock
@@ -106,21 +123,66 @@ def format_subject(cert: dict) -> str | None:
     return ",".join(parts) or None
 
 
-def server_context(cfg: TlsServerSide, names: dict[int, str] | None = None) -> ssl.SSLContext:
-    """TLS for client connections; ``names`` collects SNI server names by SSLObject id."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    assert cfg.cert_file is not None
-    ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-    if cfg.ca_file:
-        ctx.load_verify_locations(cfg.ca_file)
-        ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_client_cert else ssl.CERT_OPTIONAL
-    if names is not None:
-        def remember(sslobj: Any, name: str | None, _ctx: ssl.SSLContext) -> None:
-            if name:
-                names[id(sslobj)] = name
+class SniNames:
+    """Which SNI name a finished TLS handshake asked for, through public APIs only.
 
-        ctx.sni_callback = remember
-    return ctx
+    The SNI callback switches the handshake to a context of the name's own (a copy of the server
+    context, made once per name under ``domain``); after the handshake the stream's public
+    ``context`` attribute says which one, so no private attribute of trio or ssl is read. Names
+    outside the domain, or beyond ``max_names``, keep the shared context and read as None.
+    """
+
+    def __init__(self, domain: str | None, max_names: int = 1024) -> None:
+        self.suffix = f".{domain.lower().rstrip('.')}" if domain else None
+        self.max_names = max_names
+        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._names: dict[int, str] = {}     # id(context) -> name
+        self._make: Any = None
+
+    def install(self, base: ssl.SSLContext, make: Any) -> None:
+        self._make = make
+
+        def switch(sslobj: Any, name: str | None, _ctx: ssl.SSLContext) -> None:
+            ctx = self.context_for(name) if name else None
+            if ctx is not None:
+                sslobj.context = ctx
+
+        base.sni_callback = switch
+
+    def context_for(self, name: str) -> ssl.SSLContext | None:
+        name = name.lower()
+        if self.suffix is None or not name.endswith(self.suffix) or self._make is None:
+            return None
+        ctx = self._contexts.get(name)
+        if ctx is None:
+            if len(self._contexts) >= self.max_names:
+                return None
+            ctx = self._contexts[name] = self._make()
+            self._names[id(ctx)] = name
+        return ctx
+
+    def known_names(self) -> list[str]:
+        return sorted(self._contexts)
+
+    def name_of(self, ctx: ssl.SSLContext) -> str | None:
+        return self._names.get(id(ctx))
+
+
+def server_context(cfg: TlsServerSide, names: SniNames | None = None) -> ssl.SSLContext:
+    """TLS for client connections; with ``names``, each SNI name under its domain is remembered."""
+    def make() -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        assert cfg.cert_file is not None
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        if cfg.ca_file:
+            ctx.load_verify_locations(cfg.ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_client_cert else ssl.CERT_OPTIONAL
+        return ctx
+
+    base = make()
+    if names is not None:
+        names.install(base, make)
+    return base
 
 
 def client_context(cfg: TlsClientSide) -> ssl.SSLContext:
@@ -141,7 +203,9 @@ async def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | No
         infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         last: Exception | None = None
         for family, type_, proto, _, addr in infos:
-            sock = trio.socket.socket(family, type_, proto)
+            raw = socket.socket(family, type_, proto)
+            raw.setblocking(False)
+            sock = trio.socket.from_stdlib_socket(raw)
             try:
                 await sock.connect(addr)
             except OSError as e:
@@ -150,7 +214,7 @@ async def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | No
                 continue
             tune(sock)
             if tls is None:
-                return PlainTransport(sock)
+                return PlainTransport(sock, raw)
             stream = trio.SSLStream(trio.SocketStream(sock), tls, server_hostname=server_hostname or host)
             try:
                 await stream.do_handshake()

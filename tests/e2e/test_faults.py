@@ -329,24 +329,6 @@ def produce_in_flight(p: ProxyThread) -> int:
                                   if e.api_key == 0)))
 
 
-def test_connections_that_never_speak_are_closed(broker: TansuBroker) -> None:
-    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1",
-                    limits={"unauthenticated_idle_timeout_s": 0.5})
-    try:
-        silent = Wire(p.bootstrap)
-        talking = Wire(p.bootstrap)
-        assert talking.metadata(1).correlation_id == 1
-        started = time.monotonic()
-        assert silent.closed_by_peer()            # no request at all within the timeout
-        assert 0.4 < time.monotonic() - started < 3
-        time.sleep(0.5)
-        assert talking.metadata(2).correlation_id == 2   # a client that spoke is left alone
-        silent.close()
-        talking.close()
-    finally:
-        p.stop()
-
-
 def test_frames_over_the_buffer_limit_are_refused(broker: TansuBroker) -> None:
     p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", limits={"max_buffered_bytes": 4096})
     try:
@@ -410,9 +392,11 @@ def test_a_failing_filter_ends_only_its_connection(broker: TansuBroker,
         bad.close()
         assert good.metadata(2).correlation_id == 2       # the proxy and other clients carry on
         deadline = time.monotonic() + 5
-        while not any("internal error: RuntimeError" in r.getMessage() for r in caplog.records):
+        while not any("internal error in filter 'broken'" in r.getMessage() for r in caplog.records):
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        # The traceback is logged (code, not message contents).
+        assert any(r.exc_info and "filter bug" in str(r.exc_info[1]) for r in caplog.records)
         good.close()
     finally:
         p.stop()

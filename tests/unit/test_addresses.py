@@ -24,7 +24,7 @@ from kproxy.proxy.addresses import (
     endpoint_sites,
 )
 from kproxy.proxy.filters import ConnectionContext, FilterChain
-from kproxy.proxy.session import Session, ToClient
+from kproxy.proxy.session import Listen, Session, ToClient
 
 from ..protocol.strategies import message_strategy
 
@@ -69,10 +69,11 @@ def test_discovery_order_without_a_base():
 
 
 def test_discovery_runs_out_of_ports():
+    # The error names the setting to change (it reaches the log once per node).
     m = make_map(port_count=2)
     m.expose("broker", 1, "b1", 9092)
     m.expose("broker", 2, "b2", 9092)
-    with pytest.raises(AddressMapError):
+    with pytest.raises(AddressMapError, match=r"exposure\.broker_port_count"):
         m.expose("broker", 3, "b3", 9092)
 
 
@@ -86,28 +87,41 @@ def test_controllers_get_ports_of_their_own_from_the_top():
 
 
 def test_a_moved_broker_keeps_its_port_and_leads_to_its_new_place():
-    opened = []
-    m = make_map(on_new_port=opened.append)
+    m = make_map()
     assert m.expose("broker", 1, "old-host", 9092) == (PROXY, 19000)
+    m.confirm(19000)
     assert m.expose("broker", 1, "new-host", 9094) == (PROXY, 19000)
     assert m.route_for_port(19000) == Route("broker", 1, ("new-host", 9094))
     assert m.upstream_endpoints() == {("new-host", 9094)}
-    assert opened == [19000]
+    assert m.pending_ports() == []
 
 
-def test_on_new_port_is_called_once_per_port():
-    opened = []
-    m = make_map(node_id_base=0, on_new_port=opened.append)
+def test_a_new_port_is_pending_until_the_server_confirms_it_is_bound():
+    m = make_map(node_id_base=0)
     for _ in range(3):
         for node in (2, 0, 2, 1):
             m.expose("broker", node, f"b{node}", 9092)
         m.expose("controller", 0, "c0", 9093)
-    assert opened == [19002, 19000, 19001, 19015]
+    assert m.pending_ports() == [19000, 19001, 19002, 19015]
+    for port in (19000, 19001, 19002, 19015):
+        m.confirm(port)
+    m.expose("broker", 2, "b2", 9092)
+    assert m.pending_ports() == []
+
+
+def test_a_port_that_cannot_be_bound_is_withdrawn_and_never_advertised_again():
+    m = make_map()
+    assert m.expose("broker", 1, "b1", 9092) == (PROXY, 19000)
+    route = m.withdraw(19000, "address in use")
+    assert route == Route("broker", 1, ("b1", 9092))
+    assert m.route_for_port(19000) is None and m.pending_ports() == []
+    # The node gets the next port; 19000 is skipped from now on, for every node.
+    assert m.expose("broker", 1, "b1", 9092) == (PROXY, 19001)
+    assert m.expose("broker", 2, "b2", 9092) == (PROXY, 19002)
 
 
 def test_sni_names_every_node_on_one_port():
-    opened = []
-    m = make_map(sni_domain="kafka.example.com", sni_port=9093, on_new_port=opened.append)
+    m = make_map(sni_domain="kafka.example.com", sni_port=9093)
     assert m.expose("broker", 1, "b1.internal", 9092) == ("broker-1.kafka.example.com", 9093)
     assert m.expose("controller", 1, "c1.internal", 9095) == ("controller-1.kafka.example.com", 9093)
     assert m.route_for_name("broker-1.kafka.example.com") == Route("broker", 1, ("b1.internal", 9092))
@@ -115,7 +129,7 @@ def test_sni_names_every_node_on_one_port():
     assert m.route_for_name("broker-2.kafka.example.com") is None
     assert m.route_for_node(1, "controller") == Route("controller", 1, ("c1.internal", 9095))
     assert m.upstream_endpoints() == {("b1.internal", 9092), ("c1.internal", 9095)}
-    assert opened == [] and m.exposed_ports() == []
+    assert m.pending_ports() == [] and m.exposed_ports() == []
 
 
 def test_sni_names_with_a_mixed_case_domain_are_found():
@@ -171,8 +185,12 @@ def round_trip(api_key: int, version: int, body, request_body=None, address_map:
     upstream_id = out[-1].buffers[0][4 + 4:4 + 8]
     frame = bytes(upstream_id) + b"".join(encode_response_frame(Response.build(api_key, version, 0, body)))[8:]
     out = s.upstream_frame(memoryview(frame))
-    assert isinstance(out[0], ToClient)
-    data = b"".join(bytes(b) for b in out[0].buffers)
+    listen = [a for a in out if isinstance(a, Listen)]
+    # Ports the answer names are opened before it is written, and only ports not yet listening.
+    assert [type(a) for a in out] == [Listen, ToClient] if m.pending_ports() else [ToClient]
+    if listen:
+        assert set(listen[0].ports) <= set(m.pending_ports())
+    data = b"".join(bytes(b) for b in out[-1].buffers)
     resp = decode_response(data[4:], api_key, version)
     assert resp.correlation_id == 99
     return resp.body, m
@@ -202,11 +220,9 @@ def test_find_coordinator_v3_top_level():
 @pytest.mark.parametrize("version", [0, 3])
 def test_find_coordinator_top_level_error_is_not_exposed(version):
     cls = body_class(FIND_COORDINATOR, "response")
-    opened = []
-    body, m = round_trip(FIND_COORDINATOR, version, cls(error_code=15, node_id=-1, host="", port=-1),
-                         address_map=make_map(on_new_port=opened.append))
+    body, m = round_trip(FIND_COORDINATOR, version, cls(error_code=15, node_id=-1, host="", port=-1))
     assert (body.node_id, body.host, body.port) == (-1, "", -1)
-    assert opened == [] and m.exposed_ports() == []
+    assert m.pending_ports() == [] and m.exposed_ports() == []
 
 
 @pytest.mark.parametrize("version", [4, 6])

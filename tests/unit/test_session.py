@@ -213,10 +213,25 @@ def test_acks_0_produce_is_forwarded_and_not_awaited():
     assert answered(out[0], METADATA, 9).correlation_id == 51
 
 
-def test_a_refused_acks_0_produce_gets_no_answer():
+def test_a_refused_acks_0_produce_gets_no_answer_and_closes_the_connection():
+    # The client expects no answer, so it can only learn of the refusal as a Kafka broker tells it:
+    # the connection closes, and the client refreshes its metadata and retries.
     s = make_session(Refuse({PRODUCE}))
-    assert s.client_frame(request_frame(PRODUCE, 9, 1, produce_request(acks=0))) == []
+    out = s.client_frame(request_frame(PRODUCE, 9, 1, produce_request(acks=0)))
+    assert kinds(out) == [Close]
+    assert "acks=0" in out[0].reason
+    (entry,) = out[0].done
+    assert entry.outcome == "local" and entry.response_bytes == 0
     assert not s.in_flight
+
+
+def test_a_refused_acks_0_produce_closes_only_after_answers_owed_before_it():
+    s = make_session(Refuse({PRODUCE}))
+    meta = forwarded(s.client_frame(request_frame(METADATA, 9, 1, metadata_request()))[0])
+    assert s.client_frame(request_frame(PRODUCE, 9, 2, produce_request(acks=0))) == []
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 9, meta.correlation_id, metadata_response())))
+    assert kinds(out) == [ToClient, Close]
+    assert answered(out[0], METADATA, 9).correlation_id == 1
 
 
 # -- local answers from filters
@@ -658,22 +673,20 @@ def test_client_id_and_software_are_recorded():
     assert (s.ctx.client_software_name, s.ctx.client_software_version) == ("librdkafka", "2.4")
 
 
-def test_completed_hook_and_close_run_once():
+def test_every_request_completes_once_on_the_action_that_finishes_it():
     closed = []
-    done = []
 
     class Watch(Filter):
         def on_close(self, ctx):
             closed.append(ctx.connection_id)
 
-    class Counting(Session):
-        def completed(self, entry):
-            done.append((entry.api_key, entry.client_correlation_id, entry.response_bytes > 0))
-
-    s = Counting(ConnectionContext(7), FilterChain([Watch()]))
+    s = Session(ConnectionContext(7), FilterChain([Watch()]))
     up = forwarded(s.client_frame(request_frame(METADATA, 4, 3, metadata_request()))[0])
-    s.upstream_frame(memoryview(response_frame(METADATA, 4, up.correlation_id, metadata_response())))
-    assert done == [(METADATA, 3, True)]
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 4, up.correlation_id, metadata_response())))
+    (entry,) = out[0].done
+    assert (entry.api_key, entry.client_correlation_id, entry.outcome) == (METADATA, 3, "forwarded")
+    assert entry.response_bytes == sum(len(b) for b in out[0].buffers)
+    assert entry.response is not None and entry.response.body.brokers
     s.close()
     s.close()
     assert closed == [7]
@@ -697,3 +710,199 @@ def test_passthrough_produce_of_a_future_version_waits_only_when_acked(acks, wai
     (upstream_id,) = struct.unpack_from(">i", wire(out[0]), 4)
     out = s.upstream_frame(memoryview(struct.pack(">i", upstream_id) + b"\x00\x00"))
     assert kinds(out) == ([] if waits else [ToClient])
+
+
+# -- identity: only what the broker accepted (the forged-principal attack)
+
+
+class SeesPrincipal(Filter):
+    """Records the identity a policy filter would act on, per api key."""
+
+    request_api_keys = frozenset({METADATA})
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, bool]] = []
+
+    def on_request(self, ctx, request):
+        self.seen.append((ctx.principal, ctx.authenticated))
+        return None
+
+
+def start_sasl(s: Session, mechanism: str = "PLAIN", version: int = 1, error_code: int = 0) -> None:
+    sasl_handshake(s, mechanism, version=version, error_code=error_code)
+
+
+@pytest.mark.parametrize("tls_subject", [None, "CN=low-privilege"])
+def test_a_request_pipelined_behind_an_unanswered_authenticate_is_judged_without_the_claim(tls_subject):
+    watch = SeesPrincipal()
+    s = make_session(watch, tls_subject=tls_subject)
+    start_sasl(s)
+    auth = body_class(SASL_AUTHENTICATE, "request")(auth_bytes=b"\x00admin\x00wrong-password")
+    up = forwarded(s.client_frame(request_frame(SASL_AUTHENTICATE, 2, 2, auth))[0])
+    s.client_frame(request_frame(METADATA, 12, 3, metadata_request()))
+    expected = f"User:{tls_subject}" if tls_subject else None
+    assert watch.seen == [(expected, False)]
+    # The broker refuses: nothing of the claim survives, for the rest of the connection either.
+    resp = body_class(SASL_AUTHENTICATE, "response")(error_code=SASL_AUTHENTICATION_FAILED)
+    s.upstream_frame(memoryview(response_frame(SASL_AUTHENTICATE, 2, up.correlation_id, resp)))
+    s.client_frame(request_frame(METADATA, 12, 4, metadata_request()))
+    assert watch.seen[-1] == (expected, False)
+    assert s.ctx.sasl_user is None
+
+
+def test_a_broker_without_sasl_never_turns_a_claimed_user_into_a_principal():
+    # tansu without --authentication answers the handshake with UNSUPPORTED_SASL_MECHANISM (33) and
+    # SaslAuthenticate with ILLEGAL_SASL_STATE (34); Apache Kafka's plaintext listeners refuse alike.
+    watch = SeesPrincipal()
+    s = make_session(watch)
+    start_sasl(s, error_code=33)
+    assert sasl_authenticate(s, b"\x00admin\x00anything", error_code=34).body.error_code == 34
+    s.client_frame(request_frame(METADATA, 12, 3, metadata_request()))
+    assert watch.seen == [(None, False)]
+
+
+def test_an_authenticate_success_without_an_accepted_handshake_is_not_trusted():
+    s = make_session()
+    start_sasl(s, error_code=33)
+    sasl_authenticate(s, b"\x00admin\x00anything", error_code=0)
+    assert s.ctx.principal is None and not s.ctx.authenticated
+
+
+def test_failed_reauthentication_clears_the_identity_established_before():
+    watch = SeesPrincipal()
+    s = make_session(watch, tls_subject="CN=app")
+    start_sasl(s)
+    sasl_authenticate(s, b"\x00alice\x00right")
+    assert s.ctx.principal == "User:alice"
+    # KIP-368: the client authenticates again on the same connection, and this time fails.
+    start_sasl(s)
+    auth = body_class(SASL_AUTHENTICATE, "request")(auth_bytes=b"\x00admin\x00wrong")
+    up = forwarded(s.client_frame(request_frame(SASL_AUTHENTICATE, 2, 7, auth))[0])
+    s.client_frame(request_frame(METADATA, 12, 8, metadata_request()))
+    assert watch.seen == [("User:alice", True)]        # judged with the identity before, not the claim
+    resp = body_class(SASL_AUTHENTICATE, "response")(error_code=SASL_AUTHENTICATION_FAILED)
+    s.upstream_frame(memoryview(response_frame(SASL_AUTHENTICATE, 2, up.correlation_id, resp)))
+    assert not s.ctx.authenticated and s.ctx.sasl_user is None
+    assert s.ctx.principal == "User:CN=app"
+
+
+def test_sasl_v0_raw_token_counts_only_once_the_broker_answers_it():
+    watch = SeesPrincipal()
+    s = make_session(watch)
+    start_sasl(s, version=0)
+    assert kinds(s.client_frame(memoryview(b"\x00admin\x00wrong"))) == [ToUpstream]
+    # Pipelined right behind the raw token, before the broker's verdict.
+    s.client_frame(request_frame(METADATA, 12, 3, metadata_request()))
+    assert watch.seen == [(None, False)]
+    assert not s.ctx.authenticated
+
+
+def test_other_mechanisms_authenticate_without_a_sasl_user():
+    s = make_session(tls_subject="CN=svc")
+    start_sasl(s, "OAUTHBEARER")
+    sasl_authenticate(s, b"n,,\x01auth=Bearer eyJ.claims.sig\x01\x01")
+    assert s.sasl_in_progress            # kproxy does not count OAUTHBEARER round trips
+    up = forwarded(s.client_frame(request_frame(METADATA, 12, 3, metadata_request()))[0])
+    s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
+    # The broker answered a non-SASL request, so it accepted; no user name kproxy could verify.
+    assert s.ctx.authenticated and s.ctx.sasl_user is None
+    assert s.ctx.principal == "User:CN=svc"
+
+
+# -- faults in filters stay on their connection
+
+
+class Raises(Filter):
+    request_api_keys = frozenset({METADATA})
+    response_api_keys = frozenset({METADATA})
+
+    def __init__(self, hook: str) -> None:
+        self.name = f"raises-in-{hook}"
+        self.hook = hook
+
+    def on_request(self, ctx, request):
+        if self.hook == "on_request":
+            raise RuntimeError("boom")
+        return None
+
+    def on_response(self, ctx, request, response):
+        if self.hook == "on_response":
+            raise RuntimeError("boom")
+        return 0.0
+
+    def on_close(self, ctx):
+        if self.hook == "on_close":
+            raise RuntimeError("boom")
+
+
+def test_a_filter_that_raises_on_a_request_closes_the_connection_with_a_reason(caplog):
+    s = make_session(Raises("on_request"))
+    out = s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))
+    assert kinds(out) == [Close]
+    assert "raises-in-on_request" in out[0].reason
+    assert "Traceback" in caplog.text and "boom" in caplog.text
+
+
+def test_a_filter_that_raises_on_a_response_closes_the_connection_with_a_reason():
+    s = make_session(Raises("on_response"))
+    up = forwarded(s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))[0])
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
+    assert kinds(out) == [Close]
+    assert "raises-in-on_response" in out[0].reason
+
+
+def test_every_on_close_runs_even_when_one_raises():
+    closed = []
+
+    class Watch(Filter):
+        def __init__(self, name):
+            self.name = name
+
+        def on_close(self, ctx):
+            closed.append(self.name)
+
+    s = make_session(Watch("first"), Raises("on_close"), Watch("last"))
+    s.close()                      # must not raise
+    assert closed == ["first", "last"]
+
+
+# -- outcomes: one completed entry per request, delivered on the action that finishes it
+
+
+def test_a_local_answer_completes_with_outcome_local_and_the_response():
+    s = make_session(Refuse({METADATA}))
+    out = s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))
+    (entry,) = out[-1].done
+    assert entry.outcome == "local" and entry.response is not None
+    assert entry.response_bytes == sum(len(b) for b in out[-1].buffers)
+
+
+def test_an_acks_0_produce_completes_when_written_to_the_broker():
+    s = make_session()
+    (action,) = s.client_frame(request_frame(PRODUCE, 9, 1, produce_request(acks=0)))
+    assert isinstance(action, ToUpstream)
+    assert action.entry is not None and action.entry.outcome == "no_response"
+
+
+def test_requests_failed_by_a_lost_broker_complete_as_upstream_lost():
+    s = make_session()
+    s.client_frame(request_frame(HEARTBEAT, 4, 1, heartbeat_request()))
+    s.client_frame(request_frame(METADATA, 12, 2, metadata_request()))
+    out = s.upstream_lost("eof")
+    assert [e.outcome for a in out for e in a.done] == ["upstream_lost", "upstream_lost"]
+    assert kinds(out) == [ToClient, Close]
+
+
+def test_filters_can_note_decisions_on_the_entry():
+    class Tags(Filter):
+        request_api_keys = frozenset({METADATA})
+
+        def on_request(self, ctx, request):
+            ctx.exchange.note("rule", "allow-all")
+            return None
+
+    s = make_session(Tags())
+    up = forwarded(s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))[0])
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
+    assert out[0].done[0].notes == {"rule": "allow-all"}
+    assert s.ctx.exchange is None

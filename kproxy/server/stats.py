@@ -1,0 +1,55 @@
+"""Per-API counts, bytes and latency of completed requests, for the demo and the startup summary.
+
+Latencies are a bounded uniform sample (reservoir sampling), so percentiles keep following the
+traffic after warm-up instead of freezing on the first requests. The metrics endpoint replaces this
+for operators; it stays small and dependency-free.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from kproxy.protocol.messages import api_name
+from kproxy.proxy.session import InFlight
+
+
+@attrs.define(slots=True)
+class ApiStats:
+    count: int = 0
+    request_bytes: int = 0
+    response_bytes: int = 0
+    latency_sum: float = 0.0
+    latencies: list[float] = attrs.field(factory=list)   # a uniform sample of at most SAMPLE values
+
+
+class ProxyStats:
+    """Counters kept by the server: one ``record`` per completed request."""
+
+    SAMPLE = 10_000
+
+    def __init__(self, seed: int = 0) -> None:
+        self.apis: dict[str, ApiStats] = {}
+        self.connections_total = 0
+        self.connections_open = 0
+        self._random = random.Random(seed)
+
+    def record(self, entry: InFlight) -> None:
+        name = api_name(entry.api_key)
+        s = self.apis.get(name)
+        if s is None:
+            s = self.apis[name] = ApiStats()
+        s.count += 1
+        s.request_bytes += entry.request_bytes
+        s.response_bytes += entry.response_bytes
+        end = entry.finished_at if entry.finished_at is not None else entry.started
+        latency = end - entry.started
+        s.latency_sum += latency
+        if len(s.latencies) < self.SAMPLE:
+            s.latencies.append(latency)
+        else:
+            # Algorithm R: the n-th value replaces a random one with probability SAMPLE/n.
+            j = self._random.randrange(s.count)
+            if j < self.SAMPLE:
+                s.latencies[j] = latency
