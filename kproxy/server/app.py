@@ -12,15 +12,14 @@ import logging
 import signal
 import socket
 import ssl
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import trio
 
-from kproxy.config import ProxyConfig, config_from_args, load_config
-from kproxy.protocol.errors import ConfigError, KProxyError
+from kproxy.config import ProxyConfig
+from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
     Request,
@@ -346,27 +345,4 @@ async def serve_until_signal(server: ProxyServer) -> None:
                 await server.drain()
                 nursery.cancel_scope.cancel()
                 break
-
-
-def run_from_args(args: Any) -> int:
-    """``kproxy run``: from a config file, or quick mode with --upstream and --listen."""
-    try:
-        if args.config:
-            cfg = load_config(args.config)
-            if args.log_level:
-                cfg = attrs.evolve(cfg, log_level=args.log_level.upper())
-        elif args.upstream and args.listen:
-            exposure = {"advertised_host": args.advertised_host} if args.advertised_host else None
-            cfg = config_from_args(args.upstream, args.listen, log_level=args.log_level,
-                                   exposure=exposure)
-        else:
-            print("kproxy run: give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT",
-                  file=sys.stderr)
-            return 2
-    except ConfigError as e:
-        print(f"kproxy: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    trio.run(serve_until_signal, ProxyServer(cfg))
-    return 0
 
