@@ -9,10 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import metadata
+
+
+def package_version() -> str:
+    """The installed package's version (from its metadata, so it matches what pip reports)."""
+    try:
+        return metadata.version("kproxy")
+    except metadata.PackageNotFoundError:
+        from kproxy import __version__
+
+        return f"{__version__} (not installed)"
 
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kproxy", description="A transparent Kafka wire-protocol proxy.")
+    p.add_argument("--version", action="version", version=f"kproxy {package_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the proxy")
@@ -21,7 +33,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--listen", help="HOST:PORT of the bootstrap listener (no config file)")
     run.add_argument("--advertised-host", help="host clients are told to connect to (default: the "
                      "listen host; needed when listening on 0.0.0.0)")
-    run.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO)")
+    run.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: the file's "
+                     "log_level, else INFO)")
+    run.add_argument("--log-format", help="text or json, one object per line (default: the file's "
+                     "log_format, else text)")
 
     check = sub.add_parser("check", help="validate a configuration file and exit")
     check.add_argument("config", help="YAML configuration file")
@@ -49,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_decode(args)
     if args.command == "run":
-        from kproxy.server.app import run_from_args
+        from kproxy.server.main import run_from_args
 
         return run_from_args(args)
     if args.command == "check":

@@ -1,11 +1,11 @@
-"""The proxy's settings: attrs frozen classes, loaded from YAML and validated before anything starts.
+"""The proxy's settings: attrs frozen classes that check their own values, loaded from YAML.
 
-Every mistake is a ``ConfigError`` naming the file, the 1-based line of the offending key or value,
-and the reason; unknown keys are errors with a "did you mean". This module reads the config file and
-checks that the TLS files it names exist; it must not open sockets, load certificates or start tasks.
+The classes hold every rule, so a config built in code, by quick mode or with ``attrs.evolve`` is
+checked exactly like a file; a broken setting is a ``SettingError`` naming it. The YAML loader adds
+the file and the 1-based line of the offending key, expands ``${VAR}`` and gives "did you mean"
+hints. This module reads the config file, checks that the TLS files it names exist and reads the
+cgroup memory limit; it must not open sockets, load certificates or start tasks.
 """
-
-from __future__ import annotations
 
 import difflib
 import math
@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 from collections.abc import Iterator, Mapping
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, Self
 
 import attrs
 import yaml
@@ -26,26 +26,155 @@ from kproxy.protocol.errors import ConfigError
 _MAX_PORT: Final = 65535
 _WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::"})
 
-# Field metadata keys. _RULES holds the per-value checks the loader applies at the value's line;
+# Field metadata keys. _RULES holds the per-value rules every config class checks on construction;
 # _INTERNAL marks a field that is not a setting (it cannot be written in YAML).
 _RULES: Final = "kproxy.rules"
 _INTERNAL: Final = "kproxy.internal"
 
+_Path = tuple[str | int, ...]
+
+# Where each section class sits in the settings tree (LimitsConfig -> ("limits",)), so an error
+# raised inside a section names the full setting. Filled once the classes exist.
+_SECTION_PATHS: dict[type, _Path] = {}
+
+
+class SettingError(ConfigError):
+    """One setting breaks a rule: ``path`` is where it sits (``("limits", "max_frame_size")``).
+
+    The config classes raise it themselves; the YAML loader catches it and adds file and line.
+    """
+
+    def __init__(self, path: _Path, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{_dotted(path)}: {problem}" if path else problem)
+
 
 def _setting(default: Any = attrs.NOTHING, **rules: Any) -> Any:
-    """An attrs field whose ``rules`` (min, above, max, choices, upper, name, file) the loader checks."""
+    """A field with ``rules``: min, above, max, choices, case (upper/lower), name (a kind), file."""
     return attrs.field(default=default, metadata={_RULES: rules})
+
+
+def _with_checks(cls: type, fields: "list[attrs.Attribute[Any]]") -> "list[attrs.Attribute[Any]]":
+    """attrs field transformer: every field of a config class gets its converter and its checks."""
+    out = []
+    for field in fields:
+        rules = field.metadata.get(_RULES, {})
+        case = rules.get("case")
+        converter: Any = None
+        if case is not None:
+            converter = _upper if case == "upper" else _lower
+        elif float in _scalar_types(field.type):
+            converter = _to_float
+        elif typing.get_origin(field.type) is tuple:
+            converter = _to_tuple
+        out.append(field.evolve(validator=_check_setting, converter=converter))
+    return out
+
+
+def _scalar_types(tp: Any) -> tuple[Any, ...]:
+    return typing.get_args(tp) if typing.get_origin(tp) is types.UnionType else (tp,)
+
+
+# Converters run again on every attrs.evolve, so each must leave its own output unchanged.
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _to_float(value: Any) -> Any:
+    # bool is an int in Python; true is not a number of seconds.
+    return float(value) if type(value) is int else value
+
+
+def _to_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _check_setting(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    problem = _value_problem(attribute.type, attribute.metadata.get(_RULES, {}), value)
+    if problem is not None:
+        raise SettingError(_path_of(instance, attribute.name), problem)
+
+
+def _path_of(section: Any, name: str) -> _Path:
+    return (*_SECTION_PATHS.get(type(section), ()), name)
+
+
+_EXPECTED: Final[Mapping[type, str]] = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+}
+
+
+def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
+    """Why ``value`` cannot be a setting of type ``tp`` with ``rules``, or None if it can."""
+    if typing.get_origin(tp) is types.UnionType:
+        # Every union in the config classes is "X | None".
+        if value is None:
+            return None
+        (tp,) = (a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is tuple:
+        return _host_ports_problem(value)  # tuple[HostPort, ...] is the only tuple setting
+    if attrs.has(tp):
+        return None if isinstance(value, tp) else f"expected a {tp.__name__}, got {value!r}"
+    if type(value) is not tp:
+        return f"expected {_EXPECTED[tp]}, got {value!r}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    choices = rules.get("choices")
+    if choices is not None and value not in choices:
+        return f"must be one of {', '.join(choices)}; got {value!r}{_did_you_mean(str(value), choices)}"
+    if "min" in rules and value < rules["min"]:
+        return f"must be at least {rules['min']}, got {value}"
+    if "above" in rules and value <= rules["above"]:
+        return f"must be greater than {rules['above']}, got {value}"
+    if "max" in rules and value > rules["max"]:
+        return f"must be at most {rules['max']}, got {value}"
+    if "name" in rules:
+        return _name_problem(rules["name"], value)
+    if rules.get("file") and not value.strip():
+        return "an empty file name; leave the key out or write null"
+    return None
+
+
+def _host_ports_problem(value: Any) -> str | None:
+    if not (isinstance(value, tuple) and all(isinstance(hp, HostPort) for hp in value)):
+        return f"expected \"HOST:PORT\" addresses, got {value!r}"
+    if not value:
+        return "needs at least one \"HOST:PORT\""
+    seen: set[HostPort] = set()
+    for hp in value:
+        if hp in seen:
+            return f"lists {hp} twice"
+        seen.add(hp)
+    return None
 
 
 @attrs.frozen
 class HostPort:
-    """A host and a TCP port. IPv6 hosts are held without brackets and printed with them."""
+    """A host and a TCP port. IPv6 hosts are held without brackets and printed with them.
+
+    A value, not a section: a bad one is a ValueError, which the loader turns into a ConfigError
+    naming the setting that holds it.
+    """
 
     host: str
     port: int
 
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.host, str) or _name_problem("host", self.host) is not None:
+            raise ValueError(f"{self.host!r} is not a host name or address")
+        if type(self.port) is not int or not 1 <= self.port <= _MAX_PORT:
+            raise ValueError(f"port {self.port!r} is outside 1..{_MAX_PORT}")
+
     @classmethod
-    def parse(cls, text: str) -> HostPort:
+    def parse(cls, text: str) -> Self:
         """Parse ``host:port`` or ``[v6addr]:port``; a ValueError says what is wrong with ``text``."""
         text = text.strip()
         if text.startswith("["):
@@ -61,8 +190,6 @@ class HostPort:
                 raise ValueError(f"an IPv6 address needs brackets: [{host}]:{port_text}")
         if not host:
             raise ValueError(f"no host in {text!r} (use 0.0.0.0 for every interface)")
-        if any(c.isspace() for c in host) or "/" in host:
-            raise ValueError(f"{host!r} is not a host name or address")
         if not (port_text.isascii() and port_text.isdigit()):
             raise ValueError(f"port {port_text!r} in {text!r} is not a number")
         port = int(port_text)
@@ -74,7 +201,7 @@ class HostPort:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=_with_checks)
 class TlsClientSide:
     """TLS from kproxy to the brokers (origination)."""
 
@@ -85,8 +212,17 @@ class TlsClientSide:
     server_hostname: str | None = _setting(None, name="host")
     verify: bool = True
 
+    def __attrs_post_init__(self) -> None:
+        if not self.enabled:
+            return  # charts template the paths in always and switch TLS with one flag
+        if (self.cert_file is None) != (self.key_file is None):
+            given, missing = ("cert_file", "key_file") if self.key_file is None else ("key_file", "cert_file")
+            raise SettingError(_path_of(self, given), f"a client certificate needs both cert_file and key_file; "
+                                                      f"{_dotted(_path_of(self, missing))} is not set")
+        _check_files(self)
 
-@attrs.frozen
+
+@attrs.frozen(field_transformer=_with_checks)
 class UpstreamConfig:
     """The real cluster: where to bootstrap, how to reach it, how long to wait for it."""
 
@@ -97,7 +233,7 @@ class UpstreamConfig:
     request_timeout_s: float = _setting(30.0, above=0)
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=_with_checks)
 class SniConfig:
     """Names for SNI routing: brokers are ``broker-<node_id>.<domain>``, bootstrap ``<bootstrap_name>.<domain>``."""
 
@@ -105,7 +241,7 @@ class SniConfig:
     bootstrap_name: str = _setting("bootstrap", name="label")
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=_with_checks)
 class ExposureConfig:
     """How brokers are presented to clients: one port each, or one port with SNI names."""
 
@@ -117,8 +253,12 @@ class ExposureConfig:
     node_id_base: int | None = _setting(None, min=0)
     sni: SniConfig | None = None
 
+    def __attrs_post_init__(self) -> None:
+        if self.mode == "sni" and self.sni is None:
+            raise SettingError(_path_of(self, "mode"), "sni needs exposure.sni.domain")
 
-@attrs.frozen
+
+@attrs.frozen(field_transformer=_with_checks)
 class TlsServerSide:
     """TLS from clients to kproxy (termination); mTLS when ``require_client_cert``."""
 
@@ -128,29 +268,48 @@ class TlsServerSide:
     ca_file: str | None = _setting(None, file=True)
     require_client_cert: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        if self.require_client_cert:
+            if not self.enabled:
+                raise SettingError(_path_of(self, "require_client_cert"), "needs tls.enabled: true")
+            if self.ca_file is None:
+                raise SettingError(_path_of(self, "require_client_cert"),
+                                   "needs tls.ca_file, the CA that signs the client certificates")
+        if self.enabled:
+            for name in ("cert_file", "key_file"):
+                if getattr(self, name) is None:
+                    raise SettingError(_path_of(self, "enabled"), f"TLS termination needs tls.{name}")
+            _check_files(self)
 
-@attrs.frozen
+
+@attrs.frozen(field_transformer=_with_checks)
 class LimitsConfig:
-    """Bounds on what one connection may make kproxy hold; sizes in bytes, durations in seconds."""
+    """Bounds on what connections may make kproxy hold; sizes in bytes, durations in seconds."""
 
     max_frame_size: int = _setting(104857600, min=1)
     max_in_flight_requests: int = _setting(256, min=1)  # per client connection
     max_buffered_bytes: int = _setting(67108864, min=1)  # per connection, before backpressure
+    # All connections together; None: derived at start (see effective_buffer_budget).
+    max_buffered_bytes_total: int | None = _setting(None, min=1)
     max_decompressed_batch_bytes: int = _setting(268435456, min=1)
-    # Only applies when the broker requires SASL and the connection never authenticates.
+    # A connection that has sent nothing yet, or started SASL and not finished it, gets this long.
     unauthenticated_idle_timeout_s: float = _setting(30.0, above=0)
-    idle_timeout_s: float = _setting(0.0, min=0)  # 0: no idle timeout
+    # Kafka's connections.max.idle.ms is 10 minutes; 0: never.
+    idle_timeout_s: float = _setting(600.0, min=0)
+    # From a frame's first byte to its last: a peer that trickles a frame cannot hold its buffer forever.
+    frame_timeout_s: float = _setting(30.0, above=0)
+    tls_handshake_timeout_s: float = _setting(10.0, above=0)  # client side
     drain_timeout_s: float = _setting(10.0, min=0)
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=_with_checks)
 class AdminConfig:
     """The admin HTTP listener (health, metrics); off when ``listen`` is None."""
 
     listen: HostPort | None = None
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=_with_checks)
 class ProxyConfig:
     """Everything kproxy needs to run. Build it with ``load_config`` or ``config_from_args``."""
 
@@ -162,8 +321,26 @@ class ProxyConfig:
     limits: LimitsConfig = LimitsConfig()
     passthrough_unknown_versions: bool = False
     admin: AdminConfig = AdminConfig()
-    log_level: str = _setting("INFO", upper=True, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    log_level: str = _setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    log_format: str = _setting("text", case="lower", choices=("text", "json"))
     source: str | None = attrs.field(default=None, metadata={_INTERNAL: True})  # file loaded from
+
+    def __attrs_post_init__(self) -> None:
+        _check_exposure(self)
+        if self.mode == "sidecar" and self.exposure.advertised_host is not None:
+            raise SettingError(("exposure", "advertised_host"),
+                               "a sidecar is always advertised as localhost; remove exposure.advertised_host, "
+                               "or use mode: gateway")
+        if self.mode == "gateway" and self.exposure.advertised_host is None and self.listen.host in _WILDCARD_HOSTS:
+            raise SettingError(("listen",), f"clients cannot connect to {self.listen.host}; set "
+                                            f"exposure.advertised_host to the name they reach kproxy by")
+        admin = self.admin.listen
+        if admin is not None and _may_share(admin.host, self.listen.host):
+            taken = {self.listen.port}
+            if self.exposure.mode != "sni":
+                taken.update(range(self.broker_port_start, self.broker_port_start + self.exposure.broker_port_count))
+            if admin.port in taken:
+                raise SettingError(("admin", "listen"), f"port {admin.port} is already used by the Kafka listeners")
 
     @property
     def advertised_host(self) -> str:
@@ -179,13 +356,52 @@ class ProxyConfig:
         return self.listen.port + 1 if start is None else start
 
 
-_SECTIONS: Final = (
-    HostPort, TlsClientSide, UpstreamConfig, SniConfig, ExposureConfig, TlsServerSide, LimitsConfig,
-    AdminConfig, ProxyConfig,
-)
-for _cls in _SECTIONS:
-    # The annotations are strings (PEP 563); the loader dispatches on the real types.
-    attrs.resolve_types(_cls)
+def _check_exposure(cfg: ProxyConfig) -> None:
+    exp = cfg.exposure
+    if exp.mode == "sni":
+        if not cfg.tls.enabled:
+            raise SettingError(("exposure", "mode"),
+                               "sni needs tls.enabled: true; clients name the broker in the TLS ClientHello")
+        return
+    start, last = cfg.broker_port_start, cfg.broker_port_start + exp.broker_port_count - 1
+    blame: _Path = ("listen",) if exp.broker_port_start is None else ("exposure", "broker_port_start")
+    if last > _MAX_PORT:
+        if blame == ("listen",) and exp.broker_port_count != _DEFAULT_PORT_COUNT:
+            blame = ("exposure", "broker_port_count")
+        raise SettingError(blame, f"broker ports {start}..{last} run past {_MAX_PORT}; lower "
+                                  f"exposure.broker_port_start or exposure.broker_port_count")
+    if start <= cfg.listen.port <= last:
+        raise SettingError(blame, f"broker ports {start}..{last} include the listen port {cfg.listen.port}")
+
+
+def _check_files(section: Any) -> None:
+    for field in attrs.fields(type(section)):
+        value = getattr(section, field.name)
+        if value is None or not field.metadata.get(_RULES, {}).get("file"):
+            continue
+        problem = None
+        if not os.path.exists(value):
+            problem = f"file not found: {value}"
+        elif not os.path.isfile(value):
+            problem = f"not a regular file: {value}"
+        elif not os.access(value, os.R_OK):
+            problem = f"cannot read {value} (permissions)"
+        if problem is not None:
+            raise SettingError(_path_of(section, field.name), problem)
+
+
+_DEFAULT_PORT_COUNT: Final = attrs.fields(ExposureConfig).broker_port_count.default
+
+
+def _section_paths(cls: type, path: _Path) -> Iterator[tuple[type, _Path]]:
+    for field in attrs.fields(cls):
+        (inner,) = (a for a in _scalar_types(field.type) if a is not type(None))
+        if attrs.has(inner) and inner is not HostPort:
+            yield inner, (*path, field.name)
+            yield from _section_paths(inner, (*path, field.name))
+
+
+_SECTION_PATHS.update(_section_paths(ProxyConfig, ()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,8 +409,11 @@ for _cls in _SECTIONS:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
-    """Read and validate the YAML file at ``path``. Relative TLS file paths are taken from its directory."""
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> ProxyConfig:
+    """Read and validate the YAML file at ``path``. Relative TLS file paths are taken from its directory.
+
+    ``${NAME}`` and ``${NAME:-default}`` in values are read from ``env`` (default: the environment).
+    """
     file = os.fspath(path)
     try:
         with open(file, encoding="utf-8") as f:
@@ -203,12 +422,12 @@ def load_config(path: str | os.PathLike[str]) -> ProxyConfig:
         raise ConfigError(f"cannot read the file: {e.strerror or e}", file=file) from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file=file) from None
-    return _load(text, file, os.path.dirname(file))
+    return _load(text, file, os.path.dirname(file), env)
 
 
-def parse_config(text: str, source: str = "<string>") -> ProxyConfig:
+def parse_config(text: str, source: str = "<string>", env: Mapping[str, str] | None = None) -> ProxyConfig:
     """Validate YAML ``text``; errors name ``source``. Relative TLS file paths are taken from the cwd."""
-    return _load(text, source, None)
+    return _load(text, source, None, env)
 
 
 def config_from_args(upstream: str, listen: str, **overrides: object) -> ProxyConfig:
@@ -217,7 +436,7 @@ def config_from_args(upstream: str, listen: str, **overrides: object) -> ProxyCo
     ``overrides`` are the other top-level settings (``mode="sidecar"``, ``log_level="DEBUG"``); a
     section may be given as its object or as a mapping of its keys (``exposure={"advertised_host":
     "kp"}``), and None means "not given". They pass through the same checks as a file; errors carry
-    no file or line.
+    no file or line. Values are taken literally: no ``${VAR}`` expansion.
     """
     data: dict[str, object] = {"listen": listen, "upstream": {"bootstrap_servers": upstream}}
     # argparse leaves an option that was not given as None.
@@ -228,7 +447,20 @@ def config_from_args(upstream: str, listen: str, **overrides: object) -> ProxyCo
             pairs.append((_node_of(key), _node_of(value)))
         except yaml.YAMLError:
             raise ConfigError(f"{key}: cannot use {value!r} as a setting") from None
-    return _Builder(file=None, base_dir=None).build(MappingNode("tag:yaml.org,2002:map", pairs))
+    return _Builder(file=None, base_dir=None, env=None).build(MappingNode("tag:yaml.org,2002:map", pairs))
+
+
+def apply_overrides(cfg: ProxyConfig, **settings: object) -> ProxyConfig:
+    """``cfg`` with top-level ``settings`` replaced (None means "not given"), checked like a file.
+
+    For ``kproxy run --config F --log-level debug``: ``log_level="verbose"`` is a ConfigError.
+    """
+    given: dict[str, Any] = {key: value for key, value in settings.items() if value is not None}
+    names = {f.name for f in attrs.fields(ProxyConfig) if not f.metadata.get(_INTERNAL)}
+    for key in given:
+        if key not in names:
+            raise ConfigError(f"unknown setting {key!r}{_unknown_key_hint(key, ProxyConfig)}")
+    return attrs.evolve(cfg, **given)
 
 
 def check_config_file(path: str) -> int:
@@ -251,12 +483,15 @@ def describe_config(cfg: ProxyConfig) -> str:
     else:
         start = cfg.broker_port_start
         brokers = f"brokers on ports {start}-{start + exp.broker_port_count - 1}"
+    idle = cfg.limits.idle_timeout_s
     parts = [
         f"listen {cfg.listen} -> upstream {','.join(map(str, cfg.upstream.bootstrap_servers))}",
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
         f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
         f"admin {cfg.admin.listen or 'off'}",
+        f"logs {cfg.log_level} as {cfg.log_format}",
     ]
     return "; ".join(parts)
 
@@ -265,7 +500,33 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def _load(text: str, file: str, base_dir: str | None) -> ProxyConfig:
+# A container's memory limit, cgroup v2 then v1. v1 reports "no limit" as a huge number.
+_CGROUP_LIMIT_FILES: Final = ("memory.max", "memory/memory.limit_in_bytes")
+_NO_CGROUP_LIMIT: Final = 1 << 60
+_DEFAULT_BUFFER_BUDGET: Final = 1 << 30
+
+
+def effective_buffer_budget(cfg: ProxyConfig, cgroup_dir: str = "/sys/fs/cgroup") -> int:
+    """The process-wide buffered-bytes budget: ``limits.max_buffered_bytes_total`` when set.
+
+    Otherwise a quarter of the cgroup memory limit under ``cgroup_dir`` when one is readable (the
+    rest is for Python, the codecs and the kernel's socket buffers), else 1 GiB.
+    """
+    total = cfg.limits.max_buffered_bytes_total
+    if total is not None:
+        return total
+    for name in _CGROUP_LIMIT_FILES:
+        try:
+            with open(os.path.join(cgroup_dir, name), encoding="ascii") as f:
+                text = f.read(64).strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.isdigit() and 0 < int(text) < _NO_CGROUP_LIMIT:
+            return max(1, int(text) // 4)
+    return _DEFAULT_BUFFER_BUDGET
+
+
+def _load(text: str, file: str, base_dir: str | None, env: Mapping[str, str] | None) -> ProxyConfig:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
@@ -274,7 +535,7 @@ def _load(text: str, file: str, base_dir: str | None) -> ProxyConfig:
         raise ConfigError(f"not valid YAML: {e}", file=file) from None
     if node is None or (isinstance(node, ScalarNode) and node.tag == _NULL_TAG and not node.value):
         raise ConfigError("the file is empty; it needs at least 'listen' and 'upstream'", file=file, line=1)
-    cfg = _Builder(file=file, base_dir=base_dir).build(node)
+    cfg = _Builder(file=file, base_dir=base_dir, env=os.environ if env is None else env).build(node)
     return attrs.evolve(cfg, source=file)
 
 
@@ -286,31 +547,28 @@ def _yaml_error(e: yaml.MarkedYAMLError, file: str | None) -> ConfigError:
 
 
 # --------------------------------------------------------------------------------------------------
-# The loader: YAML node tree -> attrs objects, driven by the fields' types and rules
+# The loader: YAML node tree -> attrs objects, driven by the fields' types; the classes check values
 # --------------------------------------------------------------------------------------------------
 
 _NULL_TAG: Final = "tag:yaml.org,2002:null"
 _STR_TAG: Final = "tag:yaml.org,2002:str"
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
 
-_Path = tuple[str | int, ...]
-
-_EXPECTED: Final[Mapping[type, str]] = {
-    bool: "true or false",
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-}
+# "$$" is a literal "$"; "${NAME}" and "${NAME:-default}" are references (a default may hold "$$"
+# but no reference); any other "${" is a mistake.
+_ENV_REFERENCE: Final = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?::-((?:[^}$]|\$\$)*))?\}|(\{))")
 
 
 class _Builder:
     """Turns one composed YAML tree into a ProxyConfig, remembering the line of every key it saw."""
 
-    def __init__(self, file: str | None, base_dir: str | None) -> None:
+    def __init__(self, file: str | None, base_dir: str | None, env: Mapping[str, str] | None) -> None:
         self.file = file
         self.base_dir = base_dir
+        self.env = env  # None: values are literal (quick mode)
         self.lines: dict[_Path, int] = {}
         self._scalars = yaml.constructor.SafeConstructor()
+        self._resolver = yaml.resolver.Resolver()
 
     def build(self, node: Node) -> ProxyConfig:
         if not isinstance(node, MappingNode):
@@ -318,8 +576,7 @@ class _Builder:
         line = _line(node)
         if line is not None:
             self.lines[()] = line
-        cfg = self.section(ProxyConfig, node, ())
-        self.check(cfg)
+        cfg: ProxyConfig = self.section(ProxyConfig, node, ())
         return cfg
 
     # -- errors -------------------------------------------------------------------------------------
@@ -368,6 +625,7 @@ class _Builder:
             line = _line(key_node)
             if line is not None:
                 self.lines[sub] = line
+            value_node = self.expand(value_node, sub)
             if attrs.has(field.type) and _is_null(value_node) and field.default is not attrs.NOTHING:
                 # "tls:" with everything under it commented out means the defaults.
                 values[key] = field.default
@@ -378,11 +636,14 @@ class _Builder:
             if name not in values and field.default is attrs.NOTHING:
                 # Point at the section's own key ("upstream:"), not at its first child.
                 self.fail(path, f"missing required key {name!r}", line=self.lines.get(path, _line(node)))
-        return cls(**values)
+        try:
+            return cls(**values)
+        except SettingError as e:
+            self.fail(e.path, e.problem)
 
     def value(self, tp: Any, node: Node, path: _Path, rules: Mapping[str, Any]) -> Any:
         origin = typing.get_origin(tp)
-        if origin is types.UnionType or origin is typing.Union:
+        if origin is types.UnionType:
             # Every union in the config classes is "X | None".
             (inner,) = (a for a in typing.get_args(tp) if a is not type(None))
             return None if _is_null(node) else self.value(inner, node, path, rules)
@@ -392,7 +653,11 @@ class _Builder:
             return self.host_ports(node, path)  # tuple[HostPort, ...] is the only tuple setting
         if attrs.has(tp):
             return self.section(tp, node, path)
-        return self.apply_rules(self.scalar(tp, node, path), node, path, rules)
+        value = self.scalar(tp, node, path)
+        # Relative to the config file, so the same file works from any cwd (as a mounted Secret).
+        if rules.get("file") and value.strip() and self.base_dir and not os.path.isabs(value):
+            value = os.path.join(self.base_dir, value)
+        return value
 
     def scalar(self, tp: type, node: Node, path: _Path) -> Any:
         expected = _EXPECTED[tp]
@@ -406,33 +671,6 @@ class _Builder:
         ok = type(value) is tp or (tp is float and type(value) is int)
         if not ok:
             self.fail(path, f"expected {expected}, got {_describe(node)}", node)
-        return float(value) if tp is float else value
-
-    def apply_rules(self, value: Any, node: Node, path: _Path, rules: Mapping[str, Any]) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            self.fail(path, f"must be a finite number, got {_describe(node)}", node)
-        if rules.get("upper"):
-            value = value.upper()
-        choices = rules.get("choices")
-        if choices is not None and value not in choices:
-            hint = _did_you_mean(str(value), choices)
-            self.fail(path, f"must be one of {', '.join(choices)}; got {value!r}{hint}", node)
-        if "min" in rules and value < rules["min"]:
-            self.fail(path, f"must be at least {rules['min']}, got {value}", node)
-        if "above" in rules and value <= rules["above"]:
-            self.fail(path, f"must be greater than {rules['above']}, got {value}", node)
-        if "max" in rules and value > rules["max"]:
-            self.fail(path, f"must be at most {rules['max']}, got {value}", node)
-        if "name" in rules:
-            problem = _name_problem(rules["name"], value)
-            if problem:
-                self.fail(path, problem, node)
-        if rules.get("file"):
-            if not value.strip():
-                self.fail(path, "an empty file name; leave the key out or write null", node)
-            # Relative to the config file, so the same file works from any cwd (as a mounted Secret).
-            if self.base_dir and not os.path.isabs(value):
-                value = os.path.join(self.base_dir, value)
         return value
 
     def host_port(self, node: Node, path: _Path) -> HostPort:
@@ -447,94 +685,52 @@ class _Builder:
 
     def host_ports(self, node: Node, path: _Path) -> tuple[HostPort, ...]:
         if isinstance(node, SequenceNode):
-            result = tuple(self.host_port(item, (*path, i)) for i, item in enumerate(node.value))
-        elif isinstance(node, ScalarNode) and node.tag == _STR_TAG:
-            parts = [p.strip() for p in node.value.split(",")]
-            if any(not p for p in parts) and node.value.strip():
-                self.fail(path, f"an empty entry in {node.value!r}", node)
-            try:
-                result = tuple(HostPort.parse(p) for p in parts if p)
-            except ValueError as e:
-                self.fail(path, str(e), node)
-        else:
+            return tuple(self.host_port(item, (*path, i)) for i, item in enumerate(node.value))
+        if not (isinstance(node, ScalarNode) and node.tag == _STR_TAG):
             self.fail(path, f"expected a list of \"HOST:PORT\" or one comma-separated string, got "
                             f"{_describe(node)}", node)
-        if not result:
-            self.fail(path, "needs at least one \"HOST:PORT\"", node)
-        seen: set[HostPort] = set()
-        for hp in result:
-            if hp in seen:
-                self.fail(path, f"lists {hp} twice", node)
-            seen.add(hp)
-        return result
+        parts = [p.strip() for p in node.value.split(",")]
+        if any(not p for p in parts) and node.value.strip():
+            self.fail(path, f"an empty entry in {node.value!r}", node)
+        try:
+            return tuple(HostPort.parse(p) for p in parts if p)
+        except ValueError as e:
+            self.fail(path, str(e), node)
 
-    # -- rules that span settings -------------------------------------------------------------------
+    # -- environment variables ----------------------------------------------------------------------
 
-    def check(self, cfg: ProxyConfig) -> None:
-        up_tls = cfg.upstream.tls
-        if up_tls.enabled:
-            if (up_tls.cert_file is None) != (up_tls.key_file is None):
-                given, missing = ("cert_file", "key_file") if up_tls.key_file is None else ("key_file", "cert_file")
-                self.fail(("upstream", "tls", given),
-                          f"a client certificate needs both cert_file and key_file; upstream.tls.{missing} is not set")
-            self.check_files(("upstream", "tls"), up_tls)
+    def expand(self, node: Node, path: _Path) -> Node:
+        """``node`` with ``${NAME}`` references in its scalars replaced, keeping its marks."""
+        if self.env is None or isinstance(node, MappingNode):
+            return node  # a mapping is a section; its own values are expanded as it is built
+        if isinstance(node, SequenceNode):
+            items = [self.expand(item, (*path, i)) for i, item in enumerate(node.value)]
+            return SequenceNode(node.tag, items, node.start_mark, node.end_mark, node.flow_style)
+        if not isinstance(node, ScalarNode) or "$" not in node.value:
+            return node
+        env = self.env
 
-        tls = cfg.tls
-        if tls.require_client_cert:
-            if not tls.enabled:
-                self.fail(("tls", "require_client_cert"), "needs tls.enabled: true")
-            if tls.ca_file is None:
-                self.fail(("tls", "require_client_cert"),
-                          "needs tls.ca_file, the CA that signs the client certificates")
-        if tls.enabled:
-            for name in ("cert_file", "key_file"):
-                if getattr(tls, name) is None:
-                    self.fail(("tls", "enabled"), f"TLS termination needs tls.{name}")
-            self.check_files(("tls",), tls)
+        def replace(m: re.Match[str]) -> str:
+            dollar, name, default, stray = m.groups()
+            if dollar:
+                return "$"
+            if stray:
+                self.fail(path, f"{m.string!r} has a '${{' that is not a variable reference; write ${{NAME}} or "
+                                f"${{NAME:-default}}, and $$ for a literal $", node)
+            value = env.get(name)
+            if default is not None and not value:
+                return default.replace("$$", "$")  # like the shell's ${NAME:-default}: unset or empty
+            if value is None:
+                self.fail(path, f"environment variable {name} is not set (used as ${{{name}}}); set it, or "
+                                f"give a default: ${{{name}:-...}}", node)
+            return value
 
-        exp = cfg.exposure
-        if exp.mode == "sni":
-            if not tls.enabled:
-                self.fail(("exposure", "mode"),
-                          "sni needs tls.enabled: true; clients name the broker in the TLS ClientHello")
-            if exp.sni is None:
-                self.fail(("exposure", "mode"), "sni needs exposure.sni.domain")
-        else:
-            start, last = cfg.broker_port_start, cfg.broker_port_start + exp.broker_port_count - 1
-            blame: _Path = ("listen",)
-            if exp.broker_port_start is not None:
-                blame = ("exposure", "broker_port_start")
-            if last > _MAX_PORT:
-                if blame == ("listen",) and ("exposure", "broker_port_count") in self.lines:
-                    blame = ("exposure", "broker_port_count")
-                self.fail(blame, f"broker ports {start}..{last} run past {_MAX_PORT}; lower "
-                                 f"exposure.broker_port_start or exposure.broker_port_count")
-            if start <= cfg.listen.port <= last:
-                self.fail(blame, f"broker ports {start}..{last} include the listen port {cfg.listen.port}")
-
-        if cfg.mode == "gateway" and exp.advertised_host is None and cfg.listen.host in _WILDCARD_HOSTS:
-            self.fail(("listen",), f"clients cannot connect to {cfg.listen.host}; set "
-                                   f"exposure.advertised_host to the name they reach kproxy by")
-
-        admin = cfg.admin.listen
-        if admin is not None and _may_share(admin.host, cfg.listen.host):
-            taken = {cfg.listen.port}
-            if exp.mode != "sni":
-                taken.update(range(cfg.broker_port_start, cfg.broker_port_start + exp.broker_port_count))
-            if admin.port in taken:
-                self.fail(("admin", "listen"), f"port {admin.port} is already used by the Kafka listeners")
-
-    def check_files(self, path: _Path, section: Any) -> None:
-        for field in attrs.fields(type(section)):
-            value = getattr(section, field.name)
-            if value is None or not field.metadata.get(_RULES, {}).get("file"):
-                continue
-            if not os.path.exists(value):
-                self.fail((*path, field.name), f"file not found: {value}")
-            if not os.path.isfile(value):
-                self.fail((*path, field.name), f"not a regular file: {value}")
-            if not os.access(value, os.R_OK):
-                self.fail((*path, field.name), f"cannot read {value} (permissions)")
+        text = _ENV_REFERENCE.sub(replace, node.value)
+        tag = node.tag
+        if node.style is None:
+            # A plain scalar is typed by what it says once expanded: ${PORT} can be the integer 9092.
+            tag = self._resolver.resolve(ScalarNode, text, (True, False))
+        return ScalarNode(tag, text, node.start_mark, node.end_mark, node.style)
 
 
 # --------------------------------------------------------------------------------------------------

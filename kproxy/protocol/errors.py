@@ -12,6 +12,7 @@ field path where they happened. This module must not import anything that does I
     │   └── EncodeError            a message that cannot be encoded (bad value for its type)
     ├── AddressMapError            a broker that cannot be given a port (kproxy.proxy.addresses)
     └── ConfigError                invalid configuration or rules (file, line, reason)
+        ├── SettingError           one setting breaks its rule (path); raised by the config classes (kproxy.config)
         └── SchemaError            a .kschema file that does not parse (kproxy.protocol.schema)
 """
 

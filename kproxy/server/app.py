@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from kproxy.config import ProxyConfig
+from kproxy.config import ProxyConfig, effective_buffer_budget
 from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
@@ -104,11 +104,11 @@ class ProxyServer:
             request_timeout_s=upstream.request_timeout_s,
             unauthenticated_timeout_s=limits.unauthenticated_idle_timeout_s,
             idle_timeout_s=limits.idle_timeout_s,
-            frame_timeout_s=getattr(limits, "frame_timeout_s", 30.0),
+            frame_timeout_s=limits.frame_timeout_s,
             upstream_tls=self.upstream_tls,
             upstream_server_hostname=upstream.tls.server_hostname,
         )
-        self.tls_handshake_timeout_s = getattr(limits, "tls_handshake_timeout_s", 10.0)
+        self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
 
     # -- listeners (the Router the connections use)
 
@@ -389,53 +389,12 @@ async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None
     scope.cancel()
 
 
-def _budget_limit(config: ProxyConfig) -> int | None:
-    try:
-        from kproxy.config import effective_buffer_budget  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return int(effective_buffer_budget(config))
+def _budget_limit(config: ProxyConfig) -> int:
+    return effective_buffer_budget(config)
 
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def run_from_args(args: Any) -> int:
-    """``kproxy run``: from a config file, or quick mode with --upstream and --listen."""
-    import sys
-
-    import attrs
-
-    from kproxy.config import config_from_args, load_config
-    from kproxy.protocol.errors import ConfigError
-
-    try:
-        if args.config:
-            cfg = load_config(args.config)
-            if args.log_level:
-                cfg = attrs.evolve(cfg, log_level=args.log_level.upper())
-        elif args.upstream and args.listen:
-            exposure = {"advertised_host": args.advertised_host} if args.advertised_host else None
-            cfg = config_from_args(args.upstream, args.listen, log_level=args.log_level,
-                                   exposure=exposure)
-        else:
-            print("kproxy run: give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT",
-                  file=sys.stderr)
-            return 2
-    except ConfigError as e:
-        print(f"kproxy: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        trio.run(serve_until_signal, ProxyServer(cfg))
-    except (ListenError, BaseExceptionGroup) as e:
-        leaf = listen_error(e)
-        if leaf is None:
-            raise
-        print(f"kproxy: {leaf}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def listen_error(e: BaseException) -> ListenError | None:

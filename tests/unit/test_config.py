@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -15,12 +17,16 @@ from kproxy.config import (
     HostPort,
     LimitsConfig,
     ProxyConfig,
+    SettingError,
     SniConfig,
     TlsClientSide,
     TlsServerSide,
     UpstreamConfig,
+    apply_overrides,
     check_config_file,
     config_from_args,
+    describe_config,
+    effective_buffer_budget,
     load_config,
     parse_config,
 )
@@ -61,6 +67,7 @@ def test_full_file_loads_into_the_exact_objects(tmp_path: Path) -> None:
         listen: "[::1]:19092"
         mode: gateway
         log_level: debug
+        log_format: JSON
         passthrough_unknown_versions: true
         upstream:
           bootstrap_servers: "kafka-0:9092, kafka-1:9093"
@@ -92,9 +99,12 @@ def test_full_file_loads_into_the_exact_objects(tmp_path: Path) -> None:
           max_frame_size: 1_048_576
           max_in_flight_requests: 16
           max_buffered_bytes: 2097152
+          max_buffered_bytes_total: 8388608
           max_decompressed_batch_bytes: 4194304
           unauthenticated_idle_timeout_s: 3
-          idle_timeout_s: 600
+          idle_timeout_s: 0
+          frame_timeout_s: 2.5
+          tls_handshake_timeout_s: 4
           drain_timeout_s: 0
         admin:
           listen: "127.0.0.1:9644"
@@ -122,12 +132,14 @@ def test_full_file_loads_into_the_exact_objects(tmp_path: Path) -> None:
         ),
         limits=LimitsConfig(
             max_frame_size=1048576, max_in_flight_requests=16, max_buffered_bytes=2097152,
-            max_decompressed_batch_bytes=4194304, unauthenticated_idle_timeout_s=3.0, idle_timeout_s=600.0,
-            drain_timeout_s=0.0,
+            max_buffered_bytes_total=8388608, max_decompressed_batch_bytes=4194304,
+            unauthenticated_idle_timeout_s=3.0, idle_timeout_s=0.0, frame_timeout_s=2.5,
+            tls_handshake_timeout_s=4.0, drain_timeout_s=0.0,
         ),
         passthrough_unknown_versions=True,
         admin=AdminConfig(listen=HostPort("127.0.0.1", 9644)),
         log_level="DEBUG",
+        log_format="json",
         source=str(path),
     )
 
@@ -147,9 +159,12 @@ def test_minimal_file_takes_every_default(tmp_path: Path) -> None:
     assert cfg.limits.max_in_flight_requests == 256
     assert cfg.limits.max_buffered_bytes == 64 * 1024 * 1024
     assert cfg.limits.max_decompressed_batch_bytes == 256 * 1024 * 1024
-    assert (cfg.limits.unauthenticated_idle_timeout_s, cfg.limits.idle_timeout_s) == (30.0, 0.0)
+    assert cfg.limits.max_buffered_bytes_total is None
+    assert (cfg.limits.unauthenticated_idle_timeout_s, cfg.limits.idle_timeout_s) == (30.0, 600.0)
+    assert (cfg.limits.frame_timeout_s, cfg.limits.tls_handshake_timeout_s) == (30.0, 10.0)
     assert cfg.limits.drain_timeout_s == 10.0
-    assert (cfg.mode, cfg.log_level, cfg.passthrough_unknown_versions) == ("gateway", "INFO", False)
+    assert (cfg.mode, cfg.log_level, cfg.log_format) == ("gateway", "INFO", "text")
+    assert cfg.passthrough_unknown_versions is False
     assert cfg.tls == TlsServerSide() and cfg.admin == AdminConfig(listen=None)
     assert cfg.advertised_host == "127.0.0.1"
     assert cfg.broker_port_start == 9093
@@ -166,7 +181,7 @@ def test_advertised_host_and_broker_port_start_properties() -> None:
     explicit = attrs.evolve(base, exposure=ExposureConfig(advertised_host="kp", broker_port_start=30000))
     assert explicit.advertised_host == "kp"
     assert explicit.broker_port_start == 30000
-    assert attrs.evolve(explicit, mode="sidecar").advertised_host == "localhost"
+    assert attrs.evolve(base, mode="sidecar").advertised_host == "localhost"
 
 
 def test_config_objects_are_frozen_and_slotted() -> None:
@@ -535,3 +550,218 @@ def test_example_file_documents_every_key_with_a_comment() -> None:
     assert {path for path, _ in keys} == _setting_paths(ProxyConfig)
     for path, line in keys:
         assert lines[line - 1].lstrip().startswith("#"), f"{path} (line {line + 1}) has no comment above it"
+
+
+# -- the classes hold the rules: code, quick mode and attrs.evolve are checked like a file -----------
+
+
+def test_evolve_is_checked_and_converts() -> None:
+    cfg = parse_config(MINIMAL)
+    with pytest.raises(ConfigError) as info:
+        attrs.evolve(cfg, log_level="verbose")
+    assert str(info.value) == "log_level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL; got 'VERBOSE'"
+    assert isinstance(info.value, SettingError) and info.value.path == ("log_level",)
+    assert attrs.evolve(cfg, log_level="debug").log_level == "DEBUG"
+    assert attrs.evolve(cfg, log_format="JSON").log_format == "json"
+    assert attrs.evolve(cfg.limits, idle_timeout_s=5).idle_timeout_s == 5.0
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: LimitsConfig(max_frame_size=0), "limits.max_frame_size: must be at least 1, got 0"),
+        (lambda: LimitsConfig(max_frame_size="big"), "limits.max_frame_size: expected an integer, got 'big'"),
+        (lambda: LimitsConfig(max_frame_size=True), "limits.max_frame_size: expected an integer, got True"),
+        (lambda: LimitsConfig(idle_timeout_s=-1), "limits.idle_timeout_s: must be at least 0, got -1.0"),
+        (lambda: LimitsConfig(frame_timeout_s=0), "limits.frame_timeout_s: must be greater than 0, got 0.0"),
+        (lambda: LimitsConfig(tls_handshake_timeout_s=math.nan), "limits.tls_handshake_timeout_s: must be a finite"),
+        (lambda: LimitsConfig(max_buffered_bytes_total=0), "limits.max_buffered_bytes_total: must be at least 1"),
+        (lambda: UpstreamConfig(()), 'upstream.bootstrap_servers: needs at least one "HOST:PORT"'),
+        (lambda: UpstreamConfig((HostPort("k", 1), HostPort("k", 1))), "upstream.bootstrap_servers: lists k:1 twice"),
+        (lambda: UpstreamConfig("k:1"), "upstream.bootstrap_servers: expected \"HOST:PORT\" addresses"),  # type: ignore[arg-type]
+        (lambda: UpstreamConfig((HostPort("k", 1),), connect_timeout_s=0), "upstream.connect_timeout_s: must be greater"),
+        (lambda: TlsClientSide(enabled=True, cert_file="/c.crt"),
+         "upstream.tls.cert_file: a client certificate needs both cert_file and key_file; upstream.tls.key_file is not set"),
+        (lambda: TlsClientSide(enabled=True, ca_file="/nonexistent/ca.pem"),
+         "upstream.tls.ca_file: file not found: /nonexistent/ca.pem"),
+        (lambda: TlsServerSide(enabled=True), "tls.enabled: TLS termination needs tls.cert_file"),
+        (lambda: TlsServerSide(require_client_cert=True), "tls.require_client_cert: needs tls.enabled: true"),
+        (lambda: TlsServerSide(cert_file=" "), "tls.cert_file: an empty file name"),
+        (lambda: ExposureConfig(mode="sin"), "exposure.mode: must be one of port_per_broker, sni; got 'sin' (did you mean 'sni'?)"),
+        (lambda: ExposureConfig(mode="sni"), "exposure.mode: sni needs exposure.sni.domain"),
+        (lambda: ExposureConfig(advertised_host="kp:9092"), "exposure.advertised_host: give the host only"),
+        (lambda: SniConfig("bad domain"), "exposure.sni.domain: 'bad domain' is not a DNS domain name"),
+        (lambda: AdminConfig(listen="127.0.0.1:9644"), "admin.listen: expected a HostPort, got '127.0.0.1:9644'"),  # type: ignore[arg-type]
+        (lambda: ProxyConfig(HostPort("0.0.0.0", 9092), UpstreamConfig((HostPort("k", 1),))),
+         "listen: clients cannot connect to 0.0.0.0"),
+        (lambda: ProxyConfig(HostPort("a", 9092), UpstreamConfig((HostPort("k", 1),)), limits={"max_frame_size": 1}),  # type: ignore[arg-type]
+         "limits: expected a LimitsConfig, got {'max_frame_size': 1}"),
+        (lambda: ProxyConfig(HostPort("a", 9092), UpstreamConfig((HostPort("k", 1),)), log_format="xml"),
+         "log_format: must be one of text, json; got 'xml'"),
+        (lambda: ProxyConfig(HostPort("a", 9092), UpstreamConfig((HostPort("k", 1),)),
+                             exposure=ExposureConfig(broker_port_start=9050)),
+         "exposure.broker_port_start: broker ports 9050..9113 include the listen port 9092"),
+        (lambda: ProxyConfig(HostPort("a", 9092), UpstreamConfig((HostPort("k", 1),)),
+                             admin=AdminConfig(HostPort("a", 9093))),
+         "admin.listen: port 9093 is already used by the Kafka listeners"),
+    ],
+)
+def test_objects_built_in_code_are_held_to_the_rules(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert str(info.value).startswith(message)
+    assert info.value.file is None and info.value.line is None
+
+
+def test_host_port_built_in_code_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"port 0 is outside 1\.\.65535"):
+        HostPort("a", 0)
+    with pytest.raises(ValueError, match="'bad host' is not a host name"):
+        HostPort("bad host", 1)
+    with pytest.raises(ValueError, match="'' is not a host name"):
+        HostPort("", 1)
+
+
+def test_bootstrap_servers_may_be_given_as_a_list_in_code() -> None:
+    up = UpstreamConfig([HostPort("k", 1)])  # type: ignore[arg-type]
+    assert up.bootstrap_servers == (HostPort("k", 1),)
+
+
+# -- settings that cannot mean anything together --------------------------------------------------
+
+
+def test_sidecar_with_an_advertised_host_is_an_error_naming_both(tmp_path: Path) -> None:
+    err = load_error(tmp_path, HEADER + "mode: sidecar\nexposure:\n  advertised_host: kp.example\n")
+    assert err.line == 6
+    assert err.reason.startswith("exposure.advertised_host: a sidecar is always advertised as localhost")
+    assert "mode: gateway" in err.reason
+    with pytest.raises(ConfigError, match=r"exposure\.advertised_host: a sidecar"):
+        config_from_args("k:1", "127.0.0.1:9092", mode="sidecar", exposure={"advertised_host": "kp"})
+
+
+# -- overrides on top of a file ----------------------------------------------------------------------
+
+
+def test_apply_overrides_goes_through_the_checks() -> None:
+    cfg = parse_config(MINIMAL)
+    assert apply_overrides(cfg, log_level=None, log_format=None) == cfg
+    changed = apply_overrides(cfg, log_level="warning", log_format="json")
+    assert (changed.log_level, changed.log_format) == ("WARNING", "json")
+    assert changed.source == cfg.source
+    with pytest.raises(ConfigError, match=r"^log_level: must be one of .*got 'VERBOSE'"):
+        apply_overrides(cfg, log_level="verbose")
+    with pytest.raises(ConfigError, match=r"unknown setting 'log_levl' \(did you mean 'log_level'\?\)"):
+        apply_overrides(cfg, log_levl="DEBUG")
+
+
+# -- environment variables in values ----------------------------------------------------------------
+
+
+def test_environment_variables_are_expanded_in_values() -> None:
+    env = {"POD_IP": "10.1.2.3", "PORT": "30000", "EMPTY": "", "KAFKA": "k-0:9092"}
+    cfg = parse_config(
+        'listen: "${POD_IP}:9092"\n'
+        "upstream:\n  bootstrap_servers:\n    - ${KAFKA}\n    - ${KAFKA_1:-k-1:9092}\n"
+        "exposure:\n  broker_port_start: ${PORT}\n  broker_port_count: ${COUNT:-8}\n"
+        "  advertised_host: ${EMPTY:-kp-$$1}\n"
+        "limits:\n  idle_timeout_s: ${IDLE:-0.5}\n",
+        env=env,
+    )
+    assert cfg.listen == HostPort("10.1.2.3", 9092)
+    assert cfg.upstream.bootstrap_servers == (HostPort("k-0", 9092), HostPort("k-1", 9092))
+    # Unquoted references take the type of what they expand to, as if written in the file.
+    assert (cfg.exposure.broker_port_start, cfg.exposure.broker_port_count) == (30000, 8)
+    assert cfg.exposure.advertised_host == "kp-$1"
+    assert cfg.limits.idle_timeout_s == 0.5
+
+
+def test_expansion_is_not_recursive_and_an_unquoted_empty_value_is_null() -> None:
+    text = 'listen: "a:9092"\nupstream: {bootstrap_servers: "k:1"}\nexposure:\n  advertised_host: ${HOST}\n'
+    # A variable's value is taken literally, even when it looks like a reference.
+    assert parse_config(text, env={"HOST": "kp${OTHER}"}).exposure.advertised_host == "kp${OTHER}"
+    # Expanded to nothing, an unquoted value reads as YAML's null: the setting's default.
+    assert parse_config(text, env={"HOST": ""}).exposure.advertised_host is None
+    assert parse_config(text.replace("${HOST}", "${HOST:-}"), env={}).exposure.advertised_host is None
+
+
+def test_quoted_references_stay_strings(tmp_path: Path) -> None:
+    err = load_error(tmp_path, HEADER + 'limits:\n  max_frame_size: "${SIZE:-100}"\n')
+    assert err.line == 5
+    assert err.reason == "limits.max_frame_size: expected an integer, got '100' (quoted, so a string)"
+
+
+def test_the_environment_is_the_default_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KPROXY_TEST_POD_IP", "10.9.8.7")
+    cfg = load_config(write(tmp_path, 'listen: "${KPROXY_TEST_POD_IP}:9092"\nupstream: {bootstrap_servers: "k:1"}\n'))
+    assert cfg.listen == HostPort("10.9.8.7", 9092)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "reason"),
+    [
+        (HEADER + "exposure:\n  advertised_host: ${POD_IP}\n", 5,
+         "exposure.advertised_host: environment variable POD_IP is not set (used as ${POD_IP}); "
+         "set it, or give a default: ${POD_IP:-...}"),
+        ('listen: "a:1"\nupstream:\n  bootstrap_servers:\n    - "k:1"\n    - "${BROKER_2}"\n', 5,
+         "upstream.bootstrap_servers[1]: environment variable BROKER_2 is not set"),
+        (HEADER + "exposure:\n  advertised_host: ${POD IP}\n", 5,
+         "exposure.advertised_host: '${POD IP}' has a '${' that is not a variable reference; write ${NAME} or "
+         "${NAME:-default}, and $$ for a literal $"),
+        (HEADER + "exposure:\n  advertised_host: kp-${\n", 5, "'kp-${' has a '${' that is not"),
+        (HEADER + "exposure:\n  advertised_host: '${HOST}'\n", 5, "exposure.advertised_host: must not be empty"),
+        (HEADER + "exposure:\n  advertised_host: ${A:-${B}}\n", 5, "'${A:-${B}}' has a '${' that is not"),
+    ],
+)
+def test_environment_errors_name_file_line_variable_and_setting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, line: int, reason: str) -> None:
+    monkeypatch.delenv("POD_IP", raising=False)
+    monkeypatch.delenv("BROKER_2", raising=False)
+    monkeypatch.setenv("HOST", "")
+    err = load_error(tmp_path, text)
+    assert err.line == line, str(err)
+    assert reason in err.reason
+
+
+def test_quick_mode_values_are_literal() -> None:
+    with pytest.raises(ConfigError, match=r"exposure.advertised_host: '\$\{X\}:1' is not|give the host only"):
+        config_from_args("k:1", "a:9092", exposure={"advertised_host": "${X}:1"})
+    cfg = config_from_args("k:1", "a:9092", exposure={"advertised_host": "kp$$"})
+    assert cfg.exposure.advertised_host == "kp$$"
+
+
+# -- the process-wide buffer budget -----------------------------------------------------------------
+
+
+def test_buffer_budget_is_the_setting_when_given(tmp_path: Path) -> None:
+    (tmp_path / "memory.max").write_text("4096\n")
+    cfg = attrs.evolve(parse_config(MINIMAL), limits=LimitsConfig(max_buffered_bytes_total=12345))
+    assert effective_buffer_budget(cfg, str(tmp_path)) == 12345
+
+
+@pytest.mark.parametrize(
+    ("files", "budget"),
+    [
+        ({"memory.max": "2147483648\n"}, 536870912),                       # cgroup v2: a quarter
+        ({"memory.max": "max\n"}, 1 << 30),                                # v2 without a limit
+        ({"memory/memory.limit_in_bytes": "1073741824\n"}, 268435456),     # cgroup v1
+        ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, 1 << 30),  # v1 "no limit"
+        ({"memory.max": "garbage"}, 1 << 30),
+        ({}, 1 << 30),                                                     # not in a cgroup we can read
+    ],
+)
+def test_buffer_budget_is_derived_from_the_cgroup_limit(tmp_path: Path, files: dict[str, str], budget: int) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert effective_buffer_budget(parse_config(MINIMAL), str(tmp_path)) == budget
+
+
+# -- the startup line -------------------------------------------------------------------------------
+
+
+def test_describe_config_mentions_idle_timeout_and_log_format() -> None:
+    cfg = parse_config(MINIMAL)
+    text = describe_config(cfg)
+    assert "idle timeout 600s" in text and "logs INFO as text" in text
+    text = describe_config(apply_overrides(cfg, log_format="json", limits=LimitsConfig(idle_timeout_s=0)))
+    assert "idle timeout off" in text and "logs INFO as json" in text

@@ -1,0 +1,68 @@
+"""``kproxy run``: settings from a file or the command line, then logging, then the proxy until SIGTERM.
+
+The glue between ``kproxy.cli`` and ``ProxyServer``: every setting it takes from the command line
+goes through ``kproxy.config``'s checks, and a mistake is one line on stderr and exit status 2
+before anything starts. It holds no proxy logic.
+"""
+
+import logging
+import sys
+from typing import Any
+
+import trio
+
+from kproxy.cli import package_version
+from kproxy.config import ProxyConfig, apply_overrides, config_from_args, describe_config, load_config
+from kproxy.logs import configure_logging
+from kproxy.protocol.errors import ConfigError
+from kproxy.server.app import ListenError, ProxyServer, listen_error, serve_until_signal
+
+log = logging.getLogger("kproxy.server")
+
+# Quick-mode options and the settings a config file has for them instead.
+_QUICK_OPTIONS = (
+    ("upstream", "--upstream", "upstream.bootstrap_servers"),
+    ("listen", "--listen", "listen"),
+    ("advertised_host", "--advertised-host", "exposure.advertised_host"),
+)
+
+
+def run_from_args(args: Any) -> int:
+    """Run the proxy as ``args`` (from ``kproxy run``) say; 2 on a settings mistake, 0 after a drain."""
+    try:
+        cfg = config_for_run(args)
+    except ConfigError as e:
+        print(f"kproxy run: {e}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_level, cfg.log_format)
+    log.info("kproxy %s: %s", package_version(), describe_config(cfg))
+    try:
+        trio.run(serve_until_signal, ProxyServer(cfg))
+    except (ListenError, BaseExceptionGroup) as e:
+        # A port in use is one line naming the address, not a traceback through trio's nurseries.
+        leaf = listen_error(e)
+        if leaf is None:
+            raise
+        log.error("%s", leaf)
+        print(f"kproxy run: {leaf}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def config_for_run(args: Any) -> ProxyConfig:
+    """The checked settings for ``kproxy run``: ``--config FILE`` or quick mode, plus the log options.
+
+    Quick-mode options next to ``--config`` are refused rather than quietly dropped or half applied.
+    """
+    quick = [(option, setting) for attr, option, setting in _QUICK_OPTIONS if getattr(args, attr, None)]
+    logs = {"log_level": args.log_level, "log_format": args.log_format}
+    if args.config:
+        if quick:
+            options = " and ".join(option for option, _ in quick)
+            settings = " and ".join(setting for _, setting in quick)
+            raise ConfigError(f"{options} cannot be combined with --config; set {settings} in {args.config}")
+        return apply_overrides(load_config(args.config), **logs)
+    if args.upstream and args.listen:
+        exposure = {"advertised_host": args.advertised_host} if args.advertised_host else None
+        return config_from_args(args.upstream, args.listen, exposure=exposure, **logs)
+    raise ConfigError("give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT")
