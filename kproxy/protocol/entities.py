@@ -140,17 +140,18 @@ def _test(expr: str, codes: tuple[int, ...]) -> str:
 @dataclass(slots=True)
 class _Node:
     field: FieldSpec | None
-    children: dict[str, _Node]
-    leaves: list[_Site]
+    items: dict[str, _Node | _Site]     # by field name, in schema order: structs and entity fields
 
 
 def _trie(sites: list[_Site]) -> _Node:
-    root = _Node(None, {}, [])
+    root = _Node(None, {})
     for site in sites:
         node = root
         for f in site.chain[:-1]:
-            node = node.children.setdefault(f.name, _Node(f, {}, []))
-        node.leaves.append(site)
+            child = node.items.setdefault(f.name, _Node(f, {}))
+            assert isinstance(child, _Node)
+            node = child
+        node.items[site.chain[-1].name] = site
     return root
 
 
@@ -166,20 +167,21 @@ def _enter(src: _Src, f: FieldSpec, holder: str, var: str, version: int) -> None
 
 def _walk_trie(src: _Src, node: _Node, var: str, depth: int, version: int,
                leaf: Callable[[_Src, _Site, str], None]) -> None:
-    for site in node.leaves:
-        guard = site.sibling is not None or site.key_type
-        if site.sibling is not None:
-            src(f"if {_test(f'{var}.{site.sibling}', site.codes)}:")
-        elif site.key_type:
-            src(f"if {_test('kt', site.codes)}:")
-        src.depth += guard
-        leaf(src, site, var)
-        src.depth -= guard
-    for child in node.children.values():
-        assert child.field is not None
+    for item in node.items.values():
+        if isinstance(item, _Site):
+            guard = item.sibling is not None or item.key_type
+            if item.sibling is not None:
+                src(f"if {_test(f'{var}.{item.sibling}', item.codes)}:")
+            elif item.key_type:
+                src(f"if {_test('kt', item.codes)}:")
+            src.depth += guard
+            leaf(src, item, var)
+            src.depth -= guard
+            continue
+        assert item.field is not None
         inner = f"e{depth}"
-        _enter(src, child.field, var, inner, version)
-        _walk_trie(src, child, inner, depth + 1, version, leaf)
+        _enter(src, item.field, var, inner, version)
+        _walk_trie(src, item, inner, depth + 1, version, leaf)
         src.depth -= 1
 
 
@@ -327,7 +329,7 @@ def _plan(api_key: int, version: int, kind: str, entity: str) -> _Plan:
 
 def collect(body: Any, api_key: int, version: int, kind: str, entity: str,
             request: Any = None) -> list:
-    """The values of ``entity`` in a decoded body, in schema order; nulls are skipped.
+    """The values of ``entity`` in a decoded body, in schema order (depth first); nulls are skipped.
 
     ``kind`` is "request" or "response". Typed names count only where their type code says they
     are ``entity``. A FindCoordinator v4+ response needs ``request`` (the request body it answers),
