@@ -141,7 +141,7 @@ class Codec:
         if self._traced is None:
             src = (_generate_isdefault(_V(self.message, self.version))
                    + _generate_decoders(self.message, self.version, traced=True))
-            ns = _exec(src, f"<kproxy-codec {self.name} traced>", _namespace(self.message))
+            ns = exec_source(src, f"<kproxy-codec {self.name} traced>", _namespace(self.message))
             self._traced = ns["d_" + self.message.root.name]
         tr: list = []
         try:
@@ -201,7 +201,8 @@ class _Src:
         return "\n".join([*head, *self.lines]) + "\n"
 
 
-def _exec(src: str, filename: str, ns: dict[str, Any]) -> dict[str, Any]:
+def exec_source(src: str, filename: str, ns: dict[str, Any]) -> dict[str, Any]:
+    """Run generated source in ``ns``, registered with linecache so tracebacks show its lines."""
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     exec(compile(src, filename, "exec"), ns)
     return ns
@@ -779,7 +780,7 @@ def _namespace(msg: MessageSpec) -> dict[str, Any]:
     if cls_ns is None:
         cls_ns = {"Struct": Struct, **_base_ns()}
         src = _class_source(msg)
-        _exec(src, f"<kproxy-classes {msg.api_name or msg.name} {msg.kind}>", cls_ns)
+        exec_source(src, f"<kproxy-classes {msg.api_name or msg.name} {msg.kind}>", cls_ns)
         root = cls_ns["C_" + msg.root.name]
         for s in msg.structs():
             c = cls_ns["C_" + s.name]
@@ -819,7 +820,7 @@ def get_codec(msg: MessageSpec, version: int) -> Codec:
         raise ValueError(f"{msg.name} has no version {version}")
     src = codec_source(msg, version)
     name = f"{msg.api_name or msg.name}.{msg.kind}.v{version}"
-    ns = _exec(src, f"<kproxy-codec {name}>", _namespace(msg))
+    ns = exec_source(src, f"<kproxy-codec {name}>", _namespace(msg))
     root = msg.root.name
     c = Codec(msg, version, ns["C_" + root], ns["d_" + root], ns["e_" + root], src)
     _codecs[key] = c

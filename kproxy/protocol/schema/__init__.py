@@ -20,6 +20,25 @@ PRIMITIVES = frozenset(
      "records", "uuid"}
 )
 
+# entity=KIND: what a field's value names, and the one primitive type that can carry it. The
+# resource kinds and coordinator_key are names whose kind a type code beside them decides (FORMAT.md).
+ENTITY_TYPES = {
+    "topic": "string", "topic_id": "uuid", "group": "string", "txn": "string", "broker": "int32",
+    "producer": "int64", "config_resource": "string", "acl_resource": "string",
+    "coordinator_key": "string",
+}
+RESOURCE_KINDS = frozenset({"config_resource", "acl_resource"})
+
+# to=DEST on the api line: where a client sends the request (FORMAT.md).
+DESTINATIONS = frozenset({"leader", "coordinator", "quorum"})
+
+
+def resource_type_field(name: str) -> str:
+    """The sibling that holds a resource name's type code: ``resource_name_filter`` ->
+    ``resource_type_filter``."""
+    head, _, tail = name.rpartition("name")
+    return head + "type" + tail
+
 
 class SchemaError(ConfigError):
     """A schema file that does not follow FORMAT.md (carries file and line)."""
@@ -77,6 +96,8 @@ class FieldSpec:
     flex_never: bool          # string keeps the classic encoding even in flexible versions
     struct: StructSpec | None
     line: int
+    entity: str | None = None  # entity=KIND: the value names a topic, group, broker, ... (FORMAT.md)
+    hold: bool = False         # hold=ms: the broker may hold the request this many milliseconds
 
     def present(self, v: int) -> bool:
         return v in self.versions
@@ -126,6 +147,7 @@ class ApiSpec:
     file: str
     request: MessageSpec | None = None
     response: MessageSpec | None = None
+    to: str | None = None      # to=DEST: the broker a client sends the request to, when it matters
 
 
 @dataclass(slots=True)
@@ -228,9 +250,7 @@ class _Parser:
         for ln, start, end in headers:
             kw = ln.tokens[0]
             if kw == "api":
-                if sf.api is not None or len(ln.tokens) != 3:
-                    raise self.err("expected one line: api KEY snake_name", ln.no)
-                sf.api = ApiSpec(int(ln.tokens[1]), ln.tokens[2], self.path)
+                sf.api = self.api(ln, sf.api)
             elif kw == "struct":
                 self.common_struct(ln.tokens[1], ln.no)
             elif kw in ("request", "response", "message"):
@@ -247,7 +267,32 @@ class _Parser:
                 raise self.err(f"unknown directive {kw!r}", ln.no)
         if sf.api is not None and (sf.api.request is None or sf.api.response is None):
             raise self.err("an api needs both a request and a response", 1)
+        if sf.api is not None:
+            self.check_coordinator_keys(sf.api)
         return sf
+
+    def api(self, ln: _Line, seen: ApiSpec | None) -> ApiSpec:
+        t = ln.tokens
+        to = t[3][3:] if len(t) == 4 and t[3].startswith("to=") else None
+        if seen is not None or len(t) != (3 if to is None else 4):
+            raise self.err("expected one line: api KEY snake_name [to=DEST]", ln.no)
+        if to is not None and to not in DESTINATIONS:
+            raise self.err(f"unknown destination to={to}; expected one of {', '.join(sorted(DESTINATIONS))}",
+                           ln.no)
+        return ApiSpec(int(t[1]), t[2], self.path, to=to)
+
+    def check_coordinator_keys(self, api: ApiSpec) -> None:
+        """A coordinator key's kind is the request's root ``key_type``, in the response too."""
+        assert api.request is not None and api.response is not None
+        kt = next((k for k in api.request.root.fields if k.name == "key_type"), None)
+        if kt is not None and kt.type == "int8" and not kt.array:
+            return
+        for msg in (api.request, api.response):
+            for s in msg.structs():
+                for f in s.fields:
+                    if f.entity == "coordinator_key":
+                        raise self.err("entity=coordinator_key needs an int8 key_type at the "
+                                       "request's root", f.line)
 
     def common_struct(self, name: str, no: int) -> StructSpec:
         if name in self.common:
@@ -313,6 +358,14 @@ class _Parser:
                 tags.add(f.tag)
             out.append(f)
             j = body_end
+        by_name = {f.name: f for f in out}
+        for f in out:
+            if f.entity in RESOURCE_KINDS:
+                # The type code decides what the name is; a version without it uses its default.
+                tf = by_name.get(resource_type_field(f.name))
+                if tf is None or tf.type != "int8" or tf.array:
+                    raise self.err(f"entity={f.entity} on {f.name} needs an int8 sibling "
+                                   f"{resource_type_field(f.name)}", f.line)
         return tuple(out)
 
     def field(self, ln: _Line, start: int, end: int, depth: int) -> FieldSpec:
@@ -330,6 +383,8 @@ class _Parser:
         default: object = None
         has_default = False
         flex_never = False
+        entity: str | None = None
+        hold = False
         for tok in t[2:]:
             try:
                 if tok.startswith("v") and tok[1:2].isdigit():
@@ -347,6 +402,13 @@ class _Parser:
                     default = tok[8:]
                 elif tok == "flex=never":
                     flex_never = True
+                elif tok.startswith("entity="):
+                    entity = tok[7:]
+                    if entity not in ENTITY_TYPES:
+                        raise self.err(f"unknown entity kind {entity!r}; expected one of "
+                                       f"{', '.join(sorted(ENTITY_TYPES))}", ln.no)
+                elif tok == "hold=ms":
+                    hold = True
                 else:
                     raise self.err(f"unknown option {tok!r}", ln.no)
             except ValueError:
@@ -368,6 +430,12 @@ class _Parser:
             raise self.err(f"unknown type {ftype!r}", ln.no)
         if flex_never and (base != "string" or array):
             raise self.err("flex=never applies to string fields only", ln.no)
+        if entity is not None and base != ENTITY_TYPES[entity]:
+            raise self.err(f"entity={entity} needs a {ENTITY_TYPES[entity]} field, not {ftype}", ln.no)
+        if entity in RESOURCE_KINDS and array:
+            raise self.err(f"entity={entity} applies to a single name, not an array", ln.no)
+        if hold and (base != "int32" or array):
+            raise self.err(f"hold=ms needs an int32 field, not {ftype}", ln.no)
         if tag is not None and tagged is None:
             tagged = versions
         if has_default:
@@ -377,7 +445,7 @@ class _Parser:
             if default is None and nullable.empty:
                 raise self.err("default=null on a field that is never nullable", ln.no)
         return FieldSpec(name, kind, array, versions, nullable, tag, tagged or NONE, default,
-                         has_default, flex_never, struct, ln.no)
+                         has_default, flex_never, struct, ln.no, entity, hold)
 
 
 def parse_schema(text: str, path: str = "<schema>") -> SchemaFile:
