@@ -9,6 +9,7 @@ walking the schema. Pure: no I/O, no clocks, no state beyond the caches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -391,6 +392,7 @@ def apis_with(entity: str, kind: str = "request") -> frozenset[int]:
 # Classifications the session and the address rewriter need
 
 
+@functools.cache
 def _destined(to: str) -> frozenset[int]:
     return frozenset(key for key, api in apis().items() if api.to == to)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from kproxy.protocol.entities import node_id_fields, quorum_apis
 from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.messages import Request, Response, apis
 from kproxy.protocol.schema import MessageSpec, StructSpec
@@ -22,11 +23,11 @@ from kproxy.proxy.filters import ConnectionContext, Filter
 
 log = logging.getLogger("kproxy.addresses")
 
-NODE_ID_FIELDS = ("node_id", "broker_id", "leader_id", "replica_id", "voter_id")
 
-# KRaft quorum APIs name controller endpoints; a controller may share its node id with a broker
-# (combined mode) while listening elsewhere, so controllers get ports of their own.
-CONTROLLER_APIS = frozenset({52, 53, 54, 55, 59, 80, 81, 82})
+# KRaft quorum APIs (``to=quorum`` in the schema) name controller endpoints; a controller may share
+# its node id with a broker (combined mode) while listening elsewhere, so controllers get ports of
+# their own.
+CONTROLLER_APIS = quorum_apis()
 DESCRIBE_CLUSTER, CONTROLLER_ENDPOINTS = 60, 2
 
 
@@ -176,9 +177,9 @@ class _Step:
 
 
 def _node_field(s: StructSpec, v: int) -> str | None:
-    present = {f.name: f for f in s.fields if v in f.versions}
-    return next((n for n in NODE_ID_FIELDS if n in present and present[n].type == "int32"
-                 and not present[n].array), None)
+    # The struct's own node id: a node id field of the schema (entity=broker), but not the cluster's
+    # controller_id, which names another node than the endpoint beside it.
+    return next((n for n in node_id_fields(s, v) if n != "controller_id"), None)
 
 
 def _sites(s: StructSpec, v: int, has_node: bool, steps: tuple[_Step, ...],

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kproxy.protocol.compiler import message_class
+from kproxy.protocol.entities import coordinator_apis, partition_apis
 from kproxy.protocol.messages import Request, Response, api_by_key, response_codecs
 from kproxy.protocol.schema import FieldSpec, StructSpec
 
@@ -134,22 +135,22 @@ def error_response(request: Request, error_code: int, message: str | None = None
 
 
 # What a client is told about a request whose broker connection was lost: an error that makes every
-# client refresh its view and retry. Partition-level APIs point at leadership, group and transaction
-# APIs at the coordinator; Metadata and the handshake APIs have no such error, so the client
-# connection is closed instead, which clients also treat as retriable.
-_LEADER_APIS = frozenset({0, 1, 2, 23, 78, 79})
-_COORDINATOR_APIS = frozenset({8, 9, 10, 11, 12, 13, 14, 15, 16, 22, 24, 25, 26, 28, 42, 47, 68, 69,
-                               76, 77, 88, 89, 90, 91})
+# client refresh its view and retry. Requests sent to partition leaders (``to=leader`` in the schema)
+# get NOT_LEADER_OR_FOLLOWER, those sent to a coordinator (``to=coordinator``, plus FindCoordinator
+# and ListGroups, whose clients also handle COORDINATOR_NOT_AVAILABLE) get that. Metadata and the
+# handshake APIs have no error that makes a client retry, so the connection is closed instead,
+# which clients also treat as retriable.
 _CLOSE_ON_LOSS = frozenset({3, 17, 18, 36})
 NOT_LEADER_OR_FOLLOWER, REQUEST_TIMED_OUT, COORDINATOR_NOT_AVAILABLE = 6, 7, 15
+FIND_COORDINATOR, LIST_GROUPS = 10, 16
 
 
 def lost_connection_error(api_key: int) -> int | None:
     """The retriable error for a request whose broker connection was lost; None: close instead."""
     if api_key in _CLOSE_ON_LOSS:
         return None
-    if api_key in _LEADER_APIS:
+    if api_key in partition_apis():
         return NOT_LEADER_OR_FOLLOWER
-    if api_key in _COORDINATOR_APIS:
+    if api_key in coordinator_apis() or api_key in (FIND_COORDINATOR, LIST_GROUPS):
         return COORDINATOR_NOT_AVAILABLE
     return REQUEST_TIMED_OUT

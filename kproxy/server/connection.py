@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from kproxy.logs import safe
+from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import api_name
@@ -414,20 +415,13 @@ class ClientConnection:
                 return
 
 
-# Fields by which a request asks the broker to hold it: the broker may take that long on top.
-_WAIT_FIELDS = ("max_wait_ms", "timeout_ms", "rebalance_timeout_ms", "session_timeout_ms")
-
-
 def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
-    """How long ``entry`` may wait for its response: the timeout plus any wait it asked for."""
-    extra = 0
-    body = entry.request.body if entry.request is not None else None
-    if body is not None:
-        for name in _WAIT_FIELDS:
-            v = getattr(body, name, None)
-            if isinstance(v, int) and v > extra:
-                extra = v
-    return request_timeout + extra / 1000.0
+    """How long ``entry`` may wait for its response: the timeout plus any wait it asked for (the
+    schema's ``hold=ms`` fields: a Fetch's max_wait_ms, a JoinGroup's rebalance timeout, ...)."""
+    req = entry.request
+    if req is None:
+        return request_timeout
+    return request_timeout + hold_ms(req.body, req.api_key, req.api_version) / 1000.0
 
 
 class _RateLimited:
