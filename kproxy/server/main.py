@@ -24,6 +24,8 @@ _QUICK_OPTIONS = (
     ("upstream", "--upstream", "upstream.bootstrap_servers"),
     ("listen", "--listen", "listen"),
     ("advertised_host", "--advertised-host", "exposure.advertised_host"),
+    ("rules", "--rules", "rules"),
+    ("chaos", "--chaos", "chaos"),
 )
 
 
@@ -37,7 +39,14 @@ def run_from_args(args: Any) -> int:
     configure_logging(cfg.log_level, cfg.log_format)
     log.info("kproxy %s: %s", package_version(), describe_config(cfg))
     try:
-        trio.run(serve_until_signal, ProxyServer(cfg))
+        server = ProxyServer(cfg)
+    except ConfigError as e:
+        # Rule files that do not load: the same message `kproxy check` prints.
+        log.error("%s", e)
+        print(f"kproxy run: {e}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve_until_signal, server)
     except (ListenError, BaseExceptionGroup) as e:
         # A port in use is one line naming the address, not a traceback through trio's nurseries.
         leaf = listen_error(e)
@@ -64,5 +73,6 @@ def config_for_run(args: Any) -> ProxyConfig:
         return apply_overrides(load_config(args.config), **logs)
     if args.upstream and args.listen:
         exposure = {"advertised_host": args.advertised_host} if args.advertised_host else None
-        return config_from_args(args.upstream, args.listen, exposure=exposure, **logs)
+        return config_from_args(args.upstream, args.listen, exposure=exposure, rules=args.rules or None,
+                                chaos=args.chaos or None, **logs)
     raise ConfigError("give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT")
