@@ -20,7 +20,19 @@ from typing import Any, Protocol
 import attrs
 
 from kproxy.logs import safe
-from kproxy.policy.model import COMPRESSIONS, DECIDING, Cap, Chaos, Deny, Log, Require, Rewrite, Rule, RuleSet
+from kproxy.policy.model import (
+    ANONYMOUS,
+    COMPRESSIONS,
+    DECIDING,
+    Cap,
+    Chaos,
+    Deny,
+    Log,
+    Require,
+    Rewrite,
+    Rule,
+    RuleSet,
+)
 from kproxy.protocol import entities
 from kproxy.protocol.errors import (
     CLUSTER_AUTHORIZATION_FAILED,
@@ -241,7 +253,10 @@ class _Plan:
         self._deciders = tuple(p for p, r in enumerate(rules) if r.action in DECIDING or r.action == "require")
         self._effects = tuple(p for p, r in enumerate(rules) if r.action in _EFFECTS)
         self._outcomes: dict[tuple[tuple[int, ...], tuple[str, ...]], _Outcome] = {}
-        self.has_ids = entities.has_entity(api_key, version, "request", "topic_id")
+        try:
+            self.has_ids = entities.has_entity(api_key, version, "request", "topic_id")
+        except ValueError:      # a version kproxy does not know (decide() on recorded facts)
+            self.has_ids = False
         # Without topic or request selectors every request of this kind goes the same way.
         self.static = None if self.topic_rules or self.request_positions else self.outcome((), ())
 
@@ -615,9 +630,9 @@ class PolicyFilter(Filter):
             return Delay(delay, Respond(error_code=chaos_error)) if delay else Respond(error_code=chaos_error)
 
         if rewrite is not None:
-            refusal = _tenant_refusal(req, rewrite)
+            refusal = _tenant_refusal(req)
             if refusal is not None:
-                return Respond(error_code=refusal[0], error_message=refusal[1])
+                return refusal
             pending.prefixes = rewrite.prefixes()
             for entity, prefix in pending.prefixes.items():
                 entities.rewrite(body, key, version, "request", entity, functools.partial(_prefixed, prefix))
@@ -807,7 +822,7 @@ def _log_request(ctx: ConnectionContext, rule: Rule, params: Log, req: Request) 
     topics = entities.collect(req.body, req.api_key, req.api_version, "request", "topic")
     shown = ", ".join(dict.fromkeys(topics))
     log.log(params.level, "rule %r: connection %d (client id %s, principal %s) %s v%d%s", rule.name,
-            ctx.connection_id, safe(ctx.client_id), safe(ctx.principal), api_name(req.api_key),
+            ctx.connection_id, safe(ctx.client_id), safe(ctx.principal or ANONYMOUS), api_name(req.api_key),
             req.api_version, f" topics {safe(shown)}" if shown else "")
 
 
@@ -848,13 +863,24 @@ def _values_at(obj: Any, path: tuple[str, ...]) -> Iterable[Any]:
         yield from _values_at(item, path[1:])
 
 
-def _tenant_refusal(req: Request, rewrite: Rewrite) -> tuple[int, str] | None:
-    """Requests a tenant prefix cannot keep inside the tenant's namespace: (error, message)."""
+def _tenant_refusal(req: Request) -> Respond | None:
+    """The answer to a request a tenant prefix cannot keep inside the tenant's namespace, or None."""
     if req.api_key in (CREATE_ACLS, DELETE_ACLS):
-        # Wildcards, null filters and the ANY type would reach other tenants' resources.
-        return CLUSTER_AUTHORIZATION_FAILED, "kproxy: ACLs cannot be changed by a client with a tenant prefix"
+        # Wildcards, null filters and the ANY type would reach other tenants' resources. One result
+        # per creation or filter, as the broker gives.
+        message = "kproxy: ACLs cannot be changed by a client with a tenant prefix"
+        cls: Any = body_class(req.api_key, "response")
+        if req.api_key == CREATE_ACLS:
+            body = cls(results=[cls.AclCreationResult(error_code=CLUSTER_AUTHORIZATION_FAILED, error_message=message)
+                                for _ in req.body.creations])
+        else:
+            body = cls(filter_results=[cls.DeleteAclsFilterResult(error_code=CLUSTER_AUTHORIZATION_FAILED,
+                                                                  error_message=message)
+                                       for _ in req.body.filters])
+        return Respond(body=body)
     for path in pattern_fields(req.api_key, req.api_version):
         if any(_values_at(req.body, path)):
-            return INVALID_REGULAR_EXPRESSION, ("kproxy: name patterns cannot be used with a tenant prefix; "
-                                                "subscribe by topic names, or match them in the client")
+            return Respond(error_code=INVALID_REGULAR_EXPRESSION,
+                           error_message="kproxy: name patterns cannot be used with a tenant prefix; subscribe "
+                                         "by topic names, or match them in the client")
     return None

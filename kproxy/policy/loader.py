@@ -109,8 +109,8 @@ def load_rules(paths: Sequence[str], chaos: bool = False) -> M.RuleSet:
             continue
         for rule in parsed.rules:
             if rule.action == "chaos" and not chaos:
-                warnings.append(f"{rule.where}: rule {rule.name!r}: chaos is off (set chaos: true in "
-                                "kproxy.yaml to enable it); this rule does nothing")
+                warnings.append(f"{rule.where}: rule {rule.name!r}: chaos is off (enable it with chaos: "
+                                "true in kproxy.yaml, or kproxy run --chaos); this rule does nothing")
         rules += parsed.rules
         quotas += parsed.quotas
         if parsed.default is not None:
@@ -132,7 +132,8 @@ def describe_rules(rule_set: M.RuleSet) -> str:
         actions[rule.action] = actions.get(rule.action, 0) + 1
     counts = ", ".join(f"{n} {a}" for a, n in actions.items())
     files = len(rule_set.sources)
-    return (f"{len(rule_set.rules)} rules ({counts or 'none'}) from {files} file{'s' * (files != 1)}, "
+    n = len(rule_set.rules)
+    return (f"{n} rule{'s' * (n != 1)} ({counts or 'none'}) from {files} file{'s' * (files != 1)}, "
             f"default {rule_set.default}, chaos {'on' if rule_set.chaos_enabled else 'off'}")
 
 
@@ -213,14 +214,15 @@ class _File:
             return f"{kind} {name!r}" if isinstance(name, str) and name else f"{path[0]}[{path[1]}]"
         return None
 
-    def problem(self, path: Path, reason: str, key: bool = False) -> RuleProblem:
-        line, column = self._mark(path, key)
+    def problem(self, path: Path, reason: str, key: bool = False, at: Path | None = None) -> RuleProblem:
+        """A problem with the value at ``path`` (the key at ``at``, when the key itself is the problem)."""
+        line, column = self._mark(at, True) if at is not None else self._mark(path, key)
         where = _dotted(path[2:] if self._rule_label(path) else path)
         return RuleProblem(self.file, line, column, self._rule_label(path),
                            f"{where}: {reason}" if where else reason)
 
-    def fail(self, path: Path, reason: str, key: bool = False) -> None:
-        self.problems.append(self.problem(path, reason, key))
+    def fail(self, path: Path, reason: str, key: bool = False, at: Path | None = None) -> None:
+        self.problems.append(self.problem(path, reason, key, at))
 
     # -- reading
 
@@ -273,8 +275,8 @@ class _File:
                     if key_node.value in seen:
                         self.key_marks[(*path, key_node.value)] = (key_node.start_mark.line + 1,
                                                                     key_node.start_mark.column + 1)
-                        self.fail((*path, key_node.value), f"duplicate key {key_node.value!r} "
-                                                           f"(first at line {seen[key_node.value]})", key=True)
+                        self.fail(path, f"duplicate key {key_node.value!r} (first at line {seen[key_node.value]})",
+                                  at=(*path, key_node.value))
                     seen[key_node.value] = key_node.start_mark.line + 1
             try:
                 self._scalars.flatten_mapping(node)
@@ -309,7 +311,7 @@ class _File:
             for key in value:
                 if key not in known:
                     hint = _hint(key, known) or f" (expected one of: {', '.join(known)})"
-                    self.fail((*path, key), f"unknown {_key_kind(path)} {key!r}{hint}", key=True)
+                    self.fail(path, f"unknown {_key_kind(path)} {key!r}{hint}", at=(*path, key))
             return
         if kind == "enum":
             title = schema.get("title", "value")
@@ -372,8 +374,8 @@ class _File:
         action = raw["action"]
         for other in M.ACTIONS:
             if other in raw and other != action:
-                self.fail((*path, other), f"settings for action {other} do nothing in a rule whose action "
-                                          f"is {action}; remove them", key=True)
+                self.fail(path, f"'{other}:' settings do nothing in a rule whose action is {action}; "
+                                f"remove them", at=(*path, other))
         if action in ("rewrite", "require", "cap", "chaos") and action not in raw:
             self.fail(path, f"action {action} needs '{action}:' settings")
         match = self._match(raw.get("match") or {}, (*path, "match"))
@@ -538,8 +540,21 @@ def _deepest(error: jsonschema.ValidationError) -> jsonschema.ValidationError:
     the value's own type first ("type" errors only say which branch it is not), then the deepest."""
     while error.validator in ("anyOf", "oneOf") and error.context:
         candidates = [e for e in error.context if e.validator != "type"] or list(error.context)
-        error = max(candidates, key=lambda e: len(e.absolute_path))
+        error = max(candidates, key=lambda e: (len(e.absolute_path), _typed_for(e)))
     return error
+
+
+def _typed_for(error: jsonschema.ValidationError) -> bool:
+    """Whether the branch ``error`` comes from is written for the value's type (an integer's
+    "maximum" says more than a list of names it is not in)."""
+    declared = error.schema.get("type") if isinstance(error.schema, dict) else None
+    if declared is None:
+        return False
+    value = error.instance
+    kinds: dict[str, type | tuple[type, ...]] = {"integer": int, "number": (int, float), "string": str,
+                                                 "array": list, "object": dict, "boolean": bool}
+    declared = [declared] if isinstance(declared, str) else declared
+    return any(isinstance(value, kinds.get(d, ())) for d in declared)
 
 
 def _key_kind(path: Path) -> str:

@@ -29,8 +29,9 @@ def _selector(item: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 def _names(what: str) -> dict[str, Any]:
-    return _selector({"type": "string", "minLength": 1,
-                      "description": "exact, a glob (* ? [...]) or re:REGEX; the whole value must match"},
+    return _selector({"type": "string",
+                      "description": "exact, a glob (* ? [...]) or re:REGEX; the whole value must match "
+                                     "(\"\" matches a null client id)"},
                      what)
 
 

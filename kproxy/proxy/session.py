@@ -31,6 +31,7 @@ from kproxy.protocol.messages import (
     encode_request_frame,
     encode_response_frame,
     peek_request_header,
+    request_header_version,
     supported_versions,
 )
 from kproxy.protocol.primitives import read_uvarint
@@ -436,9 +437,10 @@ class Session:
 
     def _observe_request(self, req: Request) -> None:
         ctx = self.ctx
-        if req.client_id is not None:
-            ctx.client_id = req.client_id
         key = req.api_key
+        # Header v0 (ControlledShutdown v0) has no client id: it does not clear the one the client gave.
+        if req.client_id is not None and request_header_version(key, req.api_version) > 0:
+            ctx.client_id = req.client_id
         if key == API_VERSIONS and req.api_version >= 3:
             ctx.client_software_name = req.body.client_software_name
             ctx.client_software_version = req.body.client_software_version
