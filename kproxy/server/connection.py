@@ -184,8 +184,10 @@ class ClientConnection:
         client = self.client
         budget = self.budget
         while not self.draining:
-            if budget.exhausted:
-                # Backpressure across the whole process: stop reading clients until buffers drain.
+            if budget.exhausted and reader.at_frame_boundary:
+                # Backpressure across the whole process: no new request is read until buffers drain.
+                # A frame already begun keeps arriving (its sender must send every byte it holds,
+                # and the frame timeout bounds how long); pausing it too could wait forever.
                 await budget.wait_for_room()
             if reader.idle_chunk_is_large and not client.readable_now():
                 # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
