@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bench system-deps
+.PHONY: demo test test-fast test-slow lint bench system-deps
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,11 @@ test: $(VENV)/.installed system-deps
 	$(BIN)/python -m pytest -q
 
 test-fast: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+
+# The long runs left out of `make test` (bench/attack.py at full size, and the like).
+test-slow: $(VENV)/.installed system-deps
+	$(BIN)/python -m pytest -q -m slow
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check kproxy tests bench

@@ -292,7 +292,8 @@ class LimitsConfig:
     # All connections together; None: derived at start (see effective_buffer_budget).
     max_buffered_bytes_total: int | None = _setting(None, min=1)
     max_decompressed_batch_bytes: int = _setting(268435456, min=1)
-    # A connection that has sent nothing yet, or started SASL and not finished it, gets this long.
+    # A connection part-way through a SASL exchange the broker has not accepted yet gets this long;
+    # silent connections are the idle timeout's business.
     unauthenticated_idle_timeout_s: float = _setting(30.0, above=0)
     # Kafka's connections.max.idle.ms is 10 minutes; 0: never.
     idle_timeout_s: float = _setting(600.0, min=0)

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from kproxy.config import ProxyConfig, effective_buffer_budget
+from kproxy.logs import safe
 from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
@@ -242,7 +243,8 @@ class ProxyServer:
         except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError) as e:
             sock.close()
             log.info("connection %d from %s: TLS handshake failed: %s", cid, addr[0],
-                     "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError) else e)
+                     "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError)
+                     else safe(str(e)))
             return
         if port is not None:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
@@ -285,7 +287,7 @@ class ProxyServer:
             assert name is not None
             route = self.address_map.route_for_name(name)
         if route is None:
-            log.warning("no broker known for %s; sending it to the bootstrap servers", port or name)
+            log.warning("no broker known for %s; sending it to the bootstrap servers", port or safe(name))
         return route
 
     # -- broker discovery

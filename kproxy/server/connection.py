@@ -160,7 +160,7 @@ class ClientConnection:
             self.session.close()
             log.info("connection %d from %s closed after %.1fs: %s (client id %s, %d requests, "
                      "%s in, %s out)", ctx.connection_id, _addr(ctx.client_address),
-                     trio.current_time() - self.opened_at, reason, safe(ctx.client_id),
+                     trio.current_time() - self.opened_at, safe(reason, 500), safe(ctx.client_id),
                      self.requests_done, _size(self.bytes_in), _size(self.bytes_out))
 
     def drain(self) -> None:

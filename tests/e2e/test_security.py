@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.protocol.messages import Request, apis, body_class, encode_request_frame
+from kproxy.protocol.messages import Request, body_class, encode_request_frame
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
+from tests.e2e.mutation import mutate, request_corpus
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.sasl_gate import SaslGate, TansuBehind, confluent_roundtrip, expected_pairs
 from tests.e2e.tansu import TansuBroker, unique_name
@@ -331,41 +332,11 @@ def test_an_exhausted_buffer_budget_pauses_reads_instead_of_allocating(broker: T
 # -- mutated frames over real sockets
 
 
-def _corpus() -> list[bytes]:
-    """One valid request frame per API at its lowest and highest version, default-valued bodies."""
-    out = []
-    for key, api in sorted(apis().items()):
-        msg = api.request
-        for v in {msg.versions.lo, msg.versions.hi}:
-            with contextlib.suppress(Exception):
-                out.append(frame(key, v, 7, body_class(key, "request")())[4:])
-    return out
-
-
-def _mutate(rng: random.Random, data: bytes) -> bytes:
-    b = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        op = rng.randrange(5)
-        if op == 0 and b:                               # flip a byte
-            b[rng.randrange(len(b))] = rng.randrange(256)
-        elif op == 1 and b:                             # truncate
-            del b[rng.randrange(len(b)):]
-        elif op == 2:                                   # insert junk
-            i = rng.randrange(len(b) + 1)
-            b[i:i] = rng.randbytes(rng.randint(1, 8))
-        elif op == 3 and len(b) >= 12:                  # a huge length or count somewhere
-            i = rng.randrange(8, len(b) - 3)
-            b[i:i + 4] = rng.choice([b"\x7f\xff\xff\xff", b"\xff\xff\xff\xfe", b"\x00\x10\x00\x00"])
-        elif op == 4 and len(b) >= 2:                   # another api key or version
-            b[rng.randrange(2)] = rng.randrange(256)
-    return bytes(b)
-
-
 def test_thousands_of_mutated_frames_leave_kproxy_serving(broker: TansuBroker,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="kproxy")
     rng = random.Random(20261123)
-    corpus = _corpus()
+    corpus = request_corpus()
     p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", limits={"frame_timeout_s": 2.0})
     sent = 0
     try:
@@ -377,7 +348,7 @@ def test_thousands_of_mutated_frames_leave_kproxy_serving(broker: TansuBroker,
             conn.settimeout(0.05)
             with conn:
                 for _ in range(rng.randint(1, 40)):
-                    data = _mutate(rng, rng.choice(corpus))
+                    data = mutate(rng, rng.choice(corpus))
                     try:
                         conn.sendall(struct.pack(">i", len(data)) + data)
                         sent += 1
