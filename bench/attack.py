@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kproxy.server.demo import tansu_broker  # noqa: E402
+from kproxy.tansu import Tansu  # noqa: E402
 from tests.e2e.mutation import mutate, request_corpus  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -176,7 +176,8 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=1_000_000)
     ap.add_argument("--threads", type=int, default=8)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, tansu_broker(free_port()) as upstream:
+    with tempfile.TemporaryDirectory() as tmp, Tansu() as broker:
+        upstream = broker.bootstrap
         log = Path(tmp) / "kproxy.log"
         with kproxy(upstream, log) as (proc, address):
             if args.idle:

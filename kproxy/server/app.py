@@ -108,6 +108,8 @@ class ProxyServer:
             frame_timeout_s=limits.frame_timeout_s,
             upstream_tls=self.upstream_tls,
             upstream_server_hostname=upstream.tls.server_hostname,
+            frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
+                               else "limits.max_buffered_bytes"),
         )
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
 
@@ -220,7 +222,7 @@ class ProxyServer:
                       raw: socket.socket | None = None) -> None:
         tune(sock)
         cid = next(self._ids)
-        ctx = ConnectionContext(cid, client_address=(addr[0], addr[1]), clock=trio.current_time)
+        ctx = self.new_context(cid, (addr[0], addr[1]))
         transport: PlainTransport | TlsTransport
         route: Route | None = None
         name: str | None = None
@@ -270,6 +272,11 @@ class ProxyServer:
         finally:
             self.connections.discard(conn)
             self.stats.connections_open -= 1
+
+    def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
+        """The context of a new client connection, with the settings filters read from it."""
+        return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
+                                 max_decompressed_batch_bytes=self.config.limits.max_decompressed_batch_bytes)
 
     def _completed(self, entry: InFlight) -> None:
         self.stats.record(entry)

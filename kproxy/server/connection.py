@@ -48,6 +48,7 @@ class ConnectionSettings:
     frame_timeout_s: float = 0.0
     upstream_tls: ssl.SSLContext | None = None
     upstream_server_hostname: str | None = None
+    frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
 
     @property
     def watchdog_period(self) -> float | None:
@@ -96,7 +97,8 @@ class ClientConnection:
         self.cancel_scope: trio.CancelScope | None = None
         self.draining = False
         self._upstream_generation = 0
-        self.client_reader = FrameReader(settings.frame_cap, trust_claims=False)
+        self.client_reader = FrameReader(settings.frame_cap, trust_claims=False,
+                                         limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
         self._held = 0                              # bytes this connection counts in the budget
 
@@ -312,7 +314,8 @@ class ClientConnection:
     # -- broker -> client
 
     async def _upstream_pump(self, upstream: Transport, generation: int) -> None:
-        reader = FrameReader(self.settings.frame_cap, trust_claims=True)
+        reader = FrameReader(self.settings.frame_cap, trust_claims=True,
+                             limit_name=self.settings.frame_cap_setting)
         self._readers.append(reader)
         session = self.session
         try:

@@ -24,8 +24,8 @@ from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.mutation import mutate, request_corpus
 from tests.e2e.proxied import free_port_block, start_proxy
-from tests.e2e.sasl_gate import SaslGate, TansuBehind, confluent_roundtrip, expected_pairs
-from tests.e2e.tansu import TansuBroker, unique_name
+from tests.e2e.sasl_gate import SaslGate, confluent_roundtrip, expected_pairs
+from tests.e2e.tansu import Tansu, TansuBroker, unique_name
 from tests.e2e.test_tls import Pki, kproxy_config, pki, server_tls  # noqa: F401 (pki is a fixture)
 from tests.e2e.wire import Wire
 
@@ -90,7 +90,7 @@ def wait_for(check, timeout: float = 10.0, explain=lambda: "") -> None:
 def proxy_behind_sasl_gate(tansu_binary: str, users: dict[str, str], ids: Identities) -> Iterator[ProxyThread]:
     """kproxy in front of a SASL-enforcing gate in front of tansu."""
     gate = SaslGate(None, users)
-    with TansuBehind(tansu_binary, gate.address) as tansu:
+    with Tansu(tansu_binary, advertised=gate.address) as tansu:
         gate.upstream = (tansu.host, tansu.port)
         with gate:
             p = start_proxy(gate.bootstrap, advertised_host="127.0.0.1", filters=[ids])

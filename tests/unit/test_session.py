@@ -906,3 +906,24 @@ def test_filters_can_note_decisions_on_the_entry():
     out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
     assert out[0].done[0].notes == {"rule": "allow-all"}
     assert s.ctx.exchange is None
+
+
+def test_the_decompression_limit_reaches_filters_through_the_context():
+    from kproxy.config import config_from_args
+    from kproxy.server.app import ProxyServer
+
+    cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092",
+                           limits={"max_decompressed_batch_bytes": 12345})
+    seen = []
+
+    class Reads(Filter):
+        request_api_keys = frozenset({METADATA})
+
+        def on_request(self, ctx, request):
+            seen.append(ctx.max_decompressed_batch_bytes)
+
+    server = ProxyServer(cfg, [Reads()])
+    ctx = server.new_context(1, ("127.0.0.1", 5555))
+    ctx.clock = Clock()                      # outside trio: the test's clock, not trio's
+    Session(ctx, server.chain).client_frame(request_frame(METADATA, 12, 1, metadata_request()))
+    assert seen == [12345]
