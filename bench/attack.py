@@ -186,6 +186,8 @@ def main() -> None:
                 connections_phase(address, args.connections)
             if args.frames:
                 frames_phase(proc.pid, address, args.frames, args.threads)
+            if proc.poll() is not None:
+                raise SystemExit(f"kproxy exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
             print(f"real client through kproxy afterwards: {'ok' if client_roundtrip(address) else 'FAILED'}")
             internal = len(re.findall("internal error", log.read_text()))
             print(f"internal errors in kproxy's log: {internal}")

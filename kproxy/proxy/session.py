@@ -237,6 +237,7 @@ class Session:
         self._sasl_round_trips = 0
         self._sasl_handshake_ok = False
         self.sasl_in_progress = False
+        self.sasl_started_at = 0.0           # when the current SASL exchange began (session clock)
         self.requests = 0
         self.closed = False
 
@@ -344,6 +345,7 @@ class Session:
             # again, the connection keeps the identity it had, and a claim is only a claim.
             ctx.sasl_mechanism = req.body.mechanism
             self.sasl_in_progress = True
+            self.sasl_started_at = ctx.clock()
             self._sasl_handshake_ok = False
             self._sasl_round_trips = 0
             self._sasl_claimed_user = None

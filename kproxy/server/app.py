@@ -54,6 +54,11 @@ log = logging.getLogger("kproxy.server")
 # accept() errors that mean "out of a resource for now": wait and try again. Anything else is a bug
 # or a closed listener, and retrying it forever would only hide it.
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+# Errors of the one pending connection that Linux reports from accept() itself (accept(2): "treat them
+# like EAGAIN"): a client that reset before it was accepted, a firewall, a network that went away.
+_PEER_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT,
+                          errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
+                          errno.ENETUNREACH, errno.ECONNRESET})
 
 
 class ListenError(KProxyError):
@@ -212,6 +217,8 @@ class ProxyServer:
                                     port or self.config.listen.port, e.strerror or e)
                         await trio.sleep(0.1)
                         continue
+                    if e.errno in _PEER_ERRNOS:
+                        continue    # that one connection failed before it was accepted; not the listener
                     if self.draining:
                         return
                     raise

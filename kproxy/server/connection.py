@@ -399,7 +399,7 @@ class ClientConnection:
                     continue
             unauth = s.unauthenticated_timeout_s
             if (unauth > 0 and session.sasl_in_progress and not session.ctx.authenticated
-                    and now - started > unauth):
+                    and now - session.sasl_started_at > unauth):
                 self._close_from_task(f"SASL authentication not completed within {unauth:g}s "
                                       "(limits.unauthenticated_idle_timeout_s)")
                 return
