@@ -25,6 +25,7 @@ from kproxy.protocol.messages import api_name
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.session import NO_RESPONSE, Close, Hold, InFlight, Listen, Session, ToClient, ToUpstream
 from kproxy.server.budget import BufferBudget
+from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import Transport, connect
 
 log = logging.getLogger("kproxy.server")
@@ -74,13 +75,14 @@ class ClientConnection:
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
-                 route_key: tuple[int | None, str | None] = (None, None)) -> None:
+                 route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None) -> None:
         self.settings = settings
         self.router = router
         self.client = client
         self.session = session
         self.on_complete = on_complete
         self.budget = budget if budget is not None else BufferBudget(None)
+        self.stats = stats                          # decode errors and connect failures, for metrics
         self.route_key = route_key                  # (exposed port, SNI name) the client connected to
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
@@ -139,6 +141,8 @@ class ClientConnection:
                             reason = str(e)
                         except FrameError as e:
                             reason = f"bad frame from client: {e}"
+                            if self.stats is not None:
+                                self.stats.decode_errors["request"] += 1
                         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                             reason = f"client connection error: {e!r}"
                         nursery.cancel_scope.cancel()
@@ -232,6 +236,8 @@ class ClientConnection:
                 if problem is not None:
                     raise ConnectionClosed(problem)
             elif kind is Close:
+                if a.undecodable is not None and self.stats is not None:
+                    self.stats.decode_errors[a.undecodable] += 1
                 if a.done:
                     self._complete(a.done, trio.current_time())
                 raise ConnectionClosed(a.reason)
@@ -292,6 +298,8 @@ class ClientConnection:
                 break
             except (OSError, trio.TooSlowError) as e:
                 last = e
+                if self.stats is not None:
+                    self.stats.upstream_failed(host, port)
         else:
             raise last or OSError("no upstream")
         self._upstream_generation += 1
@@ -328,6 +336,8 @@ class ClientConnection:
                         self._check_route()
                 self._account()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if isinstance(e, FrameError) and self.stats is not None:
+                self.stats.decode_errors["response"] += 1
             if generation == self._upstream_generation and self.upstream is upstream:
                 try:
                     await self._upstream_lost(str(e) or repr(e))
