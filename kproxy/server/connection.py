@@ -270,17 +270,21 @@ class ClientConnection:
                     raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection") from e
                 return
         assert self.upstream is not None
+        entry = action.entry
+        if entry is not None:
+            # Stamped before the send: while it waits for the socket, the other pump may already
+            # read the answer, and the broker's time must never come out negative.
+            entry.forwarded_at = trio.current_time()
+            entry.broker = self.connected_to
         try:
             await self.upstream.send(action.buffers)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if entry is not None:
+                entry.forwarded_at = entry.broker = None
             await self._upstream_lost(f"send failed: {e!r}")
             return
-        entry = action.entry
-        if entry is not None:
-            entry.forwarded_at = now = trio.current_time()
-            entry.broker = self.connected_to
-            if entry.outcome == NO_RESPONSE:
-                self._complete((entry,), now)
+        if entry is not None and entry.outcome == NO_RESPONSE:
+            self._complete((entry,), trio.current_time())
 
     async def _connect_upstream(self) -> None:
         s = self.settings

@@ -226,7 +226,7 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
                         decode_errors: Mapping[str, int], upstream_failures: Mapping[str, int]) -> list[Metric]:
     return [
         _gauge("kproxy_connections_open", "Client connections open, by listener.", ["listener"],
-               {(k,): v for k, v in open_now.items()}),
+               {(k,): open_now.get(k, 0) for k in {*opened, *open_now}}),
         _counter("kproxy_connections_opened", "Client connections accepted, by listener.", ["listener"],
                  {(k,): v for k, v in opened.items()}),
         _counter("kproxy_decode_errors", "Frames kproxy could not decode (the connection closed), by direction "

@@ -91,7 +91,8 @@ def free_port_block(count: int = 8) -> int:
 
 
 def start_proxy(
-    upstream: str, advertised_host: str = "localhost", filters: list[Filter] | None = None, **overrides: Any
+    upstream: str, advertised_host: str = "localhost", filters: list[Filter] | None = None,
+    server_options: dict[str, Any] | None = None, **overrides: Any
 ) -> ProxyThread:
     port = free_port_block()
     exposure = {"advertised_host": advertised_host, "broker_port_count": 6}
@@ -100,4 +101,4 @@ def start_proxy(
     cfg = config_from_args(upstream, f"127.0.0.1:{port}", exposure=exposure, **overrides)
     if up:
         cfg = attrs.evolve(cfg, upstream=attrs.evolve(cfg.upstream, **up))
-    return ProxyThread(cfg, filters or []).start()
+    return ProxyThread(cfg, filters or [], **(server_options or {})).start()
