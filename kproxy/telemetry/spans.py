@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +24,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from kproxy.config import TracingConfig
 from kproxy.protocol.errors import DecodeError
-from kproxy.protocol.records import Compression, RecordBatch, iter_batches
+from kproxy.protocol.records import V2_HEADER_SIZE, Compression, RecordBatch, iter_batches
 from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
 
 log = logging.getLogger("kproxy.telemetry")
@@ -38,6 +39,9 @@ OPERATION_TYPES: Mapping[int, str] = {
     79: "settle",     # ShareAcknowledge
 }
 MAX_LINKS = 64   # per span: a batch of thousands of traced records must not make a huge span
+# A record header key "traceparent" as the v2 record format writes it (zigzag varint length 11). A
+# batch without these bytes has no such header, and is skipped without parsing its records.
+_TRACEPARENT_KEY = re.compile(rb"\x16traceparent")
 
 
 def span_name(x: Exchange) -> str:
@@ -142,7 +146,10 @@ def record_links(x: Exchange, mode: str, max_decompressed: int) -> list[Link]:
             for batch in iter_batches(records):
                 if not isinstance(batch, RecordBatch) or batch.is_control:
                     continue
-                if batch.compression is not Compression.NONE and mode != "all":
+                if batch.compression is Compression.NONE:
+                    if _TRACEPARENT_KEY.search(batch.raw, V2_HEADER_SIZE) is None:
+                        continue
+                elif mode != "all" or _TRACEPARENT_KEY.search(batch.payload(max_decompressed)) is None:
                     continue
                 for rec in batch.records(max_decompressed):
                     for h in rec.headers:

@@ -34,8 +34,20 @@ FINISHED_SUFFIXES = (".jsonl", ".jsonl.gz")
 IN_PROGRESS = ".part"
 
 
+_second: tuple[int, str] = (-1, "")   # the last whole second formatted (one tuple: swapped atomically)
+
+
 def rfc3339(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """RFC 3339 UTC with microseconds; the date and time part is formatted once per second."""
+    global _second
+    whole = int(epoch_s // 1)
+    micros = int(round((epoch_s - whole) * 1e6))
+    if micros >= 1_000_000:
+        whole, micros = whole + 1, micros - 1_000_000
+    cached = _second
+    if cached[0] != whole:
+        cached = _second = (whole, datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
+    return f"{cached[1]}.{micros:06d}Z"
 
 
 def _ms(value: float | None) -> float | None:
