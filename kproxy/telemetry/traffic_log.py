@@ -41,7 +41,7 @@ def rfc3339(epoch_s: float) -> str:
     """RFC 3339 UTC with microseconds; the date and time part is formatted once per second."""
     global _second
     whole = int(epoch_s // 1)
-    micros = int(round((epoch_s - whole) * 1e6))
+    micros = round((epoch_s - whole) * 1e6)
     if micros >= 1_000_000:
         whole, micros = whole + 1, micros - 1_000_000
     cached = _second
