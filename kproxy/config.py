@@ -336,6 +336,12 @@ class TrafficLogConfig:
     sample: dict[str, float] = attrs.field(factory=dict, hash=False)
 
     def __attrs_post_init__(self) -> None:
+        if self.dir is not None:
+            problem = _writable_dir_problem(self.dir)
+            if problem is not None:
+                raise SettingError(_path_of(self, "dir"), problem)
+        if not self.sample:
+            return
         from kproxy.protocol.messages import apis
 
         names = {api.name for api in apis().values()} | {"default"}
@@ -428,6 +434,20 @@ def _check_exposure(cfg: ProxyConfig) -> None:
                                   f"exposure.broker_port_start or exposure.broker_port_count")
     if start <= cfg.listen.port <= last:
         raise SettingError(blame, f"broker ports {start}..{last} include the listen port {cfg.listen.port}")
+
+
+def _writable_dir_problem(path: str) -> str | None:
+    """Why kproxy could not write files under ``path`` (created at start when missing), or None."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"not a directory: {path}"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"cannot write to {path} (permissions)"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: {parent} is not a writable directory"
+    return None
 
 
 def _check_files(section: Any) -> None:

@@ -424,3 +424,23 @@ def _free_port() -> int:
 def test_admin_refuses_other_methods() -> None:
     server = admin.AdminServer(View(), None)  # type: ignore[arg-type]
     assert server.respond("POST", "/metrics")[0] == 405
+
+
+def test_traffic_log_dir_and_sample_are_checked(tmp_path: Path) -> None:
+    from kproxy.config import parse_config
+    from kproxy.protocol.errors import ConfigError
+
+    head = 'listen: "127.0.0.1:9092"\nupstream: {bootstrap_servers: "k:9092"}\n'
+    (tmp_path / "file").write_text("")
+    for text, message in (
+        (f"traffic_log: {{dir: {tmp_path / 'file'}}}\n", "<string>:3: traffic_log.dir: not a directory"),
+        ("traffic_log:\n  sample: {fetchh: 0.5}\n", "<string>:4: traffic_log.sample: unknown API 'fetchh' "
+                                                    "(did you mean 'fetch'?)"),
+        ("traffic_log:\n  sample:\n    fetch: 2\n", "<string>:5: traffic_log.sample.fetch: must be a number from 0 to 1"),
+        ("tracing: {sample_ratio: 1.5}\n", "tracing.sample_ratio: must be at most 1"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            parse_config(head + text)
+        assert message in str(info.value), str(info.value)
+    cfg = parse_config(head + f"traffic_log: {{dir: {tmp_path / 'new'}, sample: {{fetch: 0.1, default: 1}}}}\n")
+    assert cfg.traffic_log.sample == {"fetch": 0.1, "default": 1}
