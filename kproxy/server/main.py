@@ -40,7 +40,12 @@ def run_from_args(args: Any) -> int:
     configure_logging(cfg.log_level, cfg.log_format)
     log.info("kproxy %s: %s", package_version(), describe_config(cfg))
     try:
-        trio.run(serve_until_signal, ProxyServer(cfg))
+        server = ProxyServer(cfg)
+    except ConfigError as e:  # the OTEL_* variables are read here, when the exporter is made
+        print(f"kproxy run: {e}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve_until_signal, server)
     except (ListenError, BaseExceptionGroup) as e:
         # A port in use is one line naming the address, not a traceback through trio's nurseries.
         leaf = listen_error(e)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 
 from kproxy.config import ProxyConfig
+from kproxy.protocol.errors import ConfigError
 from kproxy.protocol.messages import apis
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.session import InFlight
@@ -36,8 +37,11 @@ class Telemetry:
         tl = config.traffic_log
         self.traffic_log = TrafficLogWriter(tl) if tl.dir is not None else None
         tr = config.tracing
-        self.tracing = (Tracing(tr, config.limits.max_decompressed_batch_bytes, span_exporter, env)
-                        if tr.enabled else None)
+        try:
+            self.tracing = (Tracing(tr, config.limits.max_decompressed_batch_bytes, span_exporter, env)
+                            if tr.enabled else None)
+        except ValueError as e:   # an OTEL_* variable kproxy cannot follow
+            raise ConfigError(f"tracing: {e}") from None
         default = float(tl.sample.get("default", 1.0))
         self._log_ratio = {key: float(tl.sample.get(api.name, default)) for key, api in apis().items()}
         self._log_default = default

@@ -444,3 +444,13 @@ def test_traffic_log_dir_and_sample_are_checked(tmp_path: Path) -> None:
         assert message in str(info.value), str(info.value)
     cfg = parse_config(head + f"traffic_log: {{dir: {tmp_path / 'new'}, sample: {{fetch: 0.1, default: 1}}}}\n")
     assert cfg.traffic_log.sample == {"fetch": 0.1, "default": 1}
+
+
+@pytest.mark.usefixtures("root_logger")
+def test_an_otel_exporter_kproxy_cannot_use_is_a_config_error(capsys: pytest.CaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from kproxy import cli
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    assert cli.main(["run", "--upstream", "k:9092", "--listen", "127.0.0.1:19092", "--tracing"]) == 2
+    assert "OTEL_TRACES_EXPORTER='zipkin'" in capsys.readouterr().err
