@@ -11,14 +11,20 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
-# kcat from Debian for the end-to-end tests (the only non-PyPI test tool). Installed when missing
-# and we may use apt; otherwise its tests report it as not installed.
+# The non-PyPI test tools, from Debian: kcat for the end-to-end tests, promtool (package
+# prometheus; no service starts) to lint /metrics. Installed when missing and we may use apt;
+# otherwise the tests that need them fail saying so.
 system-deps:
 	@command -v kcat >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kcat) >/dev/null \
 	      || echo "warning: could not install kcat"; \
 	  else echo "warning: kcat missing and apt-get unavailable"; fi; }
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      prometheus) >/dev/null || echo "warning: could not install promtool (Debian package prometheus)"; \
+	  else echo "warning: promtool missing and apt-get unavailable"; fi; }
 
 demo: $(VENV)/.installed
 	$(BIN)/kproxy demo

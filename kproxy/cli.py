@@ -33,6 +33,12 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--listen", help="HOST:PORT of the bootstrap listener (no config file)")
     run.add_argument("--advertised-host", help="host clients are told to connect to (default: the "
                      "listen host; needed when listening on 0.0.0.0)")
+    run.add_argument("--admin", metavar="HOST:PORT", help="serve /metrics, /livez, /readyz, /config and "
+                     "/rules here (no config file)")
+    run.add_argument("--traffic-log", metavar="DIR", help="write one JSON line per request under DIR "
+                     "(no config file)")
+    run.add_argument("--tracing", action="store_true", help="emit OpenTelemetry spans; OTEL_* variables "
+                     "say where (no config file)")
     run.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: the file's "
                      "log_level, else INFO)")
     run.add_argument("--log-format", help="text or json, one object per line (default: the file's "

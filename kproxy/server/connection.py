@@ -25,6 +25,7 @@ from kproxy.protocol.messages import api_name
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.session import NO_RESPONSE, Close, Hold, InFlight, Listen, Session, ToClient, ToUpstream
 from kproxy.server.budget import BufferBudget
+from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import Transport, connect
 
 log = logging.getLogger("kproxy.server")
@@ -75,13 +76,14 @@ class ClientConnection:
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
-                 route_key: tuple[int | None, str | None] = (None, None)) -> None:
+                 route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None) -> None:
         self.settings = settings
         self.router = router
         self.client = client
         self.session = session
         self.on_complete = on_complete
         self.budget = budget if budget is not None else BufferBudget(None)
+        self.stats = stats                          # decode errors and connect failures, for metrics
         self.route_key = route_key                  # (exposed port, SNI name) the client connected to
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
@@ -141,6 +143,8 @@ class ClientConnection:
                             reason = str(e)
                         except FrameError as e:
                             reason = f"bad frame from client: {e}"
+                            if self.stats is not None:
+                                self.stats.decode_errors["request"] += 1
                         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                             reason = f"client connection error: {e!r}"
                         nursery.cancel_scope.cancel()
@@ -236,6 +240,8 @@ class ClientConnection:
                 if problem is not None:
                     raise ConnectionClosed(problem)
             elif kind is Close:
+                if a.undecodable is not None and self.stats is not None:
+                    self.stats.decode_errors[a.undecodable] += 1
                 if a.done:
                     self._complete(a.done, trio.current_time())
                 raise ConnectionClosed(a.reason)
@@ -268,17 +274,21 @@ class ClientConnection:
                     raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection") from e
                 return
         assert self.upstream is not None
+        entry = action.entry
+        if entry is not None:
+            # Stamped before the send: while it waits for the socket, the other pump may already
+            # read the answer, and the broker's time must never come out negative.
+            entry.forwarded_at = trio.current_time()
+            entry.broker = self.connected_to
         try:
             await self.upstream.send(action.buffers)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if entry is not None:
+                entry.forwarded_at = entry.broker = None
             await self._upstream_lost(f"send failed: {e!r}")
             return
-        entry = action.entry
-        if entry is not None:
-            entry.forwarded_at = now = trio.current_time()
-            entry.broker = self.connected_to
-            if entry.outcome == NO_RESPONSE:
-                self._complete((entry,), now)
+        if entry is not None and entry.outcome == NO_RESPONSE:
+            self._complete((entry,), trio.current_time())
 
     async def _connect_upstream(self) -> None:
         s = self.settings
@@ -296,6 +306,8 @@ class ClientConnection:
                 break
             except (OSError, trio.TooSlowError) as e:
                 last = e
+                if self.stats is not None:
+                    self.stats.upstream_failed(host, port)
         else:
             raise last or OSError("no upstream")
         self._upstream_generation += 1
@@ -333,6 +345,8 @@ class ClientConnection:
                         self._check_route()
                 self._account()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if isinstance(e, FrameError) and self.stats is not None:
+                self.stats.decode_errors["response"] += 1
             if generation == self._upstream_generation and self.upstream is upstream:
                 try:
                     await self._upstream_lost(str(e) or repr(e))

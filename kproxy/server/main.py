@@ -24,6 +24,9 @@ _QUICK_OPTIONS = (
     ("upstream", "--upstream", "upstream.bootstrap_servers"),
     ("listen", "--listen", "listen"),
     ("advertised_host", "--advertised-host", "exposure.advertised_host"),
+    ("admin", "--admin", "admin.listen"),
+    ("traffic_log", "--traffic-log", "traffic_log.dir"),
+    ("tracing", "--tracing", "tracing.enabled"),
 )
 
 
@@ -37,7 +40,12 @@ def run_from_args(args: Any) -> int:
     configure_logging(cfg.log_level, cfg.log_format)
     log.info("kproxy %s: %s", package_version(), describe_config(cfg))
     try:
-        trio.run(serve_until_signal, ProxyServer(cfg))
+        server = ProxyServer(cfg)
+    except ConfigError as e:  # the OTEL_* variables are read here, when the exporter is made
+        print(f"kproxy run: {e}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve_until_signal, server)
     except (ListenError, BaseExceptionGroup) as e:
         # A port in use is one line naming the address, not a traceback through trio's nurseries.
         leaf = listen_error(e)
@@ -64,5 +72,10 @@ def config_for_run(args: Any) -> ProxyConfig:
         return apply_overrides(load_config(args.config), **logs)
     if args.upstream and args.listen:
         exposure = {"advertised_host": args.advertised_host} if args.advertised_host else None
-        return config_from_args(args.upstream, args.listen, exposure=exposure, **logs)
+        telemetry = {
+            "admin": {"listen": args.admin} if getattr(args, "admin", None) else None,
+            "traffic_log": {"dir": args.traffic_log} if getattr(args, "traffic_log", None) else None,
+            "tracing": {"enabled": True} if getattr(args, "tracing", False) else None,
+        }
+        return config_from_args(args.upstream, args.listen, exposure=exposure, **telemetry, **logs)
     raise ConfigError("give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT")
