@@ -39,7 +39,7 @@ class Budgets:
     def __init__(self, limit: int = 100_000) -> None:
         self.limit = limit
         self._budgets: dict[BudgetKey, Budget] = {}
-        self._next_sweep = 1024
+        self._next_sweep = min(limit, 1024)
         self.evicted = 0            # budgets dropped while still remembering usage (the limit was hit)
 
     def __len__(self) -> int:
