@@ -4,7 +4,8 @@ Every quota in the rule files (``quotas:``) that matches an answered request cha
 (``kproxy.quota.budgets``) and yields Kafka's throttle time; the session gets the longest, tells the
 client in ``throttle_time_ms`` and reads nothing more from it meanwhile. A Fetch from a client near
 or over a fetch budget has its ``max_bytes`` lowered to what the budget allows (never below one
-batch). Accounting is per request, never per record. Pure: time comes from the connection's clock.
+batch), and an answer larger than that is cut to it. Accounting is per request, never per record
+(only cutting an answer walks its batch headers). Pure: time comes from the connection's clock.
 """
 
 from __future__ import annotations
@@ -251,6 +252,10 @@ class QuotaFilter(Filter):
             fetched, largest = fetch_record_bytes(response.body)
             if largest > st.largest_batch:
                 st.largest_batch = largest
+            if (request.api_version >= 3 and fetched > request.body.max_bytes
+                    and any(q.fetch is not None for q, _ in applied)):
+                # A broker that answers with more than max_bytes (tansu does) is held to it here.
+                fetched = trim_fetch(response.body, request.body.max_bytes)
         worst: tuple[int, _Quota, BudgetKey] | None = None
         for q, key in applied:
             budget = self.budgets.get(key, now, q.span_s)
@@ -305,6 +310,31 @@ def produce_record_bytes(body: Any) -> int:
             if p.records is not None:
                 total += len(p.records)
     return total
+
+
+def trim_fetch(body: Any, limit: int) -> int:
+    """Cut a Fetch response's records down to ``limit`` bytes of whole batches, as a broker honours
+    max_bytes: the first batch of the first partition with records stays whatever its size, and
+    what is cut the client fetches again. Returns the record bytes kept."""
+    kept = 0
+    for t in body.responses:
+        for p in t.partitions:
+            records = p.records
+            if not records:
+                continue
+            n = len(records)
+            if kept + n <= limit:
+                kept += n
+                continue
+            cut = 0
+            while cut + _LOG_OVERHEAD.size <= n:
+                size = _LOG_OVERHEAD.unpack_from(records, cut)[1] + _LOG_OVERHEAD.size
+                if size <= _LOG_OVERHEAD.size or cut + size > n or (kept + cut + size > limit and (kept or cut)):
+                    break
+                cut += size
+            p.records = records[:cut]
+            kept += cut
+    return kept
 
 
 def fetch_record_bytes(body: Any) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from kproxy.protocol.messages import body_class
 from kproxy.proxy.filters import Filter
 from kproxy.proxy.session import Session, ToClient, ToUpstream
 from kproxy.quota.budgets import Budgets
-from kproxy.quota.engine import QuotaFilter, fetch_record_bytes, produce_record_bytes
+from kproxy.quota.engine import QuotaFilter, fetch_record_bytes, produce_record_bytes, trim_fetch
 from kproxy.quota.rate import SampledRate, Windows, throttle_seconds
 
 from .rulebook import rule_set, session, write_rules
@@ -340,10 +340,10 @@ def test_a_fetch_is_lowered_to_what_the_budget_allows_but_never_below_one_batch(
     up, resp = fetch_once(s, 50 << 20, (8000,))
     assert up.body.max_bytes == 10000 and {p.partition_max_bytes for p in up.body.topics[0].partitions} == {10000}
     assert resp.body.throttle_time_ms == 0
-    # 2000 bytes left, but the largest batch seen is 8000.
+    # 2000 bytes left, but the largest batch seen is 8000; the 3000 beyond it are cut off.
     up, resp = fetch_once(s, 50 << 20, (6000, 3000))
     assert up.body.max_bytes == 8000
-    assert resp.body.throttle_time_ms == kafka_throttle_ms(17000, 1.0, 10000) == 700
+    assert resp.body.throttle_time_ms == kafka_throttle_ms(14000, 1.0, 10000) == 400
     # Over the budget: still one batch.
     up, _ = fetch_once(s, 50 << 20, (100,))
     assert up.body.max_bytes == 8000
@@ -351,6 +351,37 @@ def test_a_fetch_is_lowered_to_what_the_budget_allows_but_never_below_one_batch(
     at(s, 200.0)
     up, _ = fetch_once(s, 4000, (100,))
     assert up.body.max_bytes == 4000 and {p.partition_max_bytes for p in up.body.topics[0].partitions} == {1 << 20}
+
+
+def test_an_answer_larger_than_the_lowered_max_bytes_is_cut_to_whole_batches(tmp_path):
+    s = session(quota_filter(tmp_path, FETCH_10K))
+    cls = body_class(FETCH, "response")
+    big = cls(responses=[cls.FetchableTopicResponse(topic="t", partitions=[
+        cls.PartitionData(partition_index=0, high_watermark=10, records=batch_bytes(4000) * 3),
+        cls.PartitionData(partition_index=1, high_watermark=10, records=batch_bytes(2500))])])
+    up = forwarded(send(s, FETCH, 12, fetch_request(50 << 20))[-1])
+    assert up.body.max_bytes == 10000
+    resp = answered(broker_answers(s, up, big)[-1], FETCH, 12)
+    # A broker that ignores max_bytes (tansu): two whole batches fit, the rest is fetched again later.
+    assert [len(p.records) for p in resp.body.responses[0].partitions] == [8000, 0]
+    assert [p.high_watermark for p in resp.body.responses[0].partitions] == [10, 10]
+
+
+def test_cutting_keeps_the_first_batch_whatever_its_size():
+    cls = body_class(FETCH, "response")
+
+    def answer(*parts: bytes) -> Any:
+        return cls(responses=[cls.FetchableTopicResponse(topic="t", partitions=[
+            cls.PartitionData(partition_index=i, records=r) for i, r in enumerate(parts)])])
+
+    body = answer(b"", batch_bytes(9000) + batch_bytes(100), batch_bytes(100))
+    assert trim_fetch(body, 1000) == 9000
+    assert [len(p.records) for p in body.responses[0].partitions] == [0, 9000, 0]
+    body = answer(batch_bytes(300), batch_bytes(300) + batch_bytes(300)[:50])     # a cut-off last batch
+    assert trim_fetch(body, 620) == 600
+    assert [len(p.records) for p in body.responses[0].partitions] == [300, 300]
+    body = answer(batch_bytes(300))
+    assert trim_fetch(body, 300) == 300 and len(body.responses[0].partitions[0].records) == 300
 
 
 def test_an_old_fetch_without_max_bytes_shares_the_budget_over_its_partitions(tmp_path):
