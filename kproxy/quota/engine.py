@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import attrs
@@ -312,28 +312,33 @@ def produce_record_bytes(body: Any) -> int:
     return total
 
 
+def _fetched(body: Any) -> Iterator[Any]:
+    """The partitions of a Fetch response that carry records."""
+    for t in body.responses:
+        for p in t.partitions:
+            if p.records:
+                yield p
+
+
 def trim_fetch(body: Any, limit: int) -> int:
     """Cut a Fetch response's records down to ``limit`` bytes of whole batches, as a broker honours
     max_bytes: the first batch of the first partition with records stays whatever its size, and
     what is cut the client fetches again. Returns the record bytes kept."""
     kept = 0
-    for t in body.responses:
-        for p in t.partitions:
-            records = p.records
-            if not records:
-                continue
-            n = len(records)
-            if kept + n <= limit:
-                kept += n
-                continue
-            cut = 0
-            while cut + _LOG_OVERHEAD.size <= n:
-                size = _LOG_OVERHEAD.unpack_from(records, cut)[1] + _LOG_OVERHEAD.size
-                if size <= _LOG_OVERHEAD.size or cut + size > n or (kept + cut + size > limit and (kept or cut)):
-                    break
-                cut += size
-            p.records = records[:cut]
-            kept += cut
+    for p in _fetched(body):
+        records = p.records
+        n = len(records)
+        if kept + n <= limit:
+            kept += n
+            continue
+        cut = 0
+        while cut + _LOG_OVERHEAD.size <= n:
+            size = _LOG_OVERHEAD.unpack_from(records, cut)[1] + _LOG_OVERHEAD.size
+            if size <= _LOG_OVERHEAD.size or cut + size > n or (kept + cut + size > limit and (kept or cut)):
+                break
+            cut += size
+        p.records = records[:cut]
+        kept += cut
     return kept
 
 
@@ -341,14 +346,10 @@ def fetch_record_bytes(body: Any) -> tuple[int, int]:
     """(record bytes, size of the largest first batch of a partition) of a Fetch response; only the
     length field of each partition's first batch is read."""
     total = largest = 0
-    for t in body.responses:
-        for p in t.partitions:
-            records = p.records
-            if not records:
-                continue
-            n = len(records)
-            total += n
-            if n >= _LOG_OVERHEAD.size:
-                first = _LOG_OVERHEAD.unpack_from(records, 0)[1] + _LOG_OVERHEAD.size
-                largest = max(largest, min(first, n))
+    for p in _fetched(body):
+        n = len(p.records)
+        total += n
+        if n >= _LOG_OVERHEAD.size:
+            first = _LOG_OVERHEAD.unpack_from(p.records, 0)[1] + _LOG_OVERHEAD.size
+            largest = max(largest, min(first, n))
     return total, largest
