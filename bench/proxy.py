@@ -2,7 +2,8 @@
 
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
 (also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
-``--telemetry`` adds kproxy with telemetry on, see TELEMETRY).
+``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--quotas`` kproxy with rule files, see
+QUOTAS).
 
 One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
@@ -50,7 +51,16 @@ TELEMETRY = {
     "kp-trace-1%": {"tracing": 0.01},
     "kp-trace-100%": {"tracing": 1.0},
 }
-ALL_TARGETS = TARGETS + tuple(TELEMETRY)
+# kproxy with rule files, compared with plain kproxy and with each other in the same run: no rules
+# and no quotas (the policy filter with nothing to do), and a quota that matches the bench client
+# with limits it never reaches, so every request is charged to its budgets and none is throttled.
+QUOTAS = {
+    "kp-rules": {"rules": "default: allow\nrules: []\n"},
+    "kp-quotas": {"rules": "default: allow\nrules: []\nquotas:\n  - name: never\n"
+                           "    match: {client_id: kproxy-bench}\n    produce_bytes_per_s: 1.0e12\n"
+                           "    fetch_bytes_per_s: 1.0e12\n    requests_per_s: 1.0e9\n"},
+}
+ALL_TARGETS = TARGETS + tuple(TELEMETRY) + tuple(QUOTAS)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -354,7 +364,7 @@ class Bench:
 
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
-        for name, options in TELEMETRY.items():
+        for name, options in {**TELEMETRY, **QUOTAS}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if "tansu-proxy" in self.args.targets:
@@ -371,17 +381,22 @@ class Bench:
             kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
                       "--log-level", "WARNING"]
         else:
-            kargv += ["-m", "kproxy", "run", "--config", str(self._telemetry_config(name, telemetry, bp, kp))]
-            env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": self._otlp_receiver(),
-                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+            kargv += ["-m", "kproxy", "run", "--config", str(self._config_file(name, telemetry, bp, kp))]
+            if "tracing" in telemetry:
+                env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": self._otlp_receiver(),
+                       "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
         kproxy = Child(name, kargv, self.workdir / f"{name}.log", env=env)
         self.children.append(kproxy)
         kproxy.start([kp, kp + 1])  # bootstrap, then the broker port it opened at discovery
         self.ports[name] = kp
         self.proxies[name] = kproxy
 
-    def _telemetry_config(self, name: str, telemetry: dict, bp: int, kp: int) -> Path:
+    def _config_file(self, name: str, telemetry: dict, bp: int, kp: int) -> Path:
         lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{HOST}:{bp}"}}', "log_level: WARNING"]
+        if "rules" in telemetry:
+            rules = self.workdir / f"{name}-rules.yaml"
+            rules.write_text(telemetry["rules"])
+            lines.append(f'rules: ["{rules}"]')
         if telemetry.get("admin"):
             lines.append(f'admin: {{listen: "{HOST}:{free_port()}"}}')
         if telemetry.get("traffic_log"):
@@ -484,7 +499,7 @@ def fmt_ratio(a: float, b: float) -> str:
 
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
-          *((name, "kproxy") for name in TELEMETRY))
+          *((name, "kproxy") for name in TELEMETRY), ("kp-quotas", "kproxy"), ("kp-quotas", "kp-rules"))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -564,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(ALL_TARGETS)} (direct is always run)")
     ap.add_argument("--telemetry", action="store_true",
                     help=f"add {', '.join(TELEMETRY)} (and kproxy, which they are compared with)")
+    ap.add_argument("--quotas", action="store_true",
+                    help=f"add {', '.join(QUOTAS)} (and kproxy, which they are compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
     ap.add_argument("--profile-kproxy", metavar="FILE.prof",
@@ -572,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.targets.split(",")) | {"direct"}
     if args.telemetry:
         wanted |= {"kproxy", *TELEMETRY}
+    if args.quotas:
+        wanted |= {"kproxy", *QUOTAS}
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
     args.targets = tuple(t for t in ALL_TARGETS if t in wanted)

@@ -33,6 +33,8 @@ _LOG_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.
                "ERROR": logging.ERROR}
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _STR_TAG = "tag:yaml.org,2002:str"
+_QUOTA_NUMBERS = frozenset({*M.QUOTA_LIMITS, "burst_s"})
+_EXPONENT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
 
 
 @attrs.frozen
@@ -302,6 +304,10 @@ class _File:
             return out
         if isinstance(node, SequenceNode):
             return [self._build(item, (*path, i)) for i, item in enumerate(node.value)]
+        if (node.style is None and node.tag == _STR_TAG and len(path) == 3 and path[0] == "quotas"
+                and path[2] in _QUOTA_NUMBERS and _EXPONENT.fullmatch(node.value)):
+            # YAML 1.1 reads 1e6 (no dot, no sign) as text; a rate is naturally written so.
+            return float(node.value)
         try:
             return self._scalars.construct_object(node)
         except yaml.MarkedYAMLError as e:

@@ -462,3 +462,83 @@ def test_the_quota_example(tmp_path):
     assert times[:10] == [0] * 10 and times[10] == 100
     # Other clients are not limited at all.
     assert produce_once(session(f), 100 << 20, client_id="someone")[1].notes is None
+
+
+# -- rule files
+
+
+def check_problems(tmp_path: Path, text: str) -> list[str]:
+    from kproxy.policy.loader import RuleError, load_rules
+
+    with pytest.raises(RuleError) as e:
+        load_rules([write_rules(tmp_path, text, "q.yaml")])
+    return [str(p) for p in e.value.problems]
+
+
+def test_quota_mistakes_are_named_with_file_line_and_column(tmp_path):
+    problems = check_problems(tmp_path, """\
+        quotas:
+          - name: a
+            per: clientid
+            produce_bytes_per_second: 5
+          - name: b
+            requests_per_s: 0
+            request_time_percent: 150
+            burst_s: 120
+          - name: c
+            match: {topic: "orders-*", client_id: x}
+            fetch_bytes_per_s: 10
+          - name: a
+            requests_per_s: 1
+        """)
+    q = str(tmp_path / "q.yaml")
+    assert problems == [
+        f"{q}:3:10: quota 'a': per: unknown budget key 'clientid' (did you mean 'client_id'?)",
+        f"{q}:4:5: quota 'a': unknown key 'produce_bytes_per_second' (did you mean 'produce_bytes_per_s'?)",
+        f"{q}:6:21: quota 'b': requests_per_s: must be more than 0, got 0",
+        f"{q}:7:27: quota 'b': request_time_percent: must be at most 100, got 150",
+        f"{q}:8:14: quota 'b': burst_s: must be at most 60, got 120",
+        f"{q}:10:13: quota 'c': match.topic: a quota cannot select by topic: budgets count whole requests; "
+        "select clients and APIs instead (client_id, principal, source, listener, client_software, api, "
+        "api_version, acks)",
+        f"{q}:12:11: quota 'a': name: the name 'a' is already used at {q}:2:5",
+    ]
+
+
+def test_quota_names_are_unique_across_files_but_may_repeat_a_rule_name(tmp_path):
+    from kproxy.policy.loader import RuleError, load_rules
+
+    a = write_rules(tmp_path, "rules: [{name: x, action: allow}]\nquotas: [{name: x, requests_per_s: 1}]\n", "a.yaml")
+    b = write_rules(tmp_path, "quotas: [{name: x, requests_per_s: 2}]\n", "b.yaml")
+    assert [q.name for q in load_rules([a]).quotas] == ["x"]
+    with pytest.raises(RuleError, match=r"b\.yaml:1:17: quota 'x': name: the name 'x' is already used at .*a\.yaml:2:10"):
+        load_rules([a, b])
+
+
+def test_a_quota_without_limits_loads_with_a_warning_and_rates_may_be_written_1e6(tmp_path):
+    from kproxy.policy.loader import load_rules
+
+    rs = load_rules([write_rules(tmp_path, "quotas:\n  - name: idle\n  - name: big\n    produce_bytes_per_s: 1e6\n"
+                                           "    burst_s: 2.5\n")])
+    idle, big = rs.quotas
+    assert idle.limits == {} and any("quota 'idle' sets no limit" in w for w in rs.warnings)
+    assert big.limits == {"produce_bytes_per_s": 1e6} and big.burst_s == 2.5 and big.per == "client_id"
+
+
+def test_kproxy_check_accepts_a_report_quota_file(tmp_path, capsys):
+    """The shape ``kproxy report`` writes to recommended-quotas.yaml (yaml.safe_dump of its advice)."""
+    import yaml
+
+    from kproxy.cli import main
+
+    doc = {"default": "allow", "rules": [], "quotas": [
+        {"name": "client-app-1", "match": {"client_id": "app-1"}, "per": "client_id",
+         "produce_bytes_per_s": 1048576, "fetch_bytes_per_s": 2097152, "requests_per_s": 100, "burst_s": 1},
+        {"name": "principal-user-etl", "match": {"principal": "User:etl"}, "per": "principal",
+         "requests_per_s": 3, "burst_s": 1},
+    ]}
+    path = tmp_path / "recommended-quotas.yaml"
+    path.write_text("# Recommended quotas from kproxy report\n"
+                    + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100))
+    assert main(["check", "--rules", str(path)]) == 0
+    assert "2 quotas" in capsys.readouterr().out
