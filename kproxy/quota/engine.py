@@ -106,19 +106,22 @@ class _Conn:
     compiled: _Compiled
     key: tuple[Any, ...]
     quotas: tuple[tuple[_Quota, BudgetKey], ...]
-    by_api: dict[tuple[int, int], tuple[tuple[_Quota, BudgetKey], ...]] = attrs.field(factory=dict)
+    # (api key, version) -> (the quotas that apply, whether any of them selects by acks)
+    by_api: dict[tuple[int, int], tuple[tuple[tuple[_Quota, BudgetKey], ...], bool]] = attrs.field(factory=dict)
     largest_batch: int = 0                      # the largest record batch fetched on this connection
     own_budgets: set[BudgetKey] = attrs.field(factory=set)    # per: connection, dropped on close
 
     def applied(self, request: Request) -> tuple[tuple[_Quota, BudgetKey], ...]:
         api_key, version = request.api_key, request.api_version
-        got = self.by_api.get((api_key, version))
-        if got is None:
-            got = self.by_api[(api_key, version)] = tuple(
-                (q, k) for q, k in self.quotas
-                if q.concerns(api_key) and (q.rule.match.api is None or q.rule.match.api(api_key))
-                and (q.rule.match.api_version is None or q.rule.match.api_version(version)))
-        if got and api_key == PRODUCE and any(q.rule.match.acks is not None for q, _ in got):
+        found = self.by_api.get((api_key, version))
+        if found is None:
+            got = tuple((q, k) for q, k in self.quotas
+                        if q.concerns(api_key) and (q.rule.match.api is None or q.rule.match.api(api_key))
+                        and (q.rule.match.api_version is None or q.rule.match.api_version(version)))
+            found = self.by_api[(api_key, version)] = (
+                got, api_key == PRODUCE and any(q.rule.match.acks is not None for q, _ in got))
+        got, by_acks = found
+        if by_acks:
             acks = request.body.acks
             return tuple((q, k) for q, k in got if q.rule.match.acks is None or q.rule.match.acks(acks))
         return got

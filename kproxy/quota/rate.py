@@ -85,37 +85,48 @@ class SampledRate:
             if now - sample.last_event >= expire:
                 sample.reset(now)
 
-    def total(self, now: float, windows: Windows) -> float:
-        """What was recorded within the span."""
-        self._purge(now, windows)
-        return sum(s.value for s in self._samples)
-
-    def window_size(self, now: float, windows: Windows) -> float:
-        """The seconds the rate is measured over: since the oldest sample still in the span, but at
-        least ``min_full_windows`` whole windows more than have passed (Kafka's ``Rate.windowSize``)."""
+    def measured(self, now: float, windows: Windows) -> tuple[float, float]:
+        """(what was recorded within the span, the seconds it is measured over). The seconds run
+        from the start of the oldest sample still in the span, but count at least
+        ``min_full_windows`` whole windows more than have passed (Kafka's ``Rate.windowSize``)."""
         self._purge(now, windows)
         samples = self._samples
         if not samples:
             samples.append(_Sample(now))
-        elapsed = now - min(s.start for s in samples)
+        total = 0.0
+        oldest = now
+        for s in samples:
+            total += s.value
+            if s.start < oldest:
+                oldest = s.start
+        elapsed = now - oldest
         full = math.floor(elapsed / windows.window_s)
         if full < windows.min_full_windows:
             elapsed += (windows.min_full_windows - full) * windows.window_s
-        return elapsed
+        return total, elapsed
+
+    def total(self, now: float, windows: Windows) -> float:
+        return self.measured(now, windows)[0]
+
+    def window_size(self, now: float, windows: Windows) -> float:
+        return self.measured(now, windows)[1]
 
     def measure(self, now: float, windows: Windows) -> float:
         """The rate per second."""
-        return self.total(now, windows) / self.window_size(now, windows)
+        total, window = self.measured(now, windows)
+        return total / window
 
     def record_and_throttle(self, value: float, now: float, windows: Windows, bound: float) -> float:
         """Record ``value``, then the throttle time in seconds (0 within the quota) as Kafka computes it
         right after recording: the usage over the quota, spread back over the measured window."""
         self.record(value, now, windows)
-        return throttle_seconds(self.measure(now, windows), bound, self.window_size(now, windows))
+        total, window = self.measured(now, windows)
+        return throttle_seconds(total / window, bound, window)
 
     def allowance(self, now: float, windows: Windows, bound: float) -> float:
         """How much could be recorded now without a throttle (0 or less while over the quota)."""
-        return bound * self.window_size(now, windows) - self.total(now, windows)
+        total, window = self.measured(now, windows)
+        return bound * window - total
 
 
 def throttle_seconds(rate: float, bound: float, window_s: float) -> float:

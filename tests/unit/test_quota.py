@@ -134,6 +134,27 @@ def test_within_the_quota_nothing_is_throttled_and_the_entry_says_which_quota_co
     assert other.notes is None
 
 
+def test_telemetry_reads_the_quota_from_the_entry(tmp_path):
+    import json
+
+    import jsonschema
+
+    from kproxy.telemetry.exchange import Exchange, Learned
+    from kproxy.telemetry.metrics import Metrics
+    from kproxy.telemetry.traffic_log import traffic_line
+
+    s = session(quota_filter(tmp_path, ONE_K % ("client_id", 1)))
+    _, entry = produce_once(s, 3000)
+    schema = json.loads((Path(__file__).resolve().parents[2] / "kproxy/telemetry/traffic_log.schema.json").read_text())
+    line = traffic_line(Exchange(entry, s.ctx, Learned()), 1_700_000_000.0)
+    jsonschema.Draft202012Validator(schema).validate(line)
+    assert line["quota"] == {"rule": "one-k", "key": "client_id=app", "throttle_ms": 2000}
+    assert line["throttle_ms"] == 2000
+    m = Metrics()
+    m.record(Exchange(entry, s.ctx, Learned()))
+    assert 'kproxy_throttle_seconds_total{rule="one-k"} 2.0' in m.exposition().decode().splitlines()
+
+
 def test_the_brokers_own_larger_throttle_is_kept(tmp_path):
     s = session(quota_filter(tmp_path, ONE_K % ("client_id", 1)))
     cls = body_class(PRODUCE, "response")
@@ -398,6 +419,14 @@ def test_an_acks0_produce_is_charged_when_sent_and_mutes_the_connection(tmp_path
     assert [type(a) for a in out] == [ToUpstream]
     assert out[0].entry.notes["quota"]["throttle_ms"] == 2000
     assert s.throttled_for(100.0) == pytest.approx(2.0)
+
+
+def test_a_quota_may_select_produce_requests_by_acks(tmp_path):
+    s = session(quota_filter(tmp_path, "quotas: [{name: fire-and-forget, match: {acks: 0}, produce_bytes_per_s: 1000}]\n"))
+    _, entry = produce_once(s, 5000)
+    assert entry.notes is None and s.throttled_for(100.0) == 0.0
+    out = send(s, PRODUCE, 9, produce_body(3000, acks=0))
+    assert out[0].entry.notes["quota"]["rule"] == "fire-and-forget" and s.throttled_for(100.0) == pytest.approx(2.0)
 
 
 def test_record_bytes_are_the_records_fields_sizes():
