@@ -78,8 +78,10 @@ _CACHE_LIMIT = 4096     # entries per cache before it starts over (bounded memor
 class Facts:
     """One request as plain values: what every selector can look at.
 
-    ``compression`` holds the codec names of the produced batches (none, gzip, snappy, lz4, zstd) and
-    ``max_batch_bytes`` the size of the largest; both only matter for Produce.
+    ``compression`` holds the codec names of the produced batches (none, gzip, snappy, lz4, zstd),
+    ``max_batch_bytes`` the size of the largest and ``max_uncompressed_batch_bytes`` that of the
+    largest uncompressed one (None: unknown, taken as ``max_batch_bytes``); they only matter for
+    Produce.
     """
 
     api_key: int
@@ -96,6 +98,7 @@ class Facts:
     acks: int | None = None
     compression: tuple[str, ...] = ()
     max_batch_bytes: int = 0
+    max_uncompressed_batch_bytes: int | None = None
 
 
 @attrs.frozen
@@ -140,7 +143,7 @@ class _Req:
         self.body = body
         self._groups: list[str] | None = None
         self._txn: list[str] | None = None
-        self._batches: tuple[frozenset[int], int] | None = None
+        self._batches: tuple[frozenset[int], int, int] | None = None
 
     def acks(self) -> int | None:
         return self.body.acks if self.api_key == PRODUCE else None
@@ -156,11 +159,12 @@ class _Req:
             self._txn = [t for t in entities.collect(self.body, self.api_key, self.version, "request", "txn") if t]
         return self._txn
 
-    def batches(self) -> tuple[frozenset[int], int]:
-        """(codec ids, size of the largest batch) of a Produce request's record batches."""
+    def batches(self) -> tuple[frozenset[int], int, int]:
+        """(codec ids, size of the largest batch, size of the largest uncompressed batch) of a Produce
+        request's record batches."""
         if self._batches is None:
             codecs: set[int] = set()
-            biggest = 0
+            biggest = plain = 0
             if self.api_key == PRODUCE:
                 for topic in self.body.topic_data:
                     for part in topic.partition_data:
@@ -169,13 +173,16 @@ class _Req:
                             continue
                         try:
                             for batch in iter_batches(records, allow_truncated=False):
-                                codecs.add(int(batch.compression))
+                                codec = int(batch.compression)
+                                codecs.add(codec)
                                 biggest = max(biggest, len(batch.raw))
+                                if codec == 0:
+                                    plain = max(plain, len(batch.raw))
                         except RecordsError:
                             # Unreadable batches: judged by their size, and by a codec no rule allows.
                             codecs.add(-1)
                             biggest = max(biggest, len(records))
-            self._batches = (frozenset(codecs), biggest)
+            self._batches = (frozenset(codecs), biggest, plain)
         return self._batches
 
 
@@ -189,7 +196,9 @@ class _FactsReq(_Req):
         self.facts = facts
         self._groups = [g for g in facts.groups if g]
         self._txn = [t for t in facts.transactional_ids if t]
-        self._batches = (frozenset(COMPRESSIONS.index(c) for c in facts.compression), facts.max_batch_bytes)
+        plain = facts.max_uncompressed_batch_bytes
+        self._batches = (frozenset(COMPRESSIONS.index(c) for c in facts.compression), facts.max_batch_bytes,
+                         facts.max_batch_bytes if plain is None else plain)
 
     def acks(self) -> int | None:
         return self.facts.acks
@@ -215,11 +224,14 @@ def _broken(require: Require, req: _Req) -> int | None:
         if acks is not None and acks != require.acks:
             return INVALID_REQUIRED_ACKS
     if require.uses_batches and req.api_key == PRODUCE:
-        codecs, biggest = req.batches()
+        codecs, biggest, plain = req.batches()
         if require.max_batch_bytes is not None and biggest > require.max_batch_bytes:
             return POLICY_VIOLATION
-        if require.compression is not None and not codecs <= require.compression:
-            return POLICY_VIOLATION
+        if require.compression is not None:
+            wrong = codecs - require.compression
+            small = require.uncompressed_max_bytes > 0 and plain <= require.uncompressed_max_bytes
+            if wrong and not (wrong == {0} and small):
+                return POLICY_VIOLATION
     return None
 
 
@@ -503,6 +515,8 @@ class _Pending:
     prefixes: dict[str, str] = attrs.field(factory=dict)    # entity kind -> tenant prefix to take off
     parts: list[Any] = attrs.field(factory=list)            # kproxy's answers for refused topics
     hide: tuple[_Plan, tuple[int, ...], _Req] | None = None  # a listing: hide topics the rules refuse
+    # After a split: the topic names and ids the broker was asked about; it answers for those only.
+    asked: tuple[frozenset[str], frozenset[uuid.UUID]] | None = None
 
 
 @attrs.define(slots=True, eq=False)
@@ -619,6 +633,10 @@ class PolicyFilter(Filter):
                     merge_response(key, version, merged, part)
                 return self._chaos_delay(ctx, policy, outcome, req, Respond(body=merged))
             pending.parts = parts
+            # By name, the answer names them (with their ids); by id, it may carry ids only.
+            kept_ids = frozenset(id_names) - refused_ids.keys()
+            pending.asked = (frozenset([*names, *(id_names[i] or "" for i in kept_ids)]) - refused.keys(),
+                             frozenset() if names else kept_ids)
         else:
             self._noted(ctx, exchange, top, top.action if top is not None else None, req, None, ())
 
@@ -732,6 +750,16 @@ class PolicyFilter(Filter):
                                      functools.partial(_in_namespace, prefix), request.body)
             entities.rewrite(body, key, version, "response", entity, functools.partial(_unprefixed, prefix),
                              request.body)
+        if pending.asked is not None:
+            # A broker may say more than it was asked (tansu reads an empty Metadata topic list as
+            # "all"): kproxy answers for the refused topics itself, and nothing else is the client's.
+            names, ids = pending.asked
+            if ids:
+                entities.filter_elements(body, key, version, "response", "topic_id",
+                                         functools.partial(_asked_id, ids), request.body)
+            else:
+                entities.filter_elements(body, key, version, "response", "topic", names.__contains__,
+                                         request.body)
         if pending.hide is not None:
             plan, inactive, rq = pending.hide
             policy = st.policy
@@ -757,6 +785,10 @@ def _prefixed(prefix: str, name: str) -> str | None:
 
 def _unprefixed(prefix: str, name: str) -> str | None:
     return name[len(prefix):] if name.startswith(prefix) else None
+
+
+def _asked_id(ids: frozenset[uuid.UUID], topic_id: uuid.UUID) -> bool:
+    return topic_id == ZERO_UUID or topic_id in ids
 
 
 def _in_namespace(prefix: str, name: str) -> bool:

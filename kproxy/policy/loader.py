@@ -398,8 +398,11 @@ class _File:
             codecs = raw.get("compression")
             if isinstance(codecs, str):
                 codecs = [codecs]
+            if "uncompressed_max_bytes" in raw and not codecs:
+                self.fail((*path, "uncompressed_max_bytes"), "only means something with 'compression:'")
             return M.Require(M.ACKS[str(raw["acks"])] if "acks" in raw else None, raw.get("max_batch_bytes"),
-                             frozenset(M.COMPRESSIONS.index(c) for c in codecs) if codecs else None)
+                             frozenset(M.COMPRESSIONS.index(c) for c in codecs) if codecs else None,
+                             raw.get("uncompressed_max_bytes", 0))
         if action == "cap":
             return M.Cap(**raw)
         if action == "chaos":

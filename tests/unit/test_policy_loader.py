@@ -101,7 +101,7 @@ def test_selectors_and_actions_compile(tmp_path):
               group: g
               transactional_id: {not: ["tx-*"]}
             action: require
-            require: {acks: all, max_batch_bytes: 1024, compression: zstd}
+            require: {acks: all, max_batch_bytes: 1024, compression: zstd, uncompressed_max_bytes: 64}
           - name: b
             action: cap
             cap: {max_bytes: 1, partition_max_bytes: 2, max_wait_ms: 3, timeout_ms: 4}
@@ -128,7 +128,7 @@ def test_selectors_and_actions_compile(tmp_path):
     assert m.acks(-1) and m.acks(1) and not m.acks(0)
     assert m.compression(frozenset({4})) and not m.compression(frozenset({0}))
     assert m.transactional_id("other") and not m.transactional_id("tx-1")
-    assert a.params == M.Require(-1, 1024, frozenset({4}))
+    assert a.params == M.Require(-1, 1024, frozenset({4}), 64)
     assert b.params == M.Cap(1, 2, 3, 4)
     assert c.params == M.Chaos(0.5, M.Latency("exponential", 0.02), 7)
     assert d.params == M.Log(30, 0.25)
