@@ -8,7 +8,10 @@ process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-ka
 produces N records with acks=all to a fresh topic and then consumes exactly those N records from the
 beginning (assign, no group), through each target in turn; cases interleave, the order of the targets
 rotates each round, and figures are medians over rounds. A Metadata v12 round trip on one open raw
-socket per target (kproxy's own codec) gives p50/p99 latency and what each proxy adds.
+socket per target (kproxy's own codec) gives p50/p99 latency and what each proxy adds. The target
+``kproxy-tenant`` is a second kproxy with ``rules/multi-tenant.yaml``: its clients are tenant
+team-a, so every topic name is prefixed on the way in and unprefixed on the way out, and its ratio
+against plain ``kproxy`` is what the policy rules cost.
 """
 
 from __future__ import annotations
@@ -39,8 +42,13 @@ from kproxy.protocol.messages import body_class
 from kproxy.server.demo import broker_answers
 
 REPO = Path(__file__).resolve().parent.parent
+
 HOST = "127.0.0.1"
-TARGETS = ("direct", "kproxy", "tansu-proxy")
+TARGETS = ("direct", "kproxy", "kproxy-tenant", "tansu-proxy")
+# The kproxy-tenant target: its rules, the client id that makes a client tenant team-a, and the
+# prefix the broker's names carry.
+TENANT_RULES = REPO / "rules" / "multi-tenant.yaml"
+TENANT_CLIENT_ID, TENANT_PREFIX = "team-a-bench", "tenant-a."
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -149,7 +157,7 @@ def delete_topic(admin: AdminClient, topic: str) -> None:
         admin.delete_topics([topic])[topic].result(timeout=30)
 
 
-def produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
+def produce(bootstrap: str, topic: str, n: int, value: bytes, client_id: str = "kproxy-bench") -> float:
     """Seconds to produce n records to partition 0 with acks=all and have them all acknowledged."""
     errors: list[str] = []
     acked = 0
@@ -163,7 +171,7 @@ def produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
 
     p = Producer({
         "bootstrap.servers": bootstrap,
-        "client.id": "kproxy-bench",
+        "client.id": client_id,
         "acks": "all",
         # A queue large enough for every record, so enqueueing never blocks on BufferError;
         # batching and linger stay at librdkafka's defaults (1 MB batches, linger.ms=5).
@@ -191,11 +199,11 @@ def produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
     return dt
 
 
-def consume(bootstrap: str, topic: str, n: int, size: int) -> float:
+def consume(bootstrap: str, topic: str, n: int, size: int, client_id: str = "kproxy-bench") -> float:
     """Seconds to read exactly n records of partition 0 from the beginning (assign, no group)."""
     c = Consumer({
         "bootstrap.servers": bootstrap,
-        "client.id": "kproxy-bench",
+        "client.id": client_id,
         "group.id": f"kproxy-bench-{uuid.uuid4().hex[:8]}",  # required by the client; never joined
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
@@ -243,7 +251,8 @@ def consume(bootstrap: str, topic: str, n: int, size: int) -> float:
 class MetadataProbe:
     """One open connection sending Metadata v12 (no topics) and timing each round trip."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, client_id: str = "kproxy-bench") -> None:
+        self.client_id = client_id
         self.sock = socket.create_connection((HOST, port), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = bytearray(1 << 16)
@@ -252,7 +261,7 @@ class MetadataProbe:
 
     def once(self, keep: bool = True) -> None:
         self.cid += 1
-        req = Request.build(3, 12, self.cid, "kproxy-bench", body_class(3, "request")(topics=[]))
+        req = Request.build(3, 12, self.cid, self.client_id, body_class(3, "request")(topics=[]))
         frame = b"".join(bytes(b) for b in encode_request_frame(req))
         sock, buf = self.sock, self.buf
         t0 = time.perf_counter_ns()
@@ -314,22 +323,24 @@ class Bench:
 
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
+        if "kproxy-tenant" in self.args.targets:
+            self._start_kproxy(bp, "kproxy-tenant", ["--rules", str(TENANT_RULES)])
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
 
-    def _start_kproxy(self, bp: int) -> None:
+    def _start_kproxy(self, bp: int, target: str = "kproxy", extra: list[str] | None = None) -> None:
         kp = free_port_pair()
         kargv = [sys.executable]
-        if self.args.profile_kproxy:
+        if self.args.profile_kproxy and target == "kproxy":
             kargv += ["-m", "cProfile", "-o", str(self.args.profile_kproxy)]
         kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
-                  "--log-level", "WARNING"]
-        kproxy = Child("kproxy", kargv, self.workdir / "kproxy.log")
+                  "--log-level", "WARNING", *(extra or [])]
+        kproxy = Child(target, kargv, self.workdir / f"{target}.log")
         self.children.append(kproxy)
         kproxy.start([kp, kp + 1])  # bootstrap, then the broker port it opened at discovery
-        self.ports["kproxy"] = kp
-        self.proxies["kproxy"] = kproxy
+        self.ports[target] = kp
+        self.proxies[target] = kproxy
 
     def _start_tansu_proxy(self, tansu: str, url: str) -> None:
         tp = free_port()
@@ -347,7 +358,7 @@ class Bench:
         gc.collect()
         for child in reversed(self.children):
             # SIGINT lets a cProfile'd kproxy drain and write its profile; SIGTERM for the rest.
-            sig = signal.SIGINT if child.name == "kproxy" else signal.SIGTERM
+            sig = signal.SIGINT if child.name.startswith("kproxy") else signal.SIGTERM
             with contextlib.suppress(Exception):
                 child.stop(sig)
 
@@ -359,19 +370,23 @@ class Bench:
     def one_run(self, target: str, size: int, n: int, value: bytes) -> tuple[RunResult, RunResult]:
         bootstrap = f"{HOST}:{self.ports[target]}"
         topic = f"bench-{target}-{size}-{uuid.uuid4().hex[:8]}"
-        create_topic(self.admin, topic)
+        # A tenant's topic is created directly under the name the broker holds for it.
+        tenant = target == "kproxy-tenant"
+        held = TENANT_PREFIX + topic if tenant else topic
+        client_id = TENANT_CLIENT_ID if tenant else "kproxy-bench"
+        create_topic(self.admin, held)
         proxy = self.proxies.get(target)
         try:
             results = []
-            for step in (lambda: produce(bootstrap, topic, n, value),
-                         lambda: consume(bootstrap, topic, n, size)):
+            for step in (lambda: produce(bootstrap, topic, n, value, client_id),
+                         lambda: consume(bootstrap, topic, n, size, client_id)):
                 cpu0 = proxy.cpu_seconds() if proxy else 0.0
                 dt = step()
                 cpu = (proxy.cpu_seconds() - cpu0) / dt if proxy else None
                 results.append(RunResult(dt, cpu))
             return results[0], results[1]
         finally:
-            delete_topic(self.admin, topic)
+            delete_topic(self.admin, held)
 
     def throughput(self, rounds: int, ns: dict[int, int]) -> dict[tuple[str, int, str], list[RunResult]]:
         out: dict[tuple[str, int, str], list[RunResult]] = {}
@@ -392,7 +407,8 @@ class Bench:
 
     def latency(self, samples: int, block: int = 100) -> dict[str, list[float]]:
         targets = self.args.targets
-        probes = {t: MetadataProbe(self.ports[t]) for t in targets}
+        probes = {t: MetadataProbe(self.ports[t], TENANT_CLIENT_ID if t == "kproxy-tenant" else "kproxy-bench")
+                  for t in targets}
         try:
             for p in probes.values():
                 for _ in range(100):
@@ -415,7 +431,7 @@ def fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"))
+RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"), ("kproxy-tenant", "kproxy"))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -425,7 +441,7 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
           + f"; {rounds} interleaved round(s); MB/s = records x value size / 1e6")
     print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core)")
     print()
-    hdr = (f"{'case':<16}{'target':<13}{'median rec/s':>13}{'MB/s':>8}{'min-max rec/s':>24}"
+    hdr = (f"{'case':<16}{'target':<15}{'median rec/s':>13}{'MB/s':>8}{'min-max rec/s':>24}"
            f"{'proxy CPU':>11}")
     print(hdr)
     print("-" * len(hdr))
@@ -440,7 +456,7 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
                 cpus = [r.proxy_cpu for r in runs if r.proxy_cpu is not None]
                 cpu = f"{statistics.median(cpus) * 100:.0f}%" if cpus else "-"
                 case = f"{op} {size} B" if target == targets[0] else ""
-                print(f"{case:<16}{target:<13}{m:>13,.0f}{m * size / 1e6:>8.1f}"
+                print(f"{case:<16}{target:<15}{m:>13,.0f}{m * size / 1e6:>8.1f}"
                       f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}")
     pairs = [(a, b) for a, b in RATIOS if a in targets and b in targets]
     if not pairs:
@@ -464,7 +480,7 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
 def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> None:
     n = min(len(v) for v in lat.values())
     print(f"Metadata v12 round trip (no topics) on one open connection, {n:,} samples per target, ms")
-    hdr = f"{'target':<13}{'p50':>8}{'p99':>8}{'added p50':>11}{'added p99':>11}"
+    hdr = f"{'target':<15}{'p50':>8}{'p99':>8}{'added p50':>11}{'added p99':>11}"
     print(hdr)
     print("-" * len(hdr))
     d50, d99 = percentile(lat["direct"], 50), percentile(lat["direct"], 99)
@@ -472,7 +488,7 @@ def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> Non
         p50, p99 = percentile(lat[t], 50), percentile(lat[t], 99)
         a50 = f"{p50 - d50:+.3f}" if t != "direct" else "-"
         a99 = f"{p99 - d99:+.3f}" if t != "direct" else "-"
-        print(f"{t:<13}{p50:>8.3f}{p99:>8.3f}{a50:>11}{a99:>11}")
+        print(f"{t:<15}{p50:>8.3f}{p99:>8.3f}{a50:>11}{a99:>11}")
 
 
 def _interrupt(signum: int, _frame: object) -> None:

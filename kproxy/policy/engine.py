@@ -14,7 +14,7 @@ import functools
 import logging
 import random
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -242,21 +242,45 @@ def _broken(require: Require, req: _Req) -> int | None:
 @attrs.define(slots=True)
 class _Outcome:
     """How a request goes down the rules: the rule deciding it as a whole (None: the default), the
-    rule deciding each topic, and the cap, chaos and log rules it reaches."""
+    rule deciding each topic, the cap, chaos and log rules it reaches, and the topics whose deciding
+    rule may refuse them (the others need no further look)."""
 
     request_rule: Rule | None
     topic_rules: dict[str, Rule | None]
     effects: tuple[Rule, ...]
+    refusable: tuple[str, ...] = ()
+
+
+def _can_apply(rule: Rule, api_key: int, kinds: frozenset[str] | None) -> bool:
+    """Whether ``rule`` can ever match a request of this API, whose requests carry ``kinds`` of
+    names (None: not known, so anything can). Rules that cannot are left out of the plan."""
+    m = rule.match
+    if (m.acks is not None or m.compression is not None or rule.action == "require") and api_key != PRODUCE:
+        return False        # acks and produced batches exist in Produce only
+    if kinds is None:
+        return True
+    if m.group is not None and "group" not in kinds:
+        return False
+    if m.transactional_id is not None and "txn" not in kinds:
+        return False
+    return m.topic is None or "topic" in kinds or "topic_id" in kinds
 
 
 class _Plan:
     """The rules that can apply to one api version on one kind of connection, in order."""
 
-    __slots__ = ("_deciders", "_effects", "_outcomes", "has_ids", "idle", "request_positions", "rules",
-                 "static", "topic_rules")
+    __slots__ = ("_deciders", "_default_deny", "_effects", "_outcomes", "has_ids", "idle", "request_positions",
+                 "rules", "static", "topic_rules")
 
-    def __init__(self, rules: tuple[Rule, ...], api_key: int, version: int) -> None:
+    def __init__(self, rules: tuple[Rule, ...], api_key: int, version: int, default_deny: bool = False) -> None:
+        try:
+            kinds: frozenset[str] | None = frozenset(
+                e for e in ("topic", "topic_id", "group", "txn") if entities.has_entity(api_key, version, "request", e))
+        except ValueError:      # a version kproxy does not know (decide() on recorded facts)
+            kinds = None
+        rules = tuple(r for r in rules if _can_apply(r, api_key, kinds))
         self.rules = rules
+        self._default_deny = default_deny
         self.idle = not rules
         self.topic_rules = any(r.match.topic is not None for r in rules)
         self.request_positions = tuple(
@@ -265,10 +289,7 @@ class _Plan:
         self._deciders = tuple(p for p, r in enumerate(rules) if r.action in DECIDING or r.action == "require")
         self._effects = tuple(p for p, r in enumerate(rules) if r.action in _EFFECTS)
         self._outcomes: dict[tuple[tuple[int, ...], tuple[str, ...]], _Outcome] = {}
-        try:
-            self.has_ids = entities.has_entity(api_key, version, "request", "topic_id")
-        except ValueError:      # a version kproxy does not know (decide() on recorded facts)
-            self.has_ids = False
+        self.has_ids = kinds is not None and "topic_id" in kinds
         # Without topic or request selectors every request of this kind goes the same way.
         self.static = None if self.topic_rules or self.request_positions else self.outcome((), ())
 
@@ -319,8 +340,10 @@ class _Plan:
                     effects.append(rules[p])
             elif any(selector(t) and decided_at[t] > p for t in topics):
                 effects.append(rules[p])
-        return _Outcome(rules[request_at] if request_at < n else None,
-                        {t: rules[at] if at < n else None for t, at in decided_at.items()}, tuple(effects))
+        deciding = {t: rules[at] if at < n else None for t, at in decided_at.items()}
+        refusable = tuple(t for t, r in deciding.items()
+                          if (r is None and self._default_deny) or (r is not None and r.action in ("deny", "require")))
+        return _Outcome(rules[request_at] if request_at < n else None, deciding, tuple(effects), refusable)
 
 
 ConnectionKey = tuple[str | None, str | None, str | None, str | None, str | None, str | None]
@@ -329,10 +352,11 @@ ConnectionKey = tuple[str | None, str | None, str | None, str | None, str | None
 class _View:
     """The rules whose connection selectors hold for one kind of connection."""
 
-    __slots__ = ("_plans", "rules")
+    __slots__ = ("_default_deny", "_plans", "rules")
 
-    def __init__(self, rules: tuple[Rule, ...]) -> None:
+    def __init__(self, rules: tuple[Rule, ...], default_deny: bool) -> None:
         self.rules = rules
+        self._default_deny = default_deny
         self._plans: dict[tuple[int, int], _Plan] = {}
 
     def plan(self, api_key: int, version: int) -> _Plan:
@@ -341,7 +365,7 @@ class _View:
             chosen = tuple(r for r in self.rules
                            if (r.match.api is None or r.match.api(api_key))
                            and (r.match.api_version is None or r.match.api_version(version)))
-            plan = self._plans[(api_key, version)] = _Plan(chosen, api_key, version)
+            plan = self._plans[(api_key, version)] = _Plan(chosen, api_key, version, self._default_deny)
         return plan
 
 
@@ -366,7 +390,7 @@ class Policy:
             if len(self._views) >= _CACHE_LIMIT:
                 self._views.clear()
             chosen = tuple(r for r in self.rule_set.rules if r.match.holds_for_connection(*key))
-            got = self._views[key] = _View(chosen)
+            got = self._views[key] = _View(chosen, self.default_deny)
         return got
 
 
@@ -572,7 +596,7 @@ class PolicyFilter(Filter):
         # The topics the request names, by name and by id.
         names: list[str] = []
         if plan.topic_rules or policy.default_deny:
-            names = list(dict.fromkeys(t for t in entities.collect(body, key, version, "request", "topic")))
+            names = list(dict.fromkeys(entities.collect(body, key, version, "request", "topic")))
         id_names: dict[uuid.UUID, str | None] = {}
         if plan.has_ids and (plan.topic_rules or tenant or policy.default_deny):
             ids = [i for i in dict.fromkeys(entities.collect(body, key, version, "request", "topic_id"))
@@ -587,13 +611,14 @@ class PolicyFilter(Filter):
                     # Outside the tenant's namespace is as unknown as a topic that does not exist.
                     name = name[len(tenant):] if name.startswith(tenant) else None
                 id_names[i] = name
-        judged = tuple(dict.fromkeys([*names, *(n for n in id_names.values() if n is not None)]))
+        judged = (tuple(dict.fromkeys([*names, *(n for n in id_names.values() if n is not None)])) if id_names
+                  else tuple(names))
         outcome = plan.static if plan.static is not None and not judged else plan.outcome(inactive, judged)
         assert outcome is not None
 
         # Refusals, per topic name and per id.
         refused: dict[str, tuple[Rule | None, int]] = {}
-        for t in judged:
+        for t in outcome.refusable:
             rule = outcome.topic_rules[t]
             error = _refusal(rule, rq, policy, True)
             if error is not None:
@@ -614,10 +639,9 @@ class PolicyFilter(Filter):
                 self._noted(ctx, exchange, top, "deny", req, error, ())
                 return self._chaos_delay(ctx, policy, outcome, req, Respond(error_code=error))
 
-        verdict: Respond | None = None
         pending = _Pending()
-        whole = named and refused.keys() >= set(names) and refused_ids.keys() >= id_names.keys()
         if refused or refused_ids:
+            whole = named and refused.keys() >= set(names) and refused_ids.keys() >= id_names.keys()
             first_rule, first_error = next(iter(refused.values()), None) or next(iter(refused_ids.values()))
             self._noted(ctx, exchange, first_rule, "deny", req, first_error, [*refused, *map(str, refused_ids)])
             if key == PRODUCE and body.acks == 0:
@@ -641,7 +665,7 @@ class PolicyFilter(Filter):
             self._noted(ctx, exchange, top, top.action if top is not None else None, req, None, ())
 
         # Chaos and log rules the request reaches; chaos answers before anything is changed.
-        delay, chaos_error = self._roll(ctx, policy, outcome, req)
+        delay, chaos_error = self._roll(ctx, policy, outcome, req) if outcome.effects else (0.0, None)
         if chaos_error is not None:
             if exchange is not None:
                 exchange.note("action", "chaos")
@@ -651,9 +675,10 @@ class PolicyFilter(Filter):
             refusal = _tenant_refusal(req)
             if refusal is not None:
                 return refusal
-            pending.prefixes = rewrite.prefixes()
-            for entity, prefix in pending.prefixes.items():
-                entities.rewrite(body, key, version, "request", entity, functools.partial(_prefixed, prefix))
+            tenant_names = _tenant(rewrite)
+            pending.prefixes = tenant_names.prefixes
+            for entity, add in tenant_names.add:
+                entities.rewrite(body, key, version, "request", entity, add)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("connection %d: rule %r rewrote %s v%d (%s)", ctx.connection_id, top.name if top else None,
                           api_name(key), version,
@@ -669,7 +694,7 @@ class PolicyFilter(Filter):
                 # Answers another filter gave in place of the broker's never come back here.
                 del st.pending[next(iter(st.pending))]
             st.pending[exchange] = pending
-        return Delay(delay, verdict) if delay else verdict
+        return Delay(delay, None) if delay else None
 
     def _answered(self, ctx: ConnectionContext, req: Request, answer: Response | None) -> RequestVerdict:
         """The broker's answer to a question about topic ids: learn, then judge with what is known."""
@@ -717,11 +742,11 @@ class PolicyFilter(Filter):
                 delay += seconds
                 if params.error is not None and error is None:
                     error = params.error
-                log.info("chaos: rule %r %s connection %d's %s v%d", rule.name,
-                         " and ".join(filter(None, (f"delayed by {seconds * 1000:.0f} ms" if latency else "",
-                                                    f"failed with {error_name(params.error)}"
-                                                    if params.error is not None else ""))),
-                         ctx.connection_id, api_name(req.api_key), req.api_version)
+                what = [f"delayed by {seconds * 1000:.0f} ms"] if latency else []
+                if params.error is not None:
+                    what.append(f"failed with {error_name(params.error)}")
+                log.info("chaos: rule %r: connection %d's %s v%d %s", rule.name, ctx.connection_id,
+                         api_name(req.api_key), req.api_version, " and ".join(what))
         return delay, error
 
     def _chaos_delay(self, ctx: ConnectionContext, policy: Policy, outcome: _Outcome, req: Request,
@@ -744,12 +769,11 @@ class PolicyFilter(Filter):
         if pending is None:
             return 0.0
         body, version = response.body, response.api_version
-        for entity, prefix in pending.prefixes.items():
-            # Names outside the tenant's namespace are not the tenant's to see.
-            entities.filter_elements(body, key, version, "response", entity,
-                                     functools.partial(_in_namespace, prefix), request.body)
-            entities.rewrite(body, key, version, "response", entity, functools.partial(_unprefixed, prefix),
-                             request.body)
+        if pending.prefixes:
+            for entity, inside, strip in _tenant_of(pending.prefixes).undo:
+                # Names outside the tenant's namespace are not the tenant's to see.
+                entities.filter_elements(body, key, version, "response", entity, inside, request.body)
+                entities.rewrite(body, key, version, "response", entity, strip, request.body)
         if pending.asked is not None:
             # A broker may say more than it was asked (tansu reads an empty Metadata topic list as
             # "all"): kproxy answers for the refused topics itself, and nothing else is the client's.
@@ -777,6 +801,44 @@ class PolicyFilter(Filter):
 
 # --------------------------------------------------------------------------------------------------
 # Carrying decisions out
+
+
+@attrs.frozen
+class _TenantNames:
+    """The functions that put a tenant's prefixes on names and take them off, made once per rule."""
+
+    prefixes: dict[str, str] = attrs.field(hash=False)
+    add: tuple[tuple[str, Callable[[str], str | None]], ...] = attrs.field(hash=False)
+    undo: tuple[tuple[str, Callable[[str], bool], Callable[[str], str | None]], ...] = attrs.field(hash=False)
+
+
+_TENANTS: dict[tuple[tuple[str, str], ...], _TenantNames] = {}
+
+
+def _tenant_of(prefixes: dict[str, str]) -> _TenantNames:
+    key = tuple(prefixes.items())
+    got = _TENANTS.get(key)
+    if got is None:
+        if len(_TENANTS) >= _CACHE_LIMIT:
+            _TENANTS.clear()
+        got = _TENANTS[key] = _TenantNames(
+            prefixes,
+            tuple((e, functools.partial(_prefixed, p)) for e, p in prefixes.items()),
+            tuple((e, functools.partial(_in_namespace, p), functools.partial(_unprefixed, p))
+                  for e, p in prefixes.items()))
+    return got
+
+
+_BY_REWRITE: dict[int, tuple[Rewrite, _TenantNames]] = {}
+
+
+def _tenant(rewrite: Rewrite) -> _TenantNames:
+    got = _BY_REWRITE.get(id(rewrite))
+    if got is None or got[0] is not rewrite:
+        if len(_BY_REWRITE) >= _CACHE_LIMIT:
+            _BY_REWRITE.clear()
+        got = _BY_REWRITE[id(rewrite)] = (rewrite, _tenant_of(rewrite.prefixes()))
+    return got[1]
 
 
 def _prefixed(prefix: str, name: str) -> str | None:

@@ -501,8 +501,8 @@ def test_chaos_injects_errors_and_latency_only_when_enabled(tmp_path, caplog):
     acts = send(on, FETCH, 12, cls(topics=[cls.FetchTopic(topic="a")]), correlation_id=9)
     assert [type(a) for a in acts] == [Hold, ToUpstream] and acts[0].seconds == pytest.approx(0.05)
     lines = [r.getMessage() for r in caplog.records if r.name == "kproxy.policy"]
-    assert lines == ["chaos: rule 'boom' failed with NOT_LEADER_OR_FOLLOWER connection 1's produce v9",
-                     "chaos: rule 'slow' delayed by 50 ms connection 1's fetch v12"]
+    assert lines == ["chaos: rule 'boom': connection 1's produce v9 failed with NOT_LEADER_OR_FOLLOWER",
+                     "chaos: rule 'slow': connection 1's fetch v12 delayed by 50 ms"]
 
 
 def test_chaos_rate_follows_the_seeded_generator(tmp_path):
