@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bench system-deps
+.PHONY: demo test test-fast test-slow lint bench system-deps
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -11,14 +11,20 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
-# kcat from Debian for the end-to-end tests (the only non-PyPI test tool). Installed when missing
-# and we may use apt; otherwise its tests report it as not installed.
+# The non-PyPI test tools, from Debian: kcat for the end-to-end tests, promtool (package
+# prometheus; no service starts) to lint /metrics. Installed when missing and we may use apt;
+# otherwise the tests that need them fail saying so.
 system-deps:
 	@command -v kcat >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kcat) >/dev/null \
 	      || echo "warning: could not install kcat"; \
 	  else echo "warning: kcat missing and apt-get unavailable"; fi; }
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      prometheus) >/dev/null || echo "warning: could not install promtool (Debian package prometheus)"; \
+	  else echo "warning: promtool missing and apt-get unavailable"; fi; }
 
 demo: $(VENV)/.installed
 	$(BIN)/kproxy demo
@@ -27,7 +33,11 @@ test: $(VENV)/.installed system-deps
 	$(BIN)/python -m pytest -q
 
 test-fast: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+
+# The long runs left out of `make test` (bench/attack.py at full size, and the like).
+test-slow: $(VENV)/.installed system-deps
+	$(BIN)/python -m pytest -q -m slow
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check kproxy tests bench

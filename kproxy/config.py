@@ -123,6 +123,9 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
         if typing.get_args(tp)[0] is str:
             return _paths_problem(value)
         return _host_ports_problem(value)
+    if typing.get_origin(tp) is dict:
+        # dict[str, float] is the only mapping setting; its section checks the keys and values.
+        return None if isinstance(value, dict) else f"expected a mapping, got {value!r}"
     if attrs.has(tp):
         return None if isinstance(value, tp) else f"expected a {tp.__name__}, got {value!r}"
     if type(value) is not tp:
@@ -302,7 +305,8 @@ class LimitsConfig:
     # All connections together; None: derived at start (see effective_buffer_budget).
     max_buffered_bytes_total: int | None = _setting(None, min=1)
     max_decompressed_batch_bytes: int = _setting(268435456, min=1)
-    # A connection that has sent nothing yet, or started SASL and not finished it, gets this long.
+    # A connection part-way through a SASL exchange the broker has not accepted yet gets this long;
+    # silent connections are the idle timeout's business.
     unauthenticated_idle_timeout_s: float = _setting(30.0, above=0)
     # Kafka's connections.max.idle.ms is 10 minutes; 0: never.
     idle_timeout_s: float = _setting(600.0, min=0)
@@ -320,6 +324,60 @@ class AdminConfig:
 
 
 @attrs.frozen(field_transformer=_with_checks)
+class MetricsConfig:
+    """Prometheus metrics on the admin listener. Per-client and per-topic series are opt-in: their
+    number grows with the clients and topics, so each kind is capped and the rest is counted as
+    ``other``."""
+
+    client_labels: bool = False
+    topic_labels: bool = False
+    label_cap: int = _setting(100, min=1)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class TrafficLogConfig:
+    """One JSON line per completed request, under ``dir`` (off when None), in hourly partitions."""
+
+    dir: str | None = _setting(None, file=True)
+    rotate_bytes: int = _setting(67108864, min=4096)
+    rotate_s: float = _setting(3600.0, above=0)
+    compression: str = _setting("gzip", case="lower", choices=("gzip", "none"))
+    queue_size: int = _setting(10000, min=1)
+    # API name -> share of its requests logged (0..1); "default" for the APIs not named.
+    sample: dict[str, float] = attrs.field(factory=dict, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dir is not None:
+            problem = _writable_dir_problem(self.dir)
+            if problem is not None:
+                raise SettingError(_path_of(self, "dir"), problem)
+        if not self.sample:
+            return
+        from kproxy.protocol.messages import apis
+
+        names = {api.name for api in apis().values()} | {"default"}
+        for name, ratio in self.sample.items():
+            if name not in names:
+                raise SettingError(_path_of(self, "sample"), f"unknown API {name!r}"
+                                                             f"{_did_you_mean(str(name), names)}")
+            if type(ratio) not in (int, float) or not 0 <= ratio <= 1:
+                raise SettingError((*_path_of(self, "sample"), name), f"must be a number from 0 to 1, got {ratio!r}")
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class TracingConfig:
+    """OpenTelemetry spans, one per request; exported as the OTEL_* environment variables say."""
+
+    enabled: bool = False
+    sample_ratio: float = _setting(1.0, min=0, max=1)
+    # Read W3C traceparent headers of records: off, uncompressed batches only, or all (decompressing,
+    # up to limits.max_decompressed_batch_bytes per batch).
+    link_record_traces: str = _setting("uncompressed", case="lower", choices=("off", "uncompressed", "all"))
+    # otlp, console or none; null: OTEL_TRACES_EXPORTER, else otlp.
+    exporter: str | None = _setting(None, case="lower", choices=("otlp", "console", "none"))
+
+
+@attrs.frozen(field_transformer=_with_checks)
 class ProxyConfig:
     """Everything kproxy needs to run. Build it with ``load_config`` or ``config_from_args``."""
 
@@ -334,6 +392,11 @@ class ProxyConfig:
     rules: tuple[str, ...] = ()
     chaos: bool = False    # chaos rules inject faults only when this is true
     admin: AdminConfig = AdminConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    traffic_log: TrafficLogConfig = TrafficLogConfig()
+    tracing: TracingConfig = TracingConfig()
+    # Share of frames (0..1) whose re-encoding is compared with the bytes received.
+    verify_reencode: float = _setting(0.0, min=0, max=1)
     log_level: str = _setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     log_format: str = _setting("text", case="lower", choices=("text", "json"))
     source: str | None = attrs.field(default=None, metadata={_INTERNAL: True})  # file loaded from
@@ -388,6 +451,20 @@ def _check_exposure(cfg: ProxyConfig) -> None:
                                   f"exposure.broker_port_start or exposure.broker_port_count")
     if start <= cfg.listen.port <= last:
         raise SettingError(blame, f"broker ports {start}..{last} include the listen port {cfg.listen.port}")
+
+
+def _writable_dir_problem(path: str) -> str | None:
+    """Why kproxy could not write files under ``path`` (created at start when missing), or None."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"not a directory: {path}"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"cannot write to {path} (permissions)"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: {parent} is not a writable directory"
+    return None
 
 
 def _check_files(section: Any) -> None:
@@ -515,6 +592,8 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
         f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
         f"admin {cfg.admin.listen or 'off'}",
+        f"traffic log {cfg.traffic_log.dir or 'off'}",
+        f"tracing {f'on at {cfg.tracing.sample_ratio:g}' if cfg.tracing.enabled else 'off'}",
         f"logs {cfg.log_level} as {cfg.log_format}",
     ]
     if cfg.rules:
@@ -679,6 +758,8 @@ class _Builder:
             if typing.get_args(tp)[0] is str:
                 return self.paths(node, path)
             return self.host_ports(node, path)
+        if origin is dict:
+            return self.mapping(typing.get_args(tp)[1], node, path)
         if attrs.has(tp):
             return self.section(tp, node, path)
         value = self.scalar(tp, node, path)
@@ -700,6 +781,25 @@ class _Builder:
         if not ok:
             self.fail(path, f"expected {expected}, got {_describe(node)}", node)
         return value
+
+    def mapping(self, value_type: type, node: Node, path: _Path) -> dict[str, Any]:
+        """A mapping of names to scalars (traffic_log.sample); the section checks the names."""
+        if _is_null(node):
+            return {}
+        if not isinstance(node, MappingNode):
+            self.fail(path, f"expected a mapping, got {_describe(node)}", node)
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if not (isinstance(key_node, ScalarNode) and key_node.tag == _STR_TAG):
+                self.fail(path, f"keys must be names, got {_describe(key_node)}", key_node)
+            sub = (*path, key_node.value)
+            if key_node.value in out:
+                self.fail(path, f"duplicate key {key_node.value!r}", key_node)
+            line = _line(key_node)
+            if line is not None:
+                self.lines[sub] = line
+            out[key_node.value] = self.scalar(value_type, self.expand(value_node, sub), sub)
+        return out
 
     def host_port(self, node: Node, path: _Path) -> HostPort:
         if not (isinstance(node, ScalarNode) and node.tag == _STR_TAG):

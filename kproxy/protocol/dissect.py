@@ -2,20 +2,19 @@
 
 It reads the dumps people actually have (spaced or colon-separated hex, ``0x`` prefixes, offset
 columns), decodes with the proxy's own generated codecs, opens record batches, and never prints a
-SASL token or other secret. Only ``run_decode`` reads a file or stdin; nothing here opens a socket.
+SASL token or other secret. Pure: the command line reads the input and prints the result.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import re
 import struct
-import sys
 from typing import Any
 
 from kproxy.protocol.compiler import get_codec
-from kproxy.protocol.errors import DecodeError, RecordsError, UnsupportedVersionError
+from kproxy.protocol.errors import DecodeError, RecordsError, TrailingBytesError, UnsupportedVersionError
+from kproxy.protocol.framing import foreign_protocol
 from kproxy.protocol.messages import (
     api_name,
     apis,
@@ -27,7 +26,7 @@ from kproxy.protocol.messages import (
 from kproxy.protocol.records import Compression, LegacyMessage, Record, RecordBatch, iter_batches
 from kproxy.protocol.schema import ApiSpec, FieldSpec, StructSpec
 
-__all__ = ["codec_text", "dissect", "parse_hex", "resolve_api", "run_decode"]
+__all__ = ["codec_text", "dissect", "parse_hex", "resolve_api"]
 
 _SIZE = struct.Struct(">i")
 
@@ -318,14 +317,20 @@ def dissect(data: bytes, *, response: bool = False, api_key: int | None = None,
     """Decode one frame, with or without its 4-byte size prefix, into JSON-ready dicts.
 
     A response needs the api key and version of its request. Offsets in the DecodeErrors raised
-    here count from the start of ``data``, so they match the bytes the user pasted.
+    here count from the start of ``data``, so they match the bytes the user pasted. A prefixed frame
+    followed by more bytes is decoded, and the extra bytes are counted in ``trailing_bytes``; a
+    prefixed frame cut short, or bytes of another protocol, get an error that says so.
     """
     if not data:
         raise DecodeError("no bytes to decode", 0, "input")
     size = _SIZE.unpack_from(data)[0] if len(data) >= 4 else None
-    if size == len(data) - 4:
+    follow = len(data) - 4
+    if size is not None and 0 <= size <= follow:
         try:
-            return {"size_prefix": True, **_dissect_frame(data[4:], response, api_key, api_version)}
+            out = {"size_prefix": True, **_dissect_frame(data[4:4 + size], response, api_key, api_version)}
+            if size < follow:
+                out["trailing_bytes"] = follow - size
+            return out
         except DecodeError as first:
             # A response's correlation id can equal the frame's length by chance; try it unprefixed.
             try:
@@ -333,14 +338,40 @@ def dissect(data: bytes, *, response: bool = False, api_key: int | None = None,
             except DecodeError:
                 pass
             offset = None if first.offset is None else first.offset + 4
-            raise DecodeError(first.reason, offset, first.path) from None
+            raise DecodeError(_with_hint(first.reason, data), offset, first.path) from None
     try:
         return {"size_prefix": False, **_dissect_frame(data, response, api_key, api_version)}
     except DecodeError as e:
-        reason = e.reason
-        if size is not None and len(data) - 4 < size <= 100 * 1024 * 1024:
-            reason += f"; the input may be a frame of {size} bytes cut short ({len(data) - 4} follow its prefix)"
-        raise DecodeError(reason, e.offset, e.path) from None
+        unprefixed = e
+    what = _describe_header(data[4:], response, api_key, api_version)
+    if (size is not None and follow < size <= 100 * 1024 * 1024 and what
+            and not isinstance(unprefixed, TrailingBytesError)):
+        # Read without a prefix it makes no sense, and its first four bytes promise more than follows
+        # before a header kproxy knows: a frame cut short (a partial copy).
+        try:
+            _dissect_frame(data[4:], response, api_key, api_version)
+        except DecodeError as inner:
+            offset = None if inner.offset is None else inner.offset + 4
+            raise DecodeError(f"the input is {what}frame of {size} bytes cut short: only {follow} bytes "
+                              f"follow its size prefix ({inner.reason})", offset, inner.path) from None
+    raise DecodeError(_with_hint(unprefixed.reason, data), unprefixed.offset, unprefixed.path) from None
+
+
+def _describe_header(frame: bytes, response: bool, api_key: int | None, api_version: int | None) -> str:
+    """``"an api_versions v3 request "`` from a request header, or ``""`` when it names no known API."""
+    if response:
+        return f"a {api_name(api_key)} v{api_version} response " if api_key is not None else ""
+    if len(frame) < 4:
+        return ""
+    key, version = struct.unpack_from(">hh", frame)
+    if key in apis():
+        return f"a{'n' if api_name(key)[0] in 'aeiou' else ''} {api_name(key)} v{version} request "
+    return ""
+
+
+def _with_hint(reason: str, data: bytes) -> str:
+    hint = foreign_protocol(data[:4])
+    return f"{reason}; {hint}" if hint else reason
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,48 +402,3 @@ def codec_text(api_text: str, version: int, kind: str = "request") -> str:
         raise UnsupportedVersionError(f"{api.name} {kind} v{version} is not defined (kproxy has v{spec.versions})")
     codec = get_codec(spec, version)
     return f"# {codec.name} {kind} (api key {api.key}), generated by kproxy.protocol.compiler\n{codec.source}"
-
-
-# --------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _read_input(name: str) -> bytes:
-    if name == "-":
-        stream = getattr(sys.stdin, "buffer", None)
-        return stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
-    with open(name, "rb") as fh:
-        return fh.read()
-
-
-def _fail(message: str) -> int:
-    print(f"kproxy decode: {' '.join(message.split())}", file=sys.stderr)
-    return 2
-
-
-def run_decode(args: Any) -> int:
-    """``kproxy decode``: print one frame as JSON, or a codec's source. 0 on success, 2 on bad input."""
-    try:
-        if args.show_codec:
-            api_text, version_text = args.show_codec
-            try:
-                version = int(version_text)
-            except ValueError:
-                return _fail(f"version {version_text!r} is not a number")
-            print(codec_text(api_text, version, args.kind), end="")
-            return 0
-        if args.response and (args.api_key is None or args.api_version is None):
-            return _fail("--response needs --api-key and --api-version (a response does not carry them)")
-        try:
-            raw = _read_input(args.file)
-        except OSError as e:
-            return _fail(f"cannot read {args.file}: {e.strerror or e}")
-        data = raw if args.raw else parse_hex(raw.decode("utf-8", "replace"))
-        result = dissect(data, response=args.response, api_key=args.api_key, api_version=args.api_version)
-    except DecodeError as e:
-        where = [f"offset {e.offset}"] if e.offset is not None else []
-        if e.path:
-            where.append(e.path if e.path.startswith("input") else f"field {e.path}")
-        return _fail(f"{e.reason} ({', '.join(where)})" if where else e.reason)
-    print(json.dumps(result, indent=2, ensure_ascii=False))
-    return 0

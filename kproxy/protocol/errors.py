@@ -8,6 +8,7 @@ field path where they happened. This module must not import anything that does I
     │   ├── DecodeError            bytes that are not a valid Kafka message (offset, path)
     │   │   ├── FrameError         a size prefix that is negative or over the configured cap
     │   │   ├── UnsupportedVersionError   an api key or version the schema does not define
+    │   │   ├── TrailingBytesError  bytes left over after a whole message
     │   │   └── RecordsError       a record batch that fails its CRC, size or codec checks
     │   └── EncodeError            a message that cannot be encoded (bad value for its type)
     ├── AddressMapError            a broker that cannot be given a port (kproxy.proxy.addresses)
@@ -55,6 +56,10 @@ class FrameError(DecodeError):
 
 class UnsupportedVersionError(DecodeError):
     """The api key, or that version of it, is not in kproxy's schema."""
+
+
+class TrailingBytesError(DecodeError):
+    """A whole message was decoded and bytes are left over after it."""
 
 
 class RecordsError(DecodeError):

@@ -32,13 +32,15 @@ class FrameReader:
     """
 
     __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_next_chunk",
-                 "_ready", "_start", "frames", "max_frame_size", "total_bytes", "trust_claims")
+                 "_ready", "_start", "frames", "limit_name", "max_frame_size", "total_bytes", "trust_claims")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, *, trust_claims: bool = True) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, *, trust_claims: bool = True,
+                 limit_name: str | None = None) -> None:
         if max_frame_size < 1:
             raise ValueError("max_frame_size must be positive")
         self.max_frame_size = max_frame_size
+        self.limit_name = limit_name     # the setting behind max_frame_size, named in errors
         self.trust_claims = trust_claims
         self._chunk_size = chunk_size
         self._next_chunk = min(FIRST_CHUNK_SIZE, chunk_size)
@@ -149,11 +151,9 @@ class FrameReader:
             return None
         start = self._start
         (size,) = _SIZE.unpack_from(buf, start)
-        if size < 0:
-            raise FrameError(f"negative frame size {size}", self.total_bytes - avail, "frame.size")
-        if size > self.max_frame_size:
-            raise FrameError(f"frame of {size} bytes exceeds the {self.max_frame_size}-byte limit",
-                             self.total_bytes - avail, "frame.size")
+        if size < 0 or size > self.max_frame_size:
+            raise FrameError(self._size_problem(size, buf[start:start + 4]), self.total_bytes - avail,
+                             "frame.size")
         if avail >= 4 + size:
             frame = memoryview(buf)[start + 4 : start + 4 + size]
             self._start = start + 4 + size
@@ -171,6 +171,13 @@ class FrameReader:
             return None
         self._to_big_buffer(size)
         return None
+
+    def _size_problem(self, size: int, prefix: bytes | bytearray) -> str:
+        what = f"negative frame size {size}" if size < 0 else (
+            f"frame of {size} bytes exceeds the {self.max_frame_size}-byte limit"
+            + (f" ({self.limit_name})" if self.limit_name else ""))
+        hint = foreign_protocol(bytes(prefix))
+        return f"{what}; {hint}" if hint else what
 
     def _to_big_buffer(self, size: int) -> None:
         # Large frame: a buffer of its own, the bytes already here copied once.
@@ -222,6 +229,20 @@ class FrameReader:
         self._buf = buf
         self._start = 0
         self._end = len(tail)
+
+
+_HTTP_STARTS = (b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC", b"CONN", b"HTTP", b"PRI ")
+
+
+def foreign_protocol(head: bytes) -> str | None:
+    """A hint when the first bytes of a stream are not Kafka at all but HTTP or TLS; None otherwise."""
+    if head[:4] in _HTTP_STARTS:
+        return ("the bytes look like HTTP, not Kafka: a web client or health check is pointed at the "
+                "Kafka port (the admin listener serves HTTP)")
+    if len(head) >= 3 and head[0] == 0x16 and head[1] == 0x03:
+        return ("the bytes look like a TLS handshake: the client uses TLS but this listener is plaintext "
+                "(set tls.enabled in kproxy, or security.protocol=PLAINTEXT in the client)")
+    return None
 
 
 def frame_size_prefix(size: int) -> bytes:

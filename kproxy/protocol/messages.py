@@ -12,7 +12,7 @@ from typing import Any
 
 from kproxy.protocol import primitives as P
 from kproxy.protocol.compiler import Codec, encode_to, get_codec, message_class, split_parts
-from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
+from kproxy.protocol.errors import DecodeError, TrailingBytesError, UnsupportedVersionError
 from kproxy.protocol.schema import ApiSpec, MessageSpec, load_schema_files
 
 _HH = struct.Struct(">hh").unpack_from
@@ -251,7 +251,7 @@ def decode_request(frame: Any, keep_trailing: bool = False) -> Request:
     if pos != end:
         if keep_trailing:
             return Request(header, body, mv[pos:end])
-        raise DecodeError(f"{end - pos} trailing bytes after the body", pos, bc.name)
+        raise TrailingBytesError(f"{end - pos} trailing bytes after the body", pos, bc.name)
     return Request(header, body)
 
 
@@ -267,7 +267,7 @@ def decode_response(frame: Any, api_key: int, api_version: int, keep_trailing: b
     if pos != end:
         if keep_trailing:
             return Response(api_key, api_version, header, body, mv[pos:end])
-        raise DecodeError(f"{end - pos} trailing bytes after the body", pos, bc.name)
+        raise TrailingBytesError(f"{end - pos} trailing bytes after the body", pos, bc.name)
     return Response(api_key, api_version, header, body)
 
 

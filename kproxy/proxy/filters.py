@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from kproxy.protocol.messages import Request, Response
+from kproxy.protocol.records import DEFAULT_MAX_DECOMPRESSED_BYTES
 
 ALL: frozenset[int] | None = None  # a filter's key set that means "every api key"
 
@@ -52,6 +53,9 @@ class ConnectionContext:
     # Scratch space for filters (per connection), keyed by the filter's own name.
     state: dict[str, Any] = attrs.field(factory=dict)
     exchange: Any = None
+    # limits.max_decompressed_batch_bytes: the most a filter may decompress from one record batch
+    # (pass it to RecordBatch.records / payload).
+    max_decompressed_batch_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
     # Broker ports the address rewriter exposed for the response at hand that no listener holds
     # yet; the session asks the I/O layer to open them before the response is written.
     ports_to_open: list[int] = attrs.field(factory=list)

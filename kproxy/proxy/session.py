@@ -36,6 +36,7 @@ from kproxy.protocol.messages import (
 )
 from kproxy.protocol.primitives import read_uvarint
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond
+from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error
 
 log = logging.getLogger("kproxy.session")
@@ -126,13 +127,15 @@ class Ask(Action):
 
 class Close(Action):
     """Close the client connection, logging ``reason``; the requests in ``done`` end with it
-    (answered with the closed connection, as a broker does when it cannot answer)."""
+    (answered with the closed connection, as a broker does when it cannot answer). ``undecodable``
+    is "request" or "response" when a frame from that side could not be decoded (for metrics)."""
 
-    __slots__ = ("done", "reason")
+    __slots__ = ("done", "reason", "undecodable")
 
-    def __init__(self, reason: str, done: tuple[InFlight, ...] = ()) -> None:
+    def __init__(self, reason: str, done: tuple[InFlight, ...] = (), undecodable: str | None = None) -> None:
         self.reason = reason
         self.done = done
+        self.undecodable = undecodable
 
     def __repr__(self) -> str:
         return f"Close({self.reason!r})"
@@ -185,6 +188,7 @@ class _Question:
     upstream_correlation_id: int
     api_key: int
     api_version: int
+    original: tuple[memoryview, bytes] | None = None    # see Session._recheck
 
 
 _ASKED = object()   # _request_filters: the request waits for a question's answer
@@ -255,10 +259,11 @@ class Session:
     """The per-connection state machine between one client and its upstream connection."""
 
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
-                 passthrough_unknown_versions: bool = False) -> None:
+                 passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None) -> None:
         self.ctx = ctx
         self.chain = chain
         self.passthrough = passthrough_unknown_versions
+        self.reencode = reencode             # verify_reencode; None when off
         self.in_flight: collections.deque[InFlight] = collections.deque()
         self._by_upstream: dict[int, InFlight] = {}
         self._next_correlation_id = 0
@@ -271,6 +276,7 @@ class Session:
         self._sasl_round_trips = 0
         self._sasl_handshake_ok = False
         self.sasl_in_progress = False
+        self.sasl_started_at = 0.0           # when the current SASL exchange began (session clock)
         self.requests = 0
         self.closed = False
         # A request whose filter asked the broker something; the client is not read meanwhile.
@@ -293,7 +299,8 @@ class Session:
         if len(frame) < 8:
             if self._raw_sasl:
                 return actions + self._raw_sasl_token(frame)
-            return [Close(f"request of {len(frame)} bytes is shorter than a request header")]
+            return [Close(f"request of {len(frame)} bytes is shorter than a request header",
+                          undecodable="request")]
         api_key, api_version, correlation_id = peek_request_header(frame)
         try:
             req = decode_request(frame, keep_trailing=True)
@@ -304,7 +311,7 @@ class Session:
         except DecodeError as e:
             if self._raw_sasl:
                 return actions + self._raw_sasl_token(frame)
-            return [Close(f"malformed {api_name(api_key)} v{api_version} request: {e}")]
+            return [Close(f"malformed {api_name(api_key)} v{api_version} request: {e}", undecodable="request")]
         if self._raw_sasl:
             # A frame that decodes as a whole request ends the raw token exchange (SASL v0). It says
             # nothing about the broker's verdict: only the broker's answers to the tokens do.
@@ -312,33 +319,59 @@ class Session:
         self.requests += 1
         self._observe_request(req)
         entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4)
+        # The received bytes and their re-encoding, when the transparency check found them different.
+        original = self._recheck(req, frame) if self.reencode is not None else None
         try:
             verdict = self._request_filters(entry, req, actions)
         except FilterFailed as e:
             return [Close(str(e))]
-        return self._dispatch(entry, req, verdict, actions)
+        return self._dispatch(entry, req, verdict, actions, original)
 
-    def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action]) -> list[Action]:
+    def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action],
+                  original: tuple[memoryview, bytes] | None) -> list[Action]:
         """Act on the filters' verdict: wait for a question's answer, answer locally, or forward."""
         if verdict is _ASKED:
+            assert self.asking is not None
+            self.asking.original = original
             return actions
         if verdict is not None:
             return actions + self._answer_locally(entry, verdict)
         if req.api_key == PRODUCE and req.body.acks == 0:
             # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
             # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
-            req.correlation_id = self._take_correlation_id()
-            self._no_response.append(req.correlation_id)
+            upstream_id = self._take_correlation_id()
+            self._no_response.append(upstream_id)
             entry.outcome = NO_RESPONSE
-            actions.append(ToUpstream(encode_request_frame(req), entry))
+            actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
             return actions
         upstream_id = self._take_correlation_id()
         entry.upstream_correlation_id = upstream_id
-        req.correlation_id = upstream_id
         self.in_flight.append(entry)
         self._by_upstream[upstream_id] = entry
-        actions.append(ToUpstream(encode_request_frame(req), entry))
+        actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
         return actions
+
+    def _recheck(self, req: Request, frame: memoryview) -> tuple[memoryview, bytes] | None:
+        check = self.reencode
+        assert check is not None
+        if not check.due():
+            return None
+        encoded = encode_request_frame(req)
+        if check.matches("request", req.api_key, req.api_version, frame, encoded, 4):
+            return None
+        return frame, joined(encoded)
+
+    @staticmethod
+    def _request_buffers(req: Request, upstream_id: int, original: tuple[memoryview, bytes] | None) -> list:
+        """The request as it goes upstream: re-encoded, or the bytes received (with kproxy's
+        correlation id) when they re-encode differently and no filter changed the request."""
+        if original is not None and joined(encode_request_frame(req)) == original[1]:
+            req.correlation_id = upstream_id
+            patched = bytearray(original[0])
+            _I32.pack_into(patched, 4, upstream_id)
+            return _size_prefixed(patched)
+        req.correlation_id = upstream_id
+        return encode_request_frame(req)
 
     def _request_filters(self, entry: InFlight, req: Request, actions: list[Action], start: int = 0,
                          resumed: tuple[Filter, Callable[[], Any]] | None = None) -> Any:
@@ -400,7 +433,7 @@ class Session:
                                             (q.asker, functools.partial(q.then, answer)))
         except FilterFailed as e:
             return [Close(str(e))]
-        return self._dispatch(q.entry, q.request, verdict, actions)
+        return self._dispatch(q.entry, q.request, verdict, actions, q.original)
 
     def _question_answered(self, frame: memoryview) -> list[Action]:
         q = self.asking
@@ -449,6 +482,7 @@ class Session:
             # again, the connection keeps the identity it had, and a claim is only a claim.
             ctx.sasl_mechanism = req.body.mechanism
             self.sasl_in_progress = True
+            self.sasl_started_at = ctx.clock()
             self._sasl_handshake_ok = False
             self._sasl_round_trips = 0
             self._sasl_claimed_user = None
@@ -569,7 +603,8 @@ class Session:
             # Unframed SASL tokens (handshake v0) have no Kafka header: relay them untouched.
             return self._raw_sasl_reply(frame)
         if len(frame) < 4:
-            return [Close(f"broker sent a {len(frame)}-byte response, shorter than its header")]
+            return [Close(f"broker sent a {len(frame)}-byte response, shorter than its header",
+                          undecodable="response")]
         (upstream_id,) = _I32.unpack_from(frame, 0)
         if self.asking is not None and upstream_id == self.asking.upstream_correlation_id:
             return self._question_answered(frame)
@@ -594,7 +629,14 @@ class Session:
         try:
             resp = decode_response(frame, entry.api_key, version, keep_trailing=True)
         except DecodeError as e:
-            return [Close(f"malformed {api_name(entry.api_key)} v{version} response from the broker: {e}")]
+            return [Close(f"malformed {api_name(entry.api_key)} v{version} response from the broker: {e}",
+                          undecodable="response")]
+        original: tuple[memoryview, bytes] | None = None
+        check = self.reencode
+        if check is not None and check.due():
+            encoded = encode_response_frame(resp)
+            if not check.matches("response", entry.api_key, version, frame, encoded, 4):
+                original = frame, joined(encoded)
         try:
             throttle = self._response_filters(entry, resp)
         except FilterFailed as e:
@@ -610,8 +652,15 @@ class Session:
         self._observe_response(entry, resp)
         entry.throttle_ms = getattr(resp.body, "throttle_time_ms", 0) or 0
         entry.response = resp
-        resp.correlation_id = entry.client_correlation_id
-        entry.reply = encode_response_frame(resp)
+        if original is not None and joined(encode_response_frame(resp)) == original[1]:
+            # No filter changed it: the client gets the broker's bytes, not kproxy's re-encoding.
+            patched = bytearray(original[0])
+            _I32.pack_into(patched, 0, entry.client_correlation_id)
+            entry.reply = _size_prefixed(patched)
+            resp.correlation_id = entry.client_correlation_id
+        else:
+            resp.correlation_id = entry.client_correlation_id
+            entry.reply = encode_response_frame(resp)
         actions += self._flush()
         return actions
 

@@ -9,6 +9,7 @@ layer that knows about trio and sockets.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import signal
@@ -20,6 +21,7 @@ from typing import Any
 import trio
 
 from kproxy.config import ProxyConfig, effective_buffer_budget
+from kproxy.logs import safe
 from kproxy.policy.engine import PolicyFilter
 from kproxy.policy.loader import describe_rules
 from kproxy.policy.store import RuleStore
@@ -34,8 +36,10 @@ from kproxy.protocol.messages import (
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.reencode import ReencodeCheck
 from kproxy.proxy.session import InFlight, Session
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
+from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
@@ -51,12 +55,21 @@ from kproxy.server.transport import (
     server_context,
     tune,
 )
+from kproxy.telemetry import metrics as metric_families
+from kproxy.telemetry.metrics import Metrics
+from kproxy.telemetry.outputs import Telemetry
+from kproxy.telemetry.spans import SpanExporter
 
 log = logging.getLogger("kproxy.server")
 
 # accept() errors that mean "out of a resource for now": wait and try again. Anything else is a bug
 # or a closed listener, and retrying it forever would only hide it.
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+# Errors of the one pending connection that Linux reports from accept() itself (accept(2): "treat them
+# like EAGAIN"): a client that reset before it was accepted, a firewall, a network that went away.
+_PEER_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT,
+                          errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
+                          errno.ENETUNREACH, errno.ECONNRESET})
 
 
 class ListenError(KProxyError):
@@ -66,10 +79,20 @@ class ListenError(KProxyError):
 class ProxyServer:
     """kproxy in front of one Kafka cluster, as configured."""
 
-    def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = ()) -> None:
+    def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *,
+                 span_exporter: SpanExporter | None = None) -> None:
         """Raises RuleError (a ConfigError) when the configured rule files do not load."""
         self.config = config
         self.stats = ProxyStats()
+        self.telemetry = Telemetry(config, span_exporter=span_exporter)
+        self.reencode = ReencodeCheck(config.verify_reencode) if config.verify_reencode > 0 else None
+        # The policy rules in force (generation, loaded_at, rule_count, sources, reloads_ok,
+        # reloads_failed, describe()); None when no rule files are configured. Read by /rules and /metrics.
+        self.rule_store: RuleStore | None = RuleStore(config.rules, config.chaos) if config.rules else None
+        self.rules_poll_interval_s = POLL_INTERVAL_S
+        self.discovered = False              # a bootstrap server answered discovery at least once
+        self.admin: admin.AdminServer | None = None
+        self._telemetry_failures: set[str] = set()
         exposure = config.exposure
         self.sni = exposure.mode == "sni"
         self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None)
@@ -87,10 +110,8 @@ class ProxyServer:
         if not config.passthrough_unknown_versions:
             builtin.insert(0, ApiVersionsNarrower())
         # Policy rules, when configured: judged after the built-in filters, before any given here.
-        self.rules: RuleStore | None = RuleStore(config.rules, config.chaos) if config.rules else None
-        self.rules_poll_interval_s = POLL_INTERVAL_S
-        if self.rules is not None:
-            builtin.append(PolicyFilter(self.rules))
+        if self.rule_store is not None:
+            builtin.append(PolicyFilter(self.rule_store))
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -117,8 +138,57 @@ class ProxyServer:
             frame_timeout_s=limits.frame_timeout_s,
             upstream_tls=self.upstream_tls,
             upstream_server_hostname=upstream.tls.server_hostname,
+            frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
+                               else "limits.max_buffered_bytes"),
         )
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
+        if self.metrics is not None:
+            self._add_metric_readers(self.metrics)
+
+    # -- telemetry and the admin listener
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self.telemetry.metrics
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): listeners bound and the cluster's brokers learned, and not draining."""
+        if self.draining:
+            return False, "not ready: draining"
+        if self.bootstrap_address is None:
+            return False, "not ready: the listeners are not bound yet"
+        if not self.discovered:
+            return False, "not ready: no bootstrap server has answered discovery yet"
+        return True, "ready"
+
+    def _add_metric_readers(self, m: Metrics) -> None:
+        stats = self.stats
+
+        def connections() -> list:
+            open_now: dict[str, int] = {}
+            for c in self.connections:
+                listener = c.session.ctx.listener
+                open_now[listener] = open_now.get(listener, 0) + 1
+            return metric_families.connection_families(stats.opened_by_listener, open_now, stats.decode_errors,
+                                                       stats.upstream_connect_failures)
+
+        m.add_reader(connections)
+        m.add_reader(lambda: metric_families.budget_families(self.budget))
+        m.add_reader(lambda: metric_families.rule_families(self.rule_store))
+        if self.reencode is not None:
+            check = self.reencode
+            m.add_reader(lambda: metric_families.reencode_families(check))
+
+    def _completed_with_telemetry(self, ctx: ConnectionContext, entry: InFlight) -> None:
+        self.stats.record(entry)
+        try:
+            self.telemetry.completed(entry, ctx)
+        except Exception as e:
+            # A bug in telemetry must not cost the client its connection; one line per kind of bug.
+            key = f"{type(e).__name__}:{e}"[:200]
+            if key not in self._telemetry_failures:
+                self._telemetry_failures.add(key)
+                log.error("telemetry failed on a completed request (logged once per kind)", exc_info=True)
 
     # -- listeners (the Router the connections use)
 
@@ -169,12 +239,29 @@ class ProxyServer:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled or drained; ``task_status.started(self)`` once the bootstrap port listens."""
         listen = self.config.listen
-        boot = self._bind(listen.host, listen.port)
+        admin_listener = None
+        if self.config.admin.listen is not None:
+            try:
+                admin_listener = admin.bind(self.config.admin.listen)
+            except admin.AdminListenError as e:
+                raise ListenError(str(e)) from e
+        try:
+            boot = self._bind(listen.host, listen.port)
+        except ListenError:
+            if admin_listener is not None:
+                admin_listener.socket.close()
+            raise
         self.bootstrap_address = boot.getsockname()[:2]
         self._listeners[listen.port] = boot
+        self.telemetry.start(trio.current_time())
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if admin_listener is not None:
+                    self.admin = admin.AdminServer(self, admin_listener)
+                    nursery.start_soon(self.admin.serve)
+                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules",
+                             _hostport(*self.admin.address))
                 nursery.start_soon(self._accept_loop, boot, None)
                 exposure = self.config.exposure
                 if exposure.node_id_base is not None and not self.sni:
@@ -188,17 +275,29 @@ class ProxyServer:
                 for port in self._pending_ports:
                     nursery.start_soon(self._accept_loop, self._listeners[port], port)
                 self._pending_ports.clear()
-                await self.discover()
+                if not await self.discover():
+                    nursery.start_soon(self._rediscover)
                 log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
                          ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
-                if self.rules is not None:
-                    log.info("rules in force: %s (watching %s)", describe_rules(self.rules.rule_set),
-                             ", ".join(self.rules.paths))
-                    nursery.start_soon(watch_rules, self.rules, self.rules_poll_interval_s)
+                if self.rule_store is not None:
+                    log.info("rules in force: %s (watching %s)", describe_rules(self.rule_store.rule_set),
+                             ", ".join(self.rule_store.paths))
+                    nursery.start_soon(watch_rules, self.rule_store, self.rules_poll_interval_s)
                 task_status.started(self)
         finally:
             for s in self._listeners.values():
                 s.close()
+            if admin_listener is not None:
+                admin_listener.socket.close()
+            self.telemetry.close()
+
+    async def _rediscover(self) -> None:
+        # Until a bootstrap server answers once (readiness waits for it), try again with a backoff.
+        delay = 1.0
+        while not self.discovered and not self.draining:
+            await trio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+            await self.discover()
 
     async def _accept_loop(self, sock: trio.socket.SocketType, port: int | None) -> None:
         listener = self._raw_listeners[sock.fileno()]
@@ -223,6 +322,8 @@ class ProxyServer:
                                     port or self.config.listen.port, e.strerror or e)
                         await trio.sleep(0.1)
                         continue
+                    if e.errno in _PEER_ERRNOS:
+                        continue    # that one connection failed before it was accepted; not the listener
                     if self.draining:
                         return
                     raise
@@ -233,7 +334,7 @@ class ProxyServer:
                       raw: socket.socket | None = None) -> None:
         tune(sock)
         cid = next(self._ids)
-        ctx = ConnectionContext(cid, client_address=(addr[0], addr[1]), clock=trio.current_time)
+        ctx = self.new_context(cid, (addr[0], addr[1]))
         transport: PlainTransport | TlsTransport
         route: Route | None = None
         name: str | None = None
@@ -256,16 +357,19 @@ class ProxyServer:
         except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError) as e:
             sock.close()
             log.info("connection %d from %s: TLS handshake failed: %s", cid, addr[0],
-                     "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError) else e)
+                     "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError)
+                     else safe(str(e)))
             return
         if port is not None:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
         if route is not None:
             ctx.listener = f"{route.role}-{route.node_id}"
-        session = Session(ctx, self.chain,
-                          passthrough_unknown_versions=self.config.passthrough_unknown_versions)
-        conn = ClientConnection(self.settings, self, transport, session, on_complete=self._completed,
-                                budget=self.budget, route_key=(port, name))
+        session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
+                          reencode=self.reencode)
+        complete = (functools.partial(self._completed_with_telemetry, ctx) if self.telemetry.active
+                    else self._completed)
+        conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
+                                budget=self.budget, route_key=(port, name), stats=self.stats)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
@@ -273,8 +377,7 @@ class ProxyServer:
             conn.unrouted = (port, name)
         log.info("connection %d from %s on %s", cid, _hostport(addr[0], addr[1]), ctx.listener)
         self.connections.add(conn)
-        self.stats.connections_total += 1
-        self.stats.connections_open += 1
+        self.stats.opened(ctx.listener)
         try:
             if self.draining:
                 conn.drain()
@@ -285,10 +388,15 @@ class ProxyServer:
 
     def reload_rules(self, reason: str) -> bool:
         """Load the rule files again (SIGHUP); the old rules stay if the new ones do not load."""
-        if self.rules is None:
+        if self.rule_store is None:
             log.info("%s: nothing to reload (no rule files are configured)", reason)
             return False
-        return self.rules.reload(reason)
+        return self.rule_store.reload(reason)
+
+    def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
+        """The context of a new client connection, with the settings filters read from it."""
+        return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
+                                 max_decompressed_batch_bytes=self.config.limits.max_decompressed_batch_bytes)
 
     def _completed(self, entry: InFlight) -> None:
         self.stats.record(entry)
@@ -306,7 +414,7 @@ class ProxyServer:
             assert name is not None
             route = self.address_map.route_for_name(name)
         if route is None:
-            log.warning("no broker known for %s; sending it to the bootstrap servers", port or name)
+            log.warning("no broker known for %s; sending it to the bootstrap servers", port or safe(name))
         return route
 
     # -- broker discovery
@@ -325,6 +433,8 @@ class ProxyServer:
             try:
                 with trio.fail_after(cfg.request_timeout_s):
                     await self._discover_on(t)
+                if not self.discovered:
+                    self.discovered = True
                 return True
             except (OSError, trio.TooSlowError, KProxyError, trio.BrokenResourceError) as e:
                 log.warning("discovery via %s failed: %s", hp, e or "timed out")

@@ -35,6 +35,7 @@ from kproxy.proxy.session import (
     ToUpstream,
 )
 from kproxy.server.budget import BufferBudget
+from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import Transport, connect
 
 log = logging.getLogger("kproxy.server")
@@ -58,6 +59,7 @@ class ConnectionSettings:
     frame_timeout_s: float = 0.0
     upstream_tls: ssl.SSLContext | None = None
     upstream_server_hostname: str | None = None
+    frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
 
     @property
     def watchdog_period(self) -> float | None:
@@ -84,13 +86,14 @@ class ClientConnection:
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
-                 route_key: tuple[int | None, str | None] = (None, None)) -> None:
+                 route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None) -> None:
         self.settings = settings
         self.router = router
         self.client = client
         self.session = session
         self.on_complete = on_complete
         self.budget = budget if budget is not None else BufferBudget(None)
+        self.stats = stats                          # decode errors and connect failures, for metrics
         self.route_key = route_key                  # (exposed port, SNI name) the client connected to
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
@@ -106,7 +109,8 @@ class ClientConnection:
         self.cancel_scope: trio.CancelScope | None = None
         self.draining = False
         self._upstream_generation = 0
-        self.client_reader = FrameReader(settings.frame_cap, trust_claims=False)
+        self.client_reader = FrameReader(settings.frame_cap, trust_claims=False,
+                                         limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
         self._held = 0                              # bytes this connection counts in the budget
         self._answered: trio.Event | None = None    # set when a filter's question is settled
@@ -150,6 +154,8 @@ class ClientConnection:
                             reason = str(e)
                         except FrameError as e:
                             reason = f"bad frame from client: {e}"
+                            if self.stats is not None:
+                                self.stats.decode_errors["request"] += 1
                         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                             reason = f"client connection error: {e!r}"
                         nursery.cancel_scope.cancel()
@@ -171,7 +177,7 @@ class ClientConnection:
             self.session.close()
             log.info("connection %d from %s closed after %.1fs: %s (client id %s, %d requests, "
                      "%s in, %s out)", ctx.connection_id, _addr(ctx.client_address),
-                     trio.current_time() - self.opened_at, reason, safe(ctx.client_id),
+                     trio.current_time() - self.opened_at, safe(reason, 500), safe(ctx.client_id),
                      self.requests_done, _size(self.bytes_in), _size(self.bytes_out))
 
     def drain(self) -> None:
@@ -195,8 +201,10 @@ class ClientConnection:
         client = self.client
         budget = self.budget
         while not self.draining:
-            if budget.exhausted:
-                # Backpressure across the whole process: stop reading clients until buffers drain.
+            if budget.exhausted and reader.at_frame_boundary:
+                # Backpressure across the whole process: no new request is read until buffers drain.
+                # A frame already begun keeps arriving (its sender must send every byte it holds,
+                # and the frame timeout bounds how long); pausing it too could wait forever.
                 await budget.wait_for_room()
             if reader.idle_chunk_is_large and not client.readable_now():
                 # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
@@ -243,6 +251,8 @@ class ClientConnection:
                 if problem is not None:
                     raise ConnectionClosed(problem)
             elif kind is Close:
+                if a.undecodable is not None and self.stats is not None:
+                    self.stats.decode_errors[a.undecodable] += 1
                 if a.done:
                     self._complete(a.done, trio.current_time())
                 raise ConnectionClosed(a.reason)
@@ -277,17 +287,21 @@ class ClientConnection:
                     raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection") from e
                 return
         assert self.upstream is not None
+        entry = action.entry
+        if entry is not None:
+            # Stamped before the send: while it waits for the socket, the other pump may already
+            # read the answer, and the broker's time must never come out negative.
+            entry.forwarded_at = trio.current_time()
+            entry.broker = self.connected_to
         try:
             await self.upstream.send(action.buffers)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if entry is not None:
+                entry.forwarded_at = entry.broker = None
             await self._upstream_lost(f"send failed: {e!r}")
             return
-        entry = action.entry
-        if entry is not None:
-            entry.forwarded_at = now = trio.current_time()
-            entry.broker = self.connected_to
-            if entry.outcome == NO_RESPONSE:
-                self._complete((entry,), now)
+        if entry is not None and entry.outcome == NO_RESPONSE:
+            self._complete((entry,), trio.current_time())
 
     async def _ask(self, action: Ask) -> None:
         """Send a filter's question and wait, not reading the client, until the session has settled
@@ -325,6 +339,8 @@ class ClientConnection:
                 break
             except (OSError, trio.TooSlowError) as e:
                 last = e
+                if self.stats is not None:
+                    self.stats.upstream_failed(host, port)
         else:
             raise last or OSError("no upstream")
         self._upstream_generation += 1
@@ -346,7 +362,8 @@ class ClientConnection:
     # -- broker -> client
 
     async def _upstream_pump(self, upstream: Transport, generation: int) -> None:
-        reader = FrameReader(self.settings.frame_cap, trust_claims=True)
+        reader = FrameReader(self.settings.frame_cap, trust_claims=True,
+                             limit_name=self.settings.frame_cap_setting)
         self._readers.append(reader)
         session = self.session
         try:
@@ -365,6 +382,8 @@ class ClientConnection:
                         self._check_route()
                 self._account()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            if isinstance(e, FrameError) and self.stats is not None:
+                self.stats.decode_errors["response"] += 1
             if generation == self._upstream_generation and self.upstream is upstream:
                 try:
                     await self._upstream_lost(str(e) or repr(e))
@@ -431,7 +450,7 @@ class ClientConnection:
                     continue
             unauth = s.unauthenticated_timeout_s
             if (unauth > 0 and session.sasl_in_progress and not session.ctx.authenticated
-                    and now - started > unauth):
+                    and now - session.sasl_started_at > unauth):
                 self._close_from_task(f"SASL authentication not completed within {unauth:g}s "
                                       "(limits.unauthenticated_idle_timeout_s)")
                 return

@@ -20,8 +20,8 @@ from kproxy.server.app import ProxyServer
 
 
 class ProxyThread:
-    def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = ()) -> None:
-        self.server = ProxyServer(config, filters)
+    def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), **server_options: Any) -> None:
+        self.server = ProxyServer(config, filters, **server_options)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None

@@ -26,6 +26,9 @@ _QUICK_OPTIONS = (
     ("advertised_host", "--advertised-host", "exposure.advertised_host"),
     ("rules", "--rules", "rules"),
     ("chaos", "--chaos", "chaos"),
+    ("admin", "--admin", "admin.listen"),
+    ("traffic_log", "--traffic-log", "traffic_log.dir"),
+    ("tracing", "--tracing", "tracing.enabled"),
 )
 
 
@@ -41,7 +44,8 @@ def run_from_args(args: Any) -> int:
     try:
         server = ProxyServer(cfg)
     except ConfigError as e:
-        # Rule files that do not load: the same message `kproxy check` prints.
+        # Rule files that do not load (the message `kproxy check` prints), or OTEL_* variables
+        # kproxy cannot follow (read here, when the exporter is made).
         log.error("%s", e)
         print(f"kproxy run: {e}", file=sys.stderr)
         return 2
@@ -73,6 +77,11 @@ def config_for_run(args: Any) -> ProxyConfig:
         return apply_overrides(load_config(args.config), **logs)
     if args.upstream and args.listen:
         exposure = {"advertised_host": args.advertised_host} if args.advertised_host else None
-        return config_from_args(args.upstream, args.listen, exposure=exposure, rules=args.rules or None,
-                                chaos=args.chaos or None, **logs)
+        telemetry = {
+            "admin": {"listen": args.admin} if getattr(args, "admin", None) else None,
+            "traffic_log": {"dir": args.traffic_log} if getattr(args, "traffic_log", None) else None,
+            "tracing": {"enabled": True} if getattr(args, "tracing", False) else None,
+        }
+        return config_from_args(args.upstream, args.listen, exposure=exposure, rules=getattr(args, "rules", None),
+                                chaos=getattr(args, "chaos", False) or None, **telemetry, **logs)
     raise ConfigError("give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT")

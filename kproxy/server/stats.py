@@ -33,6 +33,10 @@ class ProxyStats:
         self.apis: dict[str, ApiStats] = {}
         self.connections_total = 0
         self.connections_open = 0
+        # For the metrics endpoint, counted where they happen.
+        self.opened_by_listener: dict[str, int] = {}
+        self.decode_errors = {"request": 0, "response": 0}
+        self.upstream_connect_failures: dict[str, int] = {}
         self._random = random.Random(seed)
 
     def record(self, entry: InFlight) -> None:
@@ -53,3 +57,12 @@ class ProxyStats:
             j = self._random.randrange(s.count)
             if j < self.SAMPLE:
                 s.latencies[j] = latency
+
+    def opened(self, listener: str) -> None:
+        self.connections_total += 1
+        self.connections_open += 1
+        self.opened_by_listener[listener] = self.opened_by_listener.get(listener, 0) + 1
+
+    def upstream_failed(self, host: str, port: int) -> None:
+        key = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.upstream_connect_failures[key] = self.upstream_connect_failures.get(key, 0) + 1

@@ -91,13 +91,14 @@ def free_port_block(count: int = 8) -> int:
 
 
 def start_proxy(
-    upstream: str, advertised_host: str = "localhost", filters: list[Filter] | None = None, **overrides: Any
+    upstream: str, advertised_host: str = "localhost", filters: list[Filter] | None = None,
+    listen_port: int | None = None, server_options: dict[str, Any] | None = None, **overrides: Any
 ) -> ProxyThread:
-    port = free_port_block()
+    port = listen_port or free_port_block()
     exposure = {"advertised_host": advertised_host, "broker_port_count": 6}
     exposure.update(overrides.pop("exposure", {}))
     up = overrides.pop("upstream_settings", {})
     cfg = config_from_args(upstream, f"127.0.0.1:{port}", exposure=exposure, **overrides)
     if up:
         cfg = attrs.evolve(cfg, upstream=attrs.evolve(cfg.upstream, **up))
-    return ProxyThread(cfg, filters or []).start()
+    return ProxyThread(cfg, filters or [], **(server_options or {})).start()

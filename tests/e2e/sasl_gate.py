@@ -19,19 +19,15 @@ import hmac
 import os
 import socket
 import struct
-import subprocess
 import threading
 import time
 import traceback
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import attrs
 
 from kproxy.protocol.messages import Response, body_class, decode_request, encode_response_frame
-from kproxy.server.demo import broker_answers
-from tests.e2e.tansu import free_port
 
 _I32 = struct.Struct(">i")
 _HHI = struct.Struct(">hhi")
@@ -51,54 +47,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-# --------------------------------------------------------------------------------------------------
-# tansu advertised at another address (the gate's, or a TLS relay's)
-# --------------------------------------------------------------------------------------------------
-
-
-class TansuBehind:
-    """A tansu broker on a free loopback port that advertises ``advertised`` (host, port) in metadata."""
-
-    def __init__(self, binary: str, advertised: tuple[str, int], log_path: Path | None = None) -> None:
-        self.binary = binary
-        self.host = "127.0.0.1"
-        self.port = free_port(self.host)
-        self.advertised = advertised
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, ready_timeout: float = 10.0) -> TansuBehind:
-        host, port = self.advertised
-        argv = [self.binary, "broker", "--listener-url", f"tcp://{self.host}:{self.port}",
-                "--advertised-listener-url", f"tcp://{host}:{port}", "--silent"]
-        with open(self.log_path or os.devnull, "ab") as log:
-            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + ready_timeout
-        while not broker_answers(self.host, self.port):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"tansu did not start: {argv}")
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                # tansu waits for open connections on SIGTERM; memory storage has nothing to flush.
-                process.wait(1)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-
-    def __enter__(self) -> TansuBehind:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 # --------------------------------------------------------------------------------------------------

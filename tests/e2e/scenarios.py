@@ -43,7 +43,7 @@ TIMEOUT = 30.0
 """Upper bound in seconds for one scenario step (create, produce, consume, join)."""
 
 # tansu holds the first JoinGroup for the rebalance timeout; with 6 s a join completes in ~3 s
-# (TESTING.md). A 1 s heartbeat makes the existing member notice the second one's join quickly.
+# (docs/testing.md). A 1 s heartbeat makes the existing member notice the second one's join quickly.
 SESSION_TIMEOUT_MS = 6000
 MAX_POLL_INTERVAL_MS = 6000
 HEARTBEAT_INTERVAL_MS = 1000

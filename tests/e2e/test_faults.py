@@ -21,9 +21,9 @@ from kproxy.proxy.filters import ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
-from tests.e2e.sasl_gate import SaslGate, TansuBehind, confluent_roundtrip, expected_pairs
+from tests.e2e.sasl_gate import SaslGate, confluent_roundtrip, expected_pairs
 from tests.e2e.scenarios import confluent_create_topic, confluent_produce_consume, expected_records
-from tests.e2e.tansu import TansuBroker, free_port
+from tests.e2e.tansu import Tansu, TansuBroker, free_port
 from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +69,8 @@ def test_oversized_frame_is_refused_before_reading_it(broker: TansuBroker,
         assert w.closed_by_peer()
         w.close()
         deadline = time.monotonic() + 5   # the reason is logged as the connection winds down
-        while not any("exceeds the 1024-byte limit" in r.getMessage() for r in caplog.records):
+        while not any("exceeds the 1024-byte limit (limits.max_frame_size)" in r.getMessage()
+                      for r in caplog.records):
             assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
             time.sleep(0.02)
         w = Wire(p.bootstrap)
@@ -145,7 +146,7 @@ def relayed_tansu(binary: str) -> Iterator[Relay]:
     """A tansu broker behind a relay that can be cut, hung and restored; it advertises the relay,
     so every connection kproxy makes to the broker passes through it."""
     relay_port = free_port()
-    tansu = TansuBehind(binary, ("127.0.0.1", relay_port))
+    tansu = Tansu(binary, advertised=("127.0.0.1", relay_port))
     relay = Relay(("127.0.0.1", tansu.port), relay_port)
     relay.start()
     try:
@@ -347,7 +348,7 @@ def test_unknown_broker_port_is_served_then_rerouted(tansu_binary: str) -> None:
     # first response, then closes between requests; the client's reconnect reaches the node itself.
     boot = SaslGate(None, {"alice": "pw"})           # the bootstrap address
     node = SaslGate(None, {"alice": "pw"})           # the address tansu advertises for node 111
-    with TansuBehind(tansu_binary, node.address) as tansu:
+    with Tansu(tansu_binary, advertised=node.address) as tansu:
         boot.upstream = node.upstream = (tansu.host, tansu.port)
         with boot, node:
             p = start_proxy(f"127.0.0.1:{boot.port}", advertised_host="127.0.0.1",

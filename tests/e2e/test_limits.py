@@ -9,8 +9,8 @@ import pytest
 
 from kproxy.protocol.messages import body_class
 from tests.e2e.proxied import start_proxy
-from tests.e2e.sasl_gate import SaslGate, TansuBehind
-from tests.e2e.tansu import TansuBroker
+from tests.e2e.sasl_gate import SaslGate
+from tests.e2e.tansu import Tansu, TansuBroker
 from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +38,7 @@ def test_silent_connections_are_closed_after_the_idle_timeout(broker: TansuBroke
 
 def test_the_unauthenticated_timeout_is_only_for_an_unfinished_sasl_exchange(tansu_binary: str) -> None:
     gate = SaslGate(None, {"alice": "pw"})
-    with TansuBehind(tansu_binary, gate.address) as tansu:
+    with Tansu(tansu_binary, advertised=gate.address) as tansu:
         gate.upstream = (tansu.host, tansu.port)
         with gate:
             p = start_proxy(gate.bootstrap, advertised_host="127.0.0.1",

@@ -27,8 +27,8 @@ import trustme
 from kproxy.config import parse_config
 from kproxy.protocol.errors import TOPIC_AUTHORIZATION_FAILED, UNKNOWN_TOPIC_ID
 from kproxy.protocol.messages import body_class
-from kproxy.server.demo import broker_answers
 from kproxy.server.embedded import ProxyThread
+from kproxy.tansu import broker_answers
 from tests.e2e.fake_cluster import METADATA, PRODUCE, TOPIC_ID, FakeCluster
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.tansu import TansuBroker, unique_name
@@ -291,7 +291,7 @@ def test_an_edit_takes_effect_while_a_consumer_polls_and_a_broken_edit_changes_n
     consumer = confluent_kafka.Consumer({"bootstrap.servers": proxy.bootstrap, "client.id": "live-reader",
                                          "group.id": unique_name("g"), "enable.auto.commit": False,
                                          "fetch.wait.max.ms": 100})
-    store = proxy.server.rules
+    store = proxy.server.rule_store
     assert store is not None
 
     def poll_until(predicate, what: str) -> Any:

@@ -24,13 +24,12 @@ from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.sasl_gate import (
     SaslGate,
-    TansuBehind,
     confluent_roundtrip,
     expected_pairs,
     free_ports,
     kafka_python_roundtrip,
 )
-from tests.e2e.tansu import unique_name
+from tests.e2e.tansu import Tansu, unique_name
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +61,7 @@ class PrincipalRecorder(Filter):
 def gate(tansu_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SaslGate]:
     g = SaslGate(None, {USER: PASSWORD, "bob": "bob-password"})
     log = tmp_path_factory.mktemp("tansu-sasl") / "broker.log"
-    with TansuBehind(tansu_binary, g.address, log) as tansu:
+    with Tansu(tansu_binary, advertised=g.address, log_path=log) as tansu:
         g.upstream = (tansu.host, tansu.port)
         with g:
             yield g

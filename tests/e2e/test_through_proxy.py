@@ -107,14 +107,6 @@ def test_describe_configs(client: Client, proxy: ProxyThread, topic: str) -> Non
     assert {name: configs.get(name) for name in TOPIC_CONFIGS} == TOPIC_CONFIGS
 
 
-def test_zz_no_upstream_address_reached_any_client(tap: ResponseTap, broker: TansuBroker) -> None:
-    # Runs last in the module (name order): covers every response of every test above.
-    seen = tap.apis()
-    for api in ("metadata", "find_coordinator", "describe_cluster", "produce", "fetch", "api_versions"):
-        assert api in seen, f"no {api} response went through the tap"
-    assert tap.leaks(broker.host, broker.port) == []
-
-
 @pytest.mark.usefixtures("kcat_binary")
 def test_kcat_debian_build_works_through_kproxy(proxy: ProxyThread, broker: TansuBroker, topic: str) -> None:
     # Direct, Debian's kcat (librdkafka 2.0.2) fails on tansu's ApiVersions v3 answer (test_direct.py):
@@ -122,3 +114,12 @@ def test_kcat_debian_build_works_through_kproxy(proxy: ProxyThread, broker: Tans
     # as Apache Kafka does, so the same binary works through kproxy.
     ok, output = kcat.kcat_roundtrip(proxy.bootstrap, topic, kcat.SAMPLE_RECORDS)
     assert ok, output
+
+
+def test_no_upstream_address_reached_any_client(tap: ResponseTap, broker: TansuBroker) -> None:
+    # Defined last in the module, so pytest (which runs tests in definition order) runs it after
+    # every other test here: it covers every response they received. Keep it at the end.
+    seen = tap.apis()
+    for api in ("metadata", "find_coordinator", "describe_cluster", "produce", "fetch", "api_versions"):
+        assert api in seen, f"no {api} response went through the tap"
+    assert tap.leaks(broker.host, broker.port) == []

@@ -30,13 +30,12 @@ from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.relay import pipe
 from tests.e2e.sasl_gate import (
-    TansuBehind,
     confluent_roundtrip,
     expected_pairs,
     free_ports,
     kafka_python_roundtrip,
 )
-from tests.e2e.tansu import TansuBroker, unique_name
+from tests.e2e.tansu import Tansu, TansuBroker, unique_name
 
 pytestmark = pytest.mark.e2e
 
@@ -288,7 +287,7 @@ def tls_upstream(tansu_binary: str, pki: Pki, tmp_path_factory: pytest.TempPathF
     ctx.verify_mode = ssl.CERT_REQUIRED
     with TlsRelay(ctx) as relay:
         log = tmp_path_factory.mktemp("tansu-tls") / "broker.log"
-        with TansuBehind(tansu_binary, relay.address, log) as tansu:
+        with Tansu(tansu_binary, advertised=relay.address, log_path=log) as tansu:
             relay.target = (tansu.host, tansu.port)
             yield relay
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 from kproxy.protocol import FrameError
-from kproxy.protocol.framing import FrameReader
+from kproxy.protocol.framing import FIRST_CHUNK_SIZE, GROWTH_FLOOR, FrameReader
 
 
 def _frames(payloads):
@@ -29,10 +29,11 @@ def _drain(r):
     payloads=st.lists(st.binary(max_size=300) | st.binary(min_size=600, max_size=2000), max_size=12),
     cuts=st.lists(st.integers(1, 700), max_size=40),
     chunk=st.sampled_from([64, 512, 1024, 4096]),
+    trust=st.booleans(),
 )
-def test_any_chunking_yields_the_same_frames(payloads, cuts, chunk):
+def test_any_chunking_yields_the_same_frames(payloads, cuts, chunk, trust):
     stream = _frames(payloads)
-    r = FrameReader(max_frame_size=10_000, chunk_size=chunk)
+    r = FrameReader(max_frame_size=10_000, chunk_size=chunk, trust_claims=trust)
     got, pos = [], 0
     for c in [*cuts, len(stream)]:
         piece = stream[pos : pos + c]
@@ -86,3 +87,64 @@ def test_partial_prefix_waits():
     assert r.next_frame() is None
     r.feed(b"\x00\x01z")
     assert bytes(r.next_frame()) == b"z"
+
+
+def test_nothing_is_allocated_before_the_first_receive_and_the_first_chunk_is_small():
+    r = FrameReader()
+    assert r.held_bytes == 0
+    r.recv_buffer()
+    assert r.held_bytes == FIRST_CHUNK_SIZE
+
+
+def test_an_untrusted_size_claim_buys_only_twice_what_arrived():
+    # Four bytes claiming 60 MiB, then 1,000 bytes: the buffer follows the bytes, not the claim.
+    r = FrameReader(max_frame_size=64 * 2**20, trust_claims=False)
+    r.feed(struct.pack(">i", 60 * 2**20) + b"x" * 1000)
+    assert r.next_frame() is None
+    assert r.held_bytes <= 2 * 1000 + GROWTH_FLOOR
+    r.feed(b"y" * 300_000)
+    assert r.next_frame() is None
+    assert r.held_bytes <= 2 * 301_000 + GROWTH_FLOOR
+
+
+def test_a_trusted_claim_gets_one_buffer_of_the_frame_size():
+    r = FrameReader(max_frame_size=64 * 2**20, chunk_size=1024, trust_claims=True)
+    r.feed(struct.pack(">i", 2**20) + b"x" * 2000)
+    r.next_frame()
+    assert r.held_bytes >= 2**20
+
+
+def test_an_untrusted_large_frame_arrives_whole_through_its_growing_buffer():
+    payload = bytes(range(256)) * 4000      # 1 MB
+    r = FrameReader(max_frame_size=2 * 2**20, trust_claims=False)
+    stream = _frames([payload, b"after"])
+    for i in range(0, len(stream), 70_001):
+        r.feed(stream[i:i + 70_001])
+    assert [bytes(f) for f in _drain(r)] == [payload, b"after"]
+
+
+def test_a_complete_large_frame_is_kept_while_more_is_fed_ahead():
+    r = FrameReader(chunk_size=1024)
+    big = b"z" * 5000
+    r.feed(_frames([big, b"next"]))         # fed in one go, nothing taken in between
+    assert [bytes(f) for f in _drain(r)] == [big, b"next"]
+
+
+def test_release_idle_gives_the_chunk_back_and_frames_stay_valid():
+    r = FrameReader(chunk_size=64 * 1024)
+    r.feed(_frames([b"a" * 3000]) * 3)      # grows past the first chunk
+    frames = _drain(r)
+    assert r.idle_chunk_is_large or r.held_bytes <= FIRST_CHUNK_SIZE
+    held = r.held_bytes
+    assert r.release_idle() == held and r.held_bytes == 0
+    assert [bytes(f) for f in frames] == [b"a" * 3000] * 3
+    r.feed(_frames([b"b"]))
+    assert bytes(r.next_frame()) == b"b"
+
+
+def test_release_idle_keeps_a_partial_frame():
+    r = FrameReader()
+    r.feed(struct.pack(">i", 10) + b"abc")
+    assert r.release_idle() == 0
+    r.feed(b"defghij")
+    assert bytes(r.next_frame()) == b"abcdefghij"

@@ -362,3 +362,50 @@ def test_a_malformed_sasl_frame_does_not_leak_the_token(capsys, monkeypatch):
     assert rc == 2
     assert "trailing" in err
     assert_no_secret(out + err)
+
+
+# -- hints for the inputs people get wrong
+
+README_API_VERSIONS = "00 00 00 17 00 12 00 03 00 00 00 07 00 02 63 31 00 05 6b 63 61 74 04 31 2e 37 00"
+
+
+def test_empty_input_is_a_clean_error():
+    assert main(["decode", "--raw", "/dev/null"]) == 2
+
+
+def test_a_frame_cut_short_is_reported_as_such_not_as_another_api(capsys, monkeypatch):
+    cut = " ".join(README_API_VERSIONS.split()[:-4])        # four bytes lost in the copy
+    rc, _, err = decode(capsys, monkeypatch, stdin=cut)
+    assert rc == 2
+    assert "api_versions v3 request frame of 23 bytes cut short" in err
+    assert "only 19 bytes follow its size prefix" in err
+    assert "produce" not in err                              # not read as "produce v23"
+
+
+def test_bytes_after_the_frame_are_decoded_and_noted(capsys, monkeypatch):
+    rc, out, err = decode(capsys, monkeypatch, stdin=README_API_VERSIONS + " 00 00 00 05")
+    assert rc == 0
+    result = json.loads(out)
+    assert result["api"] == "api_versions" and result["trailing_bytes"] == 4
+    assert "4 more bytes follow the frame" in err
+
+
+@pytest.mark.parametrize(("data", "word"), [
+    (b"GET /metrics HTTP/1.1\r\nHost: kproxy\r\n\r\n", "HTTP"),
+    (bytes.fromhex("160301020001000001fc0303") + b"\x00" * 40, "TLS"),
+])
+def test_http_and_tls_bytes_get_a_hint(capsys, monkeypatch, data, word):
+    rc, _, err = decode(capsys, monkeypatch, stdin=data.hex())
+    assert rc == 2
+    assert f"look like {'a TLS handshake' if word == 'TLS' else 'HTTP'}" in err
+
+
+def test_the_proxys_frame_limit_error_names_the_setting_and_spots_http():
+    from kproxy.protocol.errors import DecodeError
+    from kproxy.protocol.framing import FrameReader
+
+    r = FrameReader(max_frame_size=1024, limit_name="limits.max_frame_size")
+    r.feed(b"GET / HTTP/1.1\r\n")
+    with pytest.raises(DecodeError) as e:
+        r.next_frame()
+    assert "(limits.max_frame_size)" in str(e.value) and "look like HTTP" in str(e.value)

@@ -150,3 +150,19 @@ def test_run_configures_logging_logs_the_settings_and_serves(
     assert (entry["level"], entry["logger"]) == ("INFO", "kproxy.server")
     assert entry["msg"].startswith(f"kproxy {metadata.version('kproxy')}: listen 127.0.0.1:19092 -> upstream kafka:9092;")
     assert "idle timeout 600s" in entry["msg"] and "logs INFO as json" in entry["msg"]
+
+
+def test_quick_mode_telemetry_options(started: list, tmp_path) -> None:
+    assert cli.main(["run", "--upstream", "kafka:9092", "--listen", "127.0.0.1:9092", "--admin", "127.0.0.1:9644",
+                     "--traffic-log", str(tmp_path), "--tracing"]) == 0
+    cfg = started[0].config
+    assert cfg.admin.listen == HostPort("127.0.0.1", 9644)
+    assert cfg.traffic_log.dir == str(tmp_path) and cfg.tracing.enabled
+
+
+@pytest.mark.parametrize("option", [["--admin", "127.0.0.1:9644"], ["--traffic-log", "/tmp/x"], ["--tracing"]])
+def test_telemetry_options_are_quick_mode_only(option: list[str], started: list, tmp_path, capsys) -> None:
+    f = tmp_path / "kproxy.yaml"
+    f.write_text(MINIMAL)
+    assert cli.main(["run", "--config", str(f), *option]) == 2
+    assert "cannot be combined with --config" in capsys.readouterr().err

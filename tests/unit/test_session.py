@@ -1044,3 +1044,24 @@ def test_header_v0_requests_keep_the_client_id():
     s.client_frame(request_frame(METADATA, 12, 1, metadata_request(), client_id="orders"))
     s.client_frame(request_frame(7, 0, 2, body_class(7, "request")(broker_id=1)))
     assert s.ctx.client_id == "orders"
+
+
+def test_the_decompression_limit_reaches_filters_through_the_context():
+    from kproxy.config import config_from_args
+    from kproxy.server.app import ProxyServer
+
+    cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092",
+                           limits={"max_decompressed_batch_bytes": 12345})
+    seen = []
+
+    class Reads(Filter):
+        request_api_keys = frozenset({METADATA})
+
+        def on_request(self, ctx, request):
+            seen.append(ctx.max_decompressed_batch_bytes)
+
+    server = ProxyServer(cfg, [Reads()])
+    ctx = server.new_context(1, ("127.0.0.1", 5555))
+    ctx.clock = Clock()                      # outside trio: the test's clock, not trio's
+    Session(ctx, server.chain).client_frame(request_frame(METADATA, 12, 1, metadata_request()))
+    assert seen == [12345]

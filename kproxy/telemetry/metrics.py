@@ -1,0 +1,299 @@
+"""Prometheus metrics: per-API counts, bytes and latency histograms of completed requests, kept in
+plain integers on the event loop, and the families read at scrape time from the objects that hold
+them (connections, buffer budget, rule store, traffic log, transparency check).
+
+prometheus-client only renders the text format (``exposition``); the data path never takes a lock.
+Labels are bounded: API names, listeners, outcomes, rule names. Per-client and per-topic series exist
+only when opted in (``metrics.client_labels``, ``metrics.topic_labels``), capped at
+``metrics.label_cap`` values each, the rest counted under ``other``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kproxy.config import MetricsConfig
+from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
+
+# Seconds: from sub-millisecond metadata answers to long polls and rebalances.
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+OTHER = "other"
+
+Reader = Callable[[], Iterable[Metric]]
+
+
+class Histogram:
+    __slots__ = ("buckets", "count", "sum")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(BUCKETS) + 1)   # the last one is +Inf
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.buckets[bisect.bisect_left(BUCKETS, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, n in zip((*BUCKETS, float("inf")), self.buckets, strict=True):
+            total += n
+            out.append(("+Inf" if bound == float("inf") else repr(bound), total))
+        return out
+
+
+class ApiCounters:
+    __slots__ = ("broker", "duration", "outcomes", "request_bytes", "requests", "response_bytes")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.request_bytes = 0
+        self.response_bytes = 0
+        self.duration = Histogram()
+        self.broker = Histogram()
+        self.outcomes: dict[str, int] = {}
+
+
+class Capped:
+    """Counters by a label value the clients choose, at most ``cap`` values; the rest are OTHER."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.values: dict[tuple[str, ...], float] = {}
+        self._keys: set[str] = set()
+
+    def add(self, key: str, rest: tuple[str, ...], amount: float) -> None:
+        if key not in self._keys:
+            if len(self._keys) >= self.cap:
+                key = OTHER
+            else:
+                self._keys.add(key)
+        k = (key, *rest)
+        self.values[k] = self.values.get(k, 0) + amount
+
+
+def _counter(name: str, doc: str, labels: list[str], values: Mapping[Any, float]) -> Metric:
+    m = CounterMetricFamily(name, doc, labels=labels)
+    for key, value in sorted(values.items()):
+        m.add_metric(list(key), value)
+    return m
+
+
+def _gauge(name: str, doc: str, labels: list[str], values: Mapping[Any, float]) -> Metric:
+    m = GaugeMetricFamily(name, doc, labels=labels)
+    for key, value in sorted(values.items()):
+        m.add_metric(list(key), value)
+    return m
+
+
+class Metrics(Collector):
+    """The proxy's metrics; ``record`` per completed request, ``exposition`` per scrape."""
+
+    def __init__(self, cfg: MetricsConfig | None = None) -> None:
+        self.cfg = cfg or MetricsConfig()
+        self.apis: dict[str, ApiCounters] = {}
+        self.records = {"produced": 0, "fetched": 0}
+        self.throttle_seconds: dict[str, float] = {}
+        self.denied: dict[str, int] = {}
+        self.clients = Capped(self.cfg.label_cap) if self.cfg.client_labels else None
+        self.topics = Capped(self.cfg.label_cap) if self.cfg.topic_labels else None
+        self._readers: list[Reader] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def add_reader(self, reader: Reader) -> None:
+        """Families read at scrape time from another object."""
+        self._readers.append(reader)
+
+    # -- per request (the event loop)
+
+    def record(self, x: Exchange) -> None:
+        e = x.entry
+        c = self.apis.get(x.api)
+        if c is None:
+            c = self.apis[x.api] = ApiCounters()
+        c.requests += 1
+        c.request_bytes += e.request_bytes
+        c.response_bytes += e.response_bytes
+        end = e.finished_at if e.finished_at is not None else e.started
+        c.duration.observe(end - e.started)
+        if e.forwarded_at is not None and e.answered_at is not None:
+            c.broker.observe(e.answered_at - e.forwarded_at)
+        c.outcomes[e.outcome] = c.outcomes.get(e.outcome, 0) + 1
+        if e.api_key in (PRODUCE, FETCH):
+            self._records(x)
+        notes = e.notes
+        if notes:
+            if notes.get("action") == "deny":
+                rule = str(notes.get("rule") or "default")
+                self.denied[rule] = self.denied.get(rule, 0) + 1
+            quota = notes.get("quota")
+            if isinstance(quota, dict) and quota.get("throttle_ms"):
+                rule = str(quota.get("rule") or "quota")
+                self.throttle_seconds[rule] = self.throttle_seconds.get(rule, 0.0) + quota["throttle_ms"] / 1000
+            elif e.throttle_ms > 0:
+                self.throttle_seconds["broker"] = self.throttle_seconds.get("broker", 0.0) + e.throttle_ms / 1000
+        elif e.throttle_ms > 0:
+            self.throttle_seconds["broker"] = self.throttle_seconds.get("broker", 0.0) + e.throttle_ms / 1000
+        if self.clients is not None:
+            client = x.ctx.client_id or "none"
+            self.clients.add(client, (x.api, "requests"), 1)
+            self.clients.add(client, (x.api, "request_bytes"), e.request_bytes)
+            self.clients.add(client, (x.api, "response_bytes"), e.response_bytes)
+
+    def _records(self, x: Exchange) -> None:
+        e = x.entry
+        direction = "produced" if e.api_key == PRODUCE else "fetched"
+        if e.outcome not in ("forwarded", "no_response"):
+            return
+        n = 0
+        topics = self.topics
+        for p in x.partitions:
+            if p.error_code:
+                continue
+            n += p.records
+            if topics is not None:
+                topic = p.topic or "unknown"
+                topics.add(topic, (direction, "records"), p.records)
+                topics.add(topic, (direction, "bytes"), p.bytes)
+        self.records[direction] += n
+
+    # -- per scrape
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        apis = sorted(self.apis.items())
+        yield _counter("kproxy_requests", "Requests completed, by API.", ["api"],
+                       {(a,): c.requests for a, c in apis})
+        outcomes = {(a, o): n for a, c in apis for o, n in c.outcomes.items()}
+        yield _counter("kproxy_request_outcomes", "Requests completed, by API and outcome (forwarded, local, "
+                       "no_response, upstream_lost, passthrough).", ["api", "outcome"], outcomes)
+        by_direction = {}
+        for a, c in apis:
+            by_direction[(a, "request")] = c.request_bytes
+            by_direction[(a, "response")] = c.response_bytes
+        yield _counter("kproxy_client_bytes", "Bytes of requests from and responses to clients, size prefix "
+                       "included, by API and direction.", ["api", "direction"], by_direction)
+        for name, doc, attr in (
+            ("kproxy_request_duration_seconds", "Request read until answer written to the client.", "duration"),
+            ("kproxy_broker_duration_seconds", "Request written to the broker until its response was read.",
+             "broker"),
+        ):
+            h = HistogramMetricFamily(name, doc, labels=["api"])
+            for a, c in apis:
+                hist: Histogram = getattr(c, attr)
+                if hist.count:
+                    h.add_metric([a], hist.cumulative(), hist.sum)
+            yield h
+        yield _counter("kproxy_records", "Records produced (acknowledged or acks=0) and fetched, from batch "
+                       "headers.", ["direction"], {(k,): v for k, v in self.records.items()})
+        yield _counter("kproxy_throttle_seconds", "Throttle time told to clients, by the quota rule that "
+                       "decided it (broker: the broker's own).", ["rule"],
+                       {(k,): v for k, v in self.throttle_seconds.items()})
+        yield _counter("kproxy_denied_requests", "Requests refused by a policy rule, by rule.", ["rule"],
+                       {(k,): v for k, v in self.denied.items()})
+        if self.clients is not None:
+            for kind, doc in (("requests", "Requests"), ("request_bytes", "Request bytes"),
+                              ("response_bytes", "Response bytes")):
+                yield _counter(f"kproxy_by_client_{kind}", f"{doc} by client id (opt-in, capped; "
+                               f"'{OTHER}' past metrics.label_cap).", ["client_id", "api"],
+                               {k[:2]: v for k, v in self.clients.values.items() if k[2] == kind})
+        if self.topics is not None:
+            for kind in ("records", "bytes"):
+                yield _counter(f"kproxy_topic_{kind}", f"Produced and fetched {kind} by topic (opt-in, capped; "
+                               f"'{OTHER}' past metrics.label_cap).", ["topic", "direction"],
+                               {k[:2]: v for k, v in self.topics.values.items() if k[2] == kind})
+        for reader in self._readers:
+            yield from reader()
+
+
+# ---------------------------------------------------------------------------------------------
+# Families read from other objects at scrape time
+
+
+def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
+                        decode_errors: Mapping[str, int], upstream_failures: Mapping[str, int]) -> list[Metric]:
+    return [
+        _gauge("kproxy_connections_open", "Client connections open, by listener.", ["listener"],
+               {(k,): open_now.get(k, 0) for k in {*opened, *open_now}}),
+        _counter("kproxy_connections_opened", "Client connections accepted, by listener.", ["listener"],
+                 {(k,): v for k, v in opened.items()}),
+        _counter("kproxy_decode_errors", "Frames kproxy could not decode (the connection closed), by direction "
+                 "(request: from a client, response: from a broker).", ["direction"],
+                 {(d,): decode_errors.get(d, 0) for d in ("request", "response")}),
+        _counter("kproxy_upstream_connect_failures", "Failed connection attempts to brokers, by broker.",
+                 ["broker"], {(k,): v for k, v in upstream_failures.items()}),
+    ]
+
+
+def budget_families(budget: Any) -> list[Metric]:
+    out = [
+        GaugeMetricFamily("kproxy_buffered_bytes", "Bytes held in frame buffers, all connections.",
+                          value=budget.used),
+        CounterMetricFamily("kproxy_buffer_budget_pauses", "Times a client read waited for the process "
+                            "buffer budget (limits.max_buffered_bytes_total).", value=budget.pauses),
+    ]
+    if budget.limit is not None:
+        out.append(GaugeMetricFamily("kproxy_buffer_budget_bytes", "The process buffer budget.",
+                                     value=budget.limit))
+    return out
+
+
+def rule_families(store: Any) -> list[Metric]:
+    """From the rule store the server holds (None: no rules configured)."""
+    ok = getattr(store, "reloads_ok", 0) if store is not None else 0
+    failed = getattr(store, "reloads_failed", 0) if store is not None else 0
+    out: list[Metric] = [_counter("kproxy_rule_reloads", "Rule reloads, by outcome.", ["outcome"],
+                                  {("ok",): ok, ("failed",): failed})]
+    if store is not None:
+        out.append(GaugeMetricFamily("kproxy_rules", "Rules in force.", value=getattr(store, "rule_count", 0)))
+        out.append(GaugeMetricFamily("kproxy_rules_generation", "Generation of the rule sets in force "
+                                     "(one more per successful load).", value=getattr(store, "generation", 0)))
+        loaded = epoch_seconds(getattr(store, "loaded_at", None))
+        if loaded is not None:
+            out.append(GaugeMetricFamily("kproxy_rules_loaded_timestamp_seconds", "When the rules in force "
+                                         "were loaded (seconds since the epoch).", value=loaded))
+    return out
+
+
+def epoch_seconds(value: Any) -> float | None:
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    if isinstance(value, int | float):
+        return float(value)
+    return None
+
+
+def traffic_log_families(writer: Any) -> list[Metric]:
+    return [
+        CounterMetricFamily("kproxy_traffic_log_lines_written", "Traffic log lines written.",
+                            value=writer.written),
+        CounterMetricFamily("kproxy_traffic_log_lines_dropped", "Traffic log lines dropped (queue full or "
+                            "write errors).", value=writer.dropped),
+        CounterMetricFamily("kproxy_traffic_log_files", "Traffic log files finished (rotated).",
+                            value=writer.files),
+    ]
+
+
+def reencode_families(check: Any) -> list[Metric]:
+    return [
+        CounterMetricFamily("kproxy_reencode_checks", "Frames whose re-encoding was compared with the bytes "
+                            "received (verify_reencode).", value=check.checked),
+        CounterMetricFamily("kproxy_reencode_mismatches", "Frames that re-encoded differently; the bytes "
+                            "received were forwarded.", value=check.mismatches),
+    ]
+
+
+def tracing_families(tracing: Any) -> list[Metric]:
+    return [CounterMetricFamily("kproxy_spans", "Request spans handed to the exporter.", value=tracing.spans)]

@@ -1,0 +1,159 @@
+"""kproxy as a process, the way an operator meets it: start-up errors, ports it cannot bind, signals
+(drain, a second signal, SIGHUP), and what the log says about each."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kproxy.protocol.messages import body_class
+from tests.e2e.proxied import free_port_block, start_proxy
+from tests.e2e.scenarios import confluent_create_topic
+from tests.e2e.tansu import TansuBroker
+from tests.e2e.wire import Wire
+
+pytestmark = pytest.mark.e2e
+
+FETCH = 1
+
+
+@contextlib.contextmanager
+def kproxy_process(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``python -m kproxy run ARGS`` with its log in a file; killed on the way out if still running."""
+    log = tmp_path / f"kproxy-{time.monotonic_ns()}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", *args],
+                                stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def connect_when_up(address: str, proc: subprocess.Popen[bytes], timeout: float = 15) -> Wire:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Wire(address)
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "kproxy did not start"
+            time.sleep(0.1)
+
+
+def long_poll(w: Wire, topic: str, correlation_id: int, max_wait_ms: int) -> None:
+    fetch = body_class(FETCH, "request")
+    w.send(FETCH, 12, correlation_id, fetch(max_wait_ms=max_wait_ms, min_bytes=1_000_000, max_bytes=1_000_000,
+                                            topics=[fetch.FetchTopic(topic=topic, partitions=[fetch.FetchPartition(
+                                                partition=0, fetch_offset=0, partition_max_bytes=1_000_000)])]))
+
+
+def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broker: TansuBroker,
+                                                                           tmp_path: Path) -> None:
+    port = free_port_block()
+    topic = f"drain-{port}"
+    confluent_create_topic(broker.bootstrap, topic)
+    with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}") as (proc, log):
+        idle = connect_when_up(f"127.0.0.1:{port}", proc)
+        assert idle.metadata(1).correlation_id == 1          # a consumer between polls
+        busy = Wire(f"127.0.0.1:{port}")
+        long_poll(busy, topic, 42, max_wait_ms=1500)
+        time.sleep(0.3)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert idle.closed_by_peer()                          # owes nothing: closed at once
+        assert time.monotonic() - started < 1.0
+        resp = busy.receive(FETCH, 12)                        # the long poll is still answered
+        assert resp.correlation_id == 42
+        assert busy.closed_by_peer()
+        # Done well before the 10 s drain timeout: nothing waits for it once nothing is owed.
+        assert proc.wait(10) == 0
+        assert time.monotonic() - started < 4
+        text = log.read_text()
+        assert "draining" in text and "kproxy stopped" in text
+        assert "shutting down (nothing in flight)" in text
+        assert "shutting down (answered what was in flight)" in text
+        idle.close()
+        busy.close()
+
+
+def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> None:
+    port = free_port_block()
+    topic = f"drain2-{port}"
+    confluent_create_topic(broker.bootstrap, topic)
+    with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}") as (proc, log):
+        w = connect_when_up(f"127.0.0.1:{port}", proc)
+        long_poll(w, topic, 7, max_wait_ms=20_000)            # would hold the drain for its timeout
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        assert proc.poll() is None                            # draining, waiting for the long poll
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(5) == 0
+        assert time.monotonic() - started < 2
+        assert "again: stopping now" in log.read_text()
+        w.close()
+
+
+def test_sighup_is_logged_and_the_proxy_keeps_serving(broker: TansuBroker, tmp_path: Path) -> None:
+    port = free_port_block()
+    with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}") as (proc, log):
+        w = connect_when_up(f"127.0.0.1:{port}", proc)
+        assert w.metadata(1).correlation_id == 1
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while "SIGHUP" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert proc.poll() is None
+        assert w.metadata(2).correlation_id == 2              # the same connection, still served
+        w.close()
+
+
+def test_a_bootstrap_port_in_use_is_one_line_naming_the_address(broker: TansuBroker, tmp_path: Path) -> None:
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kproxy", "run", "--upstream", broker.bootstrap,
+                               "--listen", f"127.0.0.1:{port}"], capture_output=True, timeout=30)
+    finally:
+        holder.close()
+    assert proc.returncode == 1
+    err = proc.stderr.decode()
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("kproxy run:")]
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "in use" in line
+
+
+def test_a_broker_port_held_by_another_process_is_never_advertised(broker: TansuBroker,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kproxy")
+    first = free_port_block()
+    holder = socket.create_server(("127.0.0.1", first + 1))    # the first per-broker port
+    try:
+        p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", listen_port=first)
+        try:
+            w = Wire(p.bootstrap)
+            (b,) = w.metadata(1).body.brokers
+            assert b.port == first + 2                          # the next port kproxy could bind
+            node = Wire(f"127.0.0.1:{b.port}")
+            assert node.metadata(2).correlation_id == 2         # and it leads to the broker
+            node.close()
+            w.close()
+            assert any(f"cannot listen on 127.0.0.1:{first + 1}" in r.getMessage() and
+                       "will not be advertised" in r.getMessage() for r in caplog.records)
+        finally:
+            p.stop()
+    finally:
+        holder.close()
