@@ -594,11 +594,13 @@ class PolicyFilter(Filter):
         tenant = rewrite.topic_prefix if rewrite is not None else None
 
         # The topics the request names, by name and by id.
+        # Names are needed when a rule looks at topics, or when the default refuses them all.
+        defaulted = top is None and policy.default_deny
         names: list[str] = []
-        if plan.topic_rules or policy.default_deny:
+        if plan.topic_rules or defaulted:
             names = list(dict.fromkeys(entities.collect(body, key, version, "request", "topic")))
         id_names: dict[uuid.UUID, str | None] = {}
-        if plan.has_ids and (plan.topic_rules or tenant or policy.default_deny):
+        if plan.has_ids and (plan.topic_rules or tenant or defaulted):
             ids = [i for i in dict.fromkeys(entities.collect(body, key, version, "request", "topic_id"))
                    if i != ZERO_UUID]
             unknown = [i for i in ids if self.topic_ids.get(i) is None]
@@ -677,7 +679,7 @@ class PolicyFilter(Filter):
                 return refusal
             tenant_names = _tenant(rewrite)
             pending.prefixes = tenant_names.prefixes
-            for entity, add in tenant_names.add:
+            for entity, add in tenant_names.adding(key, version):
                 entities.rewrite(body, key, version, "request", entity, add)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("connection %d: rule %r rewrote %s v%d (%s)", ctx.connection_id, top.name if top else None,
@@ -770,7 +772,7 @@ class PolicyFilter(Filter):
             return 0.0
         body, version = response.body, response.api_version
         if pending.prefixes:
-            for entity, inside, strip in _tenant_of(pending.prefixes).undo:
+            for entity, inside, strip in _tenant_of(pending.prefixes).undoing(key, version):
                 # Names outside the tenant's namespace are not the tenant's to see.
                 entities.filter_elements(body, key, version, "response", entity, inside, request.body)
                 entities.rewrite(body, key, version, "response", entity, strip, request.body)
@@ -810,6 +812,24 @@ class _TenantNames:
     prefixes: dict[str, str] = attrs.field(hash=False)
     add: tuple[tuple[str, Callable[[str], str | None]], ...] = attrs.field(hash=False)
     undo: tuple[tuple[str, Callable[[str], bool], Callable[[str], str | None]], ...] = attrs.field(hash=False)
+    # Per (api key, version): only the kinds of names that message carries at all.
+    _adding: dict[tuple[int, int], tuple] = attrs.field(factory=dict, hash=False)
+    _undoing: dict[tuple[int, int], tuple] = attrs.field(factory=dict, hash=False)
+
+    def adding(self, api_key: int, version: int) -> tuple[tuple[str, Callable[[str], str | None]], ...]:
+        got = self._adding.get((api_key, version))
+        if got is None:
+            got = self._adding[(api_key, version)] = tuple(
+                (e, f) for e, f in self.add if entities.has_entity(api_key, version, "request", e))
+        return got
+
+    def undoing(self, api_key: int, version: int
+                ) -> tuple[tuple[str, Callable[[str], bool], Callable[[str], str | None]], ...]:
+        got = self._undoing.get((api_key, version))
+        if got is None:
+            got = self._undoing[(api_key, version)] = tuple(
+                u for u in self.undo if entities.has_entity(api_key, version, "response", u[0]))
+        return got
 
 
 _TENANTS: dict[tuple[tuple[str, str], ...], _TenantNames] = {}
