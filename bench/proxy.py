@@ -39,6 +39,9 @@ from kproxy.protocol import Request, decode_response, encode_request_frame
 from kproxy.protocol.messages import body_class
 from kproxy.tansu import Tansu, broker_answers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from small_requests import LoadResult, run_load
+
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 TARGETS = ("direct", "kproxy", "tansu-proxy")
@@ -458,6 +461,23 @@ class Bench:
                           f"consume {ns[size] / c.seconds:>10,.0f} rec/s", file=sys.stderr, flush=True)
         return out
 
+    def small_requests(self, rounds: int, clients: int, seconds: float) -> dict[str, list[tuple[LoadResult, float | None]]]:
+        """Many connections looping on Metadata v12 (bench/small_requests.py), per target and round;
+        with each proxy's CPU seconds per request."""
+        out: dict[str, list[tuple[LoadResult, float | None]]] = {}
+        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy")]
+        for r in range(rounds):
+            for target in targets[r % len(targets):] + targets[: r % len(targets)]:
+                self.check_alive()
+                proxy = self.proxies.get(target)
+                cpu0 = proxy.cpu_seconds() if proxy else 0.0
+                res = run_load(f"{HOST}:{self.ports[target]}", clients, seconds, warmup=1.0)
+                cpu = (proxy.cpu_seconds() - cpu0) / (res.requests_per_s * (seconds + 1.0)) if proxy else None
+                out.setdefault(target, []).append((res, cpu))
+                print(f"  round {r + 1}/{rounds}  {clients} clients  {target:<12} "
+                      f"{res.requests_per_s:>10,.0f} req/s  p99 {res.p99_ms:.1f} ms", file=sys.stderr, flush=True)
+        return out
+
     def latency(self, samples: int, block: int = 100) -> dict[str, list[float]]:
         targets = self.args.targets
         probes = {t: MetadataProbe(self.ports[t]) for t in targets}
@@ -492,10 +512,11 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
     rounds = len(next(iter(tp.values())))
     print("records per run: " + ", ".join(f"{ns[s]:,} x {s} B" for s in SIZES)
           + f"; {rounds} interleaved round(s); MB/s = records x value size / 1e6")
-    print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core)")
+    print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core); "
+          "mcores/MBps = millicores of proxy CPU per MB/s moved; CPU s/GB = proxy CPU seconds per GB moved")
     print()
     hdr = (f"{'case':<16}{'target':<13}{'median rec/s':>13}{'MB/s':>8}{'min-max rec/s':>24}"
-           f"{'proxy CPU':>11}")
+           f"{'proxy CPU':>11}{'mcores/MBps':>13}{'CPU s/GB':>10}")
     print(hdr)
     print("-" * len(hdr))
     med: dict[tuple[str, int, str], float] = {}
@@ -508,9 +529,14 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
                 med[(op, size, target)] = m
                 cpus = [r.proxy_cpu for r in runs if r.proxy_cpu is not None]
                 cpu = f"{statistics.median(cpus) * 100:.0f}%" if cpus else "-"
+                mbps = m * size / 1e6
+                # CPU fraction per MB/s is millicores per MB/s / 1000, and also CPU seconds per MB.
+                per = statistics.median(cpus) / mbps if cpus and mbps else None
+                mcores = f"{per * 1000:.1f}" if per is not None else "-"
+                per_gb = f"{per * 1000:.1f}" if per is not None else "-"
                 case = f"{op} {size} B" if target == targets[0] else ""
-                print(f"{case:<16}{target:<13}{m:>13,.0f}{m * size / 1e6:>8.1f}"
-                      f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}")
+                print(f"{case:<16}{target:<13}{m:>13,.0f}{mbps:>8.1f}"
+                      f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}{mcores:>13}{per_gb:>10}")
     pairs = [(a, b) for a, b in RATIOS if a in targets and b in targets]
     if not pairs:
         return
@@ -528,6 +554,22 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
                                            for ra, rb in zip(tp[(op, size, a)], tp[(op, size, b)], strict=True))
                 cells.append(f"{fmt_ratio(med[(op, size, a)], med[(op, size, b)]):>16}{paired:>9.2f}x")
             print(f"{f'{op} {size} B':<16}" + "".join(f"{c:>26}" for c in cells))
+
+
+def report_small_requests(res: dict[str, list[tuple[LoadResult, float | None]]], clients: int) -> None:
+    rounds = len(next(iter(res.values())))
+    print(f"Many small requests: {clients} connections each looping on Metadata v12 (no topics), one "
+          f"request in flight per connection; {rounds} interleaved round(s), medians")
+    hdr = f"{'target':<13}{'requests/s':>12}{'/ direct':>10}{'p50 ms':>9}{'p99 ms':>9}{'proxy CPU/request':>19}"
+    print(hdr)
+    print("-" * len(hdr))
+    direct = statistics.median(r.requests_per_s for r, _ in res["direct"])
+    for target, runs in res.items():
+        rate = statistics.median(r.requests_per_s for r, _ in runs)
+        cpus = [c for _, c in runs if c is not None]
+        cpu = f"{statistics.median(cpus) * 1e6:.0f} us" if cpus else "-"
+        print(f"{target:<13}{rate:>12,.0f}{rate / direct:>9.2f}x{statistics.median(r.p50_ms for r, _ in runs):>9.2f}"
+              f"{statistics.median(r.p99_ms for r, _ in runs):>9.2f}{cpu:>19}")
 
 
 def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> None:
@@ -565,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--telemetry", action="store_true",
                     help=f"add {', '.join(TELEMETRY)} (and kproxy, which they are compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
+    ap.add_argument("--small-clients", type=int, default=200,
+                    help="connections in the many-small-requests part (default 200; 0 skips it)")
+    ap.add_argument("--small-seconds", type=float, default=5.0, help="seconds per small-requests run")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
     ap.add_argument("--profile-kproxy", metavar="FILE.prof",
                     help="run kproxy under cProfile and write its profile here (slows kproxy down)")
@@ -594,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + "  ".join(f"{t} :{p}" for t, p in bench.ports.items()), file=sys.stderr, flush=True)
             tp = {} if args.no_throughput else bench.throughput(rounds, ns)
             lat = None if args.no_latency else bench.latency(samples)
+            small = (bench.small_requests(rounds, args.small_clients, 2.0 if args.quick else args.small_seconds)
+                     if args.small_clients else None)
             bench.check_alive()
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
@@ -609,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     if lat:
         print()
         report_latency(lat, args.targets)
+    if small:
+        print()
+        report_small_requests(small, args.small_clients)
     if bench.otlp is not None:
         print(f"\nOTLP receiver: {bench.otlp.requests} exports, {bench.otlp.bytes / 1e6:.1f} MB of spans")
     if args.profile_kproxy:
