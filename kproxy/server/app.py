@@ -331,7 +331,7 @@ class ProxyServer:
                 self._nursery.start_soon(self._handle, conn, addr, port, raw)
 
     async def _handle(self, sock: trio.socket.SocketType, addr: Any, port: int | None,
-                      raw: socket.socket | None = None) -> None:
+                      raw: socket.socket) -> None:
         tune(sock)
         cid = next(self._ids)
         ctx = self.new_context(cid, (addr[0], addr[1]))
