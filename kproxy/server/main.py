@@ -46,7 +46,6 @@ def run_from_args(args: Any) -> int:
     except ConfigError as e:
         # Rule files that do not load (the message `kproxy check` prints), or OTEL_* variables
         # kproxy cannot follow (read here, when the exporter is made).
-        log.error("%s", e)
         print(f"kproxy run: {e}", file=sys.stderr)
         return 2
     try:
