@@ -34,7 +34,7 @@ from .rulebook import policy_filter, session, write_rules
 from .test_session import answered, forwarded, request_frame, response_frame
 
 PRODUCE, FETCH, METADATA, OFFSET_COMMIT, CREATE_TOPICS, DELETE_TOPICS = 0, 1, 3, 8, 19, 20
-FIND_COORDINATOR, CREATE_ACLS, CONSUMER_GROUP_HEARTBEAT = 10, 30, 68
+FIND_COORDINATOR, CREATE_ACLS, CONSUMER_GROUP_HEARTBEAT, DESCRIBE_TOPIC_PARTITIONS = 10, 30, 68, 75
 ID_A, ID_B, ID_C = (uuid.UUID(int=n) for n in (0xA, 0xB, 0xC))
 
 DENY_SECRETS = "rules: [{name: no-secrets, match: {topic: 'secret-*'}, action: deny}]\n"
@@ -63,9 +63,10 @@ def broker_answers(s, up, body: Any = None) -> list:
     return s.upstream_frame(memoryview(response_frame(up.api_key, up.api_version, up.correlation_id, body)))
 
 
-def roundtrip(s, api_key: int, version: int, body: Any, client_id: str = "app", answer: Any = None):
+def roundtrip(s, api_key: int, version: int, body: Any, client_id: str = "app", answer: Any = None,
+              correlation_id: int = 7):
     """(what reached the broker, what the client got back)."""
-    acts = send(s, api_key, version, body, client_id)
+    acts = send(s, api_key, version, body, client_id, correlation_id)
     up = forwarded(acts[-1])
     back = broker_answers(s, up, answer)
     return up, answered(back[-1], api_key, version)
@@ -437,7 +438,13 @@ def test_a_known_topic_id_needs_no_question(tmp_path):
     roundtrip(s, METADATA, 12, metadata(["orders"]), answer=metadata_answer(["orders"]))
     oid = uuid.uuid5(uuid.NAMESPACE_DNS, "orders")
     assert ids.get(oid) == "orders"
-    assert isinstance(send(s, FETCH, 13, fetch_by_id(oid), correlation_id=9)[0], ToUpstream)
+    broker_answers(s, forwarded(send(s, FETCH, 13, fetch_by_id(oid), correlation_id=9)[0]))
+    # And from DescribeTopicPartitions answers.
+    cls = body_class(DESCRIBE_TOPIC_PARTITIONS, "request")
+    rcls = body_class(DESCRIBE_TOPIC_PARTITIONS, "response")
+    roundtrip(s, DESCRIBE_TOPIC_PARTITIONS, 0, cls(topics=[cls.TopicRequest(name="logs")]), correlation_id=10,
+              answer=rcls(topics=[rcls.DescribeTopicPartitionsResponseTopic(name="logs", topic_id=ID_C)]))
+    assert ids.get(ID_C) == "logs"
 
 
 @pytest.mark.parametrize("how", ["timeout", "lost"])
