@@ -29,6 +29,14 @@ from kproxy.protocol.errors import ERROR_CODES_BY_NAME, ConfigError, is_retriabl
 
 Path = tuple[str | int, ...]
 
+_MAX_VALUES = 200_000     # values a rule file may hold once its aliases are expanded
+
+
+class _TooBig(Exception):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+
 _LOG_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
                "ERROR": logging.ERROR}
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -183,6 +191,7 @@ class _File:
         self.positions: list[int] = []      # each rule's index in the file's rules list
         self.default: str | None = None
         self._scalars = yaml.constructor.SafeConstructor()
+        self._values = 0
 
     def names(self) -> list[tuple[int, str]]:
         """(position, name) of every rule that has a name, compiled or not."""
@@ -252,7 +261,12 @@ class _File:
         if node is None:
             self.data = {}          # an empty file: no rules, default allow
             return
-        self.data = self._build(node, ())
+        try:
+            self.data = self._build(node, ())
+        except _TooBig as e:
+            self.data = None
+            self.fail(e.path, f"the file stands for more than {_MAX_VALUES:,} values (through YAML aliases?)")
+            return
         if self.problems:
             return
         broken: set[tuple[str | int, ...]] = set()
@@ -267,6 +281,10 @@ class _File:
         self.problems.sort(key=lambda p: (p.line or 0, p.column or 0))
 
     def _build(self, node: Node, path: Path) -> Any:
+        self._values += 1
+        if self._values > _MAX_VALUES:
+            # YAML aliases can make a small file stand for an enormous tree ("billion laughs").
+            raise _TooBig(path)
         self.marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
         if isinstance(node, MappingNode):
             seen: dict[str, int] = {}

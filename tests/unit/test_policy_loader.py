@@ -359,3 +359,11 @@ def test_quick_mode_takes_repeatable_rules(tmp_path):
     args = _build_parser().parse_args(["run", "--config", os.devnull, "--rules", a])
     with pytest.raises(ConfigError, match="--rules cannot be combined with --config"):
         config_for_run(args)
+
+
+def test_aliases_cannot_make_a_small_file_enormous(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, "
+              f"*a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 9)]
+    (line,) = problems(tmp_path, "\n".join(lines) + "\n")
+    assert "more than 200,000 values (through YAML aliases?)" in line
