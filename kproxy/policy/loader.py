@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -147,8 +148,6 @@ def describe_rules(rule_set: M.RuleSet) -> str:
 
 def check_rules_files(paths: Sequence[str], chaos: bool = False) -> int:
     """``kproxy check --rules PATH``: print ``ok: ...`` and return 0, or print the problems and return 2."""
-    import sys
-
     try:
         rule_set = load_rules(paths, chaos)
     except RuleError as e:
