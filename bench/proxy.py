@@ -2,8 +2,8 @@
 
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
 (also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
-``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--quotas`` kproxy with rule files, see
-QUOTAS).
+``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--rules`` adds kproxy with the example
+multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS).
 
 One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
@@ -40,6 +40,9 @@ from kproxy.protocol import Request, decode_response, encode_request_frame
 from kproxy.protocol.messages import body_class
 from kproxy.tansu import Tansu, broker_answers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from small_requests import LoadResult, run_load
+
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 TARGETS = ("direct", "kproxy", "tansu-proxy")
@@ -51,6 +54,12 @@ TELEMETRY = {
     "kp-trace-1%": {"tracing": 0.01},
     "kp-trace-100%": {"tracing": 1.0},
 }
+# kproxy with the example multi-tenant rules (rules/multi-tenant.yaml), compared with plain kproxy:
+# its clients are tenant team-a, so every topic name is prefixed on the way in and unprefixed on the
+# way out. The broker holds the tenant's topics under the prefix.
+TENANT = "kproxy-tenant"
+TENANT_RULES = REPO / "rules" / "multi-tenant.yaml"
+TENANT_CLIENT_ID, TENANT_PREFIX = "team-a-bench", "tenant-a."
 # kproxy with rule files, compared with plain kproxy and with each other in the same run: no rules
 # and no quotas (the policy filter with nothing to do), and a quota that matches the bench client
 # with limits it never reaches, so every request is charged to its budgets and none is throttled.
@@ -60,7 +69,7 @@ QUOTAS = {
                            "    match: {client_id: kproxy-bench}\n    produce_bytes_per_s: 1.0e12\n"
                            "    fetch_bytes_per_s: 1.0e12\n    requests_per_s: 1.0e9\n"},
 }
-ALL_TARGETS = TARGETS + tuple(TELEMETRY) + tuple(QUOTAS)
+ALL_TARGETS = (*TARGETS, *TELEMETRY, TENANT, *QUOTAS)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -201,7 +210,7 @@ def delete_topic(admin: AdminClient, topic: str) -> None:
         admin.delete_topics([topic])[topic].result(timeout=30)
 
 
-def produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
+def produce(bootstrap: str, topic: str, n: int, value: bytes, client_id: str = "kproxy-bench") -> float:
     """Seconds to produce n records to partition 0 with acks=all and have them all acknowledged."""
     errors: list[str] = []
     acked = 0
@@ -215,7 +224,7 @@ def produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
 
     p = Producer({
         "bootstrap.servers": bootstrap,
-        "client.id": "kproxy-bench",
+        "client.id": client_id,
         "acks": "all",
         # A queue large enough for every record, so enqueueing never blocks on BufferError;
         # batching and linger stay at librdkafka's defaults (1 MB batches, linger.ms=5).
@@ -243,11 +252,11 @@ def produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
     return dt
 
 
-def consume(bootstrap: str, topic: str, n: int, size: int) -> float:
+def consume(bootstrap: str, topic: str, n: int, size: int, client_id: str = "kproxy-bench") -> float:
     """Seconds to read exactly n records of partition 0 from the beginning (assign, no group)."""
     c = Consumer({
         "bootstrap.servers": bootstrap,
-        "client.id": "kproxy-bench",
+        "client.id": client_id,
         "group.id": f"kproxy-bench-{uuid.uuid4().hex[:8]}",  # required by the client; never joined
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
@@ -295,7 +304,8 @@ def consume(bootstrap: str, topic: str, n: int, size: int) -> float:
 class MetadataProbe:
     """One open connection sending Metadata v12 (no topics) and timing each round trip."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, client_id: str = "kproxy-bench") -> None:
+        self.client_id = client_id
         self.sock = socket.create_connection((HOST, port), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = bytearray(1 << 16)
@@ -304,7 +314,7 @@ class MetadataProbe:
 
     def once(self, keep: bool = True) -> None:
         self.cid += 1
-        req = Request.build(3, 12, self.cid, "kproxy-bench", body_class(3, "request")(topics=[]))
+        req = Request.build(3, 12, self.cid, self.client_id, body_class(3, "request")(topics=[]))
         frame = b"".join(bytes(b) for b in encode_request_frame(req))
         sock, buf = self.sock, self.buf
         t0 = time.perf_counter_ns()
@@ -367,11 +377,14 @@ class Bench:
         for name, options in {**TELEMETRY, **QUOTAS}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
+        if TENANT in self.args.targets:
+            self._start_kproxy(bp, TENANT, extra=["--rules", str(TENANT_RULES)])
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
 
-    def _start_kproxy(self, bp: int, name: str = "kproxy", telemetry: dict | None = None) -> None:
+    def _start_kproxy(self, bp: int, name: str = "kproxy", telemetry: dict | None = None,
+                      extra: list[str] | None = None) -> None:
         kp = free_port_pair()
         kargv = [sys.executable]
         if self.args.profile_kproxy and name == "kproxy":
@@ -379,7 +392,7 @@ class Bench:
         env = None
         if telemetry is None:
             kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
-                      "--log-level", "WARNING"]
+                      "--log-level", "WARNING", *(extra or [])]
         else:
             kargv += ["-m", "kproxy", "run", "--config", str(self._config_file(name, telemetry, bp, kp))]
             if "tracing" in telemetry:
@@ -442,19 +455,22 @@ class Bench:
     def one_run(self, target: str, size: int, n: int, value: bytes) -> tuple[RunResult, RunResult]:
         bootstrap = f"{HOST}:{self.ports[target]}"
         topic = f"bench-{target.replace('%', 'pct')}-{size}-{uuid.uuid4().hex[:8]}"
-        create_topic(self.admin, topic)
+        # A tenant's topic is created directly under the name the broker holds for it.
+        held = TENANT_PREFIX + topic if target == TENANT else topic
+        client_id = TENANT_CLIENT_ID if target == TENANT else "kproxy-bench"
+        create_topic(self.admin, held)
         proxy = self.proxies.get(target)
         try:
             results = []
-            for step in (lambda: produce(bootstrap, topic, n, value),
-                         lambda: consume(bootstrap, topic, n, size)):
+            for step in (lambda: produce(bootstrap, topic, n, value, client_id),
+                         lambda: consume(bootstrap, topic, n, size, client_id)):
                 cpu0 = proxy.cpu_seconds() if proxy else 0.0
                 dt = step()
                 cpu = (proxy.cpu_seconds() - cpu0) / dt if proxy else None
                 results.append(RunResult(dt, cpu))
             return results[0], results[1]
         finally:
-            delete_topic(self.admin, topic)
+            delete_topic(self.admin, held)
 
     def throughput(self, rounds: int, ns: dict[int, int]) -> dict[tuple[str, int, str], list[RunResult]]:
         out: dict[tuple[str, int, str], list[RunResult]] = {}
@@ -468,14 +484,32 @@ class Bench:
                     p, c = self.one_run(target, size, ns[size], values[size])
                     out.setdefault(("produce", size, target), []).append(p)
                     out.setdefault(("consume", size, target), []).append(c)
-                    print(f"  round {r + 1}/{rounds}  {size:>5} B  {target:<12} "
+                    print(f"  round {r + 1}/{rounds}  {size:>5} B  {target:<15} "
                           f"produce {ns[size] / p.seconds:>10,.0f} rec/s   "
                           f"consume {ns[size] / c.seconds:>10,.0f} rec/s", file=sys.stderr, flush=True)
         return out
 
+    def small_requests(self, rounds: int, clients: int, seconds: float) -> dict[str, list[tuple[LoadResult, float | None]]]:
+        """Many connections looping on Metadata v12 (bench/small_requests.py), per target and round;
+        with each proxy's CPU seconds per request."""
+        out: dict[str, list[tuple[LoadResult, float | None]]] = {}
+        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy")]
+        for r in range(rounds):
+            for target in targets[r % len(targets):] + targets[: r % len(targets)]:
+                self.check_alive()
+                proxy = self.proxies.get(target)
+                cpu0 = proxy.cpu_seconds() if proxy else 0.0
+                res = run_load(f"{HOST}:{self.ports[target]}", clients, seconds, warmup=1.0)
+                cpu = (proxy.cpu_seconds() - cpu0) / (res.requests_per_s * (seconds + 1.0)) if proxy else None
+                out.setdefault(target, []).append((res, cpu))
+                print(f"  round {r + 1}/{rounds}  {clients} clients  {target:<15} "
+                      f"{res.requests_per_s:>10,.0f} req/s  p99 {res.p99_ms:.1f} ms", file=sys.stderr, flush=True)
+        return out
+
     def latency(self, samples: int, block: int = 100) -> dict[str, list[float]]:
         targets = self.args.targets
-        probes = {t: MetadataProbe(self.ports[t]) for t in targets}
+        probes = {t: MetadataProbe(self.ports[t], TENANT_CLIENT_ID if t == TENANT else "kproxy-bench")
+                  for t in targets}
         try:
             for p in probes.values():
                 for _ in range(100):
@@ -499,7 +533,8 @@ def fmt_ratio(a: float, b: float) -> str:
 
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
-          *((name, "kproxy") for name in TELEMETRY), ("kp-quotas", "kproxy"), ("kp-quotas", "kp-rules"))
+          *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
+          ("kp-quotas", "kp-rules"))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -507,10 +542,11 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
     rounds = len(next(iter(tp.values())))
     print("records per run: " + ", ".join(f"{ns[s]:,} x {s} B" for s in SIZES)
           + f"; {rounds} interleaved round(s); MB/s = records x value size / 1e6")
-    print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core)")
+    print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core); "
+          "mcores/MBps = millicores of proxy CPU per MB/s moved; CPU s/GB = proxy CPU seconds per GB moved")
     print()
-    hdr = (f"{'case':<16}{'target':<13}{'median rec/s':>13}{'MB/s':>8}{'min-max rec/s':>24}"
-           f"{'proxy CPU':>11}")
+    hdr = (f"{'case':<16}{'target':<15}{'median rec/s':>13}{'MB/s':>8}{'min-max rec/s':>24}"
+           f"{'proxy CPU':>11}{'mcores/MBps':>13}{'CPU s/GB':>10}")
     print(hdr)
     print("-" * len(hdr))
     med: dict[tuple[str, int, str], float] = {}
@@ -523,9 +559,14 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
                 med[(op, size, target)] = m
                 cpus = [r.proxy_cpu for r in runs if r.proxy_cpu is not None]
                 cpu = f"{statistics.median(cpus) * 100:.0f}%" if cpus else "-"
+                mbps = m * size / 1e6
+                # CPU fraction per MB/s is millicores per MB/s / 1000, and also CPU seconds per MB.
+                per = statistics.median(cpus) / mbps if cpus and mbps else None
+                mcores = f"{per * 1000:.1f}" if per is not None else "-"
+                per_gb = f"{per * 1000:.1f}" if per is not None else "-"
                 case = f"{op} {size} B" if target == targets[0] else ""
-                print(f"{case:<16}{target:<13}{m:>13,.0f}{m * size / 1e6:>8.1f}"
-                      f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}")
+                print(f"{case:<16}{target:<15}{m:>13,.0f}{mbps:>8.1f}"
+                      f"{f'{min(rates):,.0f}-{max(rates):,.0f}':>24}{cpu:>11}{mcores:>13}{per_gb:>10}")
     pairs = [(a, b) for a, b in RATIOS if a in targets and b in targets]
     if not pairs:
         return
@@ -545,10 +586,26 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
             print(f"{f'{op} {size} B':<16}" + "".join(f"{c:>26}" for c in cells))
 
 
+def report_small_requests(res: dict[str, list[tuple[LoadResult, float | None]]], clients: int) -> None:
+    rounds = len(next(iter(res.values())))
+    print(f"Many small requests: {clients} connections each looping on Metadata v12 (no topics), one "
+          f"request in flight per connection; {rounds} interleaved round(s), medians")
+    hdr = f"{'target':<15}{'requests/s':>12}{'/ direct':>10}{'p50 ms':>9}{'p99 ms':>9}{'proxy CPU/request':>19}"
+    print(hdr)
+    print("-" * len(hdr))
+    direct = statistics.median(r.requests_per_s for r, _ in res["direct"])
+    for target, runs in res.items():
+        rate = statistics.median(r.requests_per_s for r, _ in runs)
+        cpus = [c for _, c in runs if c is not None]
+        cpu = f"{statistics.median(cpus) * 1e6:.0f} us" if cpus else "-"
+        print(f"{target:<15}{rate:>12,.0f}{rate / direct:>9.2f}x{statistics.median(r.p50_ms for r, _ in runs):>9.2f}"
+              f"{statistics.median(r.p99_ms for r, _ in runs):>9.2f}{cpu:>19}")
+
+
 def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> None:
     n = min(len(v) for v in lat.values())
     print(f"Metadata v12 round trip (no topics) on one open connection, {n:,} samples per target, ms")
-    hdr = f"{'target':<13}{'p50':>8}{'p99':>8}{'added p50':>11}{'added p99':>11}"
+    hdr = f"{'target':<15}{'p50':>8}{'p99':>8}{'added p50':>11}{'added p99':>11}"
     print(hdr)
     print("-" * len(hdr))
     d50, d99 = percentile(lat["direct"], 50), percentile(lat["direct"], 99)
@@ -556,7 +613,7 @@ def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> Non
         p50, p99 = percentile(lat[t], 50), percentile(lat[t], 99)
         a50 = f"{p50 - d50:+.3f}" if t != "direct" else "-"
         a99 = f"{p99 - d99:+.3f}" if t != "direct" else "-"
-        print(f"{t:<13}{p50:>8.3f}{p99:>8.3f}{a50:>11}{a99:>11}")
+        print(f"{t:<15}{p50:>8.3f}{p99:>8.3f}{a50:>11}{a99:>11}")
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -579,9 +636,14 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(ALL_TARGETS)} (direct is always run)")
     ap.add_argument("--telemetry", action="store_true",
                     help=f"add {', '.join(TELEMETRY)} (and kproxy, which they are compared with)")
+    ap.add_argument("--rules", action="store_true",
+                    help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--quotas", action="store_true",
                     help=f"add {', '.join(QUOTAS)} (and kproxy, which they are compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
+    ap.add_argument("--small-clients", type=int, default=200,
+                    help="connections in the many-small-requests part (default 200; 0 skips it)")
+    ap.add_argument("--small-seconds", type=float, default=5.0, help="seconds per small-requests run")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
     ap.add_argument("--profile-kproxy", metavar="FILE.prof",
                     help="run kproxy under cProfile and write its profile here (slows kproxy down)")
@@ -589,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.targets.split(",")) | {"direct"}
     if args.telemetry:
         wanted |= {"kproxy", *TELEMETRY}
+    if args.rules:
+        wanted |= {"kproxy", TENANT}
     if args.quotas:
         wanted |= {"kproxy", *QUOTAS}
     if wanted - set(ALL_TARGETS):
@@ -613,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + "  ".join(f"{t} :{p}" for t, p in bench.ports.items()), file=sys.stderr, flush=True)
             tp = {} if args.no_throughput else bench.throughput(rounds, ns)
             lat = None if args.no_latency else bench.latency(samples)
+            small = (bench.small_requests(rounds, args.small_clients, 2.0 if args.quick else args.small_seconds)
+                     if args.small_clients else None)
             bench.check_alive()
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
@@ -628,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
     if lat:
         print()
         report_latency(lat, args.targets)
+    if small:
+        print()
+        report_small_requests(small, args.small_clients)
     if bench.otlp is not None:
         print(f"\nOTLP receiver: {bench.otlp.requests} exports, {bench.otlp.bytes / 1e6:.1f} MB of spans")
     if args.profile_kproxy:

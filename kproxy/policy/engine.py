@@ -14,7 +14,7 @@ import functools
 import logging
 import random
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -78,8 +78,10 @@ _CACHE_LIMIT = 4096     # entries per cache before it starts over (bounded memor
 class Facts:
     """One request as plain values: what every selector can look at.
 
-    ``compression`` holds the codec names of the produced batches (none, gzip, snappy, lz4, zstd) and
-    ``max_batch_bytes`` the size of the largest; both only matter for Produce.
+    ``compression`` holds the codec names of the produced batches (none, gzip, snappy, lz4, zstd),
+    ``max_batch_bytes`` the size of the largest and ``max_uncompressed_batch_bytes`` that of the
+    largest uncompressed one (None: unknown, taken as ``max_batch_bytes``); they only matter for
+    Produce.
     """
 
     api_key: int
@@ -96,6 +98,7 @@ class Facts:
     acks: int | None = None
     compression: tuple[str, ...] = ()
     max_batch_bytes: int = 0
+    max_uncompressed_batch_bytes: int | None = None
 
 
 @attrs.frozen
@@ -140,7 +143,7 @@ class _Req:
         self.body = body
         self._groups: list[str] | None = None
         self._txn: list[str] | None = None
-        self._batches: tuple[frozenset[int], int] | None = None
+        self._batches: tuple[frozenset[int], int, int] | None = None
 
     def acks(self) -> int | None:
         return self.body.acks if self.api_key == PRODUCE else None
@@ -156,11 +159,12 @@ class _Req:
             self._txn = [t for t in entities.collect(self.body, self.api_key, self.version, "request", "txn") if t]
         return self._txn
 
-    def batches(self) -> tuple[frozenset[int], int]:
-        """(codec ids, size of the largest batch) of a Produce request's record batches."""
+    def batches(self) -> tuple[frozenset[int], int, int]:
+        """(codec ids, size of the largest batch, size of the largest uncompressed batch) of a Produce
+        request's record batches."""
         if self._batches is None:
             codecs: set[int] = set()
-            biggest = 0
+            biggest = plain = 0
             if self.api_key == PRODUCE:
                 for topic in self.body.topic_data:
                     for part in topic.partition_data:
@@ -169,13 +173,16 @@ class _Req:
                             continue
                         try:
                             for batch in iter_batches(records, allow_truncated=False):
-                                codecs.add(int(batch.compression))
+                                codec = int(batch.compression)
+                                codecs.add(codec)
                                 biggest = max(biggest, len(batch.raw))
+                                if codec == 0:
+                                    plain = max(plain, len(batch.raw))
                         except RecordsError:
                             # Unreadable batches: judged by their size, and by a codec no rule allows.
                             codecs.add(-1)
                             biggest = max(biggest, len(records))
-            self._batches = (frozenset(codecs), biggest)
+            self._batches = (frozenset(codecs), biggest, plain)
         return self._batches
 
 
@@ -189,7 +196,9 @@ class _FactsReq(_Req):
         self.facts = facts
         self._groups = [g for g in facts.groups if g]
         self._txn = [t for t in facts.transactional_ids if t]
-        self._batches = (frozenset(COMPRESSIONS.index(c) for c in facts.compression), facts.max_batch_bytes)
+        plain = facts.max_uncompressed_batch_bytes
+        self._batches = (frozenset(COMPRESSIONS.index(c) for c in facts.compression), facts.max_batch_bytes,
+                         facts.max_batch_bytes if plain is None else plain)
 
     def acks(self) -> int | None:
         return self.facts.acks
@@ -215,11 +224,14 @@ def _broken(require: Require, req: _Req) -> int | None:
         if acks is not None and acks != require.acks:
             return INVALID_REQUIRED_ACKS
     if require.uses_batches and req.api_key == PRODUCE:
-        codecs, biggest = req.batches()
+        codecs, biggest, plain = req.batches()
         if require.max_batch_bytes is not None and biggest > require.max_batch_bytes:
             return POLICY_VIOLATION
-        if require.compression is not None and not codecs <= require.compression:
-            return POLICY_VIOLATION
+        if require.compression is not None:
+            wrong = codecs - require.compression
+            small = require.uncompressed_max_bytes > 0 and plain <= require.uncompressed_max_bytes
+            if wrong and not (wrong == {0} and small):
+                return POLICY_VIOLATION
     return None
 
 
@@ -230,21 +242,45 @@ def _broken(require: Require, req: _Req) -> int | None:
 @attrs.define(slots=True)
 class _Outcome:
     """How a request goes down the rules: the rule deciding it as a whole (None: the default), the
-    rule deciding each topic, and the cap, chaos and log rules it reaches."""
+    rule deciding each topic, the cap, chaos and log rules it reaches, and the topics whose deciding
+    rule may refuse them (the others need no further look)."""
 
     request_rule: Rule | None
     topic_rules: dict[str, Rule | None]
     effects: tuple[Rule, ...]
+    refusable: tuple[str, ...] = ()
+
+
+def _can_apply(rule: Rule, api_key: int, kinds: frozenset[str] | None) -> bool:
+    """Whether ``rule`` can ever match a request of this API, whose requests carry ``kinds`` of
+    names (None: not known, so anything can). Rules that cannot are left out of the plan."""
+    m = rule.match
+    if (m.acks is not None or m.compression is not None or rule.action == "require") and api_key != PRODUCE:
+        return False        # acks and produced batches exist in Produce only
+    if kinds is None:
+        return True
+    if m.group is not None and "group" not in kinds:
+        return False
+    if m.transactional_id is not None and "txn" not in kinds:
+        return False
+    return m.topic is None or "topic" in kinds or "topic_id" in kinds
 
 
 class _Plan:
     """The rules that can apply to one api version on one kind of connection, in order."""
 
-    __slots__ = ("_deciders", "_effects", "_outcomes", "has_ids", "idle", "request_positions", "rules",
-                 "static", "topic_rules")
+    __slots__ = ("_deciders", "_default_deny", "_effects", "_outcomes", "has_ids", "idle", "request_positions",
+                 "rules", "static", "topic_rules")
 
-    def __init__(self, rules: tuple[Rule, ...], api_key: int, version: int) -> None:
+    def __init__(self, rules: tuple[Rule, ...], api_key: int, version: int, default_deny: bool = False) -> None:
+        try:
+            kinds: frozenset[str] | None = frozenset(
+                e for e in ("topic", "topic_id", "group", "txn") if entities.has_entity(api_key, version, "request", e))
+        except ValueError:      # a version kproxy does not know (decide() on recorded facts)
+            kinds = None
+        rules = tuple(r for r in rules if _can_apply(r, api_key, kinds))
         self.rules = rules
+        self._default_deny = default_deny
         self.idle = not rules
         self.topic_rules = any(r.match.topic is not None for r in rules)
         self.request_positions = tuple(
@@ -253,10 +289,7 @@ class _Plan:
         self._deciders = tuple(p for p, r in enumerate(rules) if r.action in DECIDING or r.action == "require")
         self._effects = tuple(p for p, r in enumerate(rules) if r.action in _EFFECTS)
         self._outcomes: dict[tuple[tuple[int, ...], tuple[str, ...]], _Outcome] = {}
-        try:
-            self.has_ids = entities.has_entity(api_key, version, "request", "topic_id")
-        except ValueError:      # a version kproxy does not know (decide() on recorded facts)
-            self.has_ids = False
+        self.has_ids = kinds is not None and "topic_id" in kinds
         # Without topic or request selectors every request of this kind goes the same way.
         self.static = None if self.topic_rules or self.request_positions else self.outcome((), ())
 
@@ -307,8 +340,10 @@ class _Plan:
                     effects.append(rules[p])
             elif any(selector(t) and decided_at[t] > p for t in topics):
                 effects.append(rules[p])
-        return _Outcome(rules[request_at] if request_at < n else None,
-                        {t: rules[at] if at < n else None for t, at in decided_at.items()}, tuple(effects))
+        deciding = {t: rules[at] if at < n else None for t, at in decided_at.items()}
+        refusable = tuple(t for t, r in deciding.items()
+                          if (r is None and self._default_deny) or (r is not None and r.action in ("deny", "require")))
+        return _Outcome(rules[request_at] if request_at < n else None, deciding, tuple(effects), refusable)
 
 
 ConnectionKey = tuple[str | None, str | None, str | None, str | None, str | None, str | None]
@@ -317,10 +352,11 @@ ConnectionKey = tuple[str | None, str | None, str | None, str | None, str | None
 class _View:
     """The rules whose connection selectors hold for one kind of connection."""
 
-    __slots__ = ("_plans", "rules")
+    __slots__ = ("_default_deny", "_plans", "rules")
 
-    def __init__(self, rules: tuple[Rule, ...]) -> None:
+    def __init__(self, rules: tuple[Rule, ...], default_deny: bool) -> None:
         self.rules = rules
+        self._default_deny = default_deny
         self._plans: dict[tuple[int, int], _Plan] = {}
 
     def plan(self, api_key: int, version: int) -> _Plan:
@@ -329,7 +365,7 @@ class _View:
             chosen = tuple(r for r in self.rules
                            if (r.match.api is None or r.match.api(api_key))
                            and (r.match.api_version is None or r.match.api_version(version)))
-            plan = self._plans[(api_key, version)] = _Plan(chosen, api_key, version)
+            plan = self._plans[(api_key, version)] = _Plan(chosen, api_key, version, self._default_deny)
         return plan
 
 
@@ -354,7 +390,7 @@ class Policy:
             if len(self._views) >= _CACHE_LIMIT:
                 self._views.clear()
             chosen = tuple(r for r in self.rule_set.rules if r.match.holds_for_connection(*key))
-            got = self._views[key] = _View(chosen)
+            got = self._views[key] = _View(chosen, self.default_deny)
         return got
 
 
@@ -503,6 +539,8 @@ class _Pending:
     prefixes: dict[str, str] = attrs.field(factory=dict)    # entity kind -> tenant prefix to take off
     parts: list[Any] = attrs.field(factory=list)            # kproxy's answers for refused topics
     hide: tuple[_Plan, tuple[int, ...], _Req] | None = None  # a listing: hide topics the rules refuse
+    # After a split: the topic names and ids the broker was asked about; it answers for those only.
+    asked: tuple[frozenset[str], frozenset[uuid.UUID]] | None = None
 
 
 @attrs.define(slots=True, eq=False)
@@ -556,11 +594,13 @@ class PolicyFilter(Filter):
         tenant = rewrite.topic_prefix if rewrite is not None else None
 
         # The topics the request names, by name and by id.
+        # Names are needed when a rule looks at topics, or when the default refuses them all.
+        defaulted = top is None and policy.default_deny
         names: list[str] = []
-        if plan.topic_rules or policy.default_deny:
-            names = list(dict.fromkeys(t for t in entities.collect(body, key, version, "request", "topic")))
+        if plan.topic_rules or defaulted:
+            names = list(dict.fromkeys(entities.collect(body, key, version, "request", "topic")))
         id_names: dict[uuid.UUID, str | None] = {}
-        if plan.has_ids and (plan.topic_rules or tenant or policy.default_deny):
+        if plan.has_ids and (plan.topic_rules or tenant or defaulted):
             ids = [i for i in dict.fromkeys(entities.collect(body, key, version, "request", "topic_id"))
                    if i != ZERO_UUID]
             unknown = [i for i in ids if self.topic_ids.get(i) is None]
@@ -573,13 +613,14 @@ class PolicyFilter(Filter):
                     # Outside the tenant's namespace is as unknown as a topic that does not exist.
                     name = name[len(tenant):] if name.startswith(tenant) else None
                 id_names[i] = name
-        judged = tuple(dict.fromkeys([*names, *(n for n in id_names.values() if n is not None)]))
+        judged = (tuple(dict.fromkeys([*names, *(n for n in id_names.values() if n is not None)])) if id_names
+                  else tuple(names))
         outcome = plan.static if plan.static is not None and not judged else plan.outcome(inactive, judged)
         assert outcome is not None
 
         # Refusals, per topic name and per id.
         refused: dict[str, tuple[Rule | None, int]] = {}
-        for t in judged:
+        for t in outcome.refusable:
             rule = outcome.topic_rules[t]
             error = _refusal(rule, rq, policy, True)
             if error is not None:
@@ -600,10 +641,9 @@ class PolicyFilter(Filter):
                 self._noted(ctx, exchange, top, "deny", req, error, ())
                 return self._chaos_delay(ctx, policy, outcome, req, Respond(error_code=error))
 
-        verdict: Respond | None = None
         pending = _Pending()
-        whole = named and refused.keys() >= set(names) and refused_ids.keys() >= id_names.keys()
         if refused or refused_ids:
+            whole = named and refused.keys() >= set(names) and refused_ids.keys() >= id_names.keys()
             first_rule, first_error = next(iter(refused.values()), None) or next(iter(refused_ids.values()))
             self._noted(ctx, exchange, first_rule, "deny", req, first_error, [*refused, *map(str, refused_ids)])
             if key == PRODUCE and body.acks == 0:
@@ -619,11 +659,15 @@ class PolicyFilter(Filter):
                     merge_response(key, version, merged, part)
                 return self._chaos_delay(ctx, policy, outcome, req, Respond(body=merged))
             pending.parts = parts
+            # By name, the answer names them (with their ids); by id, it may carry ids only.
+            kept_ids = frozenset(id_names) - refused_ids.keys()
+            pending.asked = (frozenset([*names, *(id_names[i] or "" for i in kept_ids)]) - refused.keys(),
+                             frozenset() if names else kept_ids)
         else:
             self._noted(ctx, exchange, top, top.action if top is not None else None, req, None, ())
 
         # Chaos and log rules the request reaches; chaos answers before anything is changed.
-        delay, chaos_error = self._roll(ctx, policy, outcome, req)
+        delay, chaos_error = self._roll(ctx, policy, outcome, req) if outcome.effects else (0.0, None)
         if chaos_error is not None:
             if exchange is not None:
                 exchange.note("action", "chaos")
@@ -633,9 +677,10 @@ class PolicyFilter(Filter):
             refusal = _tenant_refusal(req)
             if refusal is not None:
                 return refusal
-            pending.prefixes = rewrite.prefixes()
-            for entity, prefix in pending.prefixes.items():
-                entities.rewrite(body, key, version, "request", entity, functools.partial(_prefixed, prefix))
+            tenant_names = _tenant(rewrite)
+            pending.prefixes = tenant_names.prefixes
+            for entity, add in tenant_names.adding(key, version):
+                entities.rewrite(body, key, version, "request", entity, add)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("connection %d: rule %r rewrote %s v%d (%s)", ctx.connection_id, top.name if top else None,
                           api_name(key), version,
@@ -651,7 +696,7 @@ class PolicyFilter(Filter):
                 # Answers another filter gave in place of the broker's never come back here.
                 del st.pending[next(iter(st.pending))]
             st.pending[exchange] = pending
-        return Delay(delay, verdict) if delay else verdict
+        return Delay(delay, None) if delay else None
 
     def _answered(self, ctx: ConnectionContext, req: Request, answer: Response | None) -> RequestVerdict:
         """The broker's answer to a question about topic ids: learn, then judge with what is known."""
@@ -699,11 +744,11 @@ class PolicyFilter(Filter):
                 delay += seconds
                 if params.error is not None and error is None:
                     error = params.error
-                log.info("chaos: rule %r %s connection %d's %s v%d", rule.name,
-                         " and ".join(filter(None, (f"delayed by {seconds * 1000:.0f} ms" if latency else "",
-                                                    f"failed with {error_name(params.error)}"
-                                                    if params.error is not None else ""))),
-                         ctx.connection_id, api_name(req.api_key), req.api_version)
+                what = [f"delayed by {seconds * 1000:.0f} ms"] if latency else []
+                if params.error is not None:
+                    what.append(f"failed with {error_name(params.error)}")
+                log.info("chaos: rule %r: connection %d's %s v%d %s", rule.name, ctx.connection_id,
+                         api_name(req.api_key), req.api_version, " and ".join(what))
         return delay, error
 
     def _chaos_delay(self, ctx: ConnectionContext, policy: Policy, outcome: _Outcome, req: Request,
@@ -726,12 +771,21 @@ class PolicyFilter(Filter):
         if pending is None:
             return 0.0
         body, version = response.body, response.api_version
-        for entity, prefix in pending.prefixes.items():
-            # Names outside the tenant's namespace are not the tenant's to see.
-            entities.filter_elements(body, key, version, "response", entity,
-                                     functools.partial(_in_namespace, prefix), request.body)
-            entities.rewrite(body, key, version, "response", entity, functools.partial(_unprefixed, prefix),
-                             request.body)
+        if pending.prefixes:
+            for entity, inside, strip in _tenant_of(pending.prefixes).undoing(key, version):
+                # Names outside the tenant's namespace are not the tenant's to see.
+                entities.filter_elements(body, key, version, "response", entity, inside, request.body)
+                entities.rewrite(body, key, version, "response", entity, strip, request.body)
+        if pending.asked is not None:
+            # A broker may say more than it was asked (tansu reads an empty Metadata topic list as
+            # "all"): kproxy answers for the refused topics itself, and nothing else is the client's.
+            names, ids = pending.asked
+            if ids:
+                entities.filter_elements(body, key, version, "response", "topic_id",
+                                         functools.partial(_asked_id, ids), request.body)
+            else:
+                entities.filter_elements(body, key, version, "response", "topic", names.__contains__,
+                                         request.body)
         if pending.hide is not None:
             plan, inactive, rq = pending.hide
             policy = st.policy
@@ -751,12 +805,72 @@ class PolicyFilter(Filter):
 # Carrying decisions out
 
 
+@attrs.frozen
+class _TenantNames:
+    """The functions that put a tenant's prefixes on names and take them off, made once per rule."""
+
+    prefixes: dict[str, str] = attrs.field(hash=False)
+    add: tuple[tuple[str, Callable[[str], str | None]], ...] = attrs.field(hash=False)
+    undo: tuple[tuple[str, Callable[[str], bool], Callable[[str], str | None]], ...] = attrs.field(hash=False)
+    # Per (api key, version): only the kinds of names that message carries at all.
+    _adding: dict[tuple[int, int], tuple] = attrs.field(factory=dict, hash=False)
+    _undoing: dict[tuple[int, int], tuple] = attrs.field(factory=dict, hash=False)
+
+    def adding(self, api_key: int, version: int) -> tuple[tuple[str, Callable[[str], str | None]], ...]:
+        got = self._adding.get((api_key, version))
+        if got is None:
+            got = self._adding[(api_key, version)] = tuple(
+                (e, f) for e, f in self.add if entities.has_entity(api_key, version, "request", e))
+        return got
+
+    def undoing(self, api_key: int, version: int
+                ) -> tuple[tuple[str, Callable[[str], bool], Callable[[str], str | None]], ...]:
+        got = self._undoing.get((api_key, version))
+        if got is None:
+            got = self._undoing[(api_key, version)] = tuple(
+                u for u in self.undo if entities.has_entity(api_key, version, "response", u[0]))
+        return got
+
+
+_TENANTS: dict[tuple[tuple[str, str], ...], _TenantNames] = {}
+
+
+def _tenant_of(prefixes: dict[str, str]) -> _TenantNames:
+    key = tuple(prefixes.items())
+    got = _TENANTS.get(key)
+    if got is None:
+        if len(_TENANTS) >= _CACHE_LIMIT:
+            _TENANTS.clear()
+        got = _TENANTS[key] = _TenantNames(
+            prefixes,
+            tuple((e, functools.partial(_prefixed, p)) for e, p in prefixes.items()),
+            tuple((e, functools.partial(_in_namespace, p), functools.partial(_unprefixed, p))
+                  for e, p in prefixes.items()))
+    return got
+
+
+_BY_REWRITE: dict[int, tuple[Rewrite, _TenantNames]] = {}
+
+
+def _tenant(rewrite: Rewrite) -> _TenantNames:
+    got = _BY_REWRITE.get(id(rewrite))
+    if got is None or got[0] is not rewrite:
+        if len(_BY_REWRITE) >= _CACHE_LIMIT:
+            _BY_REWRITE.clear()
+        got = _BY_REWRITE[id(rewrite)] = (rewrite, _tenant_of(rewrite.prefixes()))
+    return got[1]
+
+
 def _prefixed(prefix: str, name: str) -> str | None:
     return prefix + name if name else None
 
 
 def _unprefixed(prefix: str, name: str) -> str | None:
     return name[len(prefix):] if name.startswith(prefix) else None
+
+
+def _asked_id(ids: frozenset[uuid.UUID], topic_id: uuid.UUID) -> bool:
+    return topic_id == ZERO_UUID or topic_id in ids
 
 
 def _in_namespace(prefix: str, name: str) -> bool:

@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,14 @@ from kproxy.policy.schema import rules_schema
 from kproxy.protocol.errors import ERROR_CODES_BY_NAME, ConfigError, is_retriable
 
 Path = tuple[str | int, ...]
+
+_MAX_VALUES = 200_000     # values a rule file may hold once its aliases are expanded
+
+
+class _TooBig(Exception):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
 
 _LOG_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
                "ERROR": logging.ERROR}
@@ -149,8 +158,6 @@ def describe_rules(rule_set: M.RuleSet) -> str:
 
 def check_rules_files(paths: Sequence[str], chaos: bool = False) -> int:
     """``kproxy check --rules PATH``: print ``ok: ...`` and return 0, or print the problems and return 2."""
-    import sys
-
     try:
         rule_set = load_rules(paths, chaos)
     except RuleError as e:
@@ -193,6 +200,7 @@ class _File:
         self.positions: list[int] = []      # each rule's index in the file's rules list
         self.default: str | None = None
         self._scalars = yaml.constructor.SafeConstructor()
+        self._values = 0
 
     def names(self, section: str = "rules") -> list[tuple[int, str]]:
         """(position, name) of every rule (or quota) that has a name, compiled or not."""
@@ -262,7 +270,12 @@ class _File:
         if node is None:
             self.data = {}          # an empty file: no rules, default allow
             return
-        self.data = self._build(node, ())
+        try:
+            self.data = self._build(node, ())
+        except _TooBig as e:
+            self.data = None
+            self.fail(e.path, f"the file stands for more than {_MAX_VALUES:,} values (through YAML aliases?)")
+            return
         if self.problems:
             return
         broken: set[tuple[str | int, ...]] = set()
@@ -277,6 +290,10 @@ class _File:
         self.problems.sort(key=lambda p: (p.line or 0, p.column or 0))
 
     def _build(self, node: Node, path: Path) -> Any:
+        self._values += 1
+        if self._values > _MAX_VALUES:
+            # YAML aliases can make a small file stand for an enormous tree ("billion laughs").
+            raise _TooBig(path)
         self.marks[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
         if isinstance(node, MappingNode):
             seen: dict[str, int] = {}
@@ -426,8 +443,11 @@ class _File:
             codecs = raw.get("compression")
             if isinstance(codecs, str):
                 codecs = [codecs]
+            if "uncompressed_max_bytes" in raw and not codecs:
+                self.fail((*path, "uncompressed_max_bytes"), "only means something with 'compression:'")
             return M.Require(M.ACKS[str(raw["acks"])] if "acks" in raw else None, raw.get("max_batch_bytes"),
-                             frozenset(M.COMPRESSIONS.index(c) for c in codecs) if codecs else None)
+                             frozenset(M.COMPRESSIONS.index(c) for c in codecs) if codecs else None,
+                             raw.get("uncompressed_max_bytes", 0))
         if action == "cap":
             return M.Cap(**raw)
         if action == "chaos":

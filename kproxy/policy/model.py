@@ -316,6 +316,9 @@ class Require:
     acks: int | None = None                       # -1 for all
     max_batch_bytes: int | None = None
     compression: frozenset[int] | None = None     # allowed codec ids
+    # Uncompressed batches up to this size pass a compression requirement anyway: librdkafka sends
+    # a batch uncompressed when compressing would not make it smaller.
+    uncompressed_max_bytes: int = 0
 
     @property
     def uses_batches(self) -> bool:

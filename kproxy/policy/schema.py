@@ -124,6 +124,9 @@ def rules_schema() -> dict[str, Any]:
             "max_batch_bytes": _ints("the largest record batch a producer may send", 1),
             "compression": {"anyOf": [codec_item, {"type": "array", "items": codec_item, "minItems": 1}],
                             "description": "the compression types produced batches may use"},
+            "uncompressed_max_bytes": _ints("with compression: uncompressed batches up to this size pass "
+                                            "anyway (librdkafka does not compress a batch when that would "
+                                            "not make it smaller)"),
         }},
         "cap": {"type": "object", "additionalProperties": False, "minProperties": 1, "properties": {
             "max_bytes": _ints("Fetch max_bytes at most this"),

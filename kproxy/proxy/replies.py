@@ -65,8 +65,10 @@ def _fill(resp_obj: Any, resp_spec: StructSpec, req_obj: Any, req_spec: StructSp
         if f.type == "int64" and not f.array and not f.has_default and (
                 name.endswith("offset") or name == "high_watermark"):
             setattr(resp_obj, name, -1)
-        # Records and bytes default to null, which versions where they are not nullable cannot carry.
-        if (f.type in ("records", "bytes") and not f.array and rv not in f.nullable
+        # Records and bytes default to null, which versions where they are not nullable cannot carry;
+        # records are empty rather than null in every version, as brokers send them (librdkafka
+        # refuses a Fetch partition whose records are null).
+        if (f.type in ("records", "bytes") and not f.array and (f.type == "records" or rv not in f.nullable)
                 and getattr(resp_obj, name) is None):
             setattr(resp_obj, name, b"")
     if message is not None and "error_message" in rf and rf["error_message"].type == "string":

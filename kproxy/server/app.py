@@ -88,8 +88,9 @@ class ProxyServer:
         self.telemetry = Telemetry(config, span_exporter=span_exporter)
         self.reencode = ReencodeCheck(config.verify_reencode) if config.verify_reencode > 0 else None
         # The policy rules in force (generation, loaded_at, rule_count, sources, reloads_ok,
-        # reloads_failed, describe()); None until rule files are configured. Read by /rules and /metrics.
-        self.rule_store: Any = None
+        # reloads_failed, describe()); None when no rule files are configured. Read by /rules and /metrics.
+        self.rule_store: RuleStore | None = RuleStore(config.rules, config.chaos) if config.rules else None
+        self.rules_poll_interval_s = POLL_INTERVAL_S
         self.discovered = False              # a bootstrap server answered discovery at least once
         self.admin: admin.AdminServer | None = None
         self._telemetry_failures: set[str] = set()
@@ -110,13 +111,11 @@ class ProxyServer:
         if not config.passthrough_unknown_versions:
             builtin.insert(0, ApiVersionsNarrower())
         # Policy rules, when configured: judged after the built-in filters, before any given here.
-        self.rules: RuleStore | None = RuleStore(config.rules, config.chaos) if config.rules else None
-        self.rules_poll_interval_s = POLL_INTERVAL_S
-        if self.rules is not None:
-            builtin.append(PolicyFilter(self.rules))
+        if self.rule_store is not None:
+            builtin.append(PolicyFilter(self.rule_store))
             # Quotas come from the same files; they count what the policy lets through.
-            builtin.append(QuotaFilter(self.rules, config.quota.samples, config.quota.window_s, config.quota_share))
-            self.rule_store = self.rules
+            builtin.append(QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
+                                       config.quota_share))
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -284,10 +283,10 @@ class ProxyServer:
                     nursery.start_soon(self._rediscover)
                 log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
                          ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
-                if self.rules is not None:
-                    log.info("rules in force: %s (watching %s)", describe_rules(self.rules.rule_set),
-                             ", ".join(self.rules.paths))
-                    nursery.start_soon(watch_rules, self.rules, self.rules_poll_interval_s)
+                if self.rule_store is not None:
+                    log.info("rules in force: %s (watching %s)", describe_rules(self.rule_store.rule_set),
+                             ", ".join(self.rule_store.paths))
+                    nursery.start_soon(watch_rules, self.rule_store, self.rules_poll_interval_s)
                 task_status.started(self)
         finally:
             for s in self._listeners.values():
@@ -336,7 +335,7 @@ class ProxyServer:
                 self._nursery.start_soon(self._handle, conn, addr, port, raw)
 
     async def _handle(self, sock: trio.socket.SocketType, addr: Any, port: int | None,
-                      raw: socket.socket | None = None) -> None:
+                      raw: socket.socket) -> None:
         tune(sock)
         cid = next(self._ids)
         ctx = self.new_context(cid, (addr[0], addr[1]))
@@ -393,10 +392,10 @@ class ProxyServer:
 
     def reload_rules(self, reason: str) -> bool:
         """Load the rule files again (SIGHUP); the old rules stay if the new ones do not load."""
-        if self.rules is None:
+        if self.rule_store is None:
             log.info("%s: nothing to reload (no rule files are configured)", reason)
             return False
-        return self.rules.reload(reason)
+        return self.rule_store.reload(reason)
 
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""

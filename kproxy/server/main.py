@@ -44,9 +44,8 @@ def run_from_args(args: Any) -> int:
     try:
         server = ProxyServer(cfg)
     except ConfigError as e:
-        # Rule files that do not load (the same message `kproxy check` prints), or OTEL_* variables
+        # Rule files that do not load (the message `kproxy check` prints), or OTEL_* variables
         # kproxy cannot follow (read here, when the exporter is made).
-        log.error("%s", e)
         print(f"kproxy run: {e}", file=sys.stderr)
         return 2
     try:
@@ -82,6 +81,6 @@ def config_for_run(args: Any) -> ProxyConfig:
             "traffic_log": {"dir": args.traffic_log} if getattr(args, "traffic_log", None) else None,
             "tracing": {"enabled": True} if getattr(args, "tracing", False) else None,
         }
-        return config_from_args(args.upstream, args.listen, exposure=exposure, rules=args.rules or None,
-                                chaos=args.chaos or None, **telemetry, **logs)
+        return config_from_args(args.upstream, args.listen, exposure=exposure, rules=getattr(args, "rules", None),
+                                chaos=getattr(args, "chaos", False) or None, **telemetry, **logs)
     raise ConfigError("give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT")

@@ -17,6 +17,8 @@ from kproxy.config import TlsClientSide, TlsServerSide
 
 # Cap on buffers per sendmsg call (IOV_MAX is 1024 on Linux).
 _IOV_MAX = 512
+# Socket operations that complete at once between two yields to the scheduler (fairness).
+_YIELD_EVERY = 16
 
 
 class Transport:
@@ -40,19 +42,37 @@ class Transport:
 
 
 class PlainTransport(Transport):
-    __slots__ = ("raw", "sock")
+    """A plain TCP socket, driven directly: a receive or send that can complete at once does, with no
+    trip through trio's scheduler; only a socket that would block waits (``wait_readable`` /
+    ``wait_writable``). Every ``_YIELD_EVERY`` immediate operations yield once, so a connection that
+    always has data ready cannot starve the others."""
 
-    def __init__(self, sock: trio.socket.SocketType, raw: socket.socket | None = None) -> None:
+    __slots__ = ("_ready_ops", "raw", "sock")
+
+    def __init__(self, sock: trio.socket.SocketType, raw: socket.socket) -> None:
         self.sock = sock
-        self.raw = raw            # the same socket as a stdlib object, when kproxy created it
+        self.raw = raw                # the same socket as the stdlib object kproxy created or accepted
+        self._ready_ops = 0
+
+    async def _fair(self) -> None:
+        self._ready_ops += 1
+        if self._ready_ops >= _YIELD_EVERY:
+            self._ready_ops = 0
+            await trio.lowlevel.checkpoint()
 
     async def recv_into(self, buf: memoryview) -> int:
-        return await self.sock.recv_into(buf)
+        raw = self.raw
+        while True:
+            try:
+                n = raw.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                await trio.lowlevel.wait_readable(raw)
+                continue
+            await self._fair()
+            return n
 
     def readable_now(self) -> bool:
-        """Whether a receive would return at once (bytes or end of stream); True when unknown."""
-        if self.raw is None:
-            return True
+        """Whether a receive would return at once (bytes or end of stream)."""
         try:
             self.raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -62,16 +82,24 @@ class PlainTransport(Transport):
         return True
 
     async def send(self, buffers: list) -> None:
-        sock = self.sock
+        raw = self.raw
         if len(buffers) == 1:
             # Most frames are one buffer: plain send, no list bookkeeping.
             view = memoryview(buffers[0]).cast("B")
             while view:
-                view = view[await sock.send(view):]
+                try:
+                    view = view[raw.send(view):]
+                except (BlockingIOError, InterruptedError):
+                    await trio.lowlevel.wait_writable(raw)
+            await self._fair()
             return
         bufs = [memoryview(b).cast("B") if not isinstance(b, bytes | bytearray) else b for b in buffers]
         while bufs:
-            sent = await sock.sendmsg(bufs[:_IOV_MAX])
+            try:
+                sent = raw.sendmsg(bufs[:_IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await trio.lowlevel.wait_writable(raw)
+                continue
             # Drop what went out; a partial send leaves the tail of one buffer.
             while sent:
                 n = len(bufs[0])
@@ -81,8 +109,10 @@ class PlainTransport(Transport):
                 else:
                     bufs[0] = memoryview(bufs[0])[sent:]
                     sent = 0
+        await self._fair()
 
     def close(self) -> None:
+        # trio's close wakes any task waiting on the descriptor (ClosedResourceError), then closes it.
         self.sock.close()
 
 

@@ -51,8 +51,12 @@ SELECTORS = [
     ("{api_version: 3-9}", {}, {"api_version": 10}),
     ("{api_version: '10+'}", {"api_version": 11}, {}),
     ("{topic: 'ord*'}", {}, {"topics": ("payments",)}),
-    ("{group: 'g-*'}", {"groups": ("g-1",)}, {"groups": ("h-1",)}),
-    ("{group: {not: 'g-*'}}", {"groups": ("h-1",)}, {}),      # no group: a group selector never holds
+    ("{group: 'g-*'}", {"api_key": OFFSET_COMMIT, "api_version": 8, "groups": ("g-1",)},
+     {"api_key": OFFSET_COMMIT, "api_version": 8, "groups": ("h-1",)}),
+    # No group: a group selector never holds (and never on an API without groups).
+    ("{group: {not: 'g-*'}}", {"api_key": OFFSET_COMMIT, "api_version": 8, "groups": ("h-1",)},
+     {"api_key": OFFSET_COMMIT, "api_version": 8}),
+    ("{group: '*'}", {"api_key": OFFSET_COMMIT, "api_version": 8, "groups": ("h-1",)}, {"groups": ("h-1",)}),
     ("{transactional_id: tx}", {"transactional_ids": ("tx",)}, {"transactional_ids": ("ty",)}),
     ("{acks: all}", {}, {"acks": 1}),
     ("{acks: [0, 1]}", {"acks": 0}, {}),

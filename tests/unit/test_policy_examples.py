@@ -90,6 +90,9 @@ def test_producer_standards():
 
     assert decide(rules, attrs.evolve(good, acks=1)).error == INVALID_REQUIRED_ACKS
     assert decide(rules, attrs.evolve(good, compression=("none",))).error == POLICY_VIOLATION
+    small = attrs.evolve(good, compression=("none", "lz4"), max_uncompressed_batch_bytes=1024)
+    assert decide(rules, small).action == "allow"
+    assert decide(rules, attrs.evolve(small, max_uncompressed_batch_bytes=1025)).error == POLICY_VIOLATION
     assert decide(rules, attrs.evolve(good, max_batch_bytes=2 << 20)).error == POLICY_VIOLATION
     assert decide(rules, Facts(FETCH, 12, topics=("t",))).action == "allow"
 

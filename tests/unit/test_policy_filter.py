@@ -34,7 +34,7 @@ from .rulebook import policy_filter, session, write_rules
 from .test_session import answered, forwarded, request_frame, response_frame
 
 PRODUCE, FETCH, METADATA, OFFSET_COMMIT, CREATE_TOPICS, DELETE_TOPICS = 0, 1, 3, 8, 19, 20
-FIND_COORDINATOR, CREATE_ACLS, CONSUMER_GROUP_HEARTBEAT = 10, 30, 68
+FIND_COORDINATOR, CREATE_ACLS, CONSUMER_GROUP_HEARTBEAT, DESCRIBE_TOPIC_PARTITIONS = 10, 30, 68, 75
 ID_A, ID_B, ID_C = (uuid.UUID(int=n) for n in (0xA, 0xB, 0xC))
 
 DENY_SECRETS = "rules: [{name: no-secrets, match: {topic: 'secret-*'}, action: deny}]\n"
@@ -63,9 +63,10 @@ def broker_answers(s, up, body: Any = None) -> list:
     return s.upstream_frame(memoryview(response_frame(up.api_key, up.api_version, up.correlation_id, body)))
 
 
-def roundtrip(s, api_key: int, version: int, body: Any, client_id: str = "app", answer: Any = None):
+def roundtrip(s, api_key: int, version: int, body: Any, client_id: str = "app", answer: Any = None,
+              correlation_id: int = 7):
     """(what reached the broker, what the client got back)."""
-    acts = send(s, api_key, version, body, client_id)
+    acts = send(s, api_key, version, body, client_id, correlation_id)
     up = forwarded(acts[-1])
     back = broker_answers(s, up, answer)
     return up, answered(back[-1], api_key, version)
@@ -149,8 +150,9 @@ def test_metadata_naming_a_refused_topic_returns_it_with_the_error(tmp_path):
     up, resp = roundtrip(s, METADATA, 12, metadata(["orders", "secret-x"]), answer=metadata_answer(["orders"]))
     assert [t.name for t in up.body.topics] == ["orders"]
     assert {t.name: t.error_code for t in resp.body.topics} == {"orders": 0, "secret-x": 29}
-    # Every topic refused: the broker is still asked (for the brokers), about no topic at all.
-    up, resp = roundtrip(s, METADATA, 12, metadata(["secret-x"]), answer=metadata_answer([]))
+    # Every topic refused: the broker is still asked (for the brokers), about no topic at all; a
+    # broker that reads that as "every topic" (tansu) has its extra topics dropped.
+    up, resp = roundtrip(s, METADATA, 12, metadata(["secret-x"]), answer=metadata_answer(["orders", "secret-x"]))
     assert up.body.topics == [] and len(resp.body.brokers) == 1
     assert [(t.name, t.error_code) for t in resp.body.topics] == [("secret-x", 29)]
 
@@ -219,11 +221,15 @@ def test_acks_1_is_refused_per_partition_and_acks_all_goes_through(tmp_path):
 
 def test_compression_and_batch_size_are_read_from_batch_headers(tmp_path):
     s = session(policy_filter(tmp_path, "rules: [{name: z, action: require, require: "
-                                        "{compression: [zstd, lz4], max_batch_bytes: 4000}}]\n"))
+                                        "{compression: [zstd, lz4], max_batch_bytes: 4000, "
+                                        "uncompressed_max_bytes: 100}}]\n"))
     small_lz4 = bytes(build_batch([(None, b"v" * 100)], compression=3))
     big_lz4 = bytes(build_batch([(None, random.Random(1).randbytes(5000))], compression=3))
     plain = bytes(build_batch([(None, b"v" * 100)]))
+    tiny = bytes(build_batch([(None, b"v")]))
+    assert len(tiny) <= 100 < len(plain)
     broker_answers(s, forwarded(send(s, PRODUCE, 9, produce(["a"], records=small_lz4))[0]))
+    broker_answers(s, forwarded(send(s, PRODUCE, 9, produce(["a"], records=tiny), correlation_id=8)[0]))
     for records in (plain, big_lz4):
         acts = send(s, PRODUCE, 9, produce(["a"], records=records), correlation_id=9)
         assert produce_codes(answered(acts[0], PRODUCE, 9)) == {"a": [POLICY_VIOLATION] * 2}
@@ -432,7 +438,13 @@ def test_a_known_topic_id_needs_no_question(tmp_path):
     roundtrip(s, METADATA, 12, metadata(["orders"]), answer=metadata_answer(["orders"]))
     oid = uuid.uuid5(uuid.NAMESPACE_DNS, "orders")
     assert ids.get(oid) == "orders"
-    assert isinstance(send(s, FETCH, 13, fetch_by_id(oid), correlation_id=9)[0], ToUpstream)
+    broker_answers(s, forwarded(send(s, FETCH, 13, fetch_by_id(oid), correlation_id=9)[0]))
+    # And from DescribeTopicPartitions answers.
+    cls = body_class(DESCRIBE_TOPIC_PARTITIONS, "request")
+    rcls = body_class(DESCRIBE_TOPIC_PARTITIONS, "response")
+    roundtrip(s, DESCRIBE_TOPIC_PARTITIONS, 0, cls(topics=[cls.TopicRequest(name="logs")]), correlation_id=10,
+              answer=rcls(topics=[rcls.DescribeTopicPartitionsResponseTopic(name="logs", topic_id=ID_C)]))
+    assert ids.get(ID_C) == "logs"
 
 
 @pytest.mark.parametrize("how", ["timeout", "lost"])
@@ -496,8 +508,8 @@ def test_chaos_injects_errors_and_latency_only_when_enabled(tmp_path, caplog):
     acts = send(on, FETCH, 12, cls(topics=[cls.FetchTopic(topic="a")]), correlation_id=9)
     assert [type(a) for a in acts] == [Hold, ToUpstream] and acts[0].seconds == pytest.approx(0.05)
     lines = [r.getMessage() for r in caplog.records if r.name == "kproxy.policy"]
-    assert lines == ["chaos: rule 'boom' failed with NOT_LEADER_OR_FOLLOWER connection 1's produce v9",
-                     "chaos: rule 'slow' delayed by 50 ms connection 1's fetch v12"]
+    assert lines == ["chaos: rule 'boom': connection 1's produce v9 failed with NOT_LEADER_OR_FOLLOWER",
+                     "chaos: rule 'slow': connection 1's fetch v12 delayed by 50 ms"]
 
 
 def test_chaos_rate_follows_the_seeded_generator(tmp_path):

@@ -101,7 +101,7 @@ def test_selectors_and_actions_compile(tmp_path):
               group: g
               transactional_id: {not: ["tx-*"]}
             action: require
-            require: {acks: all, max_batch_bytes: 1024, compression: zstd}
+            require: {acks: all, max_batch_bytes: 1024, compression: zstd, uncompressed_max_bytes: 64}
           - name: b
             action: cap
             cap: {max_bytes: 1, partition_max_bytes: 2, max_wait_ms: 3, timeout_ms: 4}
@@ -131,7 +131,7 @@ def test_selectors_and_actions_compile(tmp_path):
     assert m.acks(-1) and m.acks(1) and not m.acks(0)
     assert m.compression(frozenset({4})) and not m.compression(frozenset({0}))
     assert m.transactional_id("other") and not m.transactional_id("tx-1")
-    assert a.params == M.Require(-1, 1024, frozenset({4}))
+    assert a.params == M.Require(-1, 1024, frozenset({4}), 64)
     assert b.params == M.Cap(1, 2, 3, 4)
     assert c.params == M.Chaos(0.5, M.Latency("exponential", 0.02), 7)
     assert d.params == M.Log(30, 0.25)
@@ -364,3 +364,11 @@ def test_quick_mode_takes_repeatable_rules(tmp_path):
     args = _build_parser().parse_args(["run", "--config", os.devnull, "--rules", a])
     with pytest.raises(ConfigError, match="--rules cannot be combined with --config"):
         config_for_run(args)
+
+
+def test_aliases_cannot_make_a_small_file_enormous(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, "
+              f"*a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 9)]
+    (line,) = problems(tmp_path, "\n".join(lines) + "\n")
+    assert "more than 200,000 values (through YAML aliases?)" in line

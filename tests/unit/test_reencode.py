@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from kproxy.protocol.messages import body_class
-from kproxy.proxy.filters import ALL, Filter, FilterChain
+from kproxy.protocol.messages import Request, body_class
+from kproxy.proxy.filters import ALL, AskBroker, Filter, FilterChain
 from kproxy.proxy.reencode import ReencodeCheck, first_difference
 from kproxy.proxy.session import Session, ToClient, ToUpstream
 from tests.unit.test_session import (
@@ -89,3 +89,24 @@ def test_first_difference() -> None:
         b[at] ^= 1
         assert first_difference(a, bytes(b)) == at
     assert first_difference(a, a[:100]) == 100
+
+
+class AskFirst(Filter):
+    """Asks the broker about every ApiVersions request, then lets it through unchanged."""
+
+    name = "ask-first"
+    request_api_keys = frozenset({API_VERSIONS})
+
+    def on_request(self, ctx, request):
+        return AskBroker(Request.build(3, 12, 0, "kproxy", metadata_request()), lambda answer: None)
+
+
+def test_the_bytes_received_still_go_on_after_a_filter_asked_the_broker() -> None:
+    check = ReencodeCheck(1.0)
+    s = session(check, AskFirst())
+    frame = non_minimal_api_versions(1)
+    (ask,) = s.client_frame(memoryview(frame))
+    question_id = int.from_bytes(wire(ask)[4:8], "big")
+    (up,) = s.upstream_frame(memoryview(response_frame(3, 12, question_id, metadata_response())))
+    sent = wire(up)
+    assert sent[:4] == frame[:4] and sent[8:] == frame[8:]

@@ -89,3 +89,22 @@ async def test_the_watcher_reloads_changes_and_keeps_the_old_rules_on_a_bad_edit
         await trio.sleep(1.5)
         assert (store.generation, store.rule_count, store.last_error) == (3, 1, None)
         nursery.cancel_scope.cancel()
+
+
+def test_the_admin_listener_and_metrics_read_the_store(tmp_path):
+    from kproxy.server.admin import rules_view
+    from kproxy.telemetry.metrics import rule_families
+
+    path = tmp_path / "rules.yaml"
+    path.write_text(RULES_V2)
+    store = RuleStore([str(path)], clock=lambda: 1_700_000_000.0)
+    path.write_text("rules: [{name: broken, action: nope}]\n")
+    store.reload("test")
+    view = rules_view(store)
+    assert {k: view[k] for k in ("configured", "generation", "rule_count", "reloads_ok", "reloads_failed",
+                                 "loaded_at", "sources")} == {
+        "configured": True, "generation": 1, "rule_count": 2, "reloads_ok": 0, "reloads_failed": 1,
+        "loaded_at": 1_700_000_000.0, "sources": [str(path)]}
+    assert [r["name"] for r in view["rules"]["rules"]] == ["one", "two"]
+    families = {f.name: [s.value for s in f.samples] for f in rule_families(store)}
+    assert families["kproxy_rules"] == [2.0] and families["kproxy_rules_generation"] == [1.0]

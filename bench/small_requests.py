@@ -1,0 +1,135 @@
+"""Many clients, small requests: requests per second and latency of Metadata v12 round trips from
+many concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
+
+Each load process drives its share of the connections with a selector loop over raw sockets (no
+client library, so the generator itself stays cheap): every connection keeps exactly one Metadata
+v12 request (no topics) in flight and sends the next as soon as the answer is whole.
+
+Run alone:  ``.venv/bin/python bench/small_requests.py HOST:PORT [--clients 200] [--seconds 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import selectors
+import socket
+import statistics
+import struct
+import time
+from dataclasses import dataclass
+
+_I32 = struct.Struct(">i")
+
+
+def metadata_v12_request(correlation_id: int) -> bytes:
+    # Header v2: api key 3, version 12, correlation id, client id "bench", no tagged fields; body:
+    # topics an empty compact array (1; 0 would be null, "all topics"), allow_auto_topic_creation
+    # false, include_topic_authorized_operations false, no tagged fields.
+    client_id = b"bench"
+    header = struct.pack(">hhih", 3, 12, correlation_id, len(client_id)) + client_id + b"\x00"
+    body = b"\x01" + b"\x00" + b"\x00" + b"\x00"
+    frame = header + body
+    return _I32.pack(len(frame)) + frame
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    buf: bytearray
+    sent_at: float = 0.0
+
+
+def _worker(host: str, port: int, clients: int, seconds: float, warmup: float,
+            out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    sel = selectors.DefaultSelector()
+    request = metadata_v12_request(1)
+    conns = []
+    for _ in range(clients):
+        s = socket.create_connection((host, port), timeout=10)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setblocking(False)
+        c = _Conn(s, bytearray())
+        conns.append(c)
+        sel.register(s, selectors.EVENT_READ, c)
+    start = time.perf_counter()
+    measure_from = start + warmup
+    end = measure_from + seconds
+    for c in conns:
+        c.sent_at = time.perf_counter()
+        c.sock.send(request)
+    done = 0
+    latencies: list[float] = []
+    longest_gap = 0.0
+    last_answer = measure_from
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            break
+        for key, _ in sel.select(timeout=0.5):
+            c = key.data
+            chunk = c.sock.recv(65536)
+            if not chunk:
+                raise SystemExit("a connection was closed by the server")
+            c.buf += chunk
+            while len(c.buf) >= 4:
+                (size,) = _I32.unpack_from(c.buf, 0)
+                if len(c.buf) < 4 + size:
+                    break
+                del c.buf[: 4 + size]
+                t = time.perf_counter()
+                if t >= measure_from:
+                    done += 1
+                    latencies.append(t - c.sent_at)
+                    longest_gap = max(longest_gap, t - last_answer)
+                    last_answer = t
+                c.sent_at = t
+                c.sock.send(request)
+    for c in conns:
+        c.sock.close()
+    out.put((done, latencies, longest_gap))
+
+
+@dataclass
+class LoadResult:
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    longest_gap_ms: float     # the longest time no answer at all arrived, over all connections
+
+
+def run_load(address: str, clients: int = 200, seconds: float = 5.0, procs: int = 2,
+             warmup: float = 1.0) -> LoadResult:
+    host, port = address.rsplit(":", 1)
+    ctx = multiprocessing.get_context("fork")
+    out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+    shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    workers = [ctx.Process(target=_worker, args=(host, int(port), n, seconds, warmup, out))
+               for n in shares if n]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=seconds + warmup + 60) for _ in workers]
+    for w in workers:
+        w.join()
+    done = sum(r[0] for r in results)
+    lat = sorted(x for r in results for x in r[1])
+    if not lat:
+        raise RuntimeError(f"no answers from {address}")
+    return LoadResult(done / seconds, statistics.median(lat) * 1000, lat[int(0.99 * (len(lat) - 1))] * 1000,
+                      max(r[2] for r in results) * 1000)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Metadata v12 round trips from many connections.")
+    ap.add_argument("address")
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--procs", type=int, default=2)
+    args = ap.parse_args()
+    r = run_load(args.address, args.clients, args.seconds, args.procs)
+    print(f"{args.clients} clients: {r.requests_per_s:,.0f} requests/s, p50 {r.p50_ms:.2f} ms, "
+          f"p99 {r.p99_ms:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
