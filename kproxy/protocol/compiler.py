@@ -27,7 +27,9 @@ ZERO_COPY_MIN = 1024
 
 # Arrays of structs with at least this many elements are decoded lazily (LazyArray) by the fast
 # decoders: validated at once, decoded on first access, re-encoded as views of the input until then.
-LAZY_MIN_ITEMS = 8
+# Smaller ones cost less decoded at once than validated now and decoded later, if touched.
+DEFAULT_LAZY_MIN_ITEMS = 8
+LAZY_MIN_ITEMS = DEFAULT_LAZY_MIN_ITEMS  # in force; set_codec changes it
 
 _FIXED = {  # type -> (struct format, size)
     "int8": ("b", 1), "int16": ("h", 2), "int32": ("i", 4), "int64": ("q", 8),

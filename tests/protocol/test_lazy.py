@@ -36,7 +36,7 @@ def impl(request: pytest.FixtureRequest):
     before = compiler.codec_settings()
     if request.param == "native":
         require_accelerator()
-    compiler.set_codec(native=request.param == "native", lazy_min_items=compiler.LAZY_MIN_ITEMS)
+    compiler.set_codec(native=request.param == "native", lazy_min_items=compiler.DEFAULT_LAZY_MIN_ITEMS)
     try:
         yield request.param
     finally:
