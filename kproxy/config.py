@@ -21,6 +21,7 @@ import attrs
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from kproxy.protocol.compiler import codec_implementation
 from kproxy.protocol.errors import ConfigError
 
 _MAX_PORT: Final = 65535
@@ -257,6 +258,7 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
         f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
         f"admin {cfg.admin.listen or 'off'}",
+        f"codec {codec_implementation()}",
     ]
     return "; ".join(parts)
 
