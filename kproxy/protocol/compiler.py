@@ -3,6 +3,9 @@ encoder per (message, version), compiled on first use and cached.
 
 The generated decoders read from a memoryview without copying bytes or records fields, check every
 length and count against the bytes that remain before allocating, and keep unknown tagged fields.
+Arrays of structs of ``LAZY_MIN_ITEMS`` or more elements are walked by a validating skip that rejects
+exactly what decoding them would, then left as ``LazyArray`` views decoded on first access; the skip
+runs in the optional C accelerator (``_accel``) where it was built, else in generated Python.
 Their source is registered with ``linecache`` so tracebacks show it. A second, *traced* variant of
 each decoder is generated only when the fast one fails; it records the field path for DecodeError.
 This module must not do I/O.
