@@ -21,6 +21,7 @@ import attrs
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from kproxy.protocol.compiler import codec_implementation
 from kproxy.protocol.errors import ConfigError
 
 _MAX_PORT: Final = 65535
@@ -614,6 +615,7 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"traffic log {cfg.traffic_log.dir or 'off'}",
         f"tracing {f'on at {cfg.tracing.sample_ratio:g}' if cfg.tracing.enabled else 'off'}",
         f"logs {cfg.log_level} as {cfg.log_format}",
+        f"codec {codec_implementation()}",
     ]
     if cfg.rules:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")

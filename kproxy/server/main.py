@@ -5,6 +5,7 @@ goes through ``kproxy.config``'s checks, and a mistake is one line on stderr and
 before anything starts. It holds no proxy logic.
 """
 
+import gc
 import logging
 import sys
 from typing import Any
@@ -48,6 +49,11 @@ def run_from_args(args: Any) -> int:
         # kproxy cannot follow (read here, when the exporter is made).
         print(f"kproxy run: {e}", file=sys.stderr)
         return 2
+    # Start-up objects (schema, settings, compiled codecs) never die: keep the collector off them, and
+    # let young objects pile up longer between collections (a large Metadata answer makes hundreds of
+    # thousands of short-lived objects; the default threshold of 700 walks them again and again).
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
     try:
         trio.run(serve_until_signal, server)
     except (ListenError, BaseExceptionGroup) as e:
