@@ -97,4 +97,6 @@ class RuleStore:
             "chaos": rule_set.chaos_enabled,
             "rules": [{"name": r.name, "action": r.action, "where": str(r.where) if r.where else None}
                       for r in rule_set.rules],
+            "quotas": [{"name": q.name, "per": q.per, **q.limits, "burst_s": q.burst_s,
+                        "where": str(q.where) if q.where else None} for q in rule_set.quotas],
         }

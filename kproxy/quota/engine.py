@@ -115,9 +115,11 @@ class _Conn:
         api_key, version = request.api_key, request.api_version
         found = self.by_api.get((api_key, version))
         if found is None:
+            # An acks selector holds only for Produce requests, as in a policy rule.
             got = tuple((q, k) for q, k in self.quotas
                         if q.concerns(api_key) and (q.rule.match.api is None or q.rule.match.api(api_key))
-                        and (q.rule.match.api_version is None or q.rule.match.api_version(version)))
+                        and (q.rule.match.api_version is None or q.rule.match.api_version(version))
+                        and (q.rule.match.acks is None or api_key == PRODUCE))
             found = self.by_api[(api_key, version)] = (
                 got, api_key == PRODUCE and any(q.rule.match.acks is not None for q, _ in got))
         got, by_acks = found

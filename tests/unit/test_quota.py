@@ -253,6 +253,8 @@ def test_every_matching_quota_applies_and_the_longest_throttle_wins(tmp_path):
 def test_a_reload_keeps_the_usage_and_applies_the_new_rate_from_the_next_request(tmp_path):
     path = write_rules(tmp_path, ONE_K % ("client_id", 1), "quotas.yaml")
     store = RuleStore([path])
+    assert store.describe()["quotas"] == [{"name": "one-k", "per": "client_id", "produce_bytes_per_s": 1000.0,
+                                           "burst_s": 1.0, "where": f"{path}:2:5"}]
     f = QuotaFilter(store)
     s = session(f)
     assert produce_once(s, 1000)[0].body.throttle_time_ms == 0
@@ -422,9 +424,11 @@ def test_an_acks0_produce_is_charged_when_sent_and_mutes_the_connection(tmp_path
 
 
 def test_a_quota_may_select_produce_requests_by_acks(tmp_path):
-    s = session(quota_filter(tmp_path, "quotas: [{name: fire-and-forget, match: {acks: 0}, produce_bytes_per_s: 1000}]\n"))
+    s = session(quota_filter(tmp_path, "quotas: [{name: fire-and-forget, match: {acks: 0}, produce_bytes_per_s: 1000,"
+                                       " requests_per_s: 1}]\n"))
     _, entry = produce_once(s, 5000)
     assert entry.notes is None and s.throttled_for(100.0) == 0.0
+    assert metadata_once(s).body.throttle_time_ms == 0 and metadata_once(s).body.throttle_time_ms == 0
     out = send(s, PRODUCE, 9, produce_body(3000, acks=0))
     assert out[0].entry.notes["quota"]["rule"] == "fire-and-forget" and s.throttled_for(100.0) == pytest.approx(2.0)
 
