@@ -21,7 +21,7 @@ from kproxy.quota.budgets import Budgets
 from kproxy.quota.engine import QuotaFilter, fetch_record_bytes, produce_record_bytes, trim_fetch
 from kproxy.quota.rate import SampledRate, Windows, throttle_seconds
 
-from .rulebook import rule_set, session, write_rules
+from .rulebook import Clock, rule_set, session, write_rules
 from .test_policy_filter import broker_answers, send
 from .test_session import answered, forwarded
 
@@ -575,3 +575,45 @@ def test_kproxy_check_accepts_a_report_quota_file(tmp_path, capsys):
                     + yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100))
     assert main(["check", "--rules", str(path)]) == 0
     assert "2 quotas" in capsys.readouterr().out
+
+
+# -- kproxy.yaml
+
+
+def test_quota_replicas_and_windows_in_kproxy_yaml(tmp_path):
+    from kproxy.config import load_config, parse_config
+    from kproxy.protocol.errors import ConfigError
+
+    head = 'listen: "127.0.0.1:9092"\nupstream: {bootstrap_servers: "k:1"}\n'
+    cfg = parse_config(head + "quota_replicas: ${KPROXY_REPLICAS:-1}\nquota: {samples: 5, window_s: 0.5}\n",
+                       env={"KPROXY_REPLICAS": "3"})
+    assert (cfg.quota_replicas, cfg.quota.samples, cfg.quota.window_s) == (3, 5, 0.5)
+    assert cfg.quota_share == pytest.approx(1 / 3)
+    default = parse_config(head + "quota_replicas: ${KPROXY_REPLICAS:-1}\n", env={})
+    assert (default.quota_replicas, default.quota.samples, default.quota.window_s, default.quota_share) == (
+        1, 11, 1.0, 1.0)
+    for text, reason in (("quota_replicas: 0\n", "quota_replicas: must be at least 1, got 0"),
+                         ("quota: {window_s: 0}\n", "quota.window_s: must be greater than 0"),
+                         ("quota: {sampels: 3}\n", "did you mean 'samples'")):
+        path = tmp_path / "kproxy.yaml"
+        path.write_text(head + text)
+        with pytest.raises(ConfigError, match=reason) as e:
+            load_config(path)
+        assert e.value.line == 3
+
+
+def test_the_server_enforces_this_replicas_share(tmp_path):
+    from kproxy.config import config_from_args
+    from kproxy.server.app import ProxyServer
+
+    rules = write_rules(tmp_path, ONE_K % ("client_id", 1))
+    server = ProxyServer(config_from_args("127.0.0.1:9092", "127.0.0.1:19092", rules=[rules], quota_replicas=2,
+                                          quota={"samples": 4, "window_s": 2.0}))
+    (f,) = [f for f in server.chain.filters if isinstance(f, QuotaFilter)]
+    assert (f.share, f.samples, f.window_s) == (0.5, 4, 2.0)
+    ctx = server.new_context(1, ("127.0.0.1", 5555))
+    ctx.clock = Clock()
+    s = Session(ctx, server.chain)
+    resp, _ = produce_once(s, 1000)
+    # 1000 bytes of 500/s over a 1 s burst window: (1000 - 500) / 500 * 1 s.
+    assert resp.body.throttle_time_ms == 1000
