@@ -99,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         # Charged, never throttled: the quota really ran.
         assert len(quota.budgets) == 1 and quoted.session.throttled_for(time.perf_counter()) == 0.0, name
 
-    print(f"bench/quotas.py: {rounds} rounds x {pairs} pairs of {n} requests; CPU us per request "
-          "(request in + answer out, sans-I/O), medians")
-    print(f"{'case':28} {'without':>9} {'with':>9} {'added':>9} {'kept':>7}")
+    header = (f"bench/quotas.py: {rounds} rounds x {pairs} pairs of {n} requests; CPU us per request "
+              "(request in + answer out, sans-I/O), medians")
+    lines = [header, f"{'case':28} {'without':>9} {'with':>9} {'added':>9} {'kept':>7}"]
     for name, figures in results.items():
-        without, with_quota, added = (statistics.median(f[i] for f in figures) for i in range(3))
-        print(f"{name:28} {without:9.1f} {with_quota:9.1f} {added:9.1f} {without / (without + added):6.3f}x")
+        base_us, quota_us, added_us = (statistics.median(f[i] for f in figures) for i in range(3))
+        lines.append(f"{name:28} {base_us:9.1f} {quota_us:9.1f} {added_us:9.1f} "
+                     f"{base_us / (base_us + added_us):6.3f}x")
+    print("\n".join(lines))
     return 0
 
 

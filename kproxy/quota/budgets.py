@@ -32,6 +32,12 @@ class Budget:
         self.last_used = now
         self.span_s = span_s    # how long its samples remember: idle longer, it measures nothing
 
+    def new(self, limit: str) -> SampledRate:
+        """The rate of ``limit`` (produce, fetch, requests or time), started now it is first used."""
+        rate = SampledRate()
+        setattr(self, limit, rate)
+        return rate
+
 
 class Budgets:
     """Every budget of one kproxy process, shared by all connections."""

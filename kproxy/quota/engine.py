@@ -19,10 +19,11 @@ import attrs
 
 from kproxy.logs import safe
 from kproxy.policy.model import ANONYMOUS, QuotaRule, RuleSet
+from kproxy.protocol.lazy import LazyArray
 from kproxy.protocol.messages import Request, Response, api_name
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter, RequestVerdict, Throttle
 from kproxy.quota.budgets import Budget, BudgetKey, Budgets
-from kproxy.quota.rate import SampledRate, Windows, to_ms
+from kproxy.quota.rate import Windows, to_ms
 
 log = logging.getLogger("kproxy.quota")
 
@@ -172,6 +173,8 @@ class QuotaFilter(Filter):
     # -- requests
 
     def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
+        if request.api_key == PRODUCE and request.body.acks != 0:
+            return None         # charged when its answer comes
         st = self._conn(ctx)
         if st is None:
             return None
@@ -195,27 +198,35 @@ class QuotaFilter(Filter):
         """Lower the Fetch's byte limits to what its fetch budgets allow now, but never below the
         largest record batch this connection has fetched (a broker returns at least one batch)."""
         now = ctx.clock()
+        body = request.body
+        wanted = body.max_bytes if request.api_version >= 3 else 1 << 62
         allowed: float | None = None
         for q, key in applied:
             if q.fetch is None:
                 continue
             budget = self.budgets.peek(key)
             rate = budget.fetch if budget is not None else None
-            room = (rate.allowance(now, q.windows, q.fetch) if rate is not None
-                    else q.fetch * q.windows.min_full_windows * q.windows.window_s)
+            if rate is None:
+                room = q.fetch * q.windows.min_full_windows * q.windows.window_s
+            else:
+                room = rate.least_allowance(q.windows, q.fetch)
+                if room < wanted:
+                    room = rate.allowance(now, q.windows, q.fetch)
             allowed = room if allowed is None else min(allowed, room)
         if allowed is None:
             return
-        body = request.body
         limit = max(int(allowed), st.largest_batch, 1)
-        parts = [p for t in body.topics for p in t.partitions]
         if request.api_version >= 3:
             if limit >= body.max_bytes:
                 return
             before = body.max_bytes
             body.max_bytes = limit
-        elif parts and st.largest_batch:
+            parts = [p for t in body.topics for p in t.partitions]
+        elif st.largest_batch:
             # No max_bytes before v3: the budget is shared out over the partitions.
+            parts = [p for t in body.topics for p in t.partitions]
+            if not parts:
+                return
             limit = max(int(allowed) // len(parts), st.largest_batch)
             before = max(p.partition_max_bytes for p in parts)
             if limit >= before:
@@ -266,7 +277,8 @@ class QuotaFilter(Filter):
             budget = self.budgets.get(key, now, q.span_s)
             if q.rule.per == "connection":
                 st.own_budgets.add(key)
-            ms = to_ms(_throttle(budget, q, now, produced, fetched, spent))
+            seconds = _throttle(budget, q, now, produced, fetched, spent)
+            ms = to_ms(seconds) if seconds > 0 else 0
             if worst is None or ms > worst[0]:
                 worst = (ms, q, key)
         if worst is None:
@@ -291,34 +303,65 @@ def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int
     w = q.windows
     longest = 0.0
     if q.produce is not None and produced:
-        budget.produce = budget.produce or SampledRate()
-        longest = max(longest, budget.produce.record_and_throttle(produced, now, w, q.produce))
+        rate = budget.produce or budget.new("produce")
+        longest = rate.record_and_throttle(produced, now, w, q.produce)
     if q.fetch is not None and fetched:
-        budget.fetch = budget.fetch or SampledRate()
-        longest = max(longest, budget.fetch.record_and_throttle(fetched, now, w, q.fetch))
+        rate = budget.fetch or budget.new("fetch")
+        t = rate.record_and_throttle(fetched, now, w, q.fetch)
+        if t > longest:
+            longest = t
     if q.requests is not None:
-        budget.requests = budget.requests or SampledRate()
-        longest = max(longest, budget.requests.record_and_throttle(1, now, w, q.requests))
+        rate = budget.requests or budget.new("requests")
+        t = rate.record_and_throttle(1, now, w, q.requests)
+        if t > longest:
+            longest = t
     if q.time is not None:
-        budget.time = budget.time or SampledRate()
+        rate = budget.time or budget.new("time")
         # Kafka records thread time as percent-seconds and throttles a request quota by at most one
         # window (ClientRequestQuotaManager's maxThrottleTimeMs).
-        longest = max(longest, min(budget.time.record_and_throttle(spent * 100, now, w, q.time), w.window_s))
+        t = min(rate.record_and_throttle(spent * 100, now, w, q.time), w.window_s)
+        if t > longest:
+            longest = t
     return longest
 
 
+def _undecoded(array: Any) -> int | None:
+    """The size of a large array of structs as received, while nothing has decoded it (else None)."""
+    if type(array) is LazyArray and not array.decoded:
+        return len(array.raw)
+    return None
+
+
+def _partitions(topics: Any, field: str) -> Iterator[Any]:
+    """Each partition (the ``field`` array of each topic), or for a large array nothing has decoded,
+    its size as received (an int): counting never decodes what kproxy forwards untouched."""
+    raw = _undecoded(topics)
+    if raw is not None:
+        yield raw
+        return
+    for t in topics:
+        parts = getattr(t, field)
+        raw = _undecoded(parts)
+        if raw is None:
+            yield from parts
+        else:
+            yield raw
+
+
 def produce_record_bytes(body: Any) -> int:
-    """The record bytes of a Produce request (the sizes of its records fields; nothing parsed)."""
+    """The record bytes of a Produce request: the sizes of its records fields (nothing parsed), or an
+    undecoded large array's size (a few bytes a partition more)."""
     total = 0
-    for t in body.topic_data:
-        for p in t.partition_data:
-            if p.records is not None:
-                total += len(p.records)
+    for p in _partitions(body.topic_data, "partition_data"):
+        if type(p) is int:
+            total += p
+        elif p.records is not None:
+            total += len(p.records)
     return total
 
 
 def _fetched(body: Any) -> Iterator[Any]:
-    """The partitions of a Fetch response that carry records."""
+    """The partitions of a Fetch response that carry records (decoding them)."""
     for t in body.responses:
         for p in t.partitions:
             if p.records:
@@ -349,12 +392,19 @@ def trim_fetch(body: Any, limit: int) -> int:
 
 def fetch_record_bytes(body: Any) -> tuple[int, int]:
     """(record bytes, size of the largest first batch of a partition) of a Fetch response; only the
-    length field of each partition's first batch is read."""
+    length field of each partition's first batch is read. An undecoded large array counts as its
+    size as received (with each partition's header, about 40 bytes), and no batch in it is seen."""
     total = largest = 0
-    for p in _fetched(body):
-        n = len(p.records)
+    for p in _partitions(body.responses, "partitions"):
+        if type(p) is int:
+            total += p
+            continue
+        records = p.records
+        if not records:
+            continue
+        n = len(records)
         total += n
         if n >= _LOG_OVERHEAD.size:
-            first = _LOG_OVERHEAD.unpack_from(p.records, 0)[1] + _LOG_OVERHEAD.size
+            first = _LOG_OVERHEAD.unpack_from(records, 0)[1] + _LOG_OVERHEAD.size
             largest = max(largest, min(first, n))
     return total, largest

@@ -54,19 +54,39 @@ class _Sample:
 class SampledRate:
     """A sum over sliding sample windows, measured as a rate per second (Kafka's ``Rate`` over a
     ``WindowedSum``): a sample is complete once ``window_s`` has passed since it started, and one
-    extra sample is kept so the oldest still overlapping the span is never dropped early."""
+    extra sample is kept so the oldest still overlapping the span is never dropped early. The sum,
+    the oldest start and the earliest time a sample can expire are kept as samples change, so a
+    measurement costs a few operations, not a pass over the samples."""
 
-    __slots__ = ("_current", "_samples")
+    __slots__ = ("_current", "_expire", "_oldest", "_samples", "_stale_at", "_total")
 
     def __init__(self) -> None:
         self._samples: list[_Sample] = []
         self._current = 0
+        self._total = 0.0
+        self._oldest = 0.0       # the earliest start of a sample
+        self._stale_at = 0.0     # no sample can be older than the span before this time
+        self._expire = 0.0       # the span _stale_at was computed for
+
+    def _first(self, now: float, windows: Windows) -> _Sample:
+        sample = _Sample(now)
+        self._samples.append(sample)
+        self._current = 0
+        self._oldest = now
+        self._expire = windows.samples * windows.window_s
+        self._stale_at = now + self._expire
+        return sample
+
+    def _reset(self, sample: _Sample, now: float) -> None:
+        self._total -= sample.value
+        was_oldest = sample.start == self._oldest
+        sample.reset(now)
+        if was_oldest:
+            self._oldest = min(s.start for s in self._samples)
 
     def record(self, value: float, now: float, windows: Windows) -> None:
         samples = self._samples
-        if not samples:
-            samples.append(_Sample(now))
-        sample = samples[self._current]
+        sample = samples[self._current] if samples else self._first(now, windows)
         if now - sample.start >= windows.window_s:
             self._current = (self._current + 1) % (windows.samples + 1)
             if self._current >= len(samples):
@@ -74,36 +94,34 @@ class SampledRate:
                 samples.append(sample)
             else:
                 sample = samples[self._current]
-                sample.reset(now)
+                self._reset(sample, now)
         sample.value += value
         sample.last_event = now
+        self._total += value
 
     def _purge(self, now: float, windows: Windows) -> None:
         # A sample with no event within the whole span counts for nothing any more.
         expire = windows.samples * windows.window_s
+        if now < self._stale_at and expire == self._expire:
+            return
         for sample in self._samples:
             if now - sample.last_event >= expire:
-                sample.reset(now)
+                self._reset(sample, now)
+        self._expire = expire
+        self._stale_at = min(s.last_event for s in self._samples) + expire
 
     def measured(self, now: float, windows: Windows) -> tuple[float, float]:
         """(what was recorded within the span, the seconds it is measured over). The seconds run
         from the start of the oldest sample still in the span, but count at least
         ``min_full_windows`` whole windows more than have passed (Kafka's ``Rate.windowSize``)."""
+        if not self._samples:
+            self._first(now, windows)
         self._purge(now, windows)
-        samples = self._samples
-        if not samples:
-            samples.append(_Sample(now))
-        total = 0.0
-        oldest = now
-        for s in samples:
-            total += s.value
-            if s.start < oldest:
-                oldest = s.start
-        elapsed = now - oldest
+        elapsed = now - self._oldest
         full = math.floor(elapsed / windows.window_s)
         if full < windows.min_full_windows:
             elapsed += (windows.min_full_windows - full) * windows.window_s
-        return total, elapsed
+        return self._total, elapsed
 
     def total(self, now: float, windows: Windows) -> float:
         return self.measured(now, windows)[0]
@@ -120,6 +138,8 @@ class SampledRate:
         """Record ``value``, then the throttle time in seconds (0 within the quota) as Kafka computes it
         right after recording: the usage over the quota, spread back over the measured window."""
         self.record(value, now, windows)
+        if self._total <= bound * windows.min_full_windows * windows.window_s:
+            return 0.0      # within the quota over the shortest window a rate is measured over
         total, window = self.measured(now, windows)
         return throttle_seconds(total / window, bound, window)
 
@@ -127,6 +147,11 @@ class SampledRate:
         """How much could be recorded now without a throttle (0 or less while over the quota)."""
         total, window = self.measured(now, windows)
         return bound * window - total
+
+    def least_allowance(self, windows: Windows, bound: float) -> float:
+        """A lower bound of ``allowance`` that needs no time: the room left were the rate measured
+        over the shortest window, with nothing forgotten yet."""
+        return bound * windows.min_full_windows * windows.window_s - self._total
 
 
 def throttle_seconds(rate: float, bound: float, window_s: float) -> float:

@@ -69,6 +69,62 @@ def test_samples_slide_and_usage_past_the_span_is_forgotten():
     assert Windows.for_burst(11, 0.5, 2.0).min_full_windows == 4.0
 
 
+class NaiveRate:
+    """Kafka's SampledStat + Rate, written out plainly (every measurement walks every sample), as the
+    reference the kept-up-to-date SampledRate must agree with."""
+
+    def __init__(self) -> None:
+        self.samples: list[list[float]] = []      # [start, last event, value]
+        self.current = 0
+
+    def record(self, value: float, now: float, w: Windows) -> None:
+        if not self.samples:
+            self.samples.append([now, now, 0.0])
+        s = self.samples[self.current]
+        if now - s[0] >= w.window_s:
+            self.current = (self.current + 1) % (w.samples + 1)
+            if self.current >= len(self.samples):
+                self.samples.append([now, now, 0.0])
+            else:
+                self.samples[self.current][:] = [now, now, 0.0]
+            s = self.samples[self.current]
+        s[2] += value
+        s[1] = now
+
+    def measured(self, now: float, w: Windows) -> tuple[float, float]:
+        if not self.samples:
+            self.samples.append([now, now, 0.0])
+        for s in self.samples:
+            if now - s[1] >= w.samples * w.window_s:
+                s[:] = [now, now, 0.0]
+        elapsed = now - min(s[0] for s in self.samples)
+        full = int(elapsed // w.window_s)
+        if full < w.min_full_windows:
+            elapsed += (w.min_full_windows - full) * w.window_s
+        return sum(s[2] for s in self.samples), elapsed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_sampled_rate_agrees_with_a_plain_walk_over_its_samples(seed):
+    import random
+
+    rng = random.Random(seed)
+    fast, plain = SampledRate(), NaiveRate()
+    now = 1000.0
+    w = Windows.for_burst(rng.choice((2, 3, 11)), rng.choice((0.5, 1.0)), rng.choice((0.5, 1.0, 4.0)))
+    for _ in range(400):
+        now += rng.choice((0.0, 0.001, 0.05, 0.3, 0.9, 2.5, 7.0, 30.0)) * rng.random()
+        if rng.random() < 0.05:     # a reload with other windows
+            w = Windows.for_burst(rng.choice((2, 3, 11)), w.window_s, rng.choice((0.5, 1.0, 4.0)))
+        if rng.random() < 0.7:
+            value = rng.choice((1.0, 100.0, 5000.0))
+            fast.record(value, now, w)
+            plain.record(value, now, w)
+        total, window = fast.measured(now, w)
+        expected_total, expected_window = plain.measured(now, w)
+        assert total == pytest.approx(expected_total, abs=1e-6) and window == pytest.approx(expected_window)
+
+
 def test_allowance_is_what_fits_before_a_throttle():
     w = Windows.for_burst(11, 1.0, 2.0)
     rate = SampledRate()
@@ -431,6 +487,32 @@ def test_a_quota_may_select_produce_requests_by_acks(tmp_path):
     assert metadata_once(s).body.throttle_time_ms == 0 and metadata_once(s).body.throttle_time_ms == 0
     out = send(s, PRODUCE, 9, produce_body(3000, acks=0))
     assert out[0].entry.notes["quota"]["rule"] == "fire-and-forget" and s.throttled_for(100.0) == pytest.approx(2.0)
+
+
+def test_large_arrays_nobody_decoded_are_counted_by_their_size_and_stay_undecoded(tmp_path):
+    from kproxy.protocol import LazyArray
+
+    f = quota_filter(tmp_path, ONE_K % ("client_id", 1) + "    fetch_bytes_per_s: 1.0e9\n")
+    s = session(f)
+    cls = body_class(PRODUCE, "request")
+    body = cls(acks=-1, timeout_ms=1000, topic_data=[cls.TopicProduceData(name=f"t{i}", partition_data=[
+        cls.PartitionProduceData(index=0, records=b"r" * 100)]) for i in range(10)])
+    up = forwarded(send(s, PRODUCE, 9, body)[-1])
+    rcls = body_class(PRODUCE, "response")
+    out = broker_answers(s, up, rcls(responses=[rcls.TopicProduceResponse(name=f"t{i}", partition_responses=[
+        rcls.PartitionProduceResponse(index=0)]) for i in range(10)]))
+    entry = out[-1].done[0]
+    topics = entry.request.body.topic_data
+    assert type(topics) is LazyArray and not topics.decoded
+    charged = f.budgets.peek(("one-k", "client_id=app")).produce.total(100.0, Windows.for_burst(11, 1.0, 1.0))
+    # The records plus each topic's name and each partition's index, length and tags.
+    assert charged == len(topics.raw) and 1000 < charged < 1000 + 10 * 12
+    up = forwarded(send(s, FETCH, 12, fetch_request(50 << 20))[-1])
+    fcls = body_class(FETCH, "response")
+    answer = fcls(responses=[fcls.FetchableTopicResponse(topic=f"t{i}", partitions=[
+        fcls.PartitionData(partition_index=0, records=batch_bytes(100))]) for i in range(10)])
+    back = broker_answers(s, up, answer)[-1].done[0].response.body.responses
+    assert type(back) is LazyArray and not back.decoded
 
 
 def test_record_bytes_are_the_records_fields_sizes():
