@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default=",".join(TARGETS),
                     help=f"comma-separated subset of {','.join(ALL_TARGETS)} (direct is always run)")
     ap.add_argument("--telemetry", action="store_true",
-                    help=f"add {', '.join(TELEMETRY)} (and kproxy, which they are compared with)")
+                    help=f"add {', '.join(TELEMETRY).replace('%', '%%')} (and kproxy, which they are compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--small-clients", type=int, default=200,
                     help="connections in the many-small-requests part (default 200; 0 skips it)")
