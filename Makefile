@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-fast test-slow lint bench system-deps
 
-$(VENV)/.installed: pyproject.toml
+# The native codec accelerator is built by the editable install: rebuild when its source changes.
+$(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'

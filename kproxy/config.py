@@ -21,6 +21,7 @@ import attrs
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from kproxy.protocol.compiler import codec_implementation
 from kproxy.protocol.errors import ConfigError
 
 _MAX_PORT: Final = 65535
@@ -399,6 +400,8 @@ class ProxyConfig:
     verify_reencode: float = _setting(0.0, min=0, max=1)
     log_level: str = _setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     log_format: str = _setting("text", case="lower", choices=("text", "json"))
+    # Processes sharing the listening ports; 0 (written "auto") means one per CPU the process may use.
+    workers: int = _setting(1, min=0, auto=True)
     source: str | None = attrs.field(default=None, metadata={_INTERNAL: True})  # file loaded from
 
     def __attrs_post_init__(self) -> None:
@@ -413,6 +416,9 @@ class ProxyConfig:
         if self.mode == "gateway" and self.exposure.advertised_host is None and self.listen.host in _WILDCARD_HOSTS:
             raise SettingError(("listen",), f"clients cannot connect to {self.listen.host}; set "
                                             f"exposure.advertised_host to the name they reach kproxy by")
+        if self.workers != 1 and self.exposure.mode != "sni" and self.exposure.node_id_base is None:
+            raise SettingError(("workers",), "more than one worker needs broker ports every worker agrees on: "
+                                             "set exposure.node_id_base (or use exposure.mode: sni)")
         admin = self.admin.listen
         if admin is not None and _may_share(admin.host, self.listen.host):
             taken = {self.listen.port}
@@ -595,6 +601,8 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"traffic log {cfg.traffic_log.dir or 'off'}",
         f"tracing {f'on at {cfg.tracing.sample_ratio:g}' if cfg.tracing.enabled else 'off'}",
         f"logs {cfg.log_level} as {cfg.log_format}",
+        f"codec {codec_implementation()}",
+        f"workers {effective_workers(cfg)}{' (auto)' if cfg.workers == 0 else ''}",
     ]
     if cfg.rules:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
@@ -747,6 +755,10 @@ class _Builder:
             self.fail(e.path, e.problem)
 
     def value(self, tp: Any, node: Node, path: _Path, rules: Mapping[str, Any]) -> Any:
+        if rules.get("auto") and isinstance(node, ScalarNode) and node.tag == _STR_TAG:
+            if node.value == "auto":
+                return 0    # an int setting that also takes "auto" (workers): 0 stands for it
+            self.fail(path, f"expected an integer or auto, got {_describe(node)}", node)
         origin = typing.get_origin(tp)
         if origin is types.UnionType:
             # Every union in the config classes is "X | None".
@@ -982,3 +994,32 @@ def _node_of(value: object) -> Node:
     if isinstance(value, list | tuple):
         return SequenceNode("tag:yaml.org,2002:seq", [_node_of(v) for v in value])
     return _REPRESENTER.represent_data(value)
+
+
+def effective_workers(cfg: ProxyConfig, cgroup_dir: str = "/sys/fs/cgroup") -> int:
+    """``cfg.workers``, with ``auto`` (0) resolved: the CPUs this process may use, capped by a cgroup
+    CPU quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``) when one is set."""
+    if cfg.workers:
+        return cfg.workers
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpus(cgroup_dir)
+    return max(1, min(cpus, quota)) if quota is not None else max(1, cpus)
+
+
+def _cgroup_cpus(cgroup_dir: str) -> int | None:
+    try:
+        with open(os.path.join(cgroup_dir, "cpu.max"), encoding="ascii") as f:
+            limit_text, period_text = f.read().split()[:2]
+        if limit_text != "max":
+            return math.ceil(int(limit_text) / int(period_text))
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cgroup_dir, "cpu", "cpu.cfs_quota_us"), encoding="ascii") as f:
+            quota = int(f.read())
+        with open(os.path.join(cgroup_dir, "cpu", "cpu.cfs_period_us"), encoding="ascii") as f:
+            period = int(f.read())
+        return math.ceil(quota / period) if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None

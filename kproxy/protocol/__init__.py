@@ -12,6 +12,7 @@ from kproxy.protocol.errors import (
     RecordsError,
     UnsupportedVersionError,
 )
+from kproxy.protocol.lazy import LazyArray
 from kproxy.protocol.messages import (
     Request,
     Response,
@@ -29,6 +30,7 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "FrameError",
+    "LazyArray",
     "ProtocolError",
     "RecordsError",
     "Request",

@@ -11,7 +11,14 @@ import struct
 from typing import Any
 
 from kproxy.protocol import primitives as P
-from kproxy.protocol.compiler import Codec, encode_to, get_codec, message_class, split_parts
+from kproxy.protocol.compiler import (
+    Codec,
+    encode_to,
+    get_codec,
+    message_class,
+    settings_listeners,
+    split_parts,
+)
 from kproxy.protocol.errors import DecodeError, TrailingBytesError, UnsupportedVersionError
 from kproxy.protocol.schema import ApiSpec, MessageSpec, load_schema_files
 
@@ -102,6 +109,7 @@ def response_header_codec(version: int) -> Codec:
 
 _REQ: dict[tuple[int, int], tuple[Codec, Codec]] = {}
 _RESP: dict[tuple[int, int], tuple[Codec, Codec]] = {}
+settings_listeners += [_REQ.clear, _RESP.clear]  # compiler.set_codec: other codecs from now on
 
 
 def request_codecs(api_key: int, api_version: int) -> tuple[Codec, Codec]:

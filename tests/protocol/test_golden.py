@@ -2,13 +2,16 @@
 
 Each vector is written from the protocol's facts, not from kproxy's encoder. Every test checks both
 directions: decoding gives the expected fields, and encoding, from the decoded message and from one
-built by hand, gives back exactly the same bytes.
+built by hand, gives back exactly the same bytes. Each test runs with the proxy's codec and with
+every array of structs lazy, in pure Python and native (``codec_setting``).
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+
+import pytest
 
 from kproxy.protocol.messages import (
     Request,
@@ -23,6 +26,8 @@ from kproxy.protocol.messages import (
     response_header_version,
 )
 from kproxy.protocol.records import Compression, LegacyMessage, build_legacy, iter_batches
+
+pytestmark = pytest.mark.usefixtures("codec_setting")
 
 
 def joined(parts) -> bytes:

@@ -2,7 +2,8 @@
 nested structs, and are re-emitted in tag order among the known ones (KIP-482).
 
 The frames are written here from the wire format, with a few small writers, so that the expected
-bytes never come from kproxy's own encoder.
+bytes never come from kproxy's own encoder. Each test runs with the proxy's codec and with every
+array of structs lazy, in pure Python and native (``codec_setting``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from kproxy.protocol.errors import DecodeError
 from kproxy.protocol.messages import decode_request, decode_response, encode_request, encode_response
 from kproxy.protocol.primitives import write_uvarint as uv
 from kproxy.protocol.records import build_batch
+
+pytestmark = pytest.mark.usefixtures("codec_setting")
 
 
 def joined(parts) -> bytes:

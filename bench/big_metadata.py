@@ -1,0 +1,215 @@
+"""Metadata of a large cluster through kproxy: the added latency of one 10,000- or 100,000-partition
+Metadata v12 answer, and how long a concurrent client's small requests stall meanwhile.
+
+Run from the repository root:  ``.venv/bin/python bench/big_metadata.py [--partitions 100000]
+[--samples 30] [--codec native|python]``
+
+A small in-process fake broker (threads, blocking sockets; no Kafka broker can be filled with
+100,000 partitions here in reasonable time) answers ApiVersions, Metadata with no topics (its 50
+brokers) and Metadata for all topics (5,000 topics x 20 partitions x 3 replicas, or 500 x 20, the
+same bytes as bench/codec.py's scale cases). kproxy runs as its own process (``python -m kproxy
+run``). The big request goes to the fake directly and through kproxy, interleaved; meanwhile another
+connection through kproxy loops on small Metadata requests, and the longest gap between its answers
+is the longest the event loop was held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from codec import SCALE_BROKERS, metadata_body  # noqa: E402
+
+from kproxy.protocol.messages import (  # noqa: E402
+    Response,
+    body_class,
+    decode_request,
+    encode_response_frame,
+    supported_versions,
+)
+from kproxy.tansu import broker_answers  # noqa: E402
+from tests.e2e.proxied import free_port_block  # noqa: E402
+
+HOST = "127.0.0.1"
+_I32 = struct.Struct(">i")
+
+
+def _read_frame(sock: socket.socket) -> bytes | None:
+    head = b""
+    while len(head) < 4:
+        chunk = sock.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (size,) = _I32.unpack(head)
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(min(1 << 20, size - len(data)))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+class FakeCluster:
+    """Answers ApiVersions and Metadata v12 from canned bodies; nothing else."""
+
+    def __init__(self, big_body: bytes) -> None:
+        self.big_body = big_body
+        cls = body_class(3, "response")
+        small = cls(brokers=[cls.MetadataResponseBroker(node_id=i, host=f"b-{i}.kafka-prod.internal", port=9092)
+                             for i in SCALE_BROKERS], cluster_id="fake", controller_id=1, topics=[])
+        self.small = small
+        self.listener = socket.create_server((HOST, 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while (frame := _read_frame(conn)) is not None:
+                req = decode_request(frame, keep_trailing=True)
+                cid = req.correlation_id
+                if req.api_key == 18:
+                    av = body_class(18, "response")
+                    # Metadata up to v12 only: the canned answers are v12.
+                    keys = [av.ApiVersion(api_key=k, min_version=lo, max_version=min(hi, 12 if k == 3 else hi))
+                            for k, (lo, hi) in supported_versions().items() if k in (3, 18)]
+                    v = min(req.api_version, 3)
+                    out = b"".join(bytes(b) for b in encode_response_frame(
+                        Response.build(18, v, cid, av(api_keys=keys))))
+                elif req.api_key == 3 and req.api_version == 12:
+                    if req.body.topics is None:         # all topics: the big answer
+                        header = _I32.pack(cid) + b"\x00"
+                        out = _I32.pack(len(header) + len(self.big_body)) + header + self.big_body
+                    else:
+                        out = b"".join(bytes(b) for b in encode_response_frame(
+                            Response.build(3, 12, cid, self.small)))
+                else:
+                    return
+                conn.sendall(out)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def metadata_request(correlation_id: int, all_topics: bool) -> bytes:
+    client_id = b"bench"
+    header = struct.pack(">hhih", 3, 12, correlation_id, len(client_id)) + client_id + b"\x00"
+    body = (b"\x00" if all_topics else b"\x01") + b"\x00\x00\x00"
+    return _I32.pack(len(header) + len(body)) + header + body
+
+
+def round_trip(sock: socket.socket, cid: int, all_topics: bool) -> float:
+    t0 = time.perf_counter()
+    sock.sendall(metadata_request(cid, all_topics))
+    frame = _read_frame(sock)
+    assert frame is not None and _I32.unpack_from(frame)[0] == cid
+    return time.perf_counter() - t0
+
+
+def small_loop(port: int, stop: Any, out: Any) -> None:
+    """In its own process: small Metadata requests in a loop on one connection until ``stop`` is set;
+    sends back every round-trip time (the longest is how long kproxy's event loop was held)."""
+    sock = socket.create_connection((HOST, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    gaps = []
+    cid = 0
+    while not stop.is_set():
+        cid += 1
+        gaps.append(round_trip(sock, cid, all_topics=False))
+        time.sleep(0.001)
+    out.send(gaps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--partitions", type=int, choices=(10_000, 100_000), default=100_000)
+    ap.add_argument("--samples", type=int, default=30)
+    ap.add_argument("--codec", choices=("native", "python"), help="KPROXY_CODEC for kproxy (default: its own pick)")
+    args = ap.parse_args()
+    topics = args.partitions // 20
+    body, _ = metadata_body(topics, 20, SCALE_BROKERS, seed=13)
+    fake = FakeCluster(body)
+    kp = free_port_block(64)      # the bootstrap port and one per broker after it
+    log_path = Path(tempfile.gettempdir()) / f"kproxy-big-metadata-{os.getpid()}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 (closed in the finally below)
+    env = dict(os.environ)
+    if args.codec:
+        env["KPROXY_CODEC"] = args.codec
+    proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--upstream", f"{HOST}:{fake.port}",
+                             "--listen", f"{HOST}:{kp}", "--log-level", "WARNING"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 20
+        while not broker_answers(HOST, kp):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"kproxy did not start (its log: {log_path})")
+            time.sleep(0.1)
+        direct = socket.create_connection((HOST, fake.port))
+        through = socket.create_connection((HOST, kp))
+        for s in (direct, through):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(3):
+                round_trip(s, 1000 + i, all_topics=True)     # warm-up
+        ctx = multiprocessing.get_context("fork")
+        stop = ctx.Event()
+        receive, send = ctx.Pipe(duplex=False)
+        loop = ctx.Process(target=small_loop, args=(kp, stop, send))
+        loop.start()
+        # The same client with no big answer in flight: how long gaps are on this machine anyway.
+        time.sleep(3.0)
+        stop.set()
+        baseline = receive.recv()
+        loop.join(5)
+        stop = ctx.Event()
+        loop = ctx.Process(target=small_loop, args=(kp, stop, send))
+        loop.start()
+        time.sleep(0.5)
+        times: dict[str, list[float]] = {"direct": [], "kproxy": []}
+        for i in range(args.samples):
+            for name, s in (("direct", direct), ("kproxy", through)) if i % 2 else (("kproxy", through), ("direct", direct)):
+                times[name].append(round_trip(s, i + 1, all_topics=True))
+        stop.set()
+        gaps = receive.recv()
+        loop.join(5)
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        fake.close()
+        log.close()
+    d50, k50 = statistics.median(times["direct"]) * 1000, statistics.median(times["kproxy"]) * 1000
+    print(f"Metadata v12, {args.partitions:,} partitions ({topics:,} topics x 20, 3 replicas, 50 brokers), "
+          f"{len(body) / 1e6:.1f} MB, {args.samples} samples each, kproxy codec: {args.codec or 'default'}")
+    print(f"  direct p50 {d50:.1f} ms; through kproxy p50 {k50:.1f} ms; added {k50 - d50:+.1f} ms (goal <= 10 ms)")
+    print(f"  a concurrent client's small requests through kproxy: p50 {statistics.median(gaps) * 1000:.2f} ms, "
+          f"longest {max(gaps) * 1000:.1f} ms (goal: the event loop never held > 10 ms); with no big "
+          f"answer in flight: p50 {statistics.median(baseline) * 1000:.2f} ms, longest {max(baseline) * 1000:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Options for the whole suite: which codec implementation and lazy-array threshold the proxy's
+codecs use (``pytest --codec python --lazy-min 0``), so every test can be run on every path.
+The codec tests in tests/protocol compare all paths on their own, whatever is chosen here."""
+
+from __future__ import annotations
+
+import pytest
+
+from kproxy.protocol import compiler
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kproxy codec")
+    group.addoption("--codec", choices=("auto", "python", "native"), default="auto",
+                    help="codec implementation for the whole run (auto: native where built)")
+    group.addoption("--lazy-min", type=int, default=None, metavar="N",
+                    help="decode arrays of structs of N or more elements lazily (0: all of them)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    codec = config.getoption("--codec")
+    compiler.set_codec(native=None if codec == "auto" else codec == "native",
+                       lazy_min_items=config.getoption("--lazy-min"))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"kproxy codec: {compiler.codec_implementation()}, lazy arrays from {compiler.LAZY_MIN_ITEMS} items"
