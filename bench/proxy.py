@@ -633,9 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records-100", type=int, help=f"records per 100 B run (default {DEFAULT_N[100]:,})")
     ap.add_argument("--records-1k", type=int, help=f"records per 1 KiB run (default {DEFAULT_N[1024]:,})")
     ap.add_argument("--targets", default=",".join(TARGETS),
-                    help=f"comma-separated subset of {','.join(ALL_TARGETS)} (direct is always run)")
+                    help=f"comma-separated subset of {','.join(ALL_TARGETS).replace('%', '%%')} (direct is always run)")
     ap.add_argument("--telemetry", action="store_true",
-                    help=f"add {', '.join(TELEMETRY)} (and kproxy, which they are compared with)")
+                    help=f"add {', '.join(TELEMETRY).replace('%', '%%')} (and kproxy, which they are compared with)")
     ap.add_argument("--rules", action="store_true",
                     help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--quotas", action="store_true",

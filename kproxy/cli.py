@@ -71,6 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    # The arguments as given: `kproxy run` with several workers starts each with the same ones.
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     if args.command == "decode":
         return _run_decode(args)
     if args.command == "run":

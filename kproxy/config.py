@@ -401,7 +401,7 @@ class ProxyConfig:
     # Policy rule files, or directories of them (every *.yaml), relative to the config file.
     rules: tuple[str, ...] = ()
     chaos: bool = False    # chaos rules inject faults only when this is true
-    # kproxy processes that share every quota (a gateway's replicas): each enforces its part.
+    # Replicas of the gateway that share every quota; each process enforces quota_share() of it.
     quota_replicas: int = _setting(1, min=1)
     quota: QuotaConfig = QuotaConfig()
     admin: AdminConfig = AdminConfig()
@@ -412,6 +412,8 @@ class ProxyConfig:
     verify_reencode: float = _setting(0.0, min=0, max=1)
     log_level: str = _setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     log_format: str = _setting("text", case="lower", choices=("text", "json"))
+    # Processes sharing the listening ports; 0 (written "auto") means one per CPU the process may use.
+    workers: int = _setting(1, min=0, auto=True)
     source: str | None = attrs.field(default=None, metadata={_INTERNAL: True})  # file loaded from
 
     def __attrs_post_init__(self) -> None:
@@ -426,6 +428,9 @@ class ProxyConfig:
         if self.mode == "gateway" and self.exposure.advertised_host is None and self.listen.host in _WILDCARD_HOSTS:
             raise SettingError(("listen",), f"clients cannot connect to {self.listen.host}; set "
                                             f"exposure.advertised_host to the name they reach kproxy by")
+        if self.workers != 1 and self.exposure.mode != "sni" and self.exposure.node_id_base is None:
+            raise SettingError(("workers",), "more than one worker needs broker ports every worker agrees on: "
+                                             "set exposure.node_id_base (or use exposure.mode: sni)")
         admin = self.admin.listen
         if admin is not None and _may_share(admin.host, self.listen.host):
             taken = {self.listen.port}
@@ -441,12 +446,10 @@ class ProxyConfig:
             return "localhost"
         return self.exposure.advertised_host or self.listen.host
 
-    @property
-    def quota_share(self) -> float:
-        """The part of every quota this process enforces: 1 / (quota_replicas x processes per
-        replica). One process per replica today; a setting for more multiplies in here, and only here."""
-        processes_per_replica = 1
-        return 1.0 / (self.quota_replicas * processes_per_replica)
+    def quota_share(self, workers: int = 1) -> float:
+        """The part of every quota one kproxy process enforces: 1 / (quota_replicas x workers), the
+        worker processes of this replica (``ProxyServer.workers``; budgets are per process)."""
+        return 1.0 / (self.quota_replicas * workers)
 
     @property
     def broker_port_start(self) -> int:
@@ -616,6 +619,7 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"tracing {f'on at {cfg.tracing.sample_ratio:g}' if cfg.tracing.enabled else 'off'}",
         f"logs {cfg.log_level} as {cfg.log_format}",
         f"codec {codec_implementation()}",
+        f"workers {effective_workers(cfg)}{' (auto)' if cfg.workers == 0 else ''}",
     ]
     if cfg.rules:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
@@ -770,6 +774,10 @@ class _Builder:
             self.fail(e.path, e.problem)
 
     def value(self, tp: Any, node: Node, path: _Path, rules: Mapping[str, Any]) -> Any:
+        if rules.get("auto") and isinstance(node, ScalarNode) and node.tag == _STR_TAG:
+            if node.value == "auto":
+                return 0    # an int setting that also takes "auto" (workers): 0 stands for it
+            self.fail(path, f"expected an integer or auto, got {_describe(node)}", node)
         origin = typing.get_origin(tp)
         if origin is types.UnionType:
             # Every union in the config classes is "X | None".
@@ -1005,3 +1013,32 @@ def _node_of(value: object) -> Node:
     if isinstance(value, list | tuple):
         return SequenceNode("tag:yaml.org,2002:seq", [_node_of(v) for v in value])
     return _REPRESENTER.represent_data(value)
+
+
+def effective_workers(cfg: ProxyConfig, cgroup_dir: str = "/sys/fs/cgroup") -> int:
+    """``cfg.workers``, with ``auto`` (0) resolved: the CPUs this process may use, capped by a cgroup
+    CPU quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``) when one is set."""
+    if cfg.workers:
+        return cfg.workers
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpus(cgroup_dir)
+    return max(1, min(cpus, quota)) if quota is not None else max(1, cpus)
+
+
+def _cgroup_cpus(cgroup_dir: str) -> int | None:
+    try:
+        with open(os.path.join(cgroup_dir, "cpu.max"), encoding="ascii") as f:
+            limit_text, period_text = f.read().split()[:2]
+        if limit_text != "max":
+            return math.ceil(int(limit_text) / int(period_text))
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cgroup_dir, "cpu", "cpu.cfs_quota_us"), encoding="ascii") as f:
+            quota = int(f.read())
+        with open(os.path.join(cgroup_dir, "cpu", "cpu.cfs_period_us"), encoding="ascii") as f:
+            period = int(f.read())
+        return math.ceil(quota / period) if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None

@@ -56,8 +56,13 @@ def _escape(c: str) -> str:
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ``ts`` (RFC 3339, UTC), ``level``, ``logger``, ``msg``, and ``exc``.
 
-    json.dumps escapes every control and non-ASCII character, so no message can break a line.
+    json.dumps escapes every control and non-ASCII character, so no message can break a line. With
+    ``process`` (one of several worker processes), each object also has ``process``.
     """
+
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__()
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -67,6 +72,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.process is not None:
+            entry["process"] = self.process
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
@@ -78,15 +85,20 @@ class _Handler(logging.StreamHandler[TextIO]):
     """The handler configure_logging installs; a second call replaces it rather than adding one."""
 
 
-def configure_logging(level: str, fmt: str) -> logging.Handler:
+def configure_logging(level: str, fmt: str, process: str | None = None) -> logging.Handler:
     """Send every log record at ``level`` or above to stderr as ``fmt`` ("text" or "json").
 
-    Returns the handler it installed on the root logger.
+    ``process`` names this process among several (``worker 1``): text lines carry it after the
+    logger's name, JSON objects as ``process``. Returns the handler it installed on the root logger.
     """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
     handler = _Handler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(process))
+    else:
+        text = TEXT_FORMAT.replace("%(name)s:", f"%(name)s [{process}]:") if process else TEXT_FORMAT
+        handler.setFormatter(logging.Formatter(text))
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(old)

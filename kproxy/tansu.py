@@ -73,7 +73,7 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # In the child between fork and exec: PR_SET_PDEATHSIG(SIGKILL), so a killed parent leaves no broker.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
@@ -127,7 +127,7 @@ class Tansu:
                 # Its own process group: Ctrl-C reaches only the parent, which then stops it in order.
                 start_new_session=True,
                 # PDEATHSIG follows the forking thread; only the main thread lives as long as the process.
-                preexec_fn=_die_with_parent if sys.platform == "linux" and in_main_thread else None)
+                preexec_fn=die_with_parent if sys.platform == "linux" and in_main_thread else None)
         deadline = time.monotonic() + ready_timeout
         while not (broker_answers(self.host, self.port) and self.running):
             if not self.running:

@@ -940,24 +940,25 @@ def _log_request(ctx: ConnectionContext, rule: Rule, params: Log, req: Request) 
             req.api_version, f" topics {safe(shown)}" if shown else "")
 
 
-_PATTERNS: dict[tuple[int, int], tuple[tuple[str, ...], ...]] = {}
+_PATTERNS: dict[tuple[int, int], tuple[entities.Path, ...]] = {}
 
 
-def pattern_fields(api_key: int, version: int) -> tuple[tuple[str, ...], ...]:
-    """Paths (field names from the root) of the request's name patterns: string fields named
-    ``*_regex`` or ``*_pattern``, which the schema leaves unmarked because no prefix can rewrite them."""
+def pattern_fields(api_key: int, version: int) -> tuple[entities.Path, ...]:
+    """Paths ((field name, is an array), ... from the root) of the request's name patterns: string
+    fields named ``*_regex`` or ``*_pattern``, which the schema leaves unmarked because no prefix can
+    rewrite them."""
     got = _PATTERNS.get((api_key, version))
     if got is None:
-        found: list[tuple[str, ...]] = []
+        found: list[entities.Path] = []
 
-        def walk(s: StructSpec, prefix: tuple[str, ...]) -> None:
+        def walk(s: StructSpec, prefix: entities.Path) -> None:
             for f in s.fields:
                 if version not in f.versions:
                     continue
                 if f.type == "string" and f.name.endswith(("_regex", "_pattern")):
-                    found.append((*prefix, f.name))
+                    found.append((*prefix, (f.name, f.array)))
                 if f.struct is not None:
-                    walk(f.struct, (*prefix, f.name))
+                    walk(f.struct, (*prefix, (f.name, f.array)))
 
         spec = api_by_key(api_key).request
         assert spec is not None
@@ -966,15 +967,17 @@ def pattern_fields(api_key: int, version: int) -> tuple[tuple[str, ...], ...]:
     return got
 
 
-def _values_at(obj: Any, path: tuple[str, ...]) -> Iterable[Any]:
+def _values_at(obj: Any, path: entities.Path) -> Iterable[Any]:
     if obj is None:
         return
     if not path:
         yield obj
         return
-    value = getattr(obj, path[0])
-    for item in value if isinstance(value, list) else [value]:
-        yield from _values_at(item, path[1:])
+    (name, array), rest = path[0], path[1:]
+    value = getattr(obj, name)
+    # Arrays may be lazy (kproxy.protocol.LazyArray): the schema says which fields are arrays.
+    for item in (value or ()) if array else (value,):
+        yield from _values_at(item, rest)
 
 
 def _tenant_refusal(req: Request) -> Respond | None:

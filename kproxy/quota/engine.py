@@ -132,7 +132,7 @@ class _Conn:
 
 class QuotaFilter(Filter):
     """Enforces the quotas in force (see the module docstring). ``share`` is the part of every quota
-    this process enforces (``ProxyConfig.quota_share``); ``samples`` and ``window_s`` are how rates
+    this process enforces (``ProxyConfig.quota_share``: replicas and workers); ``samples`` and ``window_s`` are how rates
     are sampled (``ProxyConfig.quota``)."""
 
     name = "quota"

@@ -118,8 +118,8 @@ class AdminServer:
                     request = await self._read_request(stream, conn)
                 if timer.cancelled_caught or request is None:
                     return
-                status, ctype, body = self.respond(request.method.decode("ascii", "replace"),
-                                                   request.target.decode("ascii", "replace"))
+                status, ctype, body = await self.answer(request.method.decode("ascii", "replace"),
+                                                        request.target.decode("ascii", "replace"))
                 self.requests += 1
                 headers = [("content-type", ctype), ("content-length", str(len(body))),
                            ("cache-control", "no-store")]
@@ -153,6 +153,10 @@ class AdminServer:
                 return request
             elif isinstance(event, h11.ConnectionClosed):
                 return None
+
+    async def answer(self, method: str, target: str) -> tuple[int, str, bytes]:
+        """(status, content type, body); a supervisor's listener asks its workers instead."""
+        return self.respond(method, target)
 
     def respond(self, method: str, target: str) -> tuple[int, str, bytes]:
         """(status, content type, body) for one request: pure apart from reading the server."""

@@ -12,6 +12,7 @@ import errno
 import functools
 import itertools
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -20,7 +21,7 @@ from typing import Any
 
 import trio
 
-from kproxy.config import ProxyConfig, effective_buffer_budget
+from kproxy.config import HostPort, ProxyConfig, effective_buffer_budget
 from kproxy.logs import safe
 from kproxy.policy.engine import PolicyFilter
 from kproxy.policy.loader import describe_rules
@@ -81,9 +82,15 @@ class ProxyServer:
     """kproxy in front of one Kafka cluster, as configured."""
 
     def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *,
-                 span_exporter: SpanExporter | None = None) -> None:
+                 span_exporter: SpanExporter | None = None, worker: tuple[int, int] | None = None,
+                 admin_listen: HostPort | None = None) -> None:
         """Raises RuleError (a ConfigError) when the configured rule files do not load."""
         self.config = config
+        # (index, count) when this is one of several worker processes sharing the ports (SO_REUSEPORT);
+        # budgets are then divided among the workers.
+        self.worker = worker
+        self.workers = worker[1] if worker is not None else 1
+        self.admin_listen = admin_listen or config.admin.listen
         self.stats = ProxyStats()
         self.telemetry = Telemetry(config, span_exporter=span_exporter)
         self.reencode = ReencodeCheck(config.verify_reencode) if config.verify_reencode > 0 else None
@@ -115,7 +122,7 @@ class ProxyServer:
             builtin.append(PolicyFilter(self.rule_store))
             # Quotas come from the same files; they count what the policy lets through.
             builtin.append(QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
-                                       config.quota_share))
+                                       config.quota_share(self.workers)))
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -127,7 +134,7 @@ class ProxyServer:
         self.bootstrap_address: tuple[str, int] | None = None
         self.draining = False
         limits = config.limits
-        self.budget = BufferBudget(_budget_limit(config))
+        self.budget = BufferBudget(_budget_limit(config) // self.workers)
         upstream = config.upstream
         self.settings = ConnectionSettings(
             # A frame is forwarded only once it is whole, so what one direction of a connection
@@ -201,6 +208,9 @@ class ProxyServer:
         s = socket.socket(family, socket.SOCK_STREAM)
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self.workers > 1:
+                # Every worker listens on the same ports; the kernel spreads new connections.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             s.bind((host, port))
             s.listen(1024)
         except OSError as e:
@@ -244,9 +254,9 @@ class ProxyServer:
         """Run until cancelled or drained; ``task_status.started(self)`` once the bootstrap port listens."""
         listen = self.config.listen
         admin_listener = None
-        if self.config.admin.listen is not None:
+        if self.admin_listen is not None:
             try:
-                admin_listener = admin.bind(self.config.admin.listen)
+                admin_listener = admin.bind(self.admin_listen)
             except admin.AdminListenError as e:
                 raise ListenError(str(e)) from e
         try:
@@ -504,6 +514,8 @@ async def serve_until_signal(server: ProxyServer) -> None:
     """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files."""
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
+        if server.worker is not None:
+            nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
@@ -517,6 +529,15 @@ async def serve_until_signal(server: ProxyServer) -> None:
                 nursery.start_soon(_drain_then_stop, server, nursery.cancel_scope)
             nursery.cancel_scope.cancel()
     log.info("kproxy stopped")
+
+
+async def _drain_when_orphaned(server: ProxyServer, scope: trio.CancelScope, parent: int) -> None:
+    # A worker whose supervisor is gone (killed outright) would hold the ports forever: drain and stop.
+    while os.getppid() == parent:
+        await trio.sleep(1.0)
+    if not server.draining:
+        log.warning("the supervisor (pid %d) is gone: draining and stopping this worker", parent)
+        await _drain_then_stop(server, scope)
 
 
 async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None:

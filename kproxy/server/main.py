@@ -7,16 +7,27 @@ before anything starts. It holds no proxy logic.
 
 import gc
 import logging
+import os
 import sys
 from typing import Any
 
 import trio
 
 from kproxy.cli import package_version
-from kproxy.config import ProxyConfig, apply_overrides, config_from_args, describe_config, load_config
+from kproxy.config import (
+    HostPort,
+    ProxyConfig,
+    apply_overrides,
+    config_from_args,
+    describe_config,
+    effective_workers,
+    load_config,
+)
 from kproxy.logs import configure_logging
+from kproxy.policy.loader import load_rules
 from kproxy.protocol.errors import ConfigError
 from kproxy.server.app import ListenError, ProxyServer, listen_error, serve_until_signal
+from kproxy.server.workers import WORKER_ADMIN_ENV, Supervisor, worker_identity
 
 log = logging.getLogger("kproxy.server")
 
@@ -40,10 +51,26 @@ def run_from_args(args: Any) -> int:
     except ConfigError as e:
         print(f"kproxy run: {e}", file=sys.stderr)
         return 2
-    configure_logging(cfg.log_level, cfg.log_format)
-    log.info("kproxy %s: %s", package_version(), describe_config(cfg))
+    worker = worker_identity()
+    configure_logging(cfg.log_level, cfg.log_format, process=f"worker {worker[0]}" if worker else None)
+    if worker is None and effective_workers(cfg) > 1:
+        log.info("kproxy %s: %s", package_version(), describe_config(cfg))
+        if cfg.rules:
+            # Checked once here, so rule files that do not load stop the start instead of every
+            # worker failing and being restarted.
+            try:
+                load_rules(cfg.rules, cfg.chaos)
+            except ConfigError as e:
+                print(f"kproxy run: {e}", file=sys.stderr)
+                return 2
+        argv = getattr(args, "argv", None) or sys.argv[1:]
+        return trio.run(Supervisor(cfg, argv).run)
+    if worker is None or worker[0] == 0:
+        log.info("kproxy %s: %s", package_version(), describe_config(cfg))
+    private_admin = os.environ.get(WORKER_ADMIN_ENV) if worker else None
     try:
-        server = ProxyServer(cfg)
+        server = ProxyServer(cfg, worker=worker,
+                             admin_listen=HostPort.parse(private_admin) if private_admin else None)
     except ConfigError as e:
         # Rule files that do not load (the message `kproxy check` prints), or OTEL_* variables
         # kproxy cannot follow (read here, when the exporter is made).

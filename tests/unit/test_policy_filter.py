@@ -271,7 +271,7 @@ def test_a_tenant_cannot_change_acls_or_subscribe_by_pattern(tmp_path):
                                           principal="User:x", host="*", operation=2, permission_type=3)])
     acts = send(s, CREATE_ACLS, 3, body, client_id="team-a-1")
     assert answered(acts[0], CREATE_ACLS, 3).body.results[0].error_code == CLUSTER_AUTHORIZATION_FAILED
-    assert pattern_fields(CONSUMER_GROUP_HEARTBEAT, 1) == (("subscribed_topic_regex",),)
+    assert pattern_fields(CONSUMER_GROUP_HEARTBEAT, 1) == ((("subscribed_topic_regex", False),),)
     hb = body_class(CONSUMER_GROUP_HEARTBEAT, "request")(group_id="g", member_id="m", member_epoch=0,
                                                          subscribed_topic_regex="orders.*")
     acts = send(s, CONSUMER_GROUP_HEARTBEAT, 1, hb, client_id="team-a-1", correlation_id=9)

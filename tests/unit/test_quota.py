@@ -328,7 +328,7 @@ def test_a_quota_for_each_replica(tmp_path):
     s = session(quota_filter(tmp_path, ONE_K % ("client_id", 1), share=0.5))
     assert produce_once(s, 1000)[0].body.throttle_time_ms == 1000     # 1000 of 500/s
     cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092", quota_replicas=4)
-    assert cfg.quota_share == 0.25
+    assert cfg.quota_share() == 0.25 and cfg.quota_share(workers=2) == 0.125
 
 
 METADATA_RATE = """\
@@ -670,9 +670,9 @@ def test_quota_replicas_and_windows_in_kproxy_yaml(tmp_path):
     cfg = parse_config(head + "quota_replicas: ${KPROXY_REPLICAS:-1}\nquota: {samples: 5, window_s: 0.5}\n",
                        env={"KPROXY_REPLICAS": "3"})
     assert (cfg.quota_replicas, cfg.quota.samples, cfg.quota.window_s) == (3, 5, 0.5)
-    assert cfg.quota_share == pytest.approx(1 / 3)
+    assert cfg.quota_share() == pytest.approx(1 / 3)
     default = parse_config(head + "quota_replicas: ${KPROXY_REPLICAS:-1}\n", env={})
-    assert (default.quota_replicas, default.quota.samples, default.quota.window_s, default.quota_share) == (
+    assert (default.quota_replicas, default.quota.samples, default.quota.window_s, default.quota_share()) == (
         1, 11, 1.0, 1.0)
     for text, reason in (("quota_replicas: 0\n", "quota_replicas: must be at least 1, got 0"),
                          ("quota: {window_s: 0}\n", "quota.window_s: must be greater than 0"),
@@ -699,3 +699,6 @@ def test_the_server_enforces_this_replicas_share(tmp_path):
     resp, _ = produce_once(s, 1000)
     # 1000 bytes of 500/s over a 1 s burst window: (1000 - 500) / 500 * 1 s.
     assert resp.body.throttle_time_ms == 1000
+    # One of two worker processes of that replica enforces a quarter.
+    worker = ProxyServer(server.config, worker=(1, 2))
+    assert [f.share for f in worker.chain.filters if isinstance(f, QuotaFilter)] == [0.25]

@@ -1,0 +1,162 @@
+"""Aggregate throughput with more than one kproxy worker process: 8 concurrent producers through
+``workers: 1`` and ``workers: 2``, and direct, side by side.
+
+Run from the repository root:  ``.venv/bin/python bench/workers.py [--rounds 3] [--records 40000]
+[--producers 8] [--size 1024]``
+
+One tansu broker; for each round, each target in turn (order rotating): ``--producers`` processes,
+each a confluent-kafka producer (acks=all) sending ``--records`` records of ``--size`` bytes to its own
+partition; the figure is all records / the time until the last producer's last acknowledgement.
+kproxy runs as ``kproxy run --config`` with ``exposure.node_id_base`` (which several workers need) and
+its CPU time is summed over the supervisor and the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from confluent_kafka import Producer  # noqa: E402
+from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
+
+from kproxy.tansu import Tansu, broker_answers  # noqa: E402
+from tests.e2e.proxied import free_port_block  # noqa: E402
+
+HOST = "127.0.0.1"
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _produce(bootstrap: str, topic: str, partition: int, n: int, size: int, start: object, out: object) -> None:
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "queue.buffering.max.messages": n + 1,
+                  "queue.buffering.max.kbytes": 2_097_151})
+    p.produce(topic, b"warm-up", partition=partition)
+    p.flush(30)
+    value = os.urandom(size)
+    start.wait()  # type: ignore[attr-defined]
+    for i in range(n):
+        p.produce(topic, value, partition=partition)
+        if i & 0x3FF == 0:
+            p.poll(0)
+    left = p.flush(120)
+    out.send((left, time.perf_counter()))  # type: ignore[attr-defined]
+
+
+def run(bootstrap: str, admin: AdminClient, producers: int, n: int, size: int) -> float:
+    """Records per second of all producers together."""
+    topic = f"workers-{uuid.uuid4().hex[:8]}"
+    admin.create_topics([NewTopic(topic, num_partitions=producers, replication_factor=1)])[topic].result(30)
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(producers)]
+    procs = [ctx.Process(target=_produce, args=(bootstrap, topic, i, n, size, start, send))
+             for i, (_, send) in enumerate(pipes)]
+    for p in procs:
+        p.start()
+    time.sleep(3.0)  # each producer's warm-up record (connections, metadata) before the clock starts
+    t0 = time.perf_counter()
+    start.set()
+    ends = []
+    for receive, _ in pipes:
+        left, end = receive.recv()
+        if left:
+            raise RuntimeError(f"{left} records not acknowledged via {bootstrap}")
+        ends.append(end)
+    for p in procs:
+        p.join()
+    with contextlib.suppress(Exception):  # best effort: it only frees the broker's memory
+        admin.delete_topics([topic])[topic].result(30)
+    return producers * n / (max(ends) - t0)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and its children that are still running (the workers)."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def start_kproxy(upstream: str, node_id: int, workers: int, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port_block(4)
+    cfg = workdir / f"kproxy-{workers}.yaml"
+    cfg.write_text(f'listen: "{HOST}:{port}"\nupstream: {{bootstrap_servers: "{upstream}"}}\n'
+                   f"exposure: {{advertised_host: {HOST}, node_id_base: {node_id}, broker_port_count: 2}}\n"
+                   f"log_level: WARNING\nworkers: {workers}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(cfg)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=open(workdir / f"kproxy-{workers}.log", "wb"))  # noqa: SIM115
+    deadline = time.monotonic() + 30
+    while not broker_answers(HOST, port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"kproxy (workers {workers}) did not start")
+        time.sleep(0.1)
+    time.sleep(1.0)  # every worker up
+    return proc, f"{HOST}:{port}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--records", type=int, default=40_000, help="records per producer")
+    ap.add_argument("--producers", type=int, default=8)
+    ap.add_argument("--size", type=int, default=1024)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kproxy-workers-") as tmp, Tansu() as broker:
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        md = admin.list_topics(timeout=10)
+        node_id = next(iter(md.brokers))
+        proxies = {w: start_kproxy(broker.bootstrap, node_id, w, Path(tmp)) for w in (1, 2)}
+        targets = {"direct": broker.bootstrap, "workers 1": proxies[1][1], "workers 2": proxies[2][1]}
+        pids = {"workers 1": proxies[1][0].pid, "workers 2": proxies[2][0].pid}
+        rates: dict[str, list[float]] = {t: [] for t in targets}
+        cpus: dict[str, list[float]] = {t: [] for t in pids}
+        try:
+            names = list(targets)
+            for r in range(args.rounds):
+                for name in names[r % 3:] + names[: r % 3]:
+                    c0 = cpu_seconds(pids[name]) if name in pids else 0.0
+                    t0 = time.perf_counter()
+                    rate = run(targets[name], admin, args.producers, args.records, args.size)
+                    if name in pids:
+                        cpus[name].append((cpu_seconds(pids[name]) - c0) / (time.perf_counter() - t0))
+                    rates[name].append(rate)
+                    print(f"  round {r + 1}: {name:<10} {rate:>10,.0f} records/s", file=sys.stderr, flush=True)
+        finally:
+            for proc, _ in proxies.values():
+                proc.terminate()
+                proc.wait(30)
+    med = {t: statistics.median(v) for t, v in rates.items()}
+    print(f"{args.producers} producers x {args.records:,} records of {args.size} B, acks=all; "
+          f"{args.rounds} rounds, medians; {os.cpu_count()} CPUs shared with the broker and the clients")
+    for t in targets:
+        cpu = f"  kproxy CPU {statistics.median(cpus[t]) * 100:.0f}% of a core" if t in cpus else ""
+        print(f"  {t:<10} {med[t]:>10,.0f} records/s ({med[t] * args.size / 1e6:.0f} MB/s)  "
+              f"{med[t] / med['direct']:.2f}x direct{cpu}")
+    print(f"  workers 2 / workers 1: {med['workers 2'] / med['workers 1']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

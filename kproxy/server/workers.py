@@ -1,0 +1,237 @@
+"""``workers: N``: N kproxy processes sharing the listening ports (SO_REUSEPORT), and the supervisor
+that starts them, restarts one that dies, drains them on SIGTERM and serves their merged metrics.
+
+Each worker is ``kproxy run`` with the same arguments, told by the environment which worker it is
+(``KPROXY_WORKER=i/n``) and where its private admin listener is (``KPROXY_WORKER_ADMIN``). The kernel
+spreads new connections over the workers; a connection lives in one worker. Workers agree on the
+broker ports because the ports are deterministic (``exposure.node_id_base``, or SNI on one port),
+which the config requires when ``workers`` is more than one. Budgets (the buffer budget, quotas) are
+divided among the workers as among replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from kproxy.config import ProxyConfig, effective_workers
+from kproxy.server import admin
+
+log = logging.getLogger("kproxy.supervisor")
+
+WORKER_ENV = "KPROXY_WORKER"                # "i/n": this process is worker i of n
+WORKER_ADMIN_ENV = "KPROXY_WORKER_ADMIN"    # host:port of this worker's private admin listener
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def worker_identity(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
+    """(index, count) when this process is a worker; None otherwise."""
+    value = (environ if environ is not None else os.environ).get(WORKER_ENV)
+    if not value:
+        return None
+    index, _, count = value.partition("/")
+    return int(index), int(count)
+
+
+class Worker:
+    def __init__(self, index: int, count: int, argv: Sequence[str], admin_address: str | None) -> None:
+        self.index = index
+        self.count = count
+        self.argv = list(argv)
+        self.admin_address = admin_address
+        self.process: trio.Process | None = None
+        self.restarts = 0
+
+    async def start(self) -> None:
+        env = dict(os.environ)
+        env[WORKER_ENV] = f"{self.index}/{self.count}"
+        if self.admin_address is not None:
+            env[WORKER_ADMIN_ENV] = self.admin_address
+        # Its own session: a terminal's Ctrl-C reaches only the supervisor, which passes it on once (a
+        # worker that got it twice would stop at once instead of draining). A worker whose supervisor
+        # was killed outright notices and stops by itself (PR_SET_PDEATHSIG cannot be used: trio
+        # starts processes from a worker thread, and the signal follows that thread, not the process).
+        self.process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "kproxy", *self.argv], env=env, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        log.info("worker %d started (pid %d)", self.index, self.process.pid)
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signum)
+
+
+class Supervisor:
+    """Starts the workers and keeps them running until a signal says otherwise."""
+
+    def __init__(self, config: ProxyConfig, argv: Sequence[str]) -> None:
+        self.config = config
+        self.count = effective_workers(config)
+        self.stopping = False
+        self.workers = [Worker(i, self.count, argv, _private_address() if config.admin.listen else None)
+                        for i in range(self.count)]
+
+    async def run(self) -> int:
+        async with trio.open_nursery() as nursery:
+            for w in self.workers:
+                await w.start()
+                nursery.start_soon(self._watch, w)
+            if self.config.admin.listen is not None:
+                listener = admin.bind(self.config.admin.listen)
+                merged = SupervisorAdmin(self, listener)
+                nursery.start_soon(merged.serve)
+                log.info("admin listener on %s: merged /metrics of %d workers, /livez /readyz /config /rules",
+                         self.config.admin.listen, self.count)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if signum != signal.SIGHUP:
+                        log.info("%s: %s the %d workers", name,
+                                 "stopping" if self.stopping else "draining", self.count)
+                        self.stopping = True
+                    for w in self.workers:
+                        w.signal(signum)
+                    if self.stopping and all(w.process is None or w.process.returncode is not None
+                                             for w in self.workers):
+                        break
+                    if self.stopping:
+                        nursery.start_soon(self._wait_all_then_cancel, nursery.cancel_scope)
+        log.info("kproxy stopped (%d workers)", self.count)
+        return 0
+
+    async def _wait_all_then_cancel(self, scope: trio.CancelScope) -> None:
+        for w in self.workers:
+            if w.process is not None:
+                await w.process.wait()
+        scope.cancel()
+
+    async def _watch(self, w: Worker) -> None:
+        while True:
+            assert w.process is not None
+            code = await w.process.wait()
+            if self.stopping:
+                log.info("worker %d exited (%d)", w.index, code)
+                return
+            delay = RESTART_BACKOFF_S[min(w.restarts, len(RESTART_BACKOFF_S) - 1)]
+            log.error("worker %d exited unexpectedly with %d; restarting it in %gs", w.index, code, delay)
+            w.restarts += 1
+            await trio.sleep(delay)
+            if self.stopping:
+                return
+            await w.start()
+
+
+class SupervisorAdmin(admin.AdminServer):
+    """The public admin listener of a supervisor: what the workers' private listeners say, merged."""
+
+    def __init__(self, supervisor: Supervisor, listener: trio.SocketListener) -> None:
+        super().__init__(None, listener)  # type: ignore[arg-type]   # answers are not read off one server
+        self.supervisor = supervisor
+
+    async def answer(self, method: str, target: str) -> tuple[int, str, bytes]:
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain; charset=utf-8", b"only GET and HEAD\n"
+        workers = self.supervisor.workers
+        if path == "/livez":
+            dead = [w.index for w in workers if w.process is None or w.process.returncode is not None]
+            if dead:
+                return 503, "text/plain; charset=utf-8", f"workers not running: {dead}\n".encode()
+            return 200, "text/plain; charset=utf-8", b"ok\n"
+        answers = [await _fetch(w.admin_address, target) for w in workers]
+        if path == "/metrics":
+            texts = [body for status, _, body in answers if status == 200]
+            if not texts:
+                return 503, "text/plain; charset=utf-8", b"no worker answered\n"
+            extra = (f"# HELP kproxy_workers Worker processes running.\n# TYPE kproxy_workers gauge\n"
+                     f"kproxy_workers {sum(1 for w in workers if w.process and w.process.returncode is None)}\n"
+                     "# HELP kproxy_worker_restarts_total Workers restarted after exiting unexpectedly.\n"
+                     "# TYPE kproxy_worker_restarts_total counter\n"
+                     f"kproxy_worker_restarts_total {sum(w.restarts for w in workers)}\n").encode()
+            return 200, admin.PROMETHEUS_TEXT, merge_expositions(texts) + extra
+        if path == "/readyz":
+            not_ready = [f"worker {w.index}: {body.decode(errors='replace').strip() or status}"
+                         for w, (status, _, body) in zip(workers, answers, strict=True) if status != 200]
+            if not_ready:
+                return 503, "text/plain; charset=utf-8", ("; ".join(not_ready) + "\n").encode()
+            return 200, "text/plain; charset=utf-8", f"ready ({len(workers)} workers)\n".encode()
+        # /config and /rules are the same in every worker: worker 0's answer.
+        return answers[0]
+
+
+async def _fetch(address: str | None, target: str) -> tuple[int, str, bytes]:
+    """GET ``target`` from a worker's private admin listener: (status, content type, body)."""
+    if address is None:
+        return 503, "text/plain; charset=utf-8", b"no admin listener\n"
+    host, _, port = address.rpartition(":")
+    try:
+        with trio.fail_after(5):
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                                      .encode())
+                data = bytearray()
+                while chunk := await stream.receive_some(65536):
+                    data += chunk
+                    if len(data) > 64 * 1024 * 1024:
+                        break
+    except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
+        return 503, "text/plain; charset=utf-8", f"worker admin unreachable: {e}\n".encode()
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        status = int(lines[0].split()[1])
+    except (IndexError, ValueError):
+        return 502, "text/plain; charset=utf-8", b"bad answer from a worker\n"
+    ctype = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("content-type:")),
+                 "text/plain; charset=utf-8")
+    return status, ctype, body
+
+
+def merge_expositions(texts: Sequence[bytes]) -> bytes:
+    """Prometheus text expositions of several workers as one: samples with the same name and labels
+    are added up (``*_created`` timestamps take the earliest), families keep their HELP and TYPE."""
+    families: dict[str, tuple[list[str], dict[str, float]]] = {}
+    for text in texts:
+        family = ""
+        for line in text.decode().splitlines():
+            if not line:
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    meta, _ = families.setdefault(family, ([], {}))
+                    if line not in meta:
+                        meta.append(line)
+                continue
+            key, _, value = line.rpartition(" ")
+            _, samples = families.setdefault(family, ([], {}))
+            number = float(value)
+            if key in samples:
+                samples[key] = min(samples[key], number) if key.split("{", 1)[0].endswith("_created") \
+                    else samples[key] + number
+            else:
+                samples[key] = number
+    out = []
+    for meta, samples in families.values():
+        out.extend(meta)
+        out.extend(f"{key} {_number(v)}" for key, v in samples.items())
+    return ("\n".join(out) + "\n").encode()
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+
+
+def _private_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"

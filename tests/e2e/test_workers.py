@@ -1,0 +1,129 @@
+"""``workers: 2`` as an operator runs it: one supervisor, two worker processes on the same ports, a
+real client through them, merged metrics, a killed worker restarted, and one SIGTERM for all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.proxied import free_port_block
+from tests.e2e.sasl_gate import confluent_roundtrip, expected_pairs
+from tests.e2e.tansu import TansuBroker, free_port, unique_name
+from tests.e2e.wire import Wire
+
+pytestmark = pytest.mark.e2e
+
+
+def http(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return 0, str(e)
+
+
+def wait_for(check, timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def start_workers(broker: TansuBroker, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, int, int]:
+    """``kproxy run --config`` with ``workers: 2``, ready; (process, log, port, admin port)."""
+    port, admin = free_port_block(3), free_port()
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(f'listen: "127.0.0.1:{port}"\nupstream: {{bootstrap_servers: "{broker.bootstrap}"}}\n'
+                      f"exposure: {{advertised_host: 127.0.0.1, node_id_base: {broker.node_id}, "
+                      f"broker_port_count: 2}}\n"
+                      f'admin: {{listen: "127.0.0.1:{admin}"}}\nworkers: 2\n')
+    log = tmp_path / "kproxy.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)],
+                                stdout=subprocess.DEVNULL, stderr=out)
+    wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None,
+             what=log.read_text())
+    return proc, log, port, admin
+
+
+def test_two_workers_share_the_ports_and_are_supervised(broker: TansuBroker, tmp_path: Path) -> None:
+    proc, log, port, admin = start_workers(broker, tmp_path)
+    try:
+        assert "ready (2 workers)" in http(f"http://127.0.0.1:{admin}/readyz")[1]
+
+        # A real client, and enough connections that the kernel gives both workers some.
+        assert confluent_roundtrip({"bootstrap.servers": f"127.0.0.1:{port}"}, unique_name("workers")) == \
+            expected_pairs()
+        wires = [Wire(f"127.0.0.1:{port}") for _ in range(24)]
+        for i, w in enumerate(wires):
+            assert w.metadata(i + 1).correlation_id == i + 1
+        text = log.read_text()
+        assert "[worker 0]: connection" in text and "[worker 1]: connection" in text
+
+        # /metrics adds the workers up: every Metadata above is counted once.
+        status, metrics = http(f"http://127.0.0.1:{admin}/metrics")
+        assert status == 200
+        counted = re.search(r'^kproxy_requests_total\{api="metadata"\} (\d+)', metrics, re.MULTILINE)
+        assert counted is not None and int(counted.group(1)) >= 24
+        assert "kproxy_workers 2" in metrics
+        for w in wires:
+            w.close()
+
+        # A worker that dies is started again; the proxy keeps serving meanwhile.
+        pid = int(re.findall(r"worker 1 started \(pid (\d+)\)", log.read_text())[-1])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: "worker 1 exited unexpectedly" in log.read_text(), what=log.read_text())
+        w = Wire(f"127.0.0.1:{port}")
+        assert w.metadata(99).correlation_id == 99
+        w.close()
+        wait_for(lambda: len(re.findall(r"worker 1 started", log.read_text())) == 2, what=log.read_text())
+        wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200, what=log.read_text())
+
+        # One SIGTERM drains both workers, and the supervisor exits with them.
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert time.monotonic() - started < 10
+        text = log.read_text()
+        assert "[worker 0]: kproxy stopped" in text and "[worker 1]: kproxy stopped" in text
+        assert "kproxy stopped (2 workers)" in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_workers_stop_when_their_supervisor_is_killed(broker: TansuBroker, tmp_path: Path) -> None:
+    proc, log, port, _admin = start_workers(broker, tmp_path)
+    pids = [int(p) for p in re.findall(r"worker \d started \(pid (\d+)\)", log.read_text())]
+    try:
+        assert len(pids) == 2
+        proc.kill()                                   # no chance to pass a signal on
+        proc.wait()
+
+        def gone(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+        wait_for(lambda: all(gone(p) for p in pids), timeout=20, what=log.read_text())
+        assert "the supervisor (pid" in log.read_text()
+        with pytest.raises(OSError):
+            Wire(f"127.0.0.1:{port}", timeout=2).metadata()
+    finally:
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
