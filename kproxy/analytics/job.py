@@ -78,12 +78,17 @@ class Tables:
     def __init__(self, spark: SparkSession, root: str) -> None:
         self.spark, self.root = spark, root
         self.written: dict[str, str] = {}
+        self.rows: dict[str, int] = {}
 
     def write(self, name: str, df: DataFrame, small: bool = False) -> DataFrame:
         uri = f"{self.root}/{name}"
+        # The row count comes with the write (an Observation), not from another job.
+        counted = Observation(name)
+        df = df.observe(counted, F.count(F.lit(1)).alias("rows"))
         # A result of a few thousand rows is one file, not one per shuffle partition.
         (df.coalesce(1) if small else df).write.mode("overwrite").parquet(uri)
         self.written[name] = uri
+        self.rows[name] = int(counted.get["rows"])
         return self.spark.read.parquet(uri)
 
 
@@ -164,7 +169,7 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
         quota_path = opts.out / "recommended-quotas.yaml"
         summary["quotas"] = write_quota_file(quota_path, advice, opts.quota_per, _quota_header(opts, summary))
         summary["tables"] = dict(t.written)
-        html = _html(opts, summary, got, recpm, quota_path)
+        html = _html(opts, summary, got, t.rows, recpm, quota_path, len(advice))
         (opts.out / "report.html").write_text(html, encoding="utf-8")
     summary["stages"] = [{"name": n, "seconds": round(s, 3)} for n, s in progress.timings]
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
@@ -253,17 +258,18 @@ def _series(df: DataFrame, bucket: int, values: dict[str, Any]) -> tuple[list[dt
 
 # ---- the HTML page -------------------------------------------------------------------------------
 
-def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], recpm: DataFrame,
-          quota_path: Path) -> str:
+def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], counts: dict[str, int],
+          recpm: DataFrame, quota_path: Path, quotas_shown: int) -> str:
     bucket = _bucket_seconds(s["first_ts"], s["last_ts"])
     per = f"per {bucket // 60} min" if bucket < 3600 else f"per {bucket // 3600} h"
-    sections = [_traffic(got, recpm, bucket, per), _latency(got), _incidents(got, bucket, per), _fleet(got),
-                _quotas(got, quota_path, opts.quota_per), _e2e(got)]
+    sections = [_traffic(got, counts, recpm, bucket, per), _latency(got, counts),
+                _incidents(got, counts, bucket, per), _fleet(got, counts),
+                _quotas(got, quota_path, opts.quota_per, quotas_shown), _e2e(got, counts)]
     for name in got:
         if name.startswith("dry_run"):
             sections.append(R.Section("Dry run: " + name, name, parts=[
                 R.table(rows(got[name], 200), [(c, c, R.fmt_text) for c in got[name].columns],
-                        got[name].count(), f"tables/{name}")]))
+                        counts[name], f"tables/{name}")]))
     window = f"{s['first_ts'] or R.DASH} to {s['last_ts'] or R.DASH} UTC"
     meta = (f"Traffic {R.html.escape(window)} · from {R.html.escape(', '.join(opts.logs))}"
             f"{R.html.escape(_window_text(opts))} · generated {dt.datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
@@ -282,7 +288,8 @@ def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], rec
     return R.page("kproxy traffic report", meta, summary_cards, sections, footer)
 
 
-def _traffic(got: dict[str, DataFrame], recpm: DataFrame, bucket: int, per: str) -> R.Section:
+def _traffic(got: dict[str, DataFrame], counts: dict[str, int], recpm: DataFrame, bucket: int,
+             per: str) -> R.Section:
     sec = R.Section("Traffic", "traffic", "Bytes are record batch bytes as sent (the records fields of Produce "
                     "and Fetch). Peaks are the busiest single second; p99 is over the seconds a client was active.")
     times, series = _series(recpm, bucket, {
@@ -307,16 +314,16 @@ def _traffic(got: dict[str, DataFrame], recpm: DataFrame, bucket: int, per: str)
         ("peak_fetch_bytes_per_s", "peak fetch", R.fmt_rate), ("peak_requests_per_s", "peak req/s", R.fmt_int),
         ("last_seen", "last seen", R.fmt_text)]
     sec.parts.append("<h3>Clients</h3>" + R.table(top, [("client_id", "client id", R.fmt_text), *cols],
-                                                     by_client.count(), "tables/traffic_by_client"))
+                                                     counts["traffic_by_client"], "tables/traffic_by_client"))
     for name, key, label in (("traffic_by_principal", "principal", "Principals"), ("traffic_by_topic", "topic", "Topics")):
         df = got[name]
         sec.parts.append(f"<h3>{label}</h3>" + R.table(
             rows(df.orderBy(F.desc("total_bytes"), F.desc("requests")), TOP), [(key, key, R.fmt_text), *cols],
-            df.count(), f"tables/{name}"))
+            counts[name], f"tables/{name}"))
     return sec
 
 
-def _latency(got: dict[str, DataFrame]) -> R.Section:
+def _latency(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
     sec = R.Section("Latency", "latency", f"Approximate percentiles (Spark percentile_approx, accuracy "
                     f"{TB.PERCENTILE_ACCURACY:,}: each value's rank is within {100 / TB.PERCENTILE_ACCURACY:g}% "
                     "of the rows of the one asked for). Total = request read to response written; broker = "
@@ -342,7 +349,7 @@ def _latency(got: dict[str, DataFrame]) -> R.Section:
     df = got["latency_by_client"]
     sec.parts.append("<h3>Per client and API (busiest first)</h3>" + R.table(
         rows(df.orderBy(F.desc("requests")), TOP),
-        [("client_id", "client id", R.fmt_text), ("api", "api", R.fmt_text), *cols], df.count(),
+        [("client_id", "client id", R.fmt_text), ("api", "api", R.fmt_text), *cols], counts["latency_by_client"],
         "tables/latency_by_client"))
     return sec
 
@@ -350,7 +357,7 @@ def _latency(got: dict[str, DataFrame]) -> R.Section:
 R_QUANTILES = TB.QUANTILE_NAMES
 
 
-def _incidents(got: dict[str, DataFrame], bucket: int, per: str) -> R.Section:
+def _incidents(got: dict[str, DataFrame], counts: dict[str, int], bucket: int, per: str) -> R.Section:
     sec = R.Section("Errors, denials and throttles", "incidents",
                     "Errors are responses with a non-zero error code (top level or any partition); denials are "
                     "requests a kproxy rule answered with deny; throttles are responses that told the client "
@@ -378,12 +385,12 @@ def _incidents(got: dict[str, DataFrame], bucket: int, per: str) -> R.Section:
     ):
         df = got[name]
         order = "partitions" if name == "partition_errors" else "requests"
-        sec.parts.append(f"<h3>{title}</h3>" + R.table(rows(df.orderBy(F.desc(order)), TOP), cols, df.count(),
+        sec.parts.append(f"<h3>{title}</h3>" + R.table(rows(df.orderBy(F.desc(order)), TOP), cols, counts[name],
                                                        f"tables/{name}"))
     return sec
 
 
-def _fleet(got: dict[str, DataFrame]) -> R.Section:
+def _fleet(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
     sec = R.Section("Fleet and upgrade risk", "fleet",
                     f"Clients that used API versions removed in {REMOVED_IN}: they break when the cluster "
                     "moves to it. Software name and version come from ApiVersions v3+; older clients do not send "
@@ -404,11 +411,11 @@ def _fleet(got: dict[str, DataFrame]) -> R.Section:
         ("client_software_version", "version", R.fmt_text), ("principals", "principals", R.fmt_text),
         ("connections", "connections", R.fmt_int), ("requests", "requests", R.fmt_int),
         ("first_seen", "first seen", R.fmt_text), ("last_seen", "last seen", R.fmt_text)],
-        fleet.count(), "tables/fleet"))
+        counts["fleet"], "tables/fleet"))
     return sec
 
 
-def _quotas(got: dict[str, DataFrame], quota_path: Path, per: str) -> R.Section:
+def _quotas(got: dict[str, DataFrame], quota_path: Path, per: str, shown_total: int) -> R.Section:
     sec = R.Section("Quota advice", "quotas",
                     f"Per {per}: the observed p99 per-second rate times {TB.HEADROOM:g}, rounded up, written to "
                     f"{quota_path.name} in kproxy's quota syntax. Principals are in tables/quota_advice too.")
@@ -429,14 +436,14 @@ def _quotas(got: dict[str, DataFrame], quota_path: Path, per: str) -> R.Section:
         ("p99_fetch_bytes_per_s", "fetch p99", R.fmt_rate), ("peak_fetch_bytes_per_s", "fetch peak", R.fmt_rate),
         ("recommended_fetch_bytes_per_s", "fetch quota", R.fmt_rate),
         ("p99_requests_per_s", "req/s p99", R.fmt_int), ("recommended_requests_per_s", "req/s quota", R.fmt_int)],
-        df.count(), "tables/quota_advice"))
+        shown_total, "tables/quota_advice"))
     text = quota_path.read_text(encoding="utf-8").splitlines()
     preview = "\n".join(text[:60]) + ("\n…" if len(text) > 60 else "")
     sec.parts.append(f'<h3><a href="{quota_path.name}">{quota_path.name}</a></h3><pre>{R.html.escape(preview)}</pre>')
     return sec
 
 
-def _e2e(got: dict[str, DataFrame]) -> R.Section:
+def _e2e(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
     sec = R.Section("End-to-end latency", "e2e",
                     "Per produced batch: from kproxy passing the produce acknowledgement back to kproxy delivering "
                     "the batch's first record to each consumer group (both times on kproxy's clocks), joined on "
@@ -454,7 +461,7 @@ def _e2e(got: dict[str, DataFrame]) -> R.Section:
                             ("batches", "batches", R.fmt_int), ("records", "records", R.fmt_int)]
     cols += [(f"ack_to_delivery_ms_{q}", f"ack→delivery {q}", R.fmt_ms) for q in R_QUANTILES]
     cols += [(f"create_to_delivery_ms_{q}", f"CreateTime→delivery {q}", R.fmt_ms) for q in R_QUANTILES]
-    sec.parts.append(R.table(top, cols, df.count(), "tables/e2e_latency"))
+    sec.parts.append(R.table(top, cols, counts["e2e_latency"], "tables/e2e_latency"))
     return sec
 
 

@@ -33,7 +33,12 @@ def report_settings(master: str, progress_bar: bool) -> dict[str, str]:
 
 
 def build_session(master: str | None = None, progress_bar: bool | None = None) -> SparkSession:
-    """The report's session; ``master`` None keeps what spark-submit chose, else ``local[*]``."""
+    """The report's session; ``master`` None keeps what spark-submit chose, else ``local[*]``. In a
+    process that already has a session (a notebook, the tests) that one is used as it is."""
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        apply_runtime_settings(active)
+        return active
     conf = SparkConf()
     chosen = master or conf.get("spark.master", DEFAULT_MASTER) or DEFAULT_MASTER
     bar = sys.stderr.isatty() if progress_bar is None else progress_bar

@@ -99,6 +99,7 @@ class Truth:
     removed_version_users: set[str] = field(default_factory=set)
     requests_by_client: dict[str, int] = field(default_factory=dict)
     denials_by_rule: dict[str, int] = field(default_factory=dict)
+    versions_used: dict[tuple[str, str, int], int] = field(default_factory=dict)
     first_ts: dt.datetime | None = None
     last_ts: dt.datetime | None = None
 
@@ -108,6 +109,8 @@ class Truth:
         if cid is not None:
             self.clients.add(cid)
             self.requests_by_client[cid] = self.requests_by_client.get(cid, 0) + 1
+            used = (cid, line["api"], line["api_version"])
+            self.versions_used[used] = self.versions_used.get(used, 0) + 1
             if line["api_version"] < KAFKA_4_0_MINIMUM_VERSIONS.get(line["api"], 0):
                 self.removed_version_users.add(cid)
         self.topics.update(line.get("topics") or ())

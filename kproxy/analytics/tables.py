@@ -124,52 +124,46 @@ def records_per_minute(partitions: DataFrame) -> DataFrame:
     )
 
 
-def _full_join(left: DataFrame, right: DataFrame, key: str) -> DataFrame:
-    """Full outer join on ``key`` where null matches null (a missing client id is still a client)."""
-    r = right.withColumnRenamed(key, "_key")
-    return (left.join(r, left[key].eqNullSafe(r["_key"]), "full")
-            .withColumn(key, F.coalesce(left[key], r["_key"])).drop("_key"))
-
-
 def traffic_by(requests: DataFrame, partitions: DataFrame, key: str) -> DataFrame:
     """Totals, first/last seen and per-second peaks and p99s for one of client_id, principal, topic.
 
-    Per-second figures are over the seconds in which the key was active (a second with no traffic
-    is not a sample), which is the rate a quota has to allow while the client works."""
+    Requests and record batches are summed per (key, second) in one aggregation, then per key: two
+    shuffles, no joins. Per-second figures are over the seconds in which the key was active (a
+    second with no traffic is not a sample), which is the rate a quota has to allow while it works."""
+    zero = F.lit(0).cast("long")
     if key == "topic":
-        req = requests.select(F.explode(F.array_distinct("topics")).alias("topic"), "ts")
+        req = requests.select(F.explode(F.array_distinct("topics")).alias("topic"), "ts",
+                              zero.alias("request_bytes"), zero.alias("response_bytes"))
     else:
-        req = requests
-    second = F.date_trunc("second", "ts")
-    totals = req.groupBy(key).agg(
-        F.count(F.lit(1)).alias("requests"), F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"),
+        req = requests.select(key, "ts", "request_bytes", "response_bytes")
+    produce = F.col("direction") == "produce"
+    events = req.select(key, "ts", F.lit(1).alias("n"), "request_bytes", "response_bytes",
+                        zero.alias("pb"), zero.alias("fb"), zero.alias("pr"), zero.alias("fr")).unionByName(
+        partitions.select(key, "ts", F.lit(0).alias("n"), zero.alias("request_bytes"), zero.alias("response_bytes"),
+                          F.when(produce, F.col("bytes")).otherwise(0).alias("pb"),
+                          F.when(~produce, F.col("bytes")).otherwise(0).alias("fb"),
+                          F.when(produce, F.col("records")).otherwise(0).alias("pr"),
+                          F.when(~produce, F.col("records")).otherwise(0).alias("fr")))
+    sums = ("n", "request_bytes", "response_bytes", "pb", "fb", "pr", "fr")
+    per_second = events.groupBy(key, F.date_trunc("second", "ts").alias("second")).agg(
+        F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"),
+        *[F.coalesce(F.sum(c), zero).alias(c) for c in sums])
+
+    def p99_of_active(c: str) -> Column:
+        return F.percentile_approx(F.when(F.col(c) > 0, F.col(c)), 0.99, PERCENTILE_ACCURACY)
+
+    out = per_second.groupBy(key).agg(
+        F.sum("n").alias("requests"), F.min("first_seen").alias("first_seen"), F.max("last_seen").alias("last_seen"),
         *([F.sum("request_bytes").alias("request_bytes"), F.sum("response_bytes").alias("response_bytes")]
           if key != "topic" else []),
-    )
-    req_rate = (req.groupBy(key, second.alias("second")).agg(F.count(F.lit(1)).alias("n"))
-                .groupBy(key).agg(F.max("n").alias("peak_requests_per_s"),
-                                  F.percentile_approx("n", 0.99, PERCENTILE_ACCURACY).alias("p99_requests_per_s")))
-    produce, fetch = F.col("direction") == "produce", F.col("direction") == "fetch"
-    records = partitions.groupBy(key).agg(
-        _sum_if(produce, "bytes").alias("produce_bytes"), _sum_if(fetch, "bytes").alias("fetch_bytes"),
-        _sum_if(produce, "records").alias("produced_records"), _sum_if(fetch, "records").alias("fetched_records"),
-    )
-    per_second = partitions.groupBy(key, second.alias("second")).agg(
-        _sum_if(produce, "bytes").alias("pb"), _sum_if(fetch, "bytes").alias("fb"),
-        _sum_if(produce, "records").alias("pr"), _sum_if(fetch, "records").alias("fr"))
-    rates = per_second.groupBy(key).agg(
-        F.max("pb").alias("peak_produce_bytes_per_s"), F.max("fb").alias("peak_fetch_bytes_per_s"),
+        F.sum("pb").alias("produce_bytes"), F.sum("fb").alias("fetch_bytes"),
+        F.sum("pr").alias("produced_records"), F.sum("fr").alias("fetched_records"),
+        F.max("n").alias("peak_requests_per_s"), p99_of_active("n").alias("p99_requests_per_s"),
+        F.max("pb").alias("peak_produce_bytes_per_s"), p99_of_active("pb").alias("p99_produce_bytes_per_s"),
+        F.max("fb").alias("peak_fetch_bytes_per_s"), p99_of_active("fb").alias("p99_fetch_bytes_per_s"),
         F.max("pr").alias("peak_produced_records_per_s"), F.max("fr").alias("peak_fetched_records_per_s"),
-        # Only seconds that moved bytes in that direction are samples of its rate.
-        F.percentile_approx(F.when(F.col("pb") > 0, F.col("pb")), 0.99, PERCENTILE_ACCURACY)
-        .alias("p99_produce_bytes_per_s"),
-        F.percentile_approx(F.when(F.col("fb") > 0, F.col("fb")), 0.99, PERCENTILE_ACCURACY)
-        .alias("p99_fetch_bytes_per_s"),
     )
-    out = _full_join(_full_join(_full_join(totals, req_rate, key), records, key), rates, key)
-    zero_if_null = ("produce_bytes", "fetch_bytes", "produced_records", "fetched_records", "requests")
-    return out.fillna(0, subset=list(zero_if_null)).withColumn(
-        "total_bytes", F.col("produce_bytes") + F.col("fetch_bytes"))
+    return out.withColumn("total_bytes", F.col("produce_bytes") + F.col("fetch_bytes"))
 
 
 # ---- 2. latency --------------------------------------------------------------------------------
