@@ -17,8 +17,8 @@ from kproxy.analytics.source import ReportError
 def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
     """Applies the rules file at ``rules_path`` to ``requests`` (the report's ``requests`` table).
 
-    Returns named tables that ``job`` writes under tables/ and ``render`` shows in a "Dry run"
-    section: who would have been denied (rule, client_id, principal, api, requests, first/last seen)
+    Returns tables named ``dry_run_<what>``; ``job`` writes each under tables/ and shows it in a
+    "Dry run" section of the HTML page: who would have been denied (rule, client_id, principal, api, requests, first/last seen)
     and who would have been throttled, how often and by how much (quota, key, requests,
     throttle_ms_total, throttle_ms_p99).
     """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import html
 import json
 import sys
 import time
@@ -125,7 +126,8 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
         got["requests"] = t.write("requests", TB.requests_table(lines))
         input_stats = seen.get
         if not input_stats.get("lines"):
-            raise ReportError(f"no traffic log lines in {', '.join(opts.logs)}{_window_text(opts)}")
+            raise ReportError(f"no traffic log lines (*.jsonl, *.jsonl.gz) in {', '.join(opts.logs)}"
+                              f"{_window_text(opts)}")
     requests = got["requests"]
     dry_tables = dry_run(requests, opts.rules) if opts.rules is not None else {}
 
@@ -169,8 +171,8 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
         quota_path = opts.out / "recommended-quotas.yaml"
         summary["quotas"] = write_quota_file(quota_path, advice, opts.quota_per, _quota_header(opts, summary))
         summary["tables"] = dict(t.written)
-        html = _html(opts, summary, got, t.rows, recpm, quota_path, len(advice))
-        (opts.out / "report.html").write_text(html, encoding="utf-8")
+        page = _html(opts, summary, got, t.rows, recpm, quota_path, len(advice))
+        (opts.out / "report.html").write_text(page, encoding="utf-8")
     summary["stages"] = [{"name": n, "seconds": round(s, 3)} for n, s in progress.timings]
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     return summary
@@ -266,13 +268,13 @@ def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], cou
                 _incidents(got, counts, bucket, per), _fleet(got, counts),
                 _quotas(got, quota_path, opts.quota_per, quotas_shown), _e2e(got, counts)]
     for name in got:
-        if name.startswith("dry_run"):
+        if name.startswith("dry_run_"):
             sections.append(R.Section("Dry run: " + name, name, parts=[
                 R.table(rows(got[name], 200), [(c, c, R.fmt_text) for c in got[name].columns],
                         counts[name], f"tables/{name}")]))
     window = f"{s['first_ts'] or R.DASH} to {s['last_ts'] or R.DASH} UTC"
-    meta = (f"Traffic {R.html.escape(window)} · from {R.html.escape(', '.join(opts.logs))}"
-            f"{R.html.escape(_window_text(opts))} · generated {dt.datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
+    meta = (f"Traffic {html.escape(window)} · from {html.escape(', '.join(opts.logs))}"
+            f"{html.escape(_window_text(opts))} · generated {dt.datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
     summary_cards = R.cards([
         ("requests", R.fmt_int(s["requests"])), ("produced", R.fmt_bytes(s["produce_bytes"])),
         ("fetched", R.fmt_bytes(s["fetch_bytes"])), ("records produced", R.fmt_int(s["produced_records"])),
@@ -281,10 +283,10 @@ def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], cou
     ])
     if s["malformed_lines"]:
         summary_cards += (f'<p class="warn">{s["malformed_lines"]:,} lines could not be read and are left out, '
-                          f'e.g. in {R.html.escape(str(s["malformed_sample_file"]))}: '
-                          f'<code>{R.html.escape(str(s["malformed_sample"]))}</code></p>')
+                          f'e.g. in {html.escape(str(s["malformed_sample_file"]))}: '
+                          f'<code>{html.escape(str(s["malformed_sample"]))}</code></p>')
     footer = ("<p>Every table is Parquet, one directory each, for notebooks and other tools:</p><ul>"
-              + "".join(f"<li><code>{R.html.escape(uri)}</code></li>" for uri in s["tables"].values()) + "</ul>")
+              + "".join(f"<li><code>{html.escape(uri)}</code></li>" for uri in s["tables"].values()) + "</ul>")
     return R.page("kproxy traffic report", meta, summary_cards, sections, footer)
 
 
@@ -439,7 +441,7 @@ def _quotas(got: dict[str, DataFrame], quota_path: Path, per: str, shown_total: 
         shown_total, "tables/quota_advice"))
     text = quota_path.read_text(encoding="utf-8").splitlines()
     preview = "\n".join(text[:60]) + ("\n…" if len(text) > 60 else "")
-    sec.parts.append(f'<h3><a href="{quota_path.name}">{quota_path.name}</a></h3><pre>{R.html.escape(preview)}</pre>')
+    sec.parts.append(f'<h3><a href="{quota_path.name}">{quota_path.name}</a></h3><pre>{html.escape(preview)}</pre>')
     return sec
 
 

@@ -354,3 +354,26 @@ def _fetch(rnd: random.Random, c: _Client, line: dict[str, Any], now: float,
     line["topics"] = list(c.topics)
     line["partitions"] = entries
     line["response_bytes"] = sum(e["bytes"] for e in entries) + 100
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kproxy.analytics.synthetic DIR``: a sample traffic log to try ``kproxy report`` on."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kproxy.analytics.synthetic",
+                                 description="Write a synthetic kproxy traffic log (dt=/hour= partitions).")
+    ap.add_argument("dir", help="directory to write into")
+    ap.add_argument("--lines", type=int, default=100_000, help="number of lines (default 100,000)")
+    ap.add_argument("--hours", type=float, default=2.0, help="hours of traffic they span (default 2)")
+    ap.add_argument("--start", default="2024-05-01T00:00:00+00:00", help="time of the first line (UTC)")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    start = dt.datetime.fromisoformat(args.start)
+    start = start.replace(tzinfo=UTC) if start.tzinfo is None else start
+    n = write_log(Path(args.dir), generate(args.lines, start, hours=args.hours, seed=args.seed), gz=True)
+    print(f"wrote {n:,} lines under {args.dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
