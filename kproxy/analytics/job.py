@@ -370,7 +370,7 @@ def _incidents(got: dict[str, DataFrame], counts: dict[str, int], bucket: int, p
     if times and R.nonzero(v for vs in series.values() for v in vs):
         sec.parts.append(R.img(R.time_chart(f"Requests {per}", times, series, "requests"), "incidents over time"))
     for name, title, cols in (
-        ("errors", "Errors", [("error", "error", R.fmt_text), ("error_code", "code", R.fmt_int),
+        ("errors", "Errors", [("error", "error", R.fmt_text), ("error_code", "top-level code", R.fmt_code),
                               ("api", "api", R.fmt_text), ("client_id", "client id", R.fmt_text),
                               ("requests", "requests", R.fmt_int), ("last_seen", "last seen", R.fmt_text)]),
         ("partition_errors", "Partition errors", [("error", "error", R.fmt_text), ("api", "api", R.fmt_text),

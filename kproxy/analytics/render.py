@@ -65,6 +65,11 @@ def fmt_time(t: dt.datetime | None) -> str:
     return DASH if t is None else t.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def fmt_code(n: int | None) -> str:
+    """A top-level error code; 0 means the error was only in partitions."""
+    return DASH if not n else str(n)
+
+
 def fmt_share(x: float | None) -> str:
     return DASH if x is None else f"{100 * x:.1f}%"
 
@@ -81,7 +86,7 @@ def fmt_text(x: Any) -> str:
 
 def png(fig: Figure) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     return buf.getvalue()
 
 
@@ -112,7 +117,8 @@ def bar_chart(title: str, labels: Sequence[str], series: Mapping[str, Sequence[f
               log: bool = False, stacked: bool = False) -> bytes:
     """Horizontal bars, one group per label (first label on top)."""
     n = len(labels)
-    fig = _figure(max(2.2, 0.38 * n * (1 if stacked else max(1, len(series) * 0.6)) + 1.0))
+    per_label = 0.3 if stacked or len(series) == 1 else 0.18 * len(series) + 0.12
+    fig = _figure(max(2.2, per_label * n + 1.0))
     ax = fig.add_subplot()
     k = len(series)
     height = 0.8 if stacked else 0.8 / max(k, 1)
@@ -188,9 +194,9 @@ h3{font-size:15px;margin:22px 0 6px}
 .card .v{font-size:19px;font-weight:600} .card .k{color:#5b6472;font-size:12px}
 table{border-collapse:collapse;background:#fff;margin:6px 0 4px;font-size:12.5px;width:100%}
 th,td{border:1px solid #dde2ea;padding:4px 8px;text-align:left;vertical-align:top}
-th{background:#eef1f6;font-weight:600} td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+th{background:#eef1f6;font-weight:600} td:first-child{white-space:nowrap} td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 tbody tr:nth-child(even){background:#fafbfc}
-.chart{max-width:100%;background:#fff;border:1px solid #dde2ea;border-radius:6px;margin:8px 0}
+.chart{width:100%;background:#fff;border:1px solid #dde2ea;border-radius:6px;margin:8px 0}
 .note,.empty{color:#5b6472;font-size:12.5px} .warn{background:#fff4e5;border:1px solid #f0c27a;padding:8px 12px;border-radius:6px}
 pre{background:#fff;border:1px solid #dde2ea;padding:10px;overflow:auto;font-size:12px;max-height:420px}
 code{font-size:12.5px}

@@ -8,6 +8,7 @@ checks one of its outputs against the known answer.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import gzip
 import io
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from kproxy.analytics.job import STAGES
 from kproxy.analytics.removed_versions import KAFKA_4_0_MINIMUM_VERSIONS
 from kproxy.analytics.synthetic import Truth, base_line, epoch_ms, generate, write_log
 
@@ -82,12 +84,22 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Truth]:
 
 
 @pytest.fixture(scope="module")
-def report(spark: Any, logs: tuple[Path, Truth], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kproxy.analytics.job import Progress, ReportOptions, run_report
+def run(spark: Any, logs: tuple[Path, Truth], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The report, run once through the command line (in this process, on the shared session)."""
+    from kproxy.cli import main
 
     out = tmp_path_factory.mktemp("report")
-    run_report(ReportOptions(logs=[str(logs[0])], out=out), spark=spark, progress=Progress(10, enabled=False))
-    return out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["report", str(logs[0]), "--out", str(out), "--since", "2024-05-01T09:00:00Z",
+                   "--until", "2024-05-02"])
+    assert rc == 0
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def report(run: tuple[Path, str]) -> Path:
+    return run[0]
 
 
 def summary(report: Path) -> dict[str, Any]:
@@ -107,6 +119,20 @@ def test_summary_totals_are_exact(report: Path, logs: tuple[Path, Truth]) -> Non
     assert s["malformed_lines"] == 1
     assert "request_by" in s["malformed_sample"]
     assert s["percentile_accuracy"] == 10_000
+
+
+def test_terminal_summary_and_stages(run: tuple[Path, str], logs: tuple[Path, Truth]) -> None:
+    out, printed = run
+    truth = logs[1]
+    assert printed.startswith(f"kproxy report: {truth.requests:,} requests, {len(truth.clients)} clients, "
+                              f"{len(truth.topics)} topics")
+    assert "3 client(s) use versions Apache Kafka 4.0 (KIP-896) removed: legacy-admin" in printed
+    assert "1 lines could not be read" in printed
+    assert str(out / "report.html") in printed
+    s = summary(out)
+    assert (s["since"], s["until"]) == ("2024-05-01T09:00:00+00:00", "2024-05-02T00:00:00+00:00")
+    assert [st["name"] for st in s["stages"]] == list(STAGES)
+    assert (out / "recommended-quotas.yaml").read_text().startswith("# Recommended quotas")
 
 
 def test_requests_per_client_are_exact(spark: Any, report: Path, logs: tuple[Path, Truth]) -> None:
