@@ -86,8 +86,9 @@ class Tables:
         # The row count comes with the write (an Observation), not from another job.
         counted = Observation(name)
         df = df.observe(counted, F.count(F.lit(1)).alias("rows"))
-        # A result of a few thousand rows is one file, not one per shuffle partition.
-        (df.coalesce(1) if small else df).write.mode("overwrite").parquet(uri)
+        # A result of a few thousand rows is one file, not one per shuffle partition. repartition,
+        # not coalesce: coalesce(1) would also run the aggregation before it in a single task.
+        (df.repartition(1) if small else df).write.mode("overwrite").parquet(uri)
         self.written[name] = uri
         self.rows[name] = int(counted.get["rows"])
         return self.spark.read.parquet(uri)

@@ -301,11 +301,11 @@ def e2e_batches(partitions: DataFrame) -> DataFrame:
                                   F.floor(F.col("last_offset") / OFFSET_BUCKET))).alias("bucket"))
     met = produced.join(fetched, ["topic", "partition", "bucket"]).where(
         (F.col("p_first") >= F.col("f_first")) & (F.col("p_first") <= F.col("f_last")))
-    first = met.groupBy("topic", "partition", "p_first", "consumer").agg(
-        F.min("delivered_at").alias("delivered_at"), F.first("acked_at").alias("acked_at"),
-        F.first("create_ms").alias("create_ms"), F.first("p_records").alias("records"))
+    # A batch's ack time, CreateTime and size ride along in the key: they are one per batch.
+    first = met.groupBy("topic", "partition", "p_first", "acked_at", "create_ms", "p_records", "consumer").agg(
+        F.min("delivered_at").alias("delivered_at"))
     return first.select(
-        "topic", "partition", "consumer", "records",
+        "topic", "partition", "consumer", F.col("p_records").alias("records"),
         _ms_between(F.col("delivered_at"), F.col("acked_at")).alias("ack_to_delivery_ms"),
         ((_micros(F.col("delivered_at")) / 1000.0) - F.col("create_ms")).alias("create_to_delivery_ms"))
 
