@@ -29,7 +29,18 @@ def report_settings(master: str, progress_bar: bool) -> dict[str, str]:
         # A laptop's worth of cores does not need 200 shuffle partitions per aggregation.
         cores = os.cpu_count() or 2
         settings["spark.sql.shuffle.partitions"] = str(max(4, 4 * cores))
+        # Locally the tasks run in the driver's JVM, whose 1 GiB default heap runs out in the
+        # end-to-end join's aggregation on a few million batches: a quarter of RAM, 2 to 8 GiB.
+        settings["spark.driver.memory"] = f"{local_heap_gib()}g"
     return settings
+
+
+def local_heap_gib() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2
+    return max(2, min(8, ram // 4 // 2**30))
 
 
 def build_session(master: str | None = None, progress_bar: bool | None = None) -> SparkSession:
@@ -44,7 +55,7 @@ def build_session(master: str | None = None, progress_bar: bool | None = None) -
     bar = sys.stderr.isatty() if progress_bar is None else progress_bar
     builder = SparkSession.builder.master(chosen)
     for key, value in report_settings(chosen, bar).items():
-        if key == "spark.sql.shuffle.partitions" and conf.contains(key):
+        if key in ("spark.sql.shuffle.partitions", "spark.driver.memory") and conf.contains(key):
             continue
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
