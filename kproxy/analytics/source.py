@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -23,6 +24,7 @@ LOG_FILES = "*.{jsonl,jsonl.gz}"
 # ts. Requests do not outlive kproxy's request timeouts, so one hour after --until catches them all.
 WRITE_SLACK = dt.timedelta(hours=1)
 
+_GLOB = re.compile(r"[*?\[{]")
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNIT = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
@@ -73,13 +75,28 @@ def base_path(path: str) -> str | None:
     return path[: m.start()] or "/"
 
 
+def expand_roots(spark: SparkSession, path: str) -> list[str]:
+    """A glob above the partitions (``logs/*/traffic``) as the log roots it matches, each read on
+    its own: Spark refuses to discover partitions under several roots in one read."""
+    if base_path(path) is not None or not _GLOB.search(path):
+        return [path]
+    jvm: Any = spark.sparkContext._jvm
+    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
+    fs = hadoop_path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    matches = fs.globStatus(hadoop_path) or []
+    roots = sorted(str(m.getPath().toString()) for m in matches)
+    if not roots:
+        raise ReportError(f"no traffic log at {path}")
+    return roots
+
+
 def read_lines(spark: SparkSession, paths: list[str], since: dt.datetime | None = None,
                until: dt.datetime | None = None) -> DataFrame:
     """Every traffic log line under ``paths`` with since <= ts < until, in the schema's columns plus
     ``_corrupt_record`` (the text of a line that did not parse, else null)."""
     schema = traffic_log_schema().add(T.StructField(CORRUPT, T.StringType(), True))
     frames = []
-    for path in paths:
+    for path in [root for p in paths for root in expand_roots(spark, p)]:
         reader = (spark.read.schema(schema).option("mode", "PERMISSIVE")
                   .option("columnNameOfCorruptRecord", CORRUPT).option("pathGlobFilter", LOG_FILES))
         base = base_path(path)

@@ -335,6 +335,17 @@ def test_a_glob_into_the_partitions_keeps_them(spark: Any, tmp_path: Path) -> No
     assert sorted(r["hour"] for r in df.select("hour").collect()) == ["10", "11"]
 
 
+def test_a_glob_over_several_log_roots(spark: Any, tmp_path: Path) -> None:
+    from kproxy.analytics.source import ReportError, read_lines
+
+    for name in ("east", "west"):
+        write_log(tmp_path / name / "traffic", [base_line(START, name, "metadata", 12)])
+    df = read_lines(spark, [str(tmp_path / "*" / "traffic")])
+    assert sorted(r["client_id"] for r in df.select("client_id").collect()) == ["east", "west"]
+    with pytest.raises(ReportError, match="no traffic log at"):
+        read_lines(spark, [str(tmp_path / "nowhere-*")])
+
+
 def test_parse_time_forms() -> None:
     from kproxy.analytics.source import ReportError, parse_time
 
