@@ -101,8 +101,13 @@ def time_chart(title: str, times: Sequence[dt.datetime], series: Mapping[str, Se
     fig = _figure()
     ax = fig.add_subplot()
     x: Any = list(times)  # matplotlib's stubs want arrays; it converts datetimes itself
+    few = len(x) < 4      # a short log: a line through one or two points would not show
     for (name, values), color in zip(series.items(), _PALETTE, strict=False):
-        ax.plot(x, values, label=name, color=color, linewidth=1.4)
+        ax.plot(x, values, label=name, color=color, linewidth=1.4, marker="o" if few else None)
+    if few and x:
+        # matplotlib pads a single date by years; pad by a bucket's width instead.
+        step = (x[-1] - x[0]) / max(len(x) - 1, 1) if len(x) > 1 else dt.timedelta(minutes=1)
+        ax.set_xlim(x[0] - step, x[-1] + step)
     ax.set_title(title, loc="left", fontsize=11)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

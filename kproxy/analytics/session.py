@@ -53,6 +53,8 @@ def build_session(master: str | None = None, progress_bar: bool | None = None) -
     conf = SparkConf()
     chosen = master or conf.get("spark.master", DEFAULT_MASTER) or DEFAULT_MASTER
     bar = sys.stderr.isatty() if progress_bar is None else progress_bar
+    if chosen.startswith("local"):
+        use_this_python()
     builder = SparkSession.builder.master(chosen)
     for key, value in report_settings(chosen, bar).items():
         if key in ("spark.sql.shuffle.partitions", "spark.driver.memory") and conf.contains(key):
@@ -61,6 +63,12 @@ def build_session(master: str | None = None, progress_bar: bool | None = None) -
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def use_this_python() -> None:
+    """Python workers of a local session run this interpreter (the one kproxy is installed in, for the
+    rule dry-run), not whatever ``python3`` comes first on the PATH; unless PYSPARK_PYTHON says else."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
 def apply_runtime_settings(spark: SparkSession) -> None:

@@ -13,6 +13,9 @@ import pytest
 def spark() -> Iterator[object]:
     from pyspark.sql import SparkSession
 
+    from kproxy.analytics.session import use_this_python
+
+    use_this_python()                 # the rule dry-run's Python workers need kproxy
     session = (SparkSession.builder.master("local[2]").appName("kproxy-tests")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")

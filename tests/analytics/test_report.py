@@ -65,6 +65,19 @@ def planted_lines() -> list[dict[str, Any]]:
     return sorted(lines, key=lambda line: line["ts"])
 
 
+# A candidate rule file for the dry run; its effect on the planted lines is known: the steady
+# producer's 100 Produce requests all name only "steady", and pctl-client made 1001 ListOffsets.
+CANDIDATE_RULES = """\
+rules:
+  - name: no-steady-topic
+    match: {topic: steady}
+    action: deny
+  - name: no-list-offsets-for-pctl
+    match: {client_id: pctl-client, api: list_offsets}
+    action: deny
+"""
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Truth]:
     root = tmp_path_factory.mktemp("traffic")
@@ -89,10 +102,12 @@ def run(spark: Any, logs: tuple[Path, Truth], tmp_path_factory: pytest.TempPathF
     from kproxy.cli import main
 
     out = tmp_path_factory.mktemp("report")
+    candidate = out.parent / "candidate-rules.yaml"
+    candidate.write_text(CANDIDATE_RULES)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         rc = main(["report", str(logs[0]), "--out", str(out), "--since", "2024-05-01T09:00:00Z",
-                   "--until", "2024-05-02"])
+                   "--until", "2024-05-02", "--rules", str(candidate)])
     assert rc == 0
     return out, printed.getvalue()
 
@@ -131,7 +146,7 @@ def test_terminal_summary_and_stages(run: tuple[Path, str], logs: tuple[Path, Tr
     assert str(out / "report.html") in printed
     s = summary(out)
     assert (s["since"], s["until"]) == ("2024-05-01T09:00:00+00:00", "2024-05-02T00:00:00+00:00")
-    assert [st["name"] for st in s["stages"]] == list(STAGES)
+    assert [st["name"] for st in s["stages"]] == [*STAGES[:-1], "policy dry-run", STAGES[-1]]
     assert (out / "recommended-quotas.yaml").read_text().startswith("# Recommended quotas")
 
 
@@ -367,3 +382,30 @@ def test_gzip_and_plain_files_both_read(spark: Any, tmp_path: Path) -> None:
     assert gzip.decompress((tmp_path / "dt=2024-05-01" / "hour=10" / "b.jsonl.gz").read_bytes())
     got = sorted(r["client_id"] for r in read_lines(spark, [str(tmp_path)]).collect())
     assert got == ["plain", "zipped"]
+
+
+def test_the_rule_dry_run_names_who_would_be_refused(spark: Any, report: Path) -> None:
+    denied = {(r["rule"], r["client_id"], r["api"]): r for r in table(spark, report, "dry_run_denied")}
+    steady = denied[("no-steady-topic", "steady-producer", "produce")]
+    assert steady["requests"] == 100 and steady["example_topic"] == "steady"
+    assert steady["error"] == "TOPIC_AUTHORIZATION_FAILED"
+    pctl = denied[("no-list-offsets-for-pctl", "pctl-client", "list_offsets")]
+    assert pctl["requests"] == 1001
+    # Nobody else is touched by these two rules, and the default decided all the rest.
+    assert {k[0] for k in denied} == {"no-steady-topic", "no-list-offsets-for-pctl"}
+    decisions = {(r["rule"], r["action"]): r["requests"] for r in table(spark, report, "dry_run_decisions")}
+    assert sum(decisions.values()) == summary(report)["requests"]
+    assert "Dry run" in (report / "report.html").read_text()
+
+
+def test_a_broken_candidate_rules_file_is_refused_with_its_line(spark: Any, tmp_path: Path,
+                                                                logs: tuple[Path, Truth]) -> None:
+    from kproxy.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - name: x\n    match: {topik: a}\n    action: deny\n")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["report", str(logs[0]), "--out", str(tmp_path / "out"), "--rules", str(bad)])
+    assert rc != 0
+    assert f"{bad}:3" in err.getvalue() and "topic" in err.getvalue()
