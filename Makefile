@@ -9,13 +9,20 @@ BIN := $(VENV)/bin
 $(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,analytics]'
 	touch $@
 
-# The non-PyPI test tools, from Debian: kcat for the end-to-end tests, promtool (package
-# prometheus; no service starts) to lint /metrics. Installed when missing and we may use apt;
-# otherwise the tests that need them fail saying so.
+# From Debian, installed when missing and we may use apt: kcat for the end-to-end tests, promtool
+# (package prometheus; no service starts) to lint /metrics, and a Java runtime (17 or newer) for
+# PySpark, which `kproxy report` and its tests run on. Otherwise the tests that need them fail saying so.
 system-deps:
+	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
+	if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless \
+	      || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless; }) \
+	      >/dev/null || echo "warning: could not install openjdk-17-jre-headless"; \
+	  else echo "warning: Java 17+ missing and apt-get unavailable (needed by kproxy report)"; fi; fi
 	@command -v kcat >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kcat) >/dev/null \

@@ -1,4 +1,4 @@
-"""kproxy's command line: ``kproxy run | check | demo | decode``, parsed in this one place.
+"""kproxy's command line: ``kproxy run | check | demo | decode | report``, parsed in this one place.
 
 Each sub-command's work lives in the module that owns it; this file only parses arguments and
 imports that module lazily, so ``kproxy decode`` never pays for trio or the server.
@@ -66,6 +66,19 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="print the generated codec source of an API (name or key) at a version")
     dec.add_argument("--kind", choices=("request", "response"), default="request",
                      help="with --show-codec: which message")
+    rep = sub.add_parser("report", help="fleet report from traffic logs (PySpark; needs the analytics extra)")
+    rep.add_argument("logs", nargs="+", metavar="LOGS", help="traffic log directories, files, globs or Spark URIs "
+                     "(s3a://, hdfs://, gs://)")
+    rep.add_argument("--out", required=True, help="directory for report.html, recommended-quotas.yaml, "
+                     "summary.json and tables/")
+    rep.add_argument("--since", help="first time to include: 2024-05-01, 2024-05-01T10:00:00Z or an age (36h, 7d)")
+    rep.add_argument("--until", help="time to stop before, same forms as --since")
+    rep.add_argument("--master", help="Spark master URL (default local[*], or what spark-submit set)")
+    rep.add_argument("--rules", help="candidate rules file to dry-run against the recorded traffic")
+    rep.add_argument("--quota-per", choices=("client_id", "principal"), default="client_id",
+                     help="what recommended-quotas.yaml limits (default client_id)")
+    rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
+                     "every executor can write")
     return p
 
 
@@ -97,6 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kproxy.demo import run_demo
 
         return run_demo(args)
+    if args.command == "report":
+        try:
+            from kproxy.analytics.job import run_from_args as run_report
+        except ImportError as e:
+            print(f"kproxy report needs the analytics extra (pip install 'kproxy[analytics]') and Java 17+: {e}",
+                  file=sys.stderr)
+            return 2
+        return run_report(args)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

@@ -1,0 +1,145 @@
+"""Policy dry-run: a candidate rules file applied to recorded traffic with kproxy's own rule engine.
+
+The rules are loaded and checked once on the driver (a broken file stops the report with the same
+file:line message ``kproxy check`` prints), then shipped to the executors, where
+``kproxy.policy.decide`` judges every recorded request inside a vectorised pandas function
+(``mapInPandas``): the one place the report runs Python per row. Spark aggregates what comes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from kproxy.analytics.source import ReportError
+
+# What decide() is told about each recorded request (the requests table's columns).
+_INPUT = ("ts", "api", "api_key", "api_version", "client_id", "principal", "client_address", "listener",
+          "client_software_name", "client_software_version", "topics", "group", "transactional_id", "acks",
+          "partitions")
+
+_OUTPUT = T.StructType([
+    T.StructField("ts", T.TimestampType()),
+    T.StructField("rule", T.StringType()),          # "default" when no rule decided
+    T.StructField("action", T.StringType()),        # allow, deny, rewrite; "refuse topics" when partial
+    T.StructField("error", T.StringType()),
+    T.StructField("client_id", T.StringType()),
+    T.StructField("principal", T.StringType()),
+    T.StructField("api", T.StringType()),
+    T.StructField("refused_topics", T.IntegerType()),
+    T.StructField("example_topic", T.StringType()),
+])
+
+
+def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
+    """Applies the rules file (or directory) at ``rules_path`` to ``requests`` (the report's table).
+
+    Returns ``dry_run_decisions`` (per rule and action: how many requests it decided) and
+    ``dry_run_denied`` (who would have been refused, by which rule, with which error, how often, and
+    when first and last).
+    """
+    from kproxy.policy.loader import RuleError, load_rules
+
+    try:
+        rules = load_rules([str(rules_path)])
+    except RuleError as e:
+        raise ReportError(f"--rules: {e}") from None
+    judged = requests.select(*_INPUT).mapInPandas(_judge(rules), schema=_OUTPUT)
+    decisions = judged.groupBy("rule", "action").agg(F.count(F.lit(1)).alias("requests"))
+    denied = (judged.where(F.col("action").isin("deny", "refuse topics"))
+              .groupBy("rule", "client_id", "principal", "api", "action", "error")
+              .agg(F.count(F.lit(1)).alias("requests"), F.sum("refused_topics").alias("refused_topics"),
+                   F.first("example_topic", ignorenulls=True).alias("example_topic"),
+                   F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
+              .orderBy(F.desc("requests")))
+    return {"dry_run_decisions": decisions.orderBy(F.desc("requests")), "dry_run_denied": denied}
+
+
+def _judge(rules: Any) -> Any:
+    """The pandas function each executor runs: batches of requests in, one decision each out."""
+
+    def judge(batches: Iterator[Any]) -> Iterator[Any]:
+        import pandas as pd
+
+        from kproxy.policy.engine import Facts, decide
+        from kproxy.protocol.errors import error_name
+
+        for batch in batches:
+            out = []
+            for row in batch.itertuples(index=False):
+                facts = _facts(row, Facts)
+                if facts is None:
+                    continue
+                d = decide(rules, facts)
+                refused = d.refused
+                action = d.action if d.action == "deny" or not refused else "refuse topics"
+                if action == "deny":
+                    error = error_name(d.error) if d.error is not None else None
+                elif refused:
+                    error = error_name(refused[0].error)
+                else:
+                    error = None
+                rule = d.rule if not refused or d.action == "deny" else refused[0].rule
+                out.append((row.ts, rule or "default", action, error, row.client_id, row.principal, row.api,
+                            len(refused), refused[0].topic if refused else None))
+            yield pd.DataFrame(out, columns=[f.name for f in _OUTPUT.fields])
+
+    return judge
+
+
+def _facts(row: Any, facts_cls: Any) -> Any:
+    """The engine's view of one recorded request, or None when the line lacks the API's key."""
+    api_key, api_version = _scalar(row.api_key), _scalar(row.api_version)
+    if api_key is None and _scalar(row.api) is not None:
+        # ``api_key`` is optional in a line; the name says the same.
+        api_key = _API_KEYS.get(row.api)
+    if api_key is None or api_version is None:
+        return None
+    topics = [t for t in row.topics] if _scalar(row.topics, array=True) is not None else []
+    compression, largest = [], 0
+    if _scalar(row.partitions, array=True) is not None:
+        for p in row.partitions:
+            if p.get("topic") and p["topic"] not in topics:
+                topics.append(p["topic"])
+            if p.get("compression"):
+                compression.append(p["compression"])
+            largest = max(largest, int(_scalar(p.get("bytes")) or 0))
+    address = _scalar(row.client_address)
+    acks = _scalar(row.acks)
+    group, txn = _scalar(row.group), _scalar(row.transactional_id)
+    return facts_cls(
+        api_key=int(api_key), api_version=int(api_version), client_id=_scalar(row.client_id),
+        principal=_scalar(row.principal), source=address.rsplit(":", 1)[0].strip("[]") if address else None,
+        listener=_scalar(row.listener) or "bootstrap", client_software_name=_scalar(row.client_software_name),
+        client_software_version=_scalar(row.client_software_version), topics=tuple(topics),
+        groups=(group,) if group else (), transactional_ids=(txn,) if txn else (),
+        acks=None if acks is None else int(acks), compression=tuple(dict.fromkeys(compression)),
+        max_batch_bytes=largest)
+
+
+def _api_keys() -> dict[str, int]:
+    from kproxy.protocol.messages import apis
+
+    return {api.name: key for key, api in apis().items()}
+
+
+_API_KEYS = _api_keys()
+
+
+def _scalar(value: Any, array: bool = False) -> Any:
+    """``value`` with pandas' and NumPy's missing-value markers (None, NaN, pd.NA) as None."""
+    if value is None:
+        return None
+    if array:
+        return value
+    try:
+        import pandas as pd
+
+        return None if pd.isna(value) else value
+    except (TypeError, ValueError):
+        return value
