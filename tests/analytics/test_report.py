@@ -211,9 +211,13 @@ def test_denials_by_rule(spark: Any, report: Path, logs: tuple[Path, Truth]) -> 
 
 
 def check_rules_file(path: Path) -> dict[str, Any]:
-    """Stands in for ``kproxy check --rules FILE`` until the policy work lands: the structure of
-    kproxy's quota syntax. Swap this for the real checker then."""
+    """``kproxy check --rules FILE`` accepts the file, and it has the structure the report promises."""
+    from kproxy.policy.loader import load_rules
+
+    rule_set = load_rules([str(path)])
+    assert not rule_set.warnings, rule_set.warnings
     doc = yaml.safe_load(path.read_text())
+    assert [q.name for q in rule_set.quotas] == [q["name"] for q in doc["quotas"]]
     assert set(doc) == {"default", "rules", "quotas"}
     assert doc["default"] in ("allow", "deny")
     assert doc["rules"] == []
