@@ -33,6 +33,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--listen", help="HOST:PORT of the bootstrap listener (no config file)")
     run.add_argument("--advertised-host", help="host clients are told to connect to (default: the "
                      "listen host; needed when listening on 0.0.0.0)")
+    run.add_argument("--rules", action="append", metavar="PATH", help="a policy rule file or directory "
+                     "(repeatable; no config file)")
+    run.add_argument("--chaos", action="store_true", help="let chaos rules inject faults (no config file)")
     run.add_argument("--admin", metavar="HOST:PORT", help="serve /metrics, /livez, /readyz, /config and "
                      "/rules here (no config file)")
     run.add_argument("--traffic-log", metavar="DIR", help="write one JSON line per request under DIR "
@@ -44,8 +47,11 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-format", help="text or json, one object per line (default: the file's "
                      "log_format, else text)")
 
-    check = sub.add_parser("check", help="validate a configuration file and exit")
-    check.add_argument("config", help="YAML configuration file")
+    check = sub.add_parser("check", help="validate a configuration file, or rule files, and exit")
+    check.add_argument("config", nargs="?", help="YAML configuration file (its rule files are checked too)")
+    check.add_argument("--rules", action="append", metavar="PATH",
+                       help="check policy rule files (or directories) on their own; repeatable")
+    check.add_argument("--chaos", action="store_true", help="with --rules: check as if chaos were enabled")
 
     demo = sub.add_parser("demo", help="embedded broker + kproxy + a real client, then a summary")
     demo.add_argument("--records", type=int, default=1000, help="records to produce and consume")
@@ -72,9 +78,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_from_args(args)
     if args.command == "check":
-        from kproxy.config import check_config_file
+        if args.config is None and not args.rules:
+            print("kproxy check: give a configuration file, or --rules PATH", file=sys.stderr)
+            return 2
+        status = 0
+        if args.config is not None:
+            from kproxy.config import check_config_file
 
-        return check_config_file(args.config)
+            status = check_config_file(args.config)
+        if args.rules:
+            from kproxy.policy.loader import check_rules_files
+
+            status = max(status, check_rules_files(args.rules, args.chaos))
+        return status
     if args.command == "demo":
         from kproxy.demo import run_demo
 

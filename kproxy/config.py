@@ -120,7 +120,9 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
             return None
         (tp,) = (a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is tuple:
-        return _host_ports_problem(value)  # tuple[HostPort, ...] is the only tuple setting
+        if typing.get_args(tp)[0] is str:
+            return _paths_problem(value)
+        return _host_ports_problem(value)
     if typing.get_origin(tp) is dict:
         # dict[str, float] is the only mapping setting; its section checks the keys and values.
         return None if isinstance(value, dict) else f"expected a mapping, got {value!r}"
@@ -143,6 +145,14 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
         return _name_problem(rules["name"], value)
     if rules.get("file") and not value.strip():
         return "an empty file name; leave the key out or write null"
+    return None
+
+
+def _paths_problem(value: Any) -> str | None:
+    if not (isinstance(value, tuple) and all(isinstance(p, str) for p in value)):
+        return f"expected a list of file or directory names, got {value!r}"
+    if any(not p.strip() for p in value):
+        return "an empty file name"
     return None
 
 
@@ -378,6 +388,9 @@ class ProxyConfig:
     tls: TlsServerSide = TlsServerSide()
     limits: LimitsConfig = LimitsConfig()
     passthrough_unknown_versions: bool = False
+    # Policy rule files, or directories of them (every *.yaml), relative to the config file.
+    rules: tuple[str, ...] = ()
+    chaos: bool = False    # chaos rules inject faults only when this is true
     admin: AdminConfig = AdminConfig()
     metrics: MetricsConfig = MetricsConfig()
     traffic_log: TrafficLogConfig = TrafficLogConfig()
@@ -390,6 +403,9 @@ class ProxyConfig:
 
     def __attrs_post_init__(self) -> None:
         _check_exposure(self)
+        if self.rules and self.passthrough_unknown_versions:
+            raise SettingError(("passthrough_unknown_versions",), "frames forwarded opaquely would bypass the "
+                                                                  "policy rules; turn it off to use rules")
         if self.mode == "sidecar" and self.exposure.advertised_host is not None:
             raise SettingError(("exposure", "advertised_host"),
                                "a sidecar is always advertised as localhost; remove exposure.advertised_host, "
@@ -544,10 +560,18 @@ def check_config_file(path: str) -> int:
     """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and return 2."""
     try:
         cfg = load_config(path)
+        rules = ""
+        if cfg.rules:
+            from kproxy.policy.loader import describe_rules, load_rules
+
+            rule_set = load_rules(cfg.rules, cfg.chaos)
+            for warning in rule_set.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+            rules = f"; rules: {describe_rules(rule_set)}"
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    print(f"ok: {path}: {describe_config(cfg)}")
+    print(f"ok: {path}: {describe_config(cfg)}{rules}")
     return 0
 
 
@@ -572,6 +596,8 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"tracing {f'on at {cfg.tracing.sample_ratio:g}' if cfg.tracing.enabled else 'off'}",
         f"logs {cfg.log_level} as {cfg.log_format}",
     ]
+    if cfg.rules:
+        parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
     return "; ".join(parts)
 
 
@@ -729,7 +755,9 @@ class _Builder:
         if tp is HostPort:
             return self.host_port(node, path)
         if origin is tuple:
-            return self.host_ports(node, path)  # tuple[HostPort, ...] is the only tuple setting
+            if typing.get_args(tp)[0] is str:
+                return self.paths(node, path)
+            return self.host_ports(node, path)
         if origin is dict:
             return self.mapping(typing.get_args(tp)[1], node, path)
         if attrs.has(tp):
@@ -782,6 +810,22 @@ class _Builder:
             return HostPort.parse(node.value)
         except ValueError as e:
             self.fail(path, str(e), node)
+
+    def paths(self, node: Node, path: _Path) -> tuple[str, ...]:
+        """A list of file or directory names (or one), each relative to the config file, each existing."""
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        out = []
+        for i, item in enumerate(items):
+            at = (*path, i) if isinstance(node, SequenceNode) else path
+            if not (isinstance(item, ScalarNode) and item.tag == _STR_TAG and item.value.strip()):
+                self.fail(at, f"expected a file or directory name, got {_describe(item)}", item)
+            value = item.value
+            if self.base_dir and not os.path.isabs(value):
+                value = os.path.join(self.base_dir, value)
+            if not os.path.exists(value):
+                self.fail(at, f"not found: {value}", item)
+            out.append(value)
+        return tuple(out)
 
     def host_ports(self, node: Node, path: _Path) -> tuple[HostPort, ...]:
         if isinstance(node, SequenceNode):

@@ -14,6 +14,8 @@ field path where they happened. This module must not import anything that does I
     ├── AddressMapError            a broker that cannot be given a port (kproxy.proxy.addresses)
     └── ConfigError                invalid configuration or rules (file, line, reason)
         ├── SettingError           one setting breaks its rule (path); raised by the config classes (kproxy.config)
+        ├── RuleError              policy rule files that do not load: every problem with file:line:column
+        │                          and the rule's name (kproxy.policy.loader)
         └── SchemaError            a .kschema file that does not parse (kproxy.protocol.schema)
 """
 

@@ -96,7 +96,22 @@ class Delay:
     then: Respond | None = None
 
 
-RequestVerdict = Respond | Delay | None
+@attrs.frozen(slots=True)
+class AskBroker:
+    """Ask the broker something before deciding (a rule that needs the name of a topic id).
+
+    kproxy sends ``question``, a request the filter built, on this connection's broker connection,
+    and reads nothing more from the client until it is answered; then it calls ``then`` with the
+    broker's response, or with None when none came (the connection was lost or the request timed
+    out), and takes what ``then`` returns as this filter's verdict. The client's request keeps its
+    place: answers still go out in the order the client asked.
+    """
+
+    question: Request
+    then: Callable[[Response | None], RequestVerdict]
+
+
+RequestVerdict = Respond | Delay | AskBroker | None
 
 
 class Filter:
@@ -107,7 +122,12 @@ class Filter:
     response_api_keys: frozenset[int] | None = frozenset()
 
     def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
-        """See (and possibly change) a decoded request. Return None to forward it."""
+        """See (and possibly change) a decoded request. Return None to forward it.
+
+        A filter that changes a request it forwards (a tenant prefix) can change the answer back in
+        ``on_response``: it sees every answer to a forwarded request, including the errors kproxy
+        makes up when the broker connection is lost.
+        """
         return None
 
     def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:

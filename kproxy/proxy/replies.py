@@ -154,3 +154,46 @@ def lost_connection_error(api_key: int) -> int | None:
     if api_key in coordinator_apis() or api_key in (FIND_COORDINATOR, LIST_GROUPS):
         return COORDINATOR_NOT_AVAILABLE
     return REQUEST_TIMED_OUT
+
+
+# Entity kinds that identify an element of a response array (the topic of a topic entry, the group
+# of a group entry): two elements with the same values are answers about the same thing.
+_IDENTITY = frozenset({"topic", "topic_id", "group", "txn"})
+
+
+def _merge(into: Any, part: Any, spec: StructSpec, version: int) -> None:
+    for f in spec.fields:
+        if version not in f.versions or not f.array or f.type != "struct":
+            continue
+        assert f.struct is not None
+        extra = getattr(part, f.name)
+        if not extra:
+            continue
+        mine = getattr(into, f.name)
+        if mine is None:
+            setattr(into, f.name, list(extra))
+            continue
+        keys = [g.name for g in f.struct.fields if version in g.versions and g.entity in _IDENTITY
+                and not g.array]
+        for elem in extra:
+            same = None
+            if keys:
+                ident = tuple(getattr(elem, k) for k in keys)
+                same = next((m for m in mine if tuple(getattr(m, k) for k in keys) == ident), None)
+            if same is None:
+                mine.append(elem)
+            else:
+                _merge(same, elem, f.struct, version)
+
+
+def merge_response(api_key: int, version: int, into: Any, part: Any) -> None:
+    """Add the elements of response body ``part`` to response body ``into`` (same api and version).
+
+    For answering one request from two places: the broker's answer to the part kproxy forwarded and
+    kproxy's own errors for the part it refused. Arrays of structs are merged by the names and ids
+    their elements carry (a transaction entry present in both gets the other's topics), other
+    elements are appended; single fields keep ``into``'s values.
+    """
+    api = api_by_key(api_key)
+    assert api.response is not None
+    _merge(into, part, api.response.root, version)

@@ -11,8 +11,10 @@ sockets, no clock: time comes from the context's injected clock.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -29,10 +31,11 @@ from kproxy.protocol.messages import (
     encode_request_frame,
     encode_response_frame,
     peek_request_header,
+    request_header_version,
     supported_versions,
 )
 from kproxy.protocol.primitives import read_uvarint
-from kproxy.proxy.filters import ConnectionContext, Delay, Filter, FilterChain, Respond
+from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error
 
@@ -108,6 +111,20 @@ class Listen(Action):
         return f"Listen({', '.join(map(str, self.ports))})"
 
 
+class Ask(Action):
+    """Send ``buffers``, a question a filter asks the broker before it decides, then read nothing more
+    from the client until the session has the answer (``Session.asking`` is None again); if none
+    comes within the request timeout, tell the session with ``question_unanswered``."""
+
+    __slots__ = ("buffers",)
+
+    def __init__(self, buffers: list) -> None:
+        self.buffers = buffers
+
+    def __repr__(self) -> str:
+        return f"Ask({sum(len(b) for b in self.buffers)} bytes)"
+
+
 class Close(Action):
     """Close the client connection, logging ``reason``; the requests in ``done`` end with it
     (answered with the closed connection, as a broker does when it cannot answer). ``undecodable``
@@ -157,6 +174,25 @@ class InFlight:
         if self.notes is None:
             self.notes = {}
         self.notes[key] = value
+
+
+@attrs.define(slots=True, eq=False)
+class _Question:
+    """A request waiting for the answer to a filter's question (``AskBroker``)."""
+
+    entry: InFlight
+    request: Request
+    asker: Filter
+    next_filter: int                 # where the filter chain resumes once the asker has decided
+    then: Callable[[Response | None], Any]
+    upstream_correlation_id: int
+    api_key: int
+    api_version: int
+    # The received bytes and their re-encoding, when the transparency check found them different.
+    original: tuple[memoryview, bytes] | None = None
+
+
+_ASKED = object()   # _request_filters: the request waits for a question's answer
 
 
 def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
@@ -244,6 +280,8 @@ class Session:
         self.sasl_started_at = 0.0           # when the current SASL exchange began (session clock)
         self.requests = 0
         self.closed = False
+        # A request whose filter asked the broker something; the client is not read meanwhile.
+        self.asking: _Question | None = None
 
     # -- client side
 
@@ -288,9 +326,18 @@ class Session:
             verdict = self._request_filters(entry, req, actions)
         except FilterFailed as e:
             return [Close(str(e))]
+        return self._dispatch(entry, req, verdict, actions, original)
+
+    def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action],
+                  original: tuple[memoryview, bytes] | None = None) -> list[Action]:
+        """Act on the filters' verdict: wait for a question's answer, answer locally, or forward."""
+        if verdict is _ASKED:
+            assert self.asking is not None
+            self.asking.original = original
+            return actions
         if verdict is not None:
             return actions + self._answer_locally(entry, verdict)
-        if api_key == PRODUCE and req.body.acks == 0:
+        if req.api_key == PRODUCE and req.body.acks == 0:
             # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
             # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
             upstream_id = self._take_correlation_id()
@@ -327,17 +374,34 @@ class Session:
         req.correlation_id = upstream_id
         return encode_request_frame(req)
 
-    def _request_filters(self, entry: InFlight, req: Request, actions: list[Action]) -> Respond | None:
+    def _request_filters(self, entry: InFlight, req: Request, actions: list[Action], start: int = 0,
+                         resumed: tuple[Filter, Callable[[], Any]] | None = None) -> Any:
+        """Run the request filters from ``start``: a Respond, None (forward) or _ASKED. ``resumed``
+        is (filter, call) for the filter whose question was just answered; its call runs first."""
         ctx = self.ctx
         ctx.exchange = entry
+        filters = self.chain.for_request(req.api_key)
+        i = start
         try:
-            for f in self.chain.for_request(req.api_key):
+            while True:
+                if resumed is not None:
+                    f, call = resumed
+                    resumed = None
+                elif i < len(filters):
+                    f = filters[i]
+                    i += 1
+                    call = functools.partial(f.on_request, ctx, req)
+                else:
+                    return None
                 try:
-                    verdict = f.on_request(ctx, req)
+                    verdict = call()
                 except Exception as e:
                     raise self._filter_failed(f, "on_request", req.api_key) from e
                 if verdict is None:
                     continue
+                if isinstance(verdict, AskBroker):
+                    self._ask(entry, req, f, i, verdict, actions)
+                    return _ASKED
                 if isinstance(verdict, Delay):
                     if verdict.seconds > 0:
                         actions.append(Hold(verdict.seconds))
@@ -345,9 +409,54 @@ class Session:
                         continue
                     verdict = verdict.then
                 return verdict
-            return None
         finally:
             ctx.exchange = None
+
+    # -- questions filters ask the broker (AskBroker)
+
+    def _ask(self, entry: InFlight, req: Request, asker: Filter, next_filter: int, verdict: AskBroker,
+             actions: list[Action]) -> None:
+        question = verdict.question
+        upstream_id = self._take_correlation_id()
+        question.correlation_id = upstream_id
+        self.asking = _Question(entry, req, asker, next_filter, verdict.then, upstream_id,
+                                question.api_key, question.api_version)
+        actions.append(Ask(encode_request_frame(question)))
+
+    def _resume(self, answer: Response | None) -> list[Action]:
+        """The asking filter decides with ``answer``; the request then goes on as it would have."""
+        q = self.asking
+        assert q is not None
+        self.asking = None
+        actions: list[Action] = []
+        try:
+            verdict = self._request_filters(q.entry, q.request, actions, q.next_filter,
+                                            (q.asker, functools.partial(q.then, answer)))
+        except FilterFailed as e:
+            return [Close(str(e))]
+        return self._dispatch(q.entry, q.request, verdict, actions, q.original)
+
+    def _question_answered(self, frame: memoryview) -> list[Action]:
+        q = self.asking
+        assert q is not None
+        try:
+            answer: Response | None = decode_response(frame, q.api_key, q.api_version, keep_trailing=True)
+        except DecodeError as e:
+            log.warning("connection %d: the broker's answer to kproxy's %s question does not decode: %s",
+                        self.ctx.connection_id, api_name(q.api_key), e)
+            answer = None
+        return self._resume(answer)
+
+    def question_unanswered(self, reason: str) -> list[Action]:
+        """No answer to the pending question (the I/O layer's timeout): the filter decides without one."""
+        q = self.asking
+        if q is None:
+            return []
+        # A late answer is dropped, like the broker's answer to an acks=0 Produce.
+        self._no_response.append(q.upstream_correlation_id)
+        log.info("connection %d: no answer to kproxy's %s question (%s)", self.ctx.connection_id,
+                 api_name(q.api_key), reason)
+        return self._resume(None)
 
     def _filter_failed(self, f: Filter, hook: str, api_key: int) -> FilterFailed:
         # The traceback names code, not message contents, so no secret reaches the log.
@@ -362,9 +471,10 @@ class Session:
 
     def _observe_request(self, req: Request) -> None:
         ctx = self.ctx
-        if req.client_id is not None:
-            ctx.client_id = req.client_id
         key = req.api_key
+        # Header v0 (ControlledShutdown v0) has no client id: it does not clear the one the client gave.
+        if req.client_id is not None and request_header_version(key, req.api_version) > 0:
+            ctx.client_id = req.client_id
         if key == API_VERSIONS and req.api_version >= 3:
             ctx.client_software_name = req.body.client_software_name
             ctx.client_software_version = req.body.client_software_version
@@ -497,6 +607,8 @@ class Session:
             return [Close(f"broker sent a {len(frame)}-byte response, shorter than its header",
                           undecodable="response")]
         (upstream_id,) = _I32.unpack_from(frame, 0)
+        if self.asking is not None and upstream_id == self.asking.upstream_correlation_id:
+            return self._question_answered(frame)
         entry = self._by_upstream.pop(upstream_id, None)
         if entry is None:
             if upstream_id in self._no_response:
@@ -526,20 +638,11 @@ class Session:
             encoded = encode_response_frame(resp)
             if not check.matches("response", entry.api_key, version, frame, encoded, 4):
                 original = frame, joined(encoded)
-        throttle = 0.0
-        req = entry.request
-        ctx = self.ctx
-        ctx.exchange = entry
         try:
-            for f in self.chain.for_response(entry.api_key):
-                try:
-                    t = f.on_response(ctx, req, resp)
-                except Exception:
-                    return [Close(str(self._filter_failed(f, "on_response", entry.api_key)))]
-                if t > throttle:
-                    throttle = t
-        finally:
-            ctx.exchange = None
+            throttle = self._response_filters(entry, resp)
+        except FilterFailed as e:
+            return [Close(str(e))]
+        ctx = self.ctx
         actions: list[Action] = []
         if ctx.ports_to_open:
             # The answer names broker ports that must be listening before the client reads them.
@@ -561,6 +664,25 @@ class Session:
             entry.reply = encode_response_frame(resp)
         actions += self._flush()
         return actions
+
+    def _response_filters(self, entry: InFlight, resp: Response) -> float:
+        """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""
+        throttle = 0.0
+        req = entry.request
+        assert req is not None
+        ctx = self.ctx
+        ctx.exchange = entry
+        try:
+            for f in self.chain.for_response(entry.api_key):
+                try:
+                    t = f.on_response(ctx, req, resp)
+                except Exception as e:
+                    raise self._filter_failed(f, "on_response", entry.api_key) from e
+                if t > throttle:
+                    throttle = t
+        finally:
+            ctx.exchange = None
+        return throttle
 
     def _observe_response(self, entry: InFlight, resp: Response) -> None:
         if entry.api_key == SASL_HANDSHAKE:
@@ -610,7 +732,7 @@ class Session:
         # After SASL a new broker connection would be unauthenticated, and only the client can
         # authenticate again: end the client connection, as the broker's own loss would.
         authenticated = self.ctx.authenticated
-        if authenticated and not self.in_flight:
+        if authenticated and not self.in_flight and self.asking is None:
             return [Close(f"broker connection lost after SASL authentication ({reason})")]
         for entry in waiting:
             entry.outcome = UPSTREAM_LOST
@@ -625,10 +747,35 @@ class Session:
                 entry.reply = []
                 entry.close_after = f"broker connection lost ({reason})"
                 continue
+            # Filters see this answer like the broker's, so one that changed the request (a tenant
+            # prefix) changes the answer back; the connection stays up, so the throttle is moot.
+            try:
+                self._response_filters(entry, resp)
+            except FilterFailed as e:
+                entry.reply = []
+                entry.close_after = str(e)
+                continue
             resp.correlation_id = entry.client_correlation_id
             entry.response = resp
             entry.reply = encode_response_frame(resp)
-        return self._flush()
+        actions = self._flush()
+        if self.asking is not None:
+            closing = next((a for a in actions if isinstance(a, Close)), None)
+            if closing is not None:
+                # The connection ends before the question could be settled: the request ends with it.
+                q, self.asking = self.asking, None
+                q.entry.outcome = UPSTREAM_LOST
+                closing.done = (*closing.done, q.entry)
+                return actions
+            if authenticated:
+                # A new broker connection would not be authenticated: end it as for the others.
+                q, self.asking = self.asking, None
+                q.entry.reply = []
+                q.entry.close_after = f"broker connection lost ({reason})"
+                self.in_flight.append(q.entry)
+                return actions + self._flush()
+            actions += self._resume(None)
+        return actions
 
     def close(self) -> None:
         """The connection ended: every filter's ``on_close`` runs, whatever the others do."""

@@ -22,6 +22,9 @@ import trio
 
 from kproxy.config import ProxyConfig, effective_buffer_budget
 from kproxy.logs import safe
+from kproxy.policy.engine import PolicyFilter
+from kproxy.policy.loader import describe_rules
+from kproxy.policy.store import RuleStore
 from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
@@ -39,6 +42,7 @@ from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import (
     PlainTransport,
@@ -77,6 +81,7 @@ class ProxyServer:
 
     def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *,
                  span_exporter: SpanExporter | None = None) -> None:
+        """Raises RuleError (a ConfigError) when the configured rule files do not load."""
         self.config = config
         self.stats = ProxyStats()
         self.telemetry = Telemetry(config, span_exporter=span_exporter)
@@ -103,6 +108,12 @@ class ProxyServer:
         builtin: list[Filter] = [self.rewriter]
         if not config.passthrough_unknown_versions:
             builtin.insert(0, ApiVersionsNarrower())
+        # Policy rules, when configured: judged after the built-in filters, before any given here.
+        self.rules: RuleStore | None = RuleStore(config.rules, config.chaos) if config.rules else None
+        self.rules_poll_interval_s = POLL_INTERVAL_S
+        if self.rules is not None:
+            builtin.append(PolicyFilter(self.rules))
+            self.rule_store = self.rules
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -270,6 +281,10 @@ class ProxyServer:
                     nursery.start_soon(self._rediscover)
                 log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
                          ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
+                if self.rules is not None:
+                    log.info("rules in force: %s (watching %s)", describe_rules(self.rules.rule_set),
+                             ", ".join(self.rules.paths))
+                    nursery.start_soon(watch_rules, self.rules, self.rules_poll_interval_s)
                 task_status.started(self)
         finally:
             for s in self._listeners.values():
@@ -372,6 +387,13 @@ class ProxyServer:
         finally:
             self.connections.discard(conn)
             self.stats.connections_open -= 1
+
+    def reload_rules(self, reason: str) -> bool:
+        """Load the rule files again (SIGHUP); the old rules stay if the new ones do not load."""
+        if self.rules is None:
+            log.info("%s: nothing to reload (no rule files are configured)", reason)
+            return False
+        return self.rules.reload(reason)
 
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""
@@ -477,14 +499,14 @@ class ProxyServer:
 
 
 async def serve_until_signal(server: ProxyServer) -> None:
-    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP is logged and ignored."""
+    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files."""
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
-                    log.info("SIGHUP: nothing to reload (no rule files are configured)")
+                    server.reload_rules("SIGHUP")
                     continue
                 if server.draining:
                     log.info("%s again: stopping now", name)

@@ -23,7 +23,17 @@ from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import api_name
 from kproxy.proxy.addresses import Route
-from kproxy.proxy.session import NO_RESPONSE, Close, Hold, InFlight, Listen, Session, ToClient, ToUpstream
+from kproxy.proxy.session import (
+    NO_RESPONSE,
+    Ask,
+    Close,
+    Hold,
+    InFlight,
+    Listen,
+    Session,
+    ToClient,
+    ToUpstream,
+)
 from kproxy.server.budget import BufferBudget
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import Transport, connect
@@ -103,6 +113,7 @@ class ClientConnection:
                                          limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
         self._held = 0                              # bytes this connection counts in the budget
+        self._answered: trio.Event | None = None    # set when a filter's question is settled
 
     # -- completion
 
@@ -245,6 +256,8 @@ class ClientConnection:
                 if a.done:
                     self._complete(a.done, trio.current_time())
                 raise ConnectionClosed(a.reason)
+            elif kind is Ask:
+                await self._ask(a)
             else:  # pragma: no cover - a new action type without an executor branch is a bug
                 raise AssertionError(f"no executor for {a!r}")
 
@@ -290,6 +303,26 @@ class ClientConnection:
         if entry is not None and entry.outcome == NO_RESPONSE:
             self._complete((entry,), trio.current_time())
 
+    async def _ask(self, action: Ask) -> None:
+        """Send a filter's question and wait, not reading the client, until the session has settled
+        it: the upstream pump hands the answer to the session (which then acts on the request), and
+        a lost connection settles it too. Past the request timeout the filter decides without it."""
+        session = self.session
+        self._answered = trio.Event()
+        await self._to_upstream(ToUpstream(action.buffers))
+        timeout = self.settings.request_timeout_s
+        with trio.move_on_after(timeout if timeout > 0 else float("inf")):
+            while session.asking is not None:
+                await self._answered.wait()
+                self._answered = trio.Event()
+        self._answered = None
+        if session.asking is not None:
+            await self._execute(session.question_unanswered(f"none within {timeout:g}s"))
+
+    def _settled(self) -> None:
+        if self._answered is not None and self.session.asking is None:
+            self._answered.set()
+
     async def _connect_upstream(self) -> None:
         s = self.settings
         # Look the route up on every connect, not only at accept: a broker that moved (learned from
@@ -321,7 +354,10 @@ class ClientConnection:
         where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
         BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
                             self.session.ctx.connection_id, where, reason)
-        await self._execute(self.session.upstream_lost(reason))
+        try:
+            await self._execute(self.session.upstream_lost(reason))
+        finally:
+            self._settled()
 
     # -- broker -> client
 
@@ -341,6 +377,7 @@ class ClientConnection:
                 reader.received(n)
                 while (frame := reader.next_frame()) is not None:
                     await self._execute(session.upstream_frame(frame))
+                    self._settled()
                     if self.unrouted is not None and not session.in_flight:
                         self._check_route()
                 self._account()

@@ -24,6 +24,8 @@ _QUICK_OPTIONS = (
     ("upstream", "--upstream", "upstream.bootstrap_servers"),
     ("listen", "--listen", "listen"),
     ("advertised_host", "--advertised-host", "exposure.advertised_host"),
+    ("rules", "--rules", "rules"),
+    ("chaos", "--chaos", "chaos"),
     ("admin", "--admin", "admin.listen"),
     ("traffic_log", "--traffic-log", "traffic_log.dir"),
     ("tracing", "--tracing", "tracing.enabled"),
@@ -41,7 +43,10 @@ def run_from_args(args: Any) -> int:
     log.info("kproxy %s: %s", package_version(), describe_config(cfg))
     try:
         server = ProxyServer(cfg)
-    except ConfigError as e:  # the OTEL_* variables are read here, when the exporter is made
+    except ConfigError as e:
+        # Rule files that do not load (the same message `kproxy check` prints), or OTEL_* variables
+        # kproxy cannot follow (read here, when the exporter is made).
+        log.error("%s", e)
         print(f"kproxy run: {e}", file=sys.stderr)
         return 2
     try:
@@ -77,5 +82,6 @@ def config_for_run(args: Any) -> ProxyConfig:
             "traffic_log": {"dir": args.traffic_log} if getattr(args, "traffic_log", None) else None,
             "tracing": {"enabled": True} if getattr(args, "tracing", False) else None,
         }
-        return config_from_args(args.upstream, args.listen, exposure=exposure, **telemetry, **logs)
+        return config_from_args(args.upstream, args.listen, exposure=exposure, rules=args.rules or None,
+                                chaos=args.chaos or None, **telemetry, **logs)
     raise ConfigError("give --config FILE, or --upstream HOST:PORT and --listen HOST:PORT")

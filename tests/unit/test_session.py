@@ -17,8 +17,8 @@ from kproxy.protocol.messages import (
     encode_response_frame,
     supported_versions,
 )
-from kproxy.proxy.filters import ConnectionContext, Delay, Filter, FilterChain, Respond
-from kproxy.proxy.session import Close, Hold, Session, ToClient, ToUpstream, sasl_user
+from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond
+from kproxy.proxy.session import Ask, Close, Hold, Session, ToClient, ToUpstream, sasl_user
 
 PRODUCE, FETCH, METADATA, HEARTBEAT, OFFSET_COMMIT = 0, 1, 3, 12, 8
 SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 17, 18, 36
@@ -906,6 +906,144 @@ def test_filters_can_note_decisions_on_the_entry():
     out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
     assert out[0].done[0].notes == {"rule": "allow-all"}
     assert s.ctx.exchange is None
+
+
+# -- a filter asks the broker before deciding (AskBroker)
+
+
+class Asker(Filter):
+    """Asks the broker a Metadata question about every Heartbeat; refuses it when the answer names no
+    broker (or there is none), else forwards it. Records what it was told."""
+
+    name = "asker"
+    request_api_keys = frozenset({HEARTBEAT})
+
+    def __init__(self) -> None:
+        self.answers: list = []
+
+    def on_request(self, ctx, request):
+        question = Request.build(METADATA, 12, 0, "kproxy", metadata_request(()))
+
+        def then(answer):
+            self.answers.append(answer)
+            assert ctx.exchange is not None and ctx.exchange.api_key == HEARTBEAT
+            if answer is None or not answer.body.brokers:
+                return Respond(TOPIC_AUTHORIZATION_FAILED)
+            return None
+
+        return AskBroker(question, then)
+
+
+def question_of(action) -> Request:
+    assert isinstance(action, Ask)
+    return decode_request(wire(action))
+
+
+def test_a_question_goes_to_the_broker_and_the_request_waits_for_its_answer():
+    class After(Filter):
+        request_api_keys = frozenset({HEARTBEAT})
+        seen: list[int] = []
+
+        def on_request(self, ctx, request):
+            self.seen.append(request.api_key)
+
+    asker, after = Asker(), After()
+    s = make_session(asker, after)
+    up_meta = forwarded(s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))[0])
+    (ask,) = s.client_frame(request_frame(HEARTBEAT, 4, 2, heartbeat_request()))
+    q = question_of(ask)
+    assert (q.api_key, q.api_version, q.client_id) == (METADATA, 12, "kproxy")
+    assert q.correlation_id != up_meta.correlation_id and s.asking is not None and after.seen == []
+    # The earlier request's answer still goes out while the question is pending.
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up_meta.correlation_id, metadata_response())))
+    assert kinds(out) == [ToClient]
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, q.correlation_id, metadata_response())))
+    assert s.asking is None and len(asker.answers) == 1 and after.seen == [HEARTBEAT]
+    up = forwarded(out[0])
+    assert up.api_key == HEARTBEAT and up.correlation_id not in (q.correlation_id, up_meta.correlation_id)
+    done = s.upstream_frame(memoryview(response_frame(HEARTBEAT, 4, up.correlation_id,
+                                                      body_class(HEARTBEAT, "response")())))
+    assert done[0].done[0].client_correlation_id == 2 and done[0].done[0].outcome == "forwarded"
+
+
+def test_the_answer_can_make_the_filter_answer_locally():
+    asker = Asker()
+    s = make_session(asker)
+    q = question_of(s.client_frame(request_frame(HEARTBEAT, 4, 2, heartbeat_request()))[0])
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, q.correlation_id, metadata_response(()))))
+    assert answered(out[0], HEARTBEAT, 4).body.error_code == TOPIC_AUTHORIZATION_FAILED
+    assert out[0].done[0].outcome == "local"
+
+
+def test_no_answer_in_time_lets_the_filter_decide_without_one_and_drops_a_late_one():
+    asker = Asker()
+    s = make_session(asker)
+    q = question_of(s.client_frame(request_frame(HEARTBEAT, 4, 2, heartbeat_request()))[0])
+    out = s.question_unanswered("timed out")
+    assert asker.answers == [None] and answered(out[0], HEARTBEAT, 4).body.error_code == TOPIC_AUTHORIZATION_FAILED
+    assert s.upstream_frame(memoryview(response_frame(METADATA, 12, q.correlation_id, metadata_response()))) == []
+    assert s.question_unanswered("again") == []
+
+
+def test_a_lost_connection_settles_the_question_after_the_requests_before_it():
+    asker = Asker()
+    s = make_session(asker)
+    s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))
+    s.client_frame(request_frame(HEARTBEAT, 4, 2, heartbeat_request()))
+    out = s.upstream_lost("eof")
+    # Metadata has no retriable error: the connection closes, and the asking request ends with it.
+    assert kinds(out) == [Close] and s.asking is None
+    assert [e.client_correlation_id for e in out[0].done] == [1, 2]
+
+
+def test_a_lost_connection_with_only_the_question_pending_lets_the_filter_decide():
+    asker = Asker()
+    s = make_session(asker)
+    s.client_frame(request_frame(HEARTBEAT, 4, 2, heartbeat_request()))
+    out = s.upstream_lost("eof")
+    assert asker.answers == [None] and kinds(out) == [ToClient]
+    assert out[0].done[0].client_correlation_id == 2
+
+
+def test_a_question_to_an_unanswerable_authenticated_connection_closes():
+    s = make_session(Asker())
+    sasl_handshake(s, "PLAIN")
+    sasl_authenticate(s, b"\x00alice\x00secret")
+    s.client_frame(request_frame(HEARTBEAT, 4, 9, heartbeat_request()))
+    out = s.upstream_lost("eof")
+    assert kinds(out) == [Close] and [e.client_correlation_id for e in out[0].done] == [9]
+
+
+class Prefix(Filter):
+    """Renames topic t to p.t in Produce requests and back in the answers."""
+
+    name = "prefix"
+    request_api_keys = response_api_keys = frozenset({PRODUCE})
+
+    def on_request(self, ctx, request):
+        for t in request.body.topic_data:
+            t.name = "p." + t.name
+
+    def on_response(self, ctx, request, response):
+        for t in response.body.responses:
+            t.name = t.name.removeprefix("p.")
+        return 0.0
+
+
+def test_response_filters_see_the_errors_kproxy_makes_up_for_a_lost_broker():
+    s = make_session(Prefix())
+    assert forwarded(s.client_frame(request_frame(PRODUCE, 9, 1, produce_request()))[0]).body.topic_data[0].name == "p.t"
+    (out,) = s.upstream_lost("eof")
+    resp = answered(out, PRODUCE, 9)
+    assert [t.name for t in resp.body.responses] == ["t"]
+    assert resp.body.responses[0].partition_responses[0].error_code == 6
+
+
+def test_header_v0_requests_keep_the_client_id():
+    s = make_session()
+    s.client_frame(request_frame(METADATA, 12, 1, metadata_request(), client_id="orders"))
+    s.client_frame(request_frame(7, 0, 2, body_class(7, "request")(broker_id=1)))
+    assert s.ctx.client_id == "orders"
 
 
 def test_the_decompression_limit_reaches_filters_through_the_context():

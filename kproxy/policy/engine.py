@@ -1,0 +1,886 @@
+"""Judging Kafka requests against a rule set, and the filter that carries the decisions out.
+
+``decide(rules, facts)`` says what a rule set does with one request described by plain values (the
+traffic-log dry run uses it). ``PolicyFilter`` judges decoded requests the same way and acts: it
+refuses topics (forwarding the rest and merging its errors into the broker's answer), prefixes
+tenant names and takes the prefix off every answer, lowers Fetch and Produce limits, injects chaos
+and logs. Matchers are compiled once per rule set and connection selectors judged once per
+connection and rule set. Pure: no I/O and no clocks; randomness comes from an injected generator.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import attrs
+
+from kproxy.logs import safe
+from kproxy.policy.model import (
+    ANONYMOUS,
+    COMPRESSIONS,
+    DECIDING,
+    Cap,
+    Chaos,
+    Deny,
+    Log,
+    Require,
+    Rewrite,
+    Rule,
+    RuleSet,
+)
+from kproxy.protocol import entities
+from kproxy.protocol.errors import (
+    CLUSTER_AUTHORIZATION_FAILED,
+    GROUP_AUTHORIZATION_FAILED,
+    INVALID_REQUIRED_ACKS,
+    POLICY_VIOLATION,
+    TOPIC_AUTHORIZATION_FAILED,
+    TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+    UNKNOWN_TOPIC_ID,
+    RecordsError,
+    error_name,
+)
+from kproxy.protocol.messages import (
+    Request,
+    Response,
+    api_by_key,
+    api_name,
+    body_class,
+    decode_request,
+    encode_request,
+    supported_versions,
+)
+from kproxy.protocol.primitives import ZERO_UUID
+from kproxy.protocol.records import iter_batches
+from kproxy.protocol.schema import StructSpec
+from kproxy.proxy.filters import ALL, AskBroker, ConnectionContext, Delay, Filter, RequestVerdict, Respond
+from kproxy.proxy.replies import error_response, merge_response
+
+log = logging.getLogger("kproxy.policy")
+
+PRODUCE, FETCH, METADATA, CREATE_ACLS, DELETE_ACLS, DESCRIBE_TOPIC_PARTITIONS = 0, 1, 3, 30, 31, 75
+INVALID_REGULAR_EXPRESSION = 128
+_REQUEST_SELECTORS = ("acks", "compression", "group", "transactional_id")
+_EFFECTS = ("cap", "chaos", "log")
+_CACHE_LIMIT = 4096     # entries per cache before it starts over (bounded memory, whatever clients send)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain facts and decisions (for decide(), and anything judging requests without a connection)
+
+
+@attrs.frozen
+class Facts:
+    """One request as plain values: what every selector can look at.
+
+    ``compression`` holds the codec names of the produced batches (none, gzip, snappy, lz4, zstd) and
+    ``max_batch_bytes`` the size of the largest; both only matter for Produce.
+    """
+
+    api_key: int
+    api_version: int
+    client_id: str | None = None
+    principal: str | None = None
+    source: str | None = None
+    listener: str | None = "bootstrap"
+    client_software_name: str | None = None
+    client_software_version: str | None = None
+    topics: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+    transactional_ids: tuple[str, ...] = ()
+    acks: int | None = None
+    compression: tuple[str, ...] = ()
+    max_batch_bytes: int = 0
+
+
+@attrs.frozen
+class Refusal:
+    """A topic refused while the rest of the request goes on; ``rule`` None means the default."""
+
+    topic: str
+    rule: str | None
+    error: int
+
+
+@attrs.frozen
+class Decision:
+    """What a rule set does with one request.
+
+    ``action`` is ``allow``, ``deny`` or ``rewrite`` for the request as a whole; ``rule`` names the
+    rule that decided it (None: the default). A request refused as a whole has ``error``. Topics
+    refused on their own, while the rest goes through, are in ``refused``. ``effects`` names the
+    cap, chaos and log rules that apply (chaos and log may then still skip it, by their rate).
+    """
+
+    action: str
+    rule: str | None
+    error: int | None = None
+    refused: tuple[Refusal, ...] = ()
+    rewrite: Rewrite | None = None
+    effects: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------------
+# The facts of one live request, read lazily from its body
+
+
+class _Req:
+    """Request facts, each computed the first time a rule asks (batches are never decompressed)."""
+
+    __slots__ = ("_batches", "_groups", "_txn", "api_key", "body", "version")
+
+    def __init__(self, api_key: int, version: int, body: Any) -> None:
+        self.api_key = api_key
+        self.version = version
+        self.body = body
+        self._groups: list[str] | None = None
+        self._txn: list[str] | None = None
+        self._batches: tuple[frozenset[int], int] | None = None
+
+    def acks(self) -> int | None:
+        return self.body.acks if self.api_key == PRODUCE else None
+
+    def groups(self) -> list[str]:
+        if self._groups is None:
+            self._groups = [g for g in entities.collect(self.body, self.api_key, self.version, "request", "group")
+                            if g]
+        return self._groups
+
+    def txn_ids(self) -> list[str]:
+        if self._txn is None:
+            self._txn = [t for t in entities.collect(self.body, self.api_key, self.version, "request", "txn") if t]
+        return self._txn
+
+    def batches(self) -> tuple[frozenset[int], int]:
+        """(codec ids, size of the largest batch) of a Produce request's record batches."""
+        if self._batches is None:
+            codecs: set[int] = set()
+            biggest = 0
+            if self.api_key == PRODUCE:
+                for topic in self.body.topic_data:
+                    for part in topic.partition_data:
+                        records = part.records
+                        if not records:
+                            continue
+                        try:
+                            for batch in iter_batches(records, allow_truncated=False):
+                                codecs.add(int(batch.compression))
+                                biggest = max(biggest, len(batch.raw))
+                        except RecordsError:
+                            # Unreadable batches: judged by their size, and by a codec no rule allows.
+                            codecs.add(-1)
+                            biggest = max(biggest, len(records))
+            self._batches = (frozenset(codecs), biggest)
+        return self._batches
+
+
+class _FactsReq(_Req):
+    """_Req over plain Facts."""
+
+    __slots__ = ("facts",)
+
+    def __init__(self, facts: Facts) -> None:
+        super().__init__(facts.api_key, facts.api_version, None)
+        self.facts = facts
+        self._groups = [g for g in facts.groups if g]
+        self._txn = [t for t in facts.transactional_ids if t]
+        self._batches = (frozenset(COMPRESSIONS.index(c) for c in facts.compression), facts.max_batch_bytes)
+
+    def acks(self) -> int | None:
+        return self.facts.acks
+
+
+def _request_holds(rule: Rule, req: _Req) -> bool:
+    m = rule.match
+    if m.acks is not None:
+        acks = req.acks()
+        if acks is None or not m.acks(acks):
+            return False
+    if m.compression is not None and not m.compression(req.batches()[0]):
+        return False
+    if m.group is not None and not any(m.group(g) for g in req.groups()):
+        return False
+    return m.transactional_id is None or any(m.transactional_id(t) for t in req.txn_ids())
+
+
+def _broken(require: Require, req: _Req) -> int | None:
+    """The error for a request that breaks ``require``, or None when it keeps it."""
+    if require.acks is not None:
+        acks = req.acks()
+        if acks is not None and acks != require.acks:
+            return INVALID_REQUIRED_ACKS
+    if require.uses_batches and req.api_key == PRODUCE:
+        codecs, biggest = req.batches()
+        if require.max_batch_bytes is not None and biggest > require.max_batch_bytes:
+            return POLICY_VIOLATION
+        if require.compression is not None and not codecs <= require.compression:
+            return POLICY_VIOLATION
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The compiled index: rules per connection, per api version, outcomes per request shape
+
+
+@attrs.define(slots=True)
+class _Outcome:
+    """How a request goes down the rules: the rule deciding it as a whole (None: the default), the
+    rule deciding each topic, and the cap, chaos and log rules it reaches."""
+
+    request_rule: Rule | None
+    topic_rules: dict[str, Rule | None]
+    effects: tuple[Rule, ...]
+
+
+class _Plan:
+    """The rules that can apply to one api version on one kind of connection, in order."""
+
+    __slots__ = ("_deciders", "_effects", "_outcomes", "has_ids", "idle", "request_positions", "rules",
+                 "static", "topic_rules")
+
+    def __init__(self, rules: tuple[Rule, ...], api_key: int, version: int) -> None:
+        self.rules = rules
+        self.idle = not rules
+        self.topic_rules = any(r.match.topic is not None for r in rules)
+        self.request_positions = tuple(
+            p for p, r in enumerate(rules)
+            if r.action == "require" or any(getattr(r.match, s) is not None for s in _REQUEST_SELECTORS))
+        self._deciders = tuple(p for p, r in enumerate(rules) if r.action in DECIDING or r.action == "require")
+        self._effects = tuple(p for p, r in enumerate(rules) if r.action in _EFFECTS)
+        self._outcomes: dict[tuple[tuple[int, ...], tuple[str, ...]], _Outcome] = {}
+        try:
+            self.has_ids = entities.has_entity(api_key, version, "request", "topic_id")
+        except ValueError:      # a version kproxy does not know (decide() on recorded facts)
+            self.has_ids = False
+        # Without topic or request selectors every request of this kind goes the same way.
+        self.static = None if self.topic_rules or self.request_positions else self.outcome((), ())
+
+    def inactive(self, req: _Req) -> tuple[int, ...]:
+        """Positions of the rules that take no part for this request: a request selector does not
+        hold, or a requirement is kept."""
+        off = []
+        rules = self.rules
+        for p in self.request_positions:
+            rule = rules[p]
+            if not _request_holds(rule, req) or (isinstance(rule.params, Require) and _broken(rule.params, req) is None):
+                off.append(p)
+        return tuple(off)
+
+    def request_rule(self, inactive: tuple[int, ...]) -> Rule | None:
+        return self.outcome(inactive, ()).request_rule
+
+    def outcome(self, inactive: tuple[int, ...], topics: tuple[str, ...]) -> _Outcome:
+        key = (inactive, topics)
+        got = self._outcomes.get(key)
+        if got is None:
+            if len(self._outcomes) >= _CACHE_LIMIT:
+                self._outcomes.clear()
+            got = self._outcomes[key] = self._evaluate(inactive, topics)
+        return got
+
+    def _evaluate(self, inactive: tuple[int, ...], topics: tuple[str, ...]) -> _Outcome:
+        rules = self.rules
+        n = len(rules)
+        active = [p for p in self._deciders if p not in inactive]
+        request_at = next((p for p in active if rules[p].match.topic is None), n)
+        decided_at: dict[str, int] = {}
+        for t in topics:
+            at = n
+            for p in active:
+                selector = rules[p].match.topic
+                if selector is None or selector(t):
+                    at = p
+                    break
+            decided_at[t] = at
+        effects = []
+        for p in self._effects:
+            if p in inactive:
+                continue
+            selector = rules[p].match.topic
+            if selector is None:
+                if p < request_at:
+                    effects.append(rules[p])
+            elif any(selector(t) and decided_at[t] > p for t in topics):
+                effects.append(rules[p])
+        return _Outcome(rules[request_at] if request_at < n else None,
+                        {t: rules[at] if at < n else None for t, at in decided_at.items()}, tuple(effects))
+
+
+ConnectionKey = tuple[str | None, str | None, str | None, str | None, str | None, str | None]
+
+
+class _View:
+    """The rules whose connection selectors hold for one kind of connection."""
+
+    __slots__ = ("_plans", "rules")
+
+    def __init__(self, rules: tuple[Rule, ...]) -> None:
+        self.rules = rules
+        self._plans: dict[tuple[int, int], _Plan] = {}
+
+    def plan(self, api_key: int, version: int) -> _Plan:
+        plan = self._plans.get((api_key, version))
+        if plan is None:
+            chosen = tuple(r for r in self.rules
+                           if (r.match.api is None or r.match.api(api_key))
+                           and (r.match.api_version is None or r.match.api_version(version)))
+            plan = self._plans[(api_key, version)] = _Plan(chosen, api_key, version)
+        return plan
+
+
+class Policy:
+    """A rule set compiled for judging, with its caches; build one per load and share it."""
+
+    def __init__(self, rule_set: RuleSet) -> None:
+        self.rule_set = rule_set
+        self.default_deny = rule_set.default == "deny"
+        self.chaos = rule_set.chaos_enabled
+        self._views: dict[ConnectionKey, _View] = {}
+        # Topic ids need names when a rule looks at topics or a tenant's namespace must be kept.
+        self.uses_topic_names = any(
+            r.match.topic is not None or (isinstance(r.params, Rewrite) and r.params.topic_prefix)
+            for r in rule_set.rules) or self.default_deny
+
+    def view(self, key: ConnectionKey) -> _View:
+        """The rules for a connection (client id, principal, source address, listener, client
+        software name and version)."""
+        got = self._views.get(key)
+        if got is None:
+            if len(self._views) >= _CACHE_LIMIT:
+                self._views.clear()
+            chosen = tuple(r for r in self.rule_set.rules if r.match.holds_for_connection(*key))
+            got = self._views[key] = _View(chosen)
+        return got
+
+
+def default_error(rule: Rule | None, req: _Req, topics: bool) -> int:
+    """The error a refusal gets: the rule's own, else the authorization error that fits what the
+    rule selects, else what the request names (transactional id, group, topics, else the cluster)."""
+    if rule is not None:
+        if isinstance(rule.params, Deny) and rule.params.error is not None:
+            return rule.params.error
+        m = rule.match
+        if m.transactional_id is not None:
+            return TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+        if m.group is not None:
+            return GROUP_AUTHORIZATION_FAILED
+        if m.topic is not None:
+            return TOPIC_AUTHORIZATION_FAILED
+    if req.txn_ids():
+        return TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+    if req.groups():
+        return GROUP_AUTHORIZATION_FAILED
+    return TOPIC_AUTHORIZATION_FAILED if topics else CLUSTER_AUTHORIZATION_FAILED
+
+
+def _refusal(rule: Rule | None, req: _Req, policy: Policy, topics: bool) -> int | None:
+    """The error if ``rule`` (None: the default) refuses, else None."""
+    if rule is None:
+        return default_error(None, req, topics) if policy.default_deny else None
+    if rule.action == "deny":
+        return default_error(rule, req, topics)
+    if isinstance(rule.params, Require):
+        return _broken(rule.params, req)
+    return None
+
+
+_POLICIES: dict[int, tuple[RuleSet, Policy]] = {}
+
+
+def policy_for(rules: RuleSet | Policy) -> Policy:
+    """The compiled Policy of a rule set (kept for the last few rule sets seen)."""
+    if isinstance(rules, Policy):
+        return rules
+    got = _POLICIES.get(id(rules))
+    if got is None or got[0] is not rules:
+        if len(_POLICIES) >= 8:
+            _POLICIES.clear()
+        got = _POLICIES[id(rules)] = (rules, Policy(rules))
+    return got[1]
+
+
+def decide(rules: RuleSet | Policy, facts: Facts) -> Decision:
+    """What ``rules`` do with the request ``facts`` describe; pure, no connection needed."""
+    policy = policy_for(rules)
+    plan = policy.view((facts.client_id, facts.principal, facts.source, facts.listener,
+                        facts.client_software_name, facts.client_software_version)
+                       ).plan(facts.api_key, facts.api_version)
+    req = _FactsReq(facts)
+    inactive = plan.inactive(req)
+    topics = tuple(dict.fromkeys(facts.topics))
+    outcome = plan.outcome(inactive, topics)
+    effects = tuple(r.name for r in outcome.effects)
+    top = outcome.request_rule
+    rewrite = top.params if top is not None and isinstance(top.params, Rewrite) else None
+    refused = []
+    for t in topics:
+        rule = outcome.topic_rules[t]
+        error = _refusal(rule, req, policy, True)
+        if error is not None:
+            refused.append(Refusal(t, rule.name if rule is not None else None, error))
+    name = top.name if top is not None else None
+    if topics and len(refused) == len(topics):
+        first = refused[0]
+        return Decision("deny", first.rule, first.error, tuple(refused), None, effects)
+    if not topics:
+        error = _refusal(top, req, policy, False)
+        if error is not None:
+            return Decision("deny", name, error, (), None, effects)
+    action = "rewrite" if rewrite is not None else "allow"
+    return Decision(action, name, None, tuple(refused), rewrite, effects)
+
+
+# --------------------------------------------------------------------------------------------------
+# Topic ids: one map per proxy, learned from the answers that pass
+
+
+class TopicIds:
+    """Topic id -> name, learned from Metadata and DescribeTopicPartitions responses (broker names,
+    so a tenant's prefix included). Bounded: past ``limit`` ids the oldest are forgotten."""
+
+    def __init__(self, limit: int = 200_000) -> None:
+        self.limit = limit
+        self._names: dict[uuid.UUID, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def get(self, topic_id: uuid.UUID) -> str | None:
+        return self._names.get(topic_id)
+
+    def learn(self, topics: Iterable[Any]) -> None:
+        """From the ``topics`` array of a Metadata (v10+) or DescribeTopicPartitions response."""
+        names = self._names
+        for t in topics:
+            tid, name = t.topic_id, t.name
+            if name and tid != ZERO_UUID and names.get(tid) != name:
+                names.pop(tid, None)
+                names[tid] = name
+        while len(names) > self.limit:
+            del names[next(iter(names))]
+
+    def question(self, ids: Iterable[uuid.UUID]) -> Request:
+        """A Metadata request naming ``ids`` (v12, the first version brokers answer by id)."""
+        version = min(12, supported_versions()[METADATA][1])
+        cls: Any = body_class(METADATA, "request")
+        body = cls(topics=[cls.MetadataRequestTopic(topic_id=i, name=None) for i in ids],
+                   allow_auto_topic_creation=False)
+        return Request.build(METADATA, version, 0, "kproxy", body)
+
+
+# --------------------------------------------------------------------------------------------------
+# The filter
+
+
+class RuleSource(Protocol):
+    """Where the filter reads the rules in force (``RuleStore``); read on every request, so a
+    reload takes effect on the next one."""
+
+    @property
+    def policy(self) -> Policy: ...
+
+
+@attrs.frozen
+class FixedRules:
+    """A RuleSource that never changes (tests, benchmarks, embedding)."""
+
+    policy: Policy
+
+    @classmethod
+    def of(cls, rule_set: RuleSet) -> FixedRules:
+        return cls(Policy(rule_set))
+
+
+@attrs.define(slots=True, eq=False)
+class _Pending:
+    """What on_response must do to the answer of one forwarded request."""
+
+    prefixes: dict[str, str] = attrs.field(factory=dict)    # entity kind -> tenant prefix to take off
+    parts: list[Any] = attrs.field(factory=list)            # kproxy's answers for refused topics
+    hide: tuple[_Plan, tuple[int, ...], _Req] | None = None  # a listing: hide topics the rules refuse
+
+
+@attrs.define(slots=True, eq=False)
+class _ConnState:
+    policy: Policy | None = None
+    key: Any = None
+    view: _View | None = None
+    pending: dict[Any, _Pending] = attrs.field(factory=dict)
+
+
+class PolicyFilter(Filter):
+    """Applies the rules in force to every request (see the module docstring)."""
+
+    name = "policy"
+    request_api_keys = ALL
+    response_api_keys = ALL
+
+    def __init__(self, source: RuleSource, rng: random.Random | None = None,
+                 topic_ids: TopicIds | None = None) -> None:
+        self.source = source
+        self.rng = rng if rng is not None else random.Random()
+        self.topic_ids = topic_ids if topic_ids is not None else TopicIds()
+
+    # -- requests
+
+    def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
+        policy = self.source.policy
+        st: _ConnState | None = ctx.state.get("policy")
+        if st is None:
+            st = ctx.state["policy"] = _ConnState()
+        key = (ctx.client_id, ctx.principal, ctx.listener, ctx.client_software_name,
+               ctx.client_software_version)
+        if st.policy is not policy or st.key != key:
+            # Connection selectors: judged again only when the rules or what they look at change.
+            address = ctx.client_address[0] if ctx.client_address else None
+            st.policy, st.key = policy, key
+            st.view = policy.view((key[0], key[1], address, key[2], key[3], key[4]))
+        assert st.view is not None
+        plan = st.view.plan(request.api_key, request.api_version)
+        if plan.idle and not policy.default_deny:
+            return None
+        return self._judge(ctx, st, policy, plan, request, asked=False)
+
+    def _judge(self, ctx: ConnectionContext, st: _ConnState, policy: Policy, plan: _Plan, req: Request,
+               asked: bool) -> RequestVerdict:
+        body, key, version = req.body, req.api_key, req.api_version
+        rq = _Req(key, version, body)
+        inactive = () if plan.static is not None else plan.inactive(rq)
+        top = plan.request_rule(inactive)
+        rewrite = top.params if top is not None and isinstance(top.params, Rewrite) else None
+        tenant = rewrite.topic_prefix if rewrite is not None else None
+
+        # The topics the request names, by name and by id.
+        names: list[str] = []
+        if plan.topic_rules or policy.default_deny:
+            names = list(dict.fromkeys(t for t in entities.collect(body, key, version, "request", "topic")))
+        id_names: dict[uuid.UUID, str | None] = {}
+        if plan.has_ids and (plan.topic_rules or tenant or policy.default_deny):
+            ids = [i for i in dict.fromkeys(entities.collect(body, key, version, "request", "topic_id"))
+                   if i != ZERO_UUID]
+            unknown = [i for i in ids if self.topic_ids.get(i) is None]
+            if unknown and not asked:
+                return AskBroker(self.topic_ids.question(unknown),
+                                 lambda answer: self._answered(ctx, req, answer))
+            for i in ids:
+                name = self.topic_ids.get(i)
+                if name is not None and tenant:
+                    # Outside the tenant's namespace is as unknown as a topic that does not exist.
+                    name = name[len(tenant):] if name.startswith(tenant) else None
+                id_names[i] = name
+        judged = tuple(dict.fromkeys([*names, *(n for n in id_names.values() if n is not None)]))
+        outcome = plan.static if plan.static is not None and not judged else plan.outcome(inactive, judged)
+        assert outcome is not None
+
+        # Refusals, per topic name and per id.
+        refused: dict[str, tuple[Rule | None, int]] = {}
+        for t in judged:
+            rule = outcome.topic_rules[t]
+            error = _refusal(rule, rq, policy, True)
+            if error is not None:
+                refused[t] = (rule, error)
+        refused_ids: dict[uuid.UUID, tuple[Rule | None, int]] = {}
+        for i, name in id_names.items():
+            if name is None:
+                refused_ids[i] = (None, UNKNOWN_TOPIC_ID)
+            elif name in refused:
+                refused_ids[i] = refused[name]
+        exchange = ctx.exchange
+        named = bool(names or id_names)
+        if not named:
+            error = _refusal(top, rq, policy, False)
+            if error is not None:
+                if _names_topics(req):
+                    error = _refusal(top, rq, policy, True) or error   # topics were not collected
+                self._noted(ctx, exchange, top, "deny", req, error, ())
+                return self._chaos_delay(ctx, policy, outcome, req, Respond(error_code=error))
+
+        verdict: Respond | None = None
+        pending = _Pending()
+        whole = named and refused.keys() >= set(names) and refused_ids.keys() >= id_names.keys()
+        if refused or refused_ids:
+            first_rule, first_error = next(iter(refused.values()), None) or next(iter(refused_ids.values()))
+            self._noted(ctx, exchange, first_rule, "deny", req, first_error, [*refused, *map(str, refused_ids)])
+            if key == PRODUCE and body.acks == 0:
+                # No answer can carry per-topic errors; refused as a whole, the connection closes.
+                return Respond(error_code=first_error)
+            errors = {e for _, e in refused.values()} | {e for _, e in refused_ids.values()}
+            if whole and len(errors) == 1 and not _forward_when_all_refused(req):
+                return self._chaos_delay(ctx, policy, outcome, req, Respond(error_code=first_error))
+            parts = _split(req, refused, refused_ids)
+            if whole and not _forward_when_all_refused(req):
+                merged = parts[0]
+                for part in parts[1:]:
+                    merge_response(key, version, merged, part)
+                return self._chaos_delay(ctx, policy, outcome, req, Respond(body=merged))
+            pending.parts = parts
+        else:
+            self._noted(ctx, exchange, top, top.action if top is not None else None, req, None, ())
+
+        # Chaos and log rules the request reaches; chaos answers before anything is changed.
+        delay, chaos_error = self._roll(ctx, policy, outcome, req)
+        if chaos_error is not None:
+            if exchange is not None:
+                exchange.note("action", "chaos")
+            return Delay(delay, Respond(error_code=chaos_error)) if delay else Respond(error_code=chaos_error)
+
+        if rewrite is not None:
+            refusal = _tenant_refusal(req)
+            if refusal is not None:
+                return refusal
+            pending.prefixes = rewrite.prefixes()
+            for entity, prefix in pending.prefixes.items():
+                entities.rewrite(body, key, version, "request", entity, functools.partial(_prefixed, prefix))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("connection %d: rule %r rewrote %s v%d (%s)", ctx.connection_id, top.name if top else None,
+                          api_name(key), version,
+                          ", ".join(f"{e} prefix {safe(p)}" for e, p in pending.prefixes.items()))
+        for rule in outcome.effects:
+            if isinstance(rule.params, Cap):
+                _cap(req, rule.params)
+        if not named and plan.topic_rules:
+            pending.hide = (plan, inactive, rq)
+        if exchange is not None and (pending.prefixes or pending.parts or pending.hide) and not (
+                key == PRODUCE and body.acks == 0):
+            if len(st.pending) >= _CACHE_LIMIT:
+                # Answers another filter gave in place of the broker's never come back here.
+                del st.pending[next(iter(st.pending))]
+            st.pending[exchange] = pending
+        return Delay(delay, verdict) if delay else verdict
+
+    def _answered(self, ctx: ConnectionContext, req: Request, answer: Response | None) -> RequestVerdict:
+        """The broker's answer to a question about topic ids: learn, then judge with what is known."""
+        if answer is not None:
+            self.topic_ids.learn(answer.body.topics)
+        st = ctx.state["policy"]
+        plan = st.view.plan(req.api_key, req.api_version)
+        return self._judge(ctx, st, st.policy, plan, req, asked=True)
+
+    def _noted(self, ctx: ConnectionContext, exchange: Any, rule: Rule | None, action: str | None, req: Request,
+               error: int | None, topics: list[str] | tuple[str, ...]) -> None:
+        """Record the decision on the completed-request entry, and log a refusal at DEBUG."""
+        if action is None or (rule is None and action != "deny"):
+            return
+        if exchange is not None:
+            exchange.note("rule", rule.name if rule is not None else "default")
+            exchange.note("action", action)
+        if action == "deny" and log.isEnabledFor(logging.DEBUG):
+            what = f" for topics {safe(', '.join(topics))}" if topics else ""
+            log.debug("connection %d: rule %r refused %s v%d%s (%s)", ctx.connection_id,
+                      rule.name if rule is not None else "default", api_name(req.api_key), req.api_version,
+                      what, error_name(error or 0))
+
+    def _roll(self, ctx: ConnectionContext, policy: Policy, outcome: _Outcome, req: Request
+              ) -> tuple[float, int | None]:
+        """Chaos (only when enabled) and log rules: (seconds of injected latency, injected error)."""
+        delay, error = 0.0, None
+        for rule in outcome.effects:
+            params = rule.params
+            if isinstance(params, Log):
+                if params.sample >= 1 or self.rng.random() < params.sample:
+                    _log_request(ctx, rule, params, req)
+            elif isinstance(params, Chaos) and policy.chaos:
+                if params.rate < 1 and self.rng.random() >= params.rate:
+                    continue
+                latency = params.latency
+                seconds = 0.0
+                if latency is not None:
+                    if latency.kind == "fixed":
+                        seconds = latency.a
+                    elif latency.kind == "uniform":
+                        seconds = self.rng.uniform(latency.a, latency.b)
+                    else:
+                        seconds = self.rng.expovariate(1.0 / latency.a)
+                delay += seconds
+                if params.error is not None and error is None:
+                    error = params.error
+                log.info("chaos: rule %r %s connection %d's %s v%d", rule.name,
+                         " and ".join(filter(None, (f"delayed by {seconds * 1000:.0f} ms" if latency else "",
+                                                    f"failed with {error_name(params.error)}"
+                                                    if params.error is not None else ""))),
+                         ctx.connection_id, api_name(req.api_key), req.api_version)
+        return delay, error
+
+    def _chaos_delay(self, ctx: ConnectionContext, policy: Policy, outcome: _Outcome, req: Request,
+                     verdict: Respond) -> RequestVerdict:
+        """A refusal still reaches the chaos and log rules before it (their latency applies)."""
+        delay, _ = self._roll(ctx, policy, outcome, req)
+        return Delay(delay, verdict) if delay else verdict
+
+    # -- responses
+
+    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+        key = response.api_key
+        if key in (METADATA, DESCRIBE_TOPIC_PARTITIONS) and self.source.policy.uses_topic_names:
+            # Before any tenant prefix comes off: the map holds the broker's names.
+            self.topic_ids.learn(response.body.topics)
+        st: _ConnState | None = ctx.state.get("policy")
+        if st is None or not st.pending:
+            return 0.0
+        pending = st.pending.pop(ctx.exchange, None)
+        if pending is None:
+            return 0.0
+        body, version = response.body, response.api_version
+        for entity, prefix in pending.prefixes.items():
+            # Names outside the tenant's namespace are not the tenant's to see.
+            entities.filter_elements(body, key, version, "response", entity,
+                                     functools.partial(_in_namespace, prefix), request.body)
+            entities.rewrite(body, key, version, "response", entity, functools.partial(_unprefixed, prefix),
+                             request.body)
+        if pending.hide is not None:
+            plan, inactive, rq = pending.hide
+            policy = st.policy
+            assert policy is not None
+
+            def visible(t: str) -> bool:
+                rule = plan.outcome(inactive, (t,)).topic_rules[t]
+                return _refusal(rule, rq, policy, True) is None
+
+            entities.filter_elements(body, key, version, "response", "topic", visible, request.body)
+        for part in pending.parts:
+            merge_response(key, version, body, part)
+        return 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Carrying decisions out
+
+
+def _prefixed(prefix: str, name: str) -> str | None:
+    return prefix + name if name else None
+
+
+def _unprefixed(prefix: str, name: str) -> str | None:
+    return name[len(prefix):] if name.startswith(prefix) else None
+
+
+def _in_namespace(prefix: str, name: str) -> bool:
+    return not name or name.startswith(prefix)
+
+
+def _names_topics(req: Request) -> bool:
+    key, version = req.api_key, req.api_version
+    return bool(entities.collect(req.body, key, version, "request", "topic")) or any(
+        i != ZERO_UUID for i in entities.collect(req.body, key, version, "request", "topic_id"))
+
+
+def _forward_when_all_refused(req: Request) -> bool:
+    """Whether a request with every topic refused still goes to the broker (without them): a
+    Metadata request still needs the brokers, an incremental Fetch keeps its session."""
+    if req.api_key == METADATA:
+        return req.api_version >= 1     # v0 reads an empty topic list as "all topics"
+    return req.api_key == FETCH and req.api_version >= 7 and req.body.session_epoch > 0
+
+
+def _split(req: Request, refused: Mapping[str, tuple[Rule | None, int]],
+           refused_ids: Mapping[uuid.UUID, tuple[Rule | None, int]]) -> list[Any]:
+    """Take the refused topics out of ``req`` (in place); return kproxy's answers for them, one
+    response body per error code, built like a broker's from a copy of the request holding only them."""
+    key, version = req.api_key, req.api_version
+    frame = encode_request(req)
+    copy = bytes(frame) if isinstance(frame, bytearray) else b"".join(bytes(b) for b in frame)
+    parts = []
+    codes = {e for _, e in refused.values()} | {e for _, e in refused_ids.values()}
+    for code in sorted(codes):
+        names = {t for t, (_, e) in refused.items() if e == code}
+        ids = {ZERO_UUID} | {i for i, (_, e) in refused_ids.items() if e == code}   # zero: named, not by id
+        only = decode_request(copy, keep_trailing=True)
+        entities.filter_elements(only.body, key, version, "request", "topic", names.__contains__)
+        entities.filter_elements(only.body, key, version, "request", "topic_id", ids.__contains__)
+        answer = error_response(only, code)
+        if answer is not None:
+            parts.append(answer.body)
+    entities.filter_elements(req.body, key, version, "request", "topic", lambda t: t not in refused)
+    entities.filter_elements(req.body, key, version, "request", "topic_id", lambda i: i not in refused_ids)
+    return parts
+
+
+def _cap(req: Request, cap: Cap) -> None:
+    body = req.body
+    if req.api_key == FETCH:
+        if cap.max_wait_ms is not None and body.max_wait_ms > cap.max_wait_ms:
+            body.max_wait_ms = cap.max_wait_ms
+        if cap.max_bytes is not None and req.api_version >= 3 and body.max_bytes > cap.max_bytes:
+            body.max_bytes = cap.max_bytes
+        if cap.partition_max_bytes is not None:
+            for topic in body.topics:
+                for part in topic.partitions:
+                    if part.partition_max_bytes > cap.partition_max_bytes:
+                        part.partition_max_bytes = cap.partition_max_bytes
+    elif req.api_key == PRODUCE and cap.timeout_ms is not None and body.timeout_ms > cap.timeout_ms:
+        body.timeout_ms = cap.timeout_ms
+
+
+def _log_request(ctx: ConnectionContext, rule: Rule, params: Log, req: Request) -> None:
+    if not log.isEnabledFor(params.level):
+        return
+    topics = entities.collect(req.body, req.api_key, req.api_version, "request", "topic")
+    shown = ", ".join(dict.fromkeys(topics))
+    log.log(params.level, "rule %r: connection %d (client id %s, principal %s) %s v%d%s", rule.name,
+            ctx.connection_id, safe(ctx.client_id), safe(ctx.principal or ANONYMOUS), api_name(req.api_key),
+            req.api_version, f" topics {safe(shown)}" if shown else "")
+
+
+_PATTERNS: dict[tuple[int, int], tuple[tuple[str, ...], ...]] = {}
+
+
+def pattern_fields(api_key: int, version: int) -> tuple[tuple[str, ...], ...]:
+    """Paths (field names from the root) of the request's name patterns: string fields named
+    ``*_regex`` or ``*_pattern``, which the schema leaves unmarked because no prefix can rewrite them."""
+    got = _PATTERNS.get((api_key, version))
+    if got is None:
+        found: list[tuple[str, ...]] = []
+
+        def walk(s: StructSpec, prefix: tuple[str, ...]) -> None:
+            for f in s.fields:
+                if version not in f.versions:
+                    continue
+                if f.type == "string" and f.name.endswith(("_regex", "_pattern")):
+                    found.append((*prefix, f.name))
+                if f.struct is not None:
+                    walk(f.struct, (*prefix, f.name))
+
+        spec = api_by_key(api_key).request
+        assert spec is not None
+        walk(spec.root, ())
+        got = _PATTERNS[(api_key, version)] = tuple(found)
+    return got
+
+
+def _values_at(obj: Any, path: tuple[str, ...]) -> Iterable[Any]:
+    if obj is None:
+        return
+    if not path:
+        yield obj
+        return
+    value = getattr(obj, path[0])
+    for item in value if isinstance(value, list) else [value]:
+        yield from _values_at(item, path[1:])
+
+
+def _tenant_refusal(req: Request) -> Respond | None:
+    """The answer to a request a tenant prefix cannot keep inside the tenant's namespace, or None."""
+    if req.api_key in (CREATE_ACLS, DELETE_ACLS):
+        # Wildcards, null filters and the ANY type would reach other tenants' resources. One result
+        # per creation or filter, as the broker gives.
+        message = "kproxy: ACLs cannot be changed by a client with a tenant prefix"
+        cls: Any = body_class(req.api_key, "response")
+        if req.api_key == CREATE_ACLS:
+            body = cls(results=[cls.AclCreationResult(error_code=CLUSTER_AUTHORIZATION_FAILED, error_message=message)
+                                for _ in req.body.creations])
+        else:
+            body = cls(filter_results=[cls.DeleteAclsFilterResult(error_code=CLUSTER_AUTHORIZATION_FAILED,
+                                                                  error_message=message)
+                                       for _ in req.body.filters])
+        return Respond(body=body)
+    for path in pattern_fields(req.api_key, req.api_version):
+        if any(_values_at(req.body, path)):
+            return Respond(error_code=INVALID_REGULAR_EXPRESSION,
+                           error_message="kproxy: name patterns cannot be used with a tenant prefix; subscribe "
+                                         "by topic names, or match them in the client")
+    return None
