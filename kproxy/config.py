@@ -378,6 +378,15 @@ class TracingConfig:
 
 
 @attrs.frozen(field_transformer=_with_checks)
+class QuotaConfig:
+    """How client quotas measure rates (Kafka's quota.window.num and quota.window.size.seconds):
+    ``samples`` sliding samples of ``window_s`` seconds each."""
+
+    samples: int = _setting(11, min=1, max=3600)
+    window_s: float = _setting(1.0, above=0, max=3600)
+
+
+@attrs.frozen(field_transformer=_with_checks)
 class ProxyConfig:
     """Everything kproxy needs to run. Build it with ``load_config`` or ``config_from_args``."""
 
@@ -391,6 +400,9 @@ class ProxyConfig:
     # Policy rule files, or directories of them (every *.yaml), relative to the config file.
     rules: tuple[str, ...] = ()
     chaos: bool = False    # chaos rules inject faults only when this is true
+    # kproxy processes that share every quota (a gateway's replicas): each enforces its part.
+    quota_replicas: int = _setting(1, min=1)
+    quota: QuotaConfig = QuotaConfig()
     admin: AdminConfig = AdminConfig()
     metrics: MetricsConfig = MetricsConfig()
     traffic_log: TrafficLogConfig = TrafficLogConfig()
@@ -427,6 +439,13 @@ class ProxyConfig:
         if self.mode == "sidecar":
             return "localhost"
         return self.exposure.advertised_host or self.listen.host
+
+    @property
+    def quota_share(self) -> float:
+        """The part of every quota this process enforces: 1 / (quota_replicas x processes per
+        replica). One process per replica today; a setting for more multiplies in here, and only here."""
+        processes_per_replica = 1
+        return 1.0 / (self.quota_replicas * processes_per_replica)
 
     @property
     def broker_port_start(self) -> int:
@@ -598,6 +617,8 @@ def describe_config(cfg: ProxyConfig) -> str:
     ]
     if cfg.rules:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
+        if cfg.quota_replicas > 1:
+            parts.append(f"quotas split over {cfg.quota_replicas} replicas")
     return "; ".join(parts)
 
 

@@ -90,7 +90,7 @@ def load_rules(paths: Sequence[str], chaos: bool = False) -> M.RuleSet:
     rules: list[M.Rule] = []
     quotas: list[M.QuotaRule] = []
     default: tuple[str, str] | None = None      # (action, where it was set)
-    seen: dict[str, str] = {}
+    seen: dict[str, dict[str, str]] = {"rules": {}, "quotas": {}}
     files = rule_files(paths)
     for path in paths:
         if os.path.isdir(path) and not rule_files([path]):
@@ -99,18 +99,24 @@ def load_rules(paths: Sequence[str], chaos: bool = False) -> M.RuleSet:
         parsed = _File(file)
         parsed.load()
         problems += parsed.problems
-        for position, name in parsed.names():
-            first = seen.get(name)
-            if first is not None:
-                problems.append(parsed.problem(("rules", position, "name"),
-                                               f"the name {name!r} is already used at {first}"))
-            seen.setdefault(name, parsed.where(("rules", position)))
+        for section, names in seen.items():
+            # Rule names and quota names are each unique (budgets are kept by quota name).
+            for position, name in parsed.names(section):
+                first = names.get(name)
+                if first is not None:
+                    problems.append(parsed.problem((section, position, "name"),
+                                                   f"the name {name!r} is already used at {first}"))
+                names.setdefault(name, parsed.where((section, position)))
         if parsed.problems:
             continue
         for rule in parsed.rules:
             if rule.action == "chaos" and not chaos:
                 warnings.append(f"{rule.where}: rule {rule.name!r}: chaos is off (enable it with chaos: "
                                 "true in kproxy.yaml, or kproxy run --chaos); this rule does nothing")
+        for quota in parsed.quotas:
+            if not quota.limits:
+                warnings.append(f"{quota.where}: quota {quota.name!r} sets no limit "
+                                f"({', '.join(M.QUOTA_LIMITS)}); it does nothing")
         rules += parsed.rules
         quotas += parsed.quotas
         if parsed.default is not None:
@@ -133,7 +139,9 @@ def describe_rules(rule_set: M.RuleSet) -> str:
     counts = ", ".join(f"{n} {a}" for a, n in actions.items())
     files = len(rule_set.sources)
     n = len(rule_set.rules)
-    return (f"{n} rule{'s' * (n != 1)} ({counts or 'none'}) from {files} file{'s' * (files != 1)}, "
+    q = len(rule_set.quotas)
+    quotas = f", {q} quota{'s' * (q != 1)}" if q else ""
+    return (f"{n} rule{'s' * (n != 1)} ({counts or 'none'}){quotas} from {files} file{'s' * (files != 1)}, "
             f"default {rule_set.default}, chaos {'on' if rule_set.chaos_enabled else 'off'}")
 
 
@@ -184,12 +192,12 @@ class _File:
         self.default: str | None = None
         self._scalars = yaml.constructor.SafeConstructor()
 
-    def names(self) -> list[tuple[int, str]]:
-        """(position, name) of every rule that has a name, compiled or not."""
-        rules = self.data.get("rules") if isinstance(self.data, dict) else None
-        if not isinstance(rules, list):
+    def names(self, section: str = "rules") -> list[tuple[int, str]]:
+        """(position, name) of every rule (or quota) that has a name, compiled or not."""
+        items = self.data.get(section) if isinstance(self.data, dict) else None
+        if not isinstance(items, list):
             return []
-        return [(i, r["name"]) for i, r in enumerate(rules)
+        return [(i, r["name"]) for i, r in enumerate(items)
                 if isinstance(r, dict) and isinstance(r.get("name"), str) and r["name"]]
 
     # -- errors
@@ -358,12 +366,10 @@ class _File:
                 self.positions.append(i)
         for i, raw in enumerate(data.get("quotas") or []):
             path: Path = ("quotas", i)
-            if path in broken:
-                continue
-            match = self._match(raw.get("match") or {}, (*path, "match"))
-            settings = {k: v for k, v in raw.items() if k not in ("name", "match")}
-            if match is not None:
-                self.quotas.append(M.QuotaRule(raw["name"], match, settings, self._where(path)))
+            if path not in broken:
+                quota = self._quota(raw, path)
+                if quota is not None:
+                    self.quotas.append(quota)
 
     def _where(self, path: Path) -> M.Where:
         line, column = self._mark(path)
@@ -387,6 +393,22 @@ class _File:
         if len(self.problems) > before or match is None:
             return None
         return M.Rule(raw["name"], match, action, params, self._where(path))
+
+    def _quota(self, raw: dict[str, Any], path: Path) -> M.QuotaRule | None:
+        before = len(self.problems)
+        selectors = raw.get("match") or {}
+        for key in M.QUOTA_UNSUPPORTED:
+            if key in selectors:
+                self.fail((*path, "match", key), f"a quota cannot select by {key}: budgets count whole "
+                                                 "requests; select clients and APIs instead (client_id, "
+                                                 "principal, source, listener, client_software, api, "
+                                                 "api_version, acks)", key=True)
+        match = self._match(selectors, (*path, "match"))
+        if len(self.problems) > before or match is None:
+            return None
+        limits = {k: float(raw[k]) for k in M.QUOTA_LIMITS if k in raw}
+        return M.QuotaRule(raw["name"], match, raw.get("per", "client_id"), **limits,
+                           burst_s=float(raw.get("burst_s", 1.0)), where=self._where(path))
 
     def _params(self, action: str, raw: Any, path: Path) -> M.Params:
         raw = raw or {}
@@ -560,7 +582,7 @@ def _typed_for(error: jsonschema.ValidationError) -> bool:
 def _key_kind(path: Path) -> str:
     if path and path[-1] == "match":
         return "selector"
-    if len(path) == 2 and path[0] == "rules":
+    if len(path) == 2 and path[0] in ("rules", "quotas"):
         return "key"
     if not path:
         return "top-level key"

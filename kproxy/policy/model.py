@@ -11,7 +11,6 @@ import fnmatch
 import ipaddress
 import re
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 
@@ -381,15 +380,33 @@ class Rule:
         return self.action in DECIDING
 
 
+# Who shares one quota budget (``per:``), and the limits a quota may set.
+QUOTA_PER = ("client_id", "principal", "source", "connection", "rule")
+QUOTA_LIMITS = ("produce_bytes_per_s", "fetch_bytes_per_s", "requests_per_s", "request_time_percent")
+# Selectors a quota cannot use: budgets are per client and API, and these name parts of a request.
+QUOTA_UNSUPPORTED = ("topic", "group", "transactional_id", "compression")
+
+
 @attrs.frozen(slots=True)
 class QuotaRule:
-    """An entry of ``quotas:``: a name and a match like a rule's; ``settings`` holds the rest as
-    written, for the quota filter to interpret."""
+    """An entry of ``quotas:``: which requests it counts (``match``, as a rule's), who shares a budget
+    (``per``), and its limits per second for the whole deployment (None: not limited); ``burst_s``
+    is how many seconds of a limit may be used at once."""
 
     name: str
     match: Match
-    settings: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    per: str = "client_id"
+    produce_bytes_per_s: float | None = None
+    fetch_bytes_per_s: float | None = None
+    requests_per_s: float | None = None
+    request_time_percent: float | None = None
+    burst_s: float = 1.0
     where: Where | None = None
+
+    @property
+    def limits(self) -> dict[str, float]:
+        """The limits set, by their names in the rule file."""
+        return {k: v for k in QUOTA_LIMITS if (v := getattr(self, k)) is not None}
 
 
 @attrs.frozen(slots=True)

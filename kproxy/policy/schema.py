@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kproxy.policy.model import ACTIONS, ANY_API, API_GROUPS, COMPRESSIONS, api_keys_by_name
+from kproxy.policy.model import (
+    ACTIONS,
+    ANY_API,
+    API_GROUPS,
+    COMPRESSIONS,
+    QUOTA_PER,
+    api_keys_by_name,
+)
 from kproxy.protocol.errors import ERROR_CODES_BY_NAME
 
 SCHEMA_ID = "https://kproxy.dev/schemas/rules.schema.json"
@@ -147,17 +154,36 @@ def rules_schema() -> dict[str, Any]:
             **params,
         },
     }
+    rate = {"type": "number", "exclusiveMinimum": 0}
     quota = {
         "type": "object",
+        "additionalProperties": False,
         "required": ["name"],
-        "description": "filled in by the quotas feature; every matching quota applies",
-        "properties": {"name": {"type": "string", "minLength": 1}, "match": {"$ref": "#/$defs/match"}},
+        "description": "budgets per second; every quota that matches a request applies, and the longest "
+                       "throttle wins (a quota without limits does nothing)",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "description": "unique among quotas; used in logs and "
+                                                                     "metrics, and budgets are kept by it"},
+            "match": {"$ref": "#/$defs/match"},
+            "per": _enum("budget key", list(QUOTA_PER), "who shares one budget: each client id, principal, "
+                                                        "client address or connection, or everyone the "
+                                                        "quota matches (rule); default client_id"),
+            "produce_bytes_per_s": {**rate, "description": "record bytes produced per second"},
+            "fetch_bytes_per_s": {**rate, "description": "record bytes fetched per second"},
+            "requests_per_s": {**rate, "description": "requests per second"},
+            "request_time_percent": {**rate, "maximum": 100,
+                                     "description": "the share of one kproxy thread's time (percent) the "
+                                                    "requests may take"},
+            "burst_s": {**rate, "maximum": 60,
+                        "description": "seconds of each limit that may be used at once (default 1)"},
+        },
     }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": SCHEMA_ID,
         "title": "kproxy policy rules",
-        "description": "An ordered list of rules; for each request the first rule that matches decides.",
+        "description": "An ordered list of rules (for each request the first rule that matches decides) and "
+                       "a list of quotas (every quota that matches applies).",
         "type": "object",
         "additionalProperties": False,
         "properties": {

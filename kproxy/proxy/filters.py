@@ -97,6 +97,14 @@ class Delay:
 
 
 @attrs.frozen(slots=True)
+class Throttle:
+    """Forward the request, then read nothing more from this client for ``seconds``: the verdict of
+    a quota on a request that gets no response to carry its throttle (an acks=0 Produce)."""
+
+    seconds: float
+
+
+@attrs.frozen(slots=True)
 class AskBroker:
     """Ask the broker something before deciding (a rule that needs the name of a topic id).
 
@@ -111,7 +119,7 @@ class AskBroker:
     then: Callable[[Response | None], RequestVerdict]
 
 
-RequestVerdict = Respond | Delay | AskBroker | None
+RequestVerdict = Respond | Delay | Throttle | AskBroker | None
 
 
 class Filter:
@@ -133,8 +141,11 @@ class Filter:
     def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
         """See (and possibly change) a decoded response to ``request``.
 
-        Returns seconds of throttle the client should observe from now on (0 for none); the session
-        holds further requests back by the largest value any filter returns.
+        Returns seconds of throttle the client should observe from now on (0 for none). With the
+        largest value any filter returns, the session sets the response's ``throttle_time_ms`` (the
+        broker's own value stays when larger), sends it at once, and then reads nothing more from
+        the client until that time has passed, as a broker mutes a throttled channel; answers to
+        requests already forwarded still go out, in order.
         """
         return 0.0
 

@@ -134,6 +134,22 @@ def error_response(request: Request, error_code: int, message: str | None = None
     return Response(request.api_key, request.api_version, hc.cls(request.correlation_id), body)
 
 
+_HAS_THROTTLE: dict[tuple[int, int], bool] = {}
+
+
+def raise_throttle(response: Response, throttle_ms: int) -> bool:
+    """Make the response tell the client to wait ``throttle_ms`` (KIP-219), keeping the broker's own
+    ``throttle_time_ms`` when it is larger; False when this version has no such field."""
+    key = (response.api_key, response.api_version)
+    has = _HAS_THROTTLE.get(key)
+    if has is None:
+        spec = api_by_key(response.api_key).response
+        has = _HAS_THROTTLE[key] = spec is not None and "throttle_time_ms" in _present(spec.root, key[1])
+    if has and throttle_ms > response.body.throttle_time_ms:
+        response.body.throttle_time_ms = throttle_ms
+    return has
+
+
 # What a client is told about a request whose broker connection was lost: an error that makes every
 # client refresh its view and retry. Requests sent to partition leaders (``to=leader`` in the schema)
 # get NOT_LEADER_OR_FOLLOWER, those sent to a coordinator (``to=coordinator``, plus FindCoordinator

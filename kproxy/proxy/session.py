@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +36,9 @@ from kproxy.protocol.messages import (
     supported_versions,
 )
 from kproxy.protocol.primitives import read_uvarint
-from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond
+from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond, Throttle
 from kproxy.proxy.reencode import ReencodeCheck, joined
-from kproxy.proxy.replies import error_response, lost_connection_error
+from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
 
 log = logging.getLogger("kproxy.session")
 
@@ -148,6 +149,9 @@ class InFlight:
     Times come from the session's clock: ``started`` when the frame was read, ``forwarded_at`` when
     it was written to the broker, ``answered_at`` when the response was complete, ``finished_at``
     when the answer was written to the client (the last two stamped by the I/O layer).
+    ``handling_s`` is the time the session spent on it: from reading the request until it was
+    encoded for the broker, plus from ``answered_at`` until the answer was encoded for the client
+    (decoding, filters and encoding; no waiting). Response filters see only the first part.
     """
 
     client_correlation_id: int
@@ -167,6 +171,7 @@ class InFlight:
     finished_at: float | None = None
     broker: tuple[str, int] | None = None  # the broker connection it went to
     throttle_ms: int = 0                   # throttle_time_ms as sent to the client
+    handling_s: float = 0.0
     # What filters decided about this request (rule names, quota keys), for metrics and logs.
     notes: dict[str, Any] | None = None
 
@@ -294,7 +299,8 @@ class Session:
         now = self.ctx.clock()
         actions: list[Action] = []
         if self._throttle_until > now:
-            # Kafka mutes a throttled client's channel; kproxy holds its next request instead.
+            # Kafka mutes a throttled client's channel. The I/O layer stops reading while
+            # ``throttled_for`` says so; a request read before the throttle began waits here.
             actions.append(Hold(self._throttle_until - now))
             self._throttle_until = 0.0
         if len(frame) < 8:
@@ -326,10 +332,17 @@ class Session:
             verdict = self._request_filters(entry, req, actions)
         except FilterFailed as e:
             return [Close(str(e))]
-        return self._dispatch(entry, req, verdict, actions, original)
+        return self._dispatch(entry, req, verdict, actions, original, now)
+
+    def throttled_for(self, now: float) -> float:
+        """Seconds the client must not be read from any more: a filter throttled it (0 for none)."""
+        return self._throttle_until - now if self._throttle_until > now else 0.0
+
+    def _mute(self, seconds: float) -> None:
+        self._throttle_until = max(self._throttle_until, self.ctx.clock() + seconds)
 
     def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action],
-                  original: tuple[memoryview, bytes] | None = None) -> list[Action]:
+                  original: tuple[memoryview, bytes] | None = None, since: float | None = None) -> list[Action]:
         """Act on the filters' verdict: wait for a question's answer, answer locally, or forward."""
         if verdict is _ASKED:
             assert self.asking is not None
@@ -344,12 +357,14 @@ class Session:
             self._no_response.append(upstream_id)
             entry.outcome = NO_RESPONSE
             actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
-            return actions
-        upstream_id = self._take_correlation_id()
-        entry.upstream_correlation_id = upstream_id
-        self.in_flight.append(entry)
-        self._by_upstream[upstream_id] = entry
-        actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
+        else:
+            upstream_id = self._take_correlation_id()
+            entry.upstream_correlation_id = upstream_id
+            self.in_flight.append(entry)
+            self._by_upstream[upstream_id] = entry
+            actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
+        if since is not None:
+            entry.handling_s += self.ctx.clock() - since
         return actions
 
     def _recheck(self, req: Request, frame: memoryview) -> tuple[memoryview, bytes] | None:
@@ -408,6 +423,10 @@ class Session:
                     if verdict.then is None:
                         continue
                     verdict = verdict.then
+                elif isinstance(verdict, Throttle):
+                    if verdict.seconds > 0:
+                        self._mute(verdict.seconds)
+                    continue
                 return verdict
         finally:
             ctx.exchange = None
@@ -428,13 +447,14 @@ class Session:
         q = self.asking
         assert q is not None
         self.asking = None
+        since = self.ctx.clock()
         actions: list[Action] = []
         try:
             verdict = self._request_filters(q.entry, q.request, actions, q.next_filter,
                                             (q.asker, functools.partial(q.then, answer)))
         except FilterFailed as e:
             return [Close(str(e))]
-        return self._dispatch(q.entry, q.request, verdict, actions, q.original)
+        return self._dispatch(q.entry, q.request, verdict, actions, q.original, since)
 
     def _question_answered(self, frame: memoryview) -> list[Action]:
         q = self.asking
@@ -617,7 +637,7 @@ class Session:
                           self.ctx.connection_id)
                 return []
             return [Close(f"broker answered correlation id {upstream_id}, which kproxy never sent")]
-        entry.answered_at = self.ctx.clock()
+        entry.answered_at = answered = self.ctx.clock()
         if entry.request is None:
             patched = bytearray(frame)
             _I32.pack_into(patched, 0, entry.client_correlation_id)
@@ -649,7 +669,9 @@ class Session:
             actions.append(Listen(tuple(ctx.ports_to_open)))
             ctx.ports_to_open.clear()
         if throttle > 0:
-            self._throttle_until = max(self._throttle_until, ctx.clock() + throttle)
+            # Told in the answer, which goes out at once; the client is then not read meanwhile.
+            self._mute(throttle)
+            raise_throttle(resp, math.ceil(throttle * 1000))
         self._observe_response(entry, resp)
         entry.throttle_ms = getattr(resp.body, "throttle_time_ms", 0) or 0
         entry.response = resp
@@ -662,6 +684,7 @@ class Session:
         else:
             resp.correlation_id = entry.client_correlation_id
             entry.reply = encode_response_frame(resp)
+        entry.handling_s += ctx.clock() - answered
         actions += self._flush()
         return actions
 

@@ -39,6 +39,7 @@ from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.reencode import ReencodeCheck
 from kproxy.proxy.session import InFlight, Session
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
+from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
@@ -113,6 +114,8 @@ class ProxyServer:
         self.rules_poll_interval_s = POLL_INTERVAL_S
         if self.rules is not None:
             builtin.append(PolicyFilter(self.rules))
+            # Quotas come from the same files; they count what the policy lets through.
+            builtin.append(QuotaFilter(self.rules, config.quota.samples, config.quota.window_s, config.quota_share))
             self.rule_store = self.rules
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)

@@ -114,6 +114,7 @@ class ClientConnection:
         self._readers: list[FrameReader] = [self.client_reader]
         self._held = 0                              # bytes this connection counts in the budget
         self._answered: trio.Event | None = None    # set when a filter's question is settled
+        self._holding = False                       # the client pump waits out a throttle or delay
 
     # -- completion
 
@@ -201,6 +202,14 @@ class ClientConnection:
         client = self.client
         budget = self.budget
         while not self.draining:
+            muted = session.throttled_for(trio.current_time())
+            if muted > 0:
+                # Throttled: read nothing until the time is up, as a broker mutes the channel, and
+                # hold no receive buffer meanwhile (the answer that said so is already on its way).
+                if reader.release_idle():
+                    self._account()
+                await self._hold(muted)
+                continue
             if budget.exhausted and reader.at_frame_boundary:
                 # Backpressure across the whole process: no new request is read until buffers drain.
                 # A frame already begun keeps arriving (its sender must send every byte it holds,
@@ -245,7 +254,7 @@ class ClientConnection:
                 if a.done:
                     self._complete(a.done, trio.current_time())
             elif kind is Hold:
-                await trio.sleep(a.seconds)
+                await self._hold(a.seconds)
             elif kind is Listen:
                 problem = self.router.open_ports(a.ports)
                 if problem is not None:
@@ -260,6 +269,14 @@ class ClientConnection:
                 await self._ask(a)
             else:  # pragma: no cover - a new action type without an executor branch is a bug
                 raise AssertionError(f"no executor for {a!r}")
+
+    async def _hold(self, seconds: float) -> None:
+        # The watchdog does not count a wait kproxy imposes as the client being slow or idle.
+        self._holding = True
+        try:
+            await trio.sleep(seconds)
+        finally:
+            self._holding = False
 
     async def _to_client(self, buffers: list) -> None:
         if not buffers:
@@ -454,6 +471,8 @@ class ClientConnection:
                 self._close_from_task(f"SASL authentication not completed within {unauth:g}s "
                                       "(limits.unauthenticated_idle_timeout_s)")
                 return
+            if self._holding:
+                partial_since = quiet_since = now
             if s.frame_timeout_s > 0:
                 if reader.at_frame_boundary:
                     partial_frame = None

@@ -33,7 +33,8 @@ def example(name: str, chaos: bool = False):
 
 def test_every_example_is_exercised_here():
     exercised = {"allow-all.yaml", "multi-tenant.yaml", "read-only-consumers.yaml", "admin-lockdown.yaml",
-                 "producer-standards.yaml", "chaos.yaml"}
+                 "producer-standards.yaml", "chaos.yaml",
+                 "quotas.yaml"}     # exercised in test_quota.py
     assert {p.name for p in RULES.glob("*.yaml")} == exercised
 
 

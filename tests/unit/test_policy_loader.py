@@ -117,8 +117,11 @@ def test_selectors_and_actions_compile(tmp_path):
             deny: {error: POLICY_VIOLATION}
         quotas:
           - name: q
-            match: {client_id: "x-*"}
-            produce_bytes_per_second: 1000
+            match: {client_id: "x-*", api: produce}
+            per: principal
+            produce_bytes_per_s: 1000
+            request_time_percent: 12.5
+            burst_s: 2
         """)
     a, b, c, d, e = rs.rules
     m = a.match
@@ -135,7 +138,9 @@ def test_selectors_and_actions_compile(tmp_path):
     assert e.params == M.Deny(44) and 19 not in e.match.api.values and 0 in e.match.api.values
     assert rs.default == "deny"
     (q,) = rs.quotas
-    assert q.name == "q" and q.match.client_id("x-1") and q.settings == {"produce_bytes_per_second": 1000}
+    assert q.name == "q" and q.match.client_id("x-1") and q.match.api(0) and not q.match.api(1)
+    assert (q.per, q.burst_s, q.limits) == ("principal", 2.0, {"produce_bytes_per_s": 1000.0,
+                                                               "request_time_percent": 12.5})
 
 
 def test_an_empty_file_allows_everything(tmp_path):

@@ -343,6 +343,78 @@ def test_throttle_from_a_response_holds_the_next_request():
     assert kinds(s.client_frame(request_frame(METADATA, 4, 3, metadata_request()))) == [ToUpstream]
 
 
+def test_a_throttle_is_told_in_the_answer_keeping_the_brokers_if_larger():
+    clock = Clock(100.0)
+    s = make_session(Throttle(1.2341), clock=clock)
+    up = forwarded(s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))[0])
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
+    assert answered(out[0], METADATA, 12).body.throttle_time_ms == 1235    # whole ms, rounded up
+    assert out[0].done[0].throttle_ms == 1235
+    assert s.throttled_for(100.0) == pytest.approx(1.2341) and s.throttled_for(101.5) == 0.0
+    body = metadata_response()
+    body.throttle_time_ms = 7000
+    up = forwarded(s.client_frame(request_frame(METADATA, 12, 2, metadata_request()))[-1])
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, body)))
+    assert answered(out[0], METADATA, 12).body.throttle_time_ms == 7000
+    # A version without throttle_time_ms (Metadata v2) is still muted, and answered as it came.
+    up = forwarded(s.client_frame(request_frame(METADATA, 2, 3, metadata_request()))[-1])
+    clock.now = 110.0
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 2, up.correlation_id, metadata_response())))
+    assert kinds(out) == [ToClient] and s.throttled_for(110.0) == pytest.approx(1.2341)
+
+
+def test_a_throttled_connection_still_gets_every_answer_already_owed_in_order():
+    s = make_session(Throttle(3.0))
+    ups = [forwarded(s.client_frame(request_frame(METADATA, 12, cid, metadata_request()))[0])
+           for cid in (11, 12, 13)]
+    got = []
+    for up in ups:
+        out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
+        # Answers are never held: the wait is for the client's next request.
+        assert kinds(out) == [ToClient]
+        got.append(answered(out[0], METADATA, 12).correlation_id)
+    assert got == [11, 12, 13] and s.throttled_for(100.0) == pytest.approx(3.0)
+
+
+def test_a_throttle_verdict_forwards_the_request_and_mutes_the_connection():
+    from kproxy.proxy.filters import Throttle as ThrottleVerdict
+
+    class Mute(Filter):
+        request_api_keys = frozenset({PRODUCE})
+
+        def on_request(self, ctx, request):
+            return ThrottleVerdict(0.75)
+
+    s = make_session(Mute())
+    out = s.client_frame(request_frame(PRODUCE, 9, 1, produce_request(acks=0)))
+    assert kinds(out) == [ToUpstream] and out[0].entry.outcome == "no_response"
+    assert s.throttled_for(100.0) == pytest.approx(0.75)
+    out = s.client_frame(request_frame(PRODUCE, 9, 2, produce_request(acks=0)))
+    assert kinds(out) == [Hold, ToUpstream] and out[0].seconds == pytest.approx(0.75)
+
+
+def test_handling_time_counts_the_session_work_on_a_request_and_its_answer():
+    class Busy(Filter):
+        request_api_keys = response_api_keys = frozenset({METADATA})
+        seen: list[float] = []
+
+        def on_request(self, ctx, request):
+            ctx.clock.now += 0.003
+
+        def on_response(self, ctx, request, response):
+            ctx.clock.now += 0.002
+            self.seen.append(ctx.exchange.handling_s)
+            return 0.0
+
+    clock = Clock(100.0)
+    s = make_session(Busy(), clock=clock)
+    up = forwarded(s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))[0])
+    clock.now = 150.0       # the broker's time is not kproxy's
+    out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
+    assert Busy.seen == [pytest.approx(0.003)]
+    assert out[0].done[0].handling_s == pytest.approx(0.005)
+
+
 def test_an_expired_throttle_holds_nothing():
     clock = Clock(100.0)
     s = make_session(Throttle(1.0), clock=clock)

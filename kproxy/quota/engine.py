@@ -1,0 +1,324 @@
+"""The quota filter: Kafka's client quotas on produce bytes, fetch bytes, requests and request time.
+
+Every quota in the rule files (``quotas:``) that matches an answered request charges it to a budget
+(``kproxy.quota.budgets``) and yields Kafka's throttle time; the session gets the longest, tells the
+client in ``throttle_time_ms`` and reads nothing more from it meanwhile. A Fetch from a client near
+or over a fetch budget has its ``max_bytes`` lowered to what the budget allows (never below one
+batch). Accounting is per request, never per record. Pure: time comes from the connection's clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import attrs
+
+from kproxy.logs import safe
+from kproxy.policy.model import ANONYMOUS, QuotaRule, RuleSet
+from kproxy.protocol.messages import Request, Response, api_name
+from kproxy.proxy.filters import ALL, ConnectionContext, Filter, RequestVerdict, Throttle
+from kproxy.quota.budgets import Budget, BudgetKey, Budgets
+from kproxy.quota.rate import SampledRate, Windows, to_ms
+
+log = logging.getLogger("kproxy.quota")
+
+PRODUCE, FETCH = 0, 1
+_LOG_OVERHEAD = struct.Struct(">qi")     # a record batch starts with its base offset and length
+_CACHE_LIMIT = 4096
+
+
+class RuleSource(Protocol):
+    """Where the quotas in force are read (``RuleStore``, or ``FixedRules``); read on every request,
+    so a reload applies from the next one."""
+
+    @property
+    def policy(self) -> Any: ...
+
+
+@attrs.frozen(slots=True)
+class _Quota:
+    """A quota rule as this process enforces it: its limits times this process's share."""
+
+    rule: QuotaRule
+    windows: Windows
+    produce: float | None
+    fetch: float | None
+    requests: float | None
+    time: float | None          # percent of one thread, i.e. percent-seconds per second
+
+    @property
+    def span_s(self) -> float:
+        return self.windows.samples * self.windows.window_s
+
+    def concerns(self, api_key: int) -> bool:
+        """Whether the quota has a limit that requests of this API count against."""
+        return (self.requests is not None or self.time is not None or (self.produce is not None and api_key == PRODUCE)
+                or (self.fetch is not None and api_key == FETCH))
+
+
+def _scaled(value: float | None, share: float) -> float | None:
+    return value * share if value is not None else None
+
+
+class _Compiled:
+    """The quotas of one rule set, and which of them hold for each kind of connection."""
+
+    def __init__(self, rule_set: RuleSet, samples: int, window_s: float, share: float) -> None:
+        self.rule_set = rule_set
+        self.quotas = tuple(
+            _Quota(q, Windows.for_burst(samples, window_s, q.burst_s), _scaled(q.produce_bytes_per_s, share),
+                   _scaled(q.fetch_bytes_per_s, share), _scaled(q.requests_per_s, share),
+                   _scaled(q.request_time_percent, share))
+            for q in rule_set.quotas if q.limits)
+        self._views: dict[tuple[Any, ...], tuple[_Quota, ...]] = {}
+
+    def for_connection(self, key: tuple[Any, ...]) -> tuple[_Quota, ...]:
+        got = self._views.get(key)
+        if got is None:
+            if len(self._views) >= _CACHE_LIMIT:
+                self._views.clear()
+            got = self._views[key] = tuple(q for q in self.quotas if q.rule.match.holds_for_connection(*key))
+        return got
+
+
+def budget_key(per: str, ctx: ConnectionContext) -> str:
+    """The key of the budget a request of this connection is charged to (``client_id=app-1``)."""
+    if per == "client_id":
+        return f"client_id={ctx.client_id or ''}"
+    if per == "principal":
+        return f"principal={ctx.principal or ANONYMOUS}"
+    if per == "source":
+        return f"source={ctx.client_address[0] if ctx.client_address else '?'}"
+    if per == "connection":
+        return f"connection={ctx.connection_id}"
+    return "all"        # per: rule, everyone the quota matches
+
+
+@attrs.define(slots=True, eq=False)
+class _Conn:
+    """One connection's view of the quotas: the ones whose connection selectors hold, their budget
+    keys, and the ones that apply to each API version."""
+
+    compiled: _Compiled
+    key: tuple[Any, ...]
+    quotas: tuple[tuple[_Quota, BudgetKey], ...]
+    by_api: dict[tuple[int, int], tuple[tuple[_Quota, BudgetKey], ...]] = attrs.field(factory=dict)
+    largest_batch: int = 0                      # the largest record batch fetched on this connection
+    own_budgets: set[BudgetKey] = attrs.field(factory=set)    # per: connection, dropped on close
+
+    def applied(self, request: Request) -> tuple[tuple[_Quota, BudgetKey], ...]:
+        api_key, version = request.api_key, request.api_version
+        got = self.by_api.get((api_key, version))
+        if got is None:
+            got = self.by_api[(api_key, version)] = tuple(
+                (q, k) for q, k in self.quotas
+                if q.concerns(api_key) and (q.rule.match.api is None or q.rule.match.api(api_key))
+                and (q.rule.match.api_version is None or q.rule.match.api_version(version)))
+        if got and api_key == PRODUCE and any(q.rule.match.acks is not None for q, _ in got):
+            acks = request.body.acks
+            return tuple((q, k) for q, k in got if q.rule.match.acks is None or q.rule.match.acks(acks))
+        return got
+
+
+class QuotaFilter(Filter):
+    """Enforces the quotas in force (see the module docstring). ``share`` is the part of every quota
+    this process enforces (``ProxyConfig.quota_share``); ``samples`` and ``window_s`` are how rates
+    are sampled (``ProxyConfig.quota``)."""
+
+    name = "quota"
+    request_api_keys = frozenset({PRODUCE, FETCH})
+    response_api_keys = ALL
+
+    def __init__(self, source: RuleSource, samples: int = 11, window_s: float = 1.0, share: float = 1.0,
+                 budgets: Budgets | None = None) -> None:
+        self.source = source
+        self.samples = samples
+        self.window_s = window_s
+        self.share = share
+        self.budgets = budgets if budgets is not None else Budgets()
+        self._compiled: _Compiled | None = None
+
+    # -- which quotas apply
+
+    def _conn(self, ctx: ConnectionContext) -> _Conn | None:
+        rule_set = self.source.policy.rule_set
+        if not rule_set.quotas:
+            return None
+        compiled = self._compiled
+        if compiled is None or compiled.rule_set is not rule_set:
+            compiled = self._compiled = _Compiled(rule_set, self.samples, self.window_s, self.share)
+        address = ctx.client_address[0] if ctx.client_address else None
+        key = (ctx.client_id, ctx.principal, address, ctx.listener, ctx.client_software_name,
+               ctx.client_software_version)
+        st: _Conn | None = ctx.state.get("quota")
+        if st is None or st.compiled is not compiled or st.key != key:
+            # Judged again only when the quotas or what their selectors look at change.
+            quotas = tuple((q, (q.rule.name, budget_key(q.rule.per, ctx)))
+                           for q in compiled.for_connection(key))
+            own = st.own_budgets if st is not None else set()
+            st = ctx.state["quota"] = _Conn(compiled, key, quotas, largest_batch=st.largest_batch if st else 0,
+                                            own_budgets=own)
+        return st
+
+    # -- requests
+
+    def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
+        st = self._conn(ctx)
+        if st is None:
+            return None
+        applied = st.applied(request)
+        if not applied:
+            return None
+        if request.api_key == FETCH:
+            self._lower_fetch(ctx, st, applied, request)
+        elif request.body.acks == 0:
+            # No response will come to carry a throttle: charge it now, and mute the connection.
+            now = ctx.clock()
+            entry = ctx.exchange
+            spent = now - entry.started if entry is not None else 0.0
+            seconds = self._charge(ctx, st, applied, request, None, now, spent)
+            if seconds > 0:
+                return Throttle(seconds)
+        return None
+
+    def _lower_fetch(self, ctx: ConnectionContext, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
+                     request: Request) -> None:
+        """Lower the Fetch's byte limits to what its fetch budgets allow now, but never below the
+        largest record batch this connection has fetched (a broker returns at least one batch)."""
+        now = ctx.clock()
+        allowed: float | None = None
+        for q, key in applied:
+            if q.fetch is None:
+                continue
+            budget = self.budgets.peek(key)
+            rate = budget.fetch if budget is not None else None
+            room = (rate.allowance(now, q.windows, q.fetch) if rate is not None
+                    else q.fetch * q.windows.min_full_windows * q.windows.window_s)
+            allowed = room if allowed is None else min(allowed, room)
+        if allowed is None:
+            return
+        body = request.body
+        limit = max(int(allowed), st.largest_batch, 1)
+        parts = [p for t in body.topics for p in t.partitions]
+        if request.api_version >= 3:
+            if limit >= body.max_bytes:
+                return
+            before = body.max_bytes
+            body.max_bytes = limit
+        elif parts and st.largest_batch:
+            # No max_bytes before v3: the budget is shared out over the partitions.
+            limit = max(int(allowed) // len(parts), st.largest_batch)
+            before = max(p.partition_max_bytes for p in parts)
+            if limit >= before:
+                return
+        else:
+            return
+        for p in parts:
+            if p.partition_max_bytes > limit:
+                p.partition_max_bytes = limit
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("connection %d: fetch budget allows %d bytes; Fetch max_bytes lowered from %d to %d",
+                      ctx.connection_id, max(int(allowed), 0), before, limit)
+
+    # -- responses
+
+    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+        st = self._conn(ctx)
+        if st is None:
+            return 0.0
+        applied = st.applied(request)
+        if not applied:
+            return 0.0
+        now = ctx.clock()
+        entry = ctx.exchange
+        spent = 0.0
+        if entry is not None:
+            spent = entry.handling_s + (now - entry.answered_at if entry.answered_at is not None else 0.0)
+        return self._charge(ctx, st, applied, request, response, now, spent)
+
+    def _charge(self, ctx: ConnectionContext, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
+                request: Request, response: Response | None, now: float, spent: float) -> float:
+        """Charge the request to every budget that applies; the longest throttle in seconds. The
+        entry notes the quota that throttled it the most (the first one when none did)."""
+        api_key = request.api_key
+        produced = fetched = 0
+        if api_key == PRODUCE:
+            produced = produce_record_bytes(request.body)
+        elif api_key == FETCH and response is not None:
+            fetched, largest = fetch_record_bytes(response.body)
+            if largest > st.largest_batch:
+                st.largest_batch = largest
+        worst: tuple[int, _Quota, BudgetKey] | None = None
+        for q, key in applied:
+            budget = self.budgets.get(key, now, q.span_s)
+            if q.rule.per == "connection":
+                st.own_budgets.add(key)
+            ms = to_ms(_throttle(budget, q, now, produced, fetched, spent))
+            if worst is None or ms > worst[0]:
+                worst = (ms, q, key)
+        if worst is None:
+            return 0.0
+        ms, q, key = worst
+        entry = ctx.exchange
+        if entry is not None:
+            entry.note("quota", {"rule": q.rule.name, "key": key[1], "throttle_ms": ms})
+        if ms > 0 and log.isEnabledFor(logging.DEBUG):
+            log.debug("quota %r key %s: %s throttled for %d ms (connection %d)", q.rule.name, safe(key[1]),
+                      api_name(api_key), ms, ctx.connection_id)
+        return ms / 1000.0
+
+    def on_close(self, ctx: ConnectionContext) -> None:
+        st: _Conn | None = ctx.state.pop("quota", None)
+        if st is not None and st.own_budgets:
+            self.budgets.drop(st.own_budgets)
+
+
+def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float) -> float:
+    """Record one request against each limit of ``q``; the longest throttle in seconds."""
+    w = q.windows
+    longest = 0.0
+    if q.produce is not None and produced:
+        budget.produce = budget.produce or SampledRate()
+        longest = max(longest, budget.produce.record_and_throttle(produced, now, w, q.produce))
+    if q.fetch is not None and fetched:
+        budget.fetch = budget.fetch or SampledRate()
+        longest = max(longest, budget.fetch.record_and_throttle(fetched, now, w, q.fetch))
+    if q.requests is not None:
+        budget.requests = budget.requests or SampledRate()
+        longest = max(longest, budget.requests.record_and_throttle(1, now, w, q.requests))
+    if q.time is not None:
+        budget.time = budget.time or SampledRate()
+        # Kafka records thread time as percent-seconds and throttles a request quota by at most one
+        # window (ClientRequestQuotaManager's maxThrottleTimeMs).
+        longest = max(longest, min(budget.time.record_and_throttle(spent * 100, now, w, q.time), w.window_s))
+    return longest
+
+
+def produce_record_bytes(body: Any) -> int:
+    """The record bytes of a Produce request (the sizes of its records fields; nothing parsed)."""
+    total = 0
+    for t in body.topic_data:
+        for p in t.partition_data:
+            if p.records is not None:
+                total += len(p.records)
+    return total
+
+
+def fetch_record_bytes(body: Any) -> tuple[int, int]:
+    """(record bytes, size of the largest first batch of a partition) of a Fetch response; only the
+    length field of each partition's first batch is read."""
+    total = largest = 0
+    for t in body.responses:
+        for p in t.partitions:
+            records = p.records
+            if not records:
+                continue
+            n = len(records)
+            total += n
+            if n >= _LOG_OVERHEAD.size:
+                first = _LOG_OVERHEAD.unpack_from(records, 0)[1] + _LOG_OVERHEAD.size
+                largest = max(largest, min(first, n))
+    return total, largest
