@@ -211,6 +211,9 @@ def test_kproxy_accepts_the_rendered_config(ci_file: str, tmp_path: Path) -> Non
     checked = kproxy_check(Path(config), laid.env)
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.startswith("ok: ")
+    replicas = by_kind(objects, "Deployment")[0]["spec"]["replicas"] if by_kind(objects, "Deployment") else 1
+    if replicas > 1 and ci_file != "existing-configmaps-values.yaml":
+        assert f"quotas split over {replicas} replicas" in checked.stdout
 
 
 # -- the objects agree with each other
