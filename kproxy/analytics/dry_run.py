@@ -1,9 +1,12 @@
-"""Policy dry-run: a candidate rules file applied to recorded traffic with kproxy's own rule engine.
+"""Policy and quota dry-run: a candidate rules file applied to recorded traffic with kproxy's own engines.
 
 The rules are loaded and checked once on the driver (a broken file stops the report with the same
 file:line message ``kproxy check`` prints), then shipped to the executors, where
-``kproxy.policy.decide`` judges every recorded request inside a vectorised pandas function
-(``mapInPandas``): the one place the report runs Python per row. Spark aggregates what comes out.
+``kproxy.policy.decide`` judges every recorded request, and each quota's requests are charged, in
+time order per budget key, with the accounting ``kproxy.quota`` uses, inside vectorised pandas
+functions (``mapInPandas``, ``applyInPandas``): the one place the report runs Python per row. Spark
+aggregates what comes out. The log is judged as one kproxy process would see it (share 1, Kafka's
+default 11 samples of 1 s).
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ _OUTPUT = T.StructType([
 def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
     """Applies the rules file (or directory) at ``rules_path`` to ``requests`` (the report's table).
 
-    Returns ``dry_run_decisions`` (per rule and action: how many requests it decided) and
+    Returns ``dry_run_decisions`` (per rule and action: how many requests it decided),
     ``dry_run_denied`` (who would have been refused, by which rule, with which error, how often, and
-    when first and last).
+    when first and last) and, when the file has quotas, ``dry_run_throttled`` (per quota and budget
+    key: requests counted, how many would have been throttled, and by how much).
     """
     from kproxy.policy.loader import RuleError, load_rules
 
@@ -49,6 +53,13 @@ def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
         rules = load_rules([str(rules_path)])
     except RuleError as e:
         raise ReportError(f"--rules: {e}") from None
+    tables = _policy(requests, rules)
+    if rules.quotas:
+        tables["dry_run_throttled"] = _quotas(requests, rules)
+    return tables
+
+
+def _policy(requests: DataFrame, rules: Any) -> dict[str, DataFrame]:
     judged = requests.select(*_INPUT).mapInPandas(_judge(rules), schema=_OUTPUT)
     decisions = judged.groupBy("rule", "action").agg(F.count(F.lit(1)).alias("requests"))
     denied = (judged.where(F.col("action").isin("deny", "refuse topics"))
@@ -143,3 +154,91 @@ def _scalar(value: Any, array: bool = False) -> Any:
         return None if pd.isna(value) else value
     except (TypeError, ValueError):
         return value
+
+
+_CHARGES = T.StructType([
+    T.StructField("quota", T.StringType()),
+    T.StructField("key", T.StringType()),
+    T.StructField("t", T.DoubleType()),            # when the response completed, seconds
+    T.StructField("produced", T.LongType()),
+    T.StructField("fetched", T.LongType()),
+    T.StructField("spent", T.DoubleType()),        # kproxy's own time on the request, seconds
+])
+
+_THROTTLED = T.StructType([
+    T.StructField("quota", T.StringType()),
+    T.StructField("key", T.StringType()),
+    T.StructField("requests", T.LongType()),
+    T.StructField("throttled", T.LongType()),
+    T.StructField("throttle_ms_total", T.LongType()),
+    T.StructField("throttle_ms_p99", T.LongType()),
+    T.StructField("throttle_ms_max", T.LongType()),
+])
+
+
+def _quotas(requests: DataFrame, rules: Any) -> DataFrame:
+    """Per quota and budget key, what the quota would have done to the recorded requests."""
+    charges = requests.select(*_INPUT, "done_ts", "proxy", "conn", "kproxy_ms").mapInPandas(
+        _charges(rules), schema=_CHARGES)
+    return (charges.groupBy("quota", "key").applyInPandas(_replay(rules), schema=_THROTTLED)
+            .orderBy(F.desc("throttle_ms_total"), F.desc("requests")))
+
+
+def _charges(rules: Any) -> Any:
+    """Each recorded request, once per quota that would have counted it, with what it is charged."""
+
+    def charges(batches: Iterator[Any]) -> Iterator[Any]:
+        import pandas as pd
+
+        from kproxy.policy.engine import Facts
+        from kproxy.quota.engine import key_of, quota_applies, quotas_of
+
+        quotas = quotas_of(rules)
+        for batch in batches:
+            out = []
+            for row in batch.itertuples(index=False):
+                facts = _facts(row, Facts)
+                if facts is None:
+                    continue
+                done = _scalar(row.done_ts)
+                if done is None:
+                    continue
+                produced = fetched = 0
+                if _scalar(row.partitions, array=True) is not None:
+                    moved = sum(int(_scalar(p.get("bytes")) or 0) for p in row.partitions)
+                    produced, fetched = (moved, 0) if row.api == "produce" else (0, moved) if row.api == "fetch" \
+                        else (0, 0)
+                connection = f"{_scalar(row.proxy) or ''}/{_scalar(row.conn)}"
+                for q in quotas:
+                    if not (q.rule.match.holds_for_connection(
+                            facts.client_id, facts.principal, facts.source, facts.listener,
+                            facts.client_software_name, facts.client_software_version)
+                            and quota_applies(q, facts.api_key, facts.api_version, facts.acks)):
+                        continue
+                    key = key_of(q.rule.per, facts.client_id, facts.principal, facts.source, connection)
+                    spent = (_scalar(row.kproxy_ms) or 0.0) / 1000.0
+                    out.append((q.rule.name, key, pd.Timestamp(done).timestamp(), produced, fetched, spent))
+            yield pd.DataFrame(out, columns=[f.name for f in _CHARGES.fields])
+
+    return charges
+
+
+def _replay(rules: Any) -> Any:
+    """One quota's budget key: its requests charged in time order; the throttles that come of it."""
+
+    def replay(group: Any) -> Any:
+        import pandas as pd
+
+        from kproxy.quota.engine import quotas_of, replay_throttles
+
+        name, key = group["quota"].iloc[0], group["key"].iloc[0]
+        q = next(q for q in quotas_of(rules) if q.rule.name == name)
+        group = group.sort_values("t", kind="stable")
+        ms = replay_throttles(q, zip(group["t"], group["produced"], group["fetched"], group["spent"],
+                                     strict=True))
+        hit = sorted(m for m in ms if m > 0)
+        p99 = hit[int(0.99 * (len(hit) - 1))] if hit else 0
+        return pd.DataFrame([(name, key, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
+                            columns=[f.name for f in _THROTTLED.fields])
+
+    return replay

@@ -408,3 +408,48 @@ def fetch_record_bytes(body: Any) -> tuple[int, int]:
             first = _LOG_OVERHEAD.unpack_from(records, 0)[1] + _LOG_OVERHEAD.size
             largest = max(largest, min(first, n))
     return total, largest
+
+
+# -- the same accounting over recorded traffic (kproxy report --rules: the quota dry run)
+
+
+def quotas_of(rule_set: RuleSet, samples: int = 11, window_s: float = 1.0, share: float = 1.0) -> tuple[_Quota, ...]:
+    """The quotas of ``rule_set`` with limits, as a process with ``share`` of them enforces them."""
+    return _Compiled(rule_set, samples, window_s, share).quotas
+
+
+def quota_applies(q: _Quota, api_key: int, api_version: int, acks: int | None) -> bool:
+    """Whether requests of this API (and acks, for Produce) count against ``q`` (connection selectors
+    are judged separately, with ``Match.holds_for_connection``)."""
+    m = q.rule.match
+    return (q.concerns(api_key) and (m.api is None or m.api(api_key))
+            and (m.api_version is None or m.api_version(api_version))
+            and (m.acks is None or (api_key == PRODUCE and acks is not None and m.acks(acks))))
+
+
+def key_of(per: str, client_id: str | None, principal: str | None, source: str | None,
+           connection: str | None) -> str:
+    """The budget key of a request from plain values, as ``budget_key`` makes it from a connection."""
+    if per == "client_id":
+        return f"client_id={client_id or ''}"
+    if per == "principal":
+        return f"principal={principal or ANONYMOUS}"
+    if per == "source":
+        return f"source={source or '?'}"
+    if per == "connection":
+        return f"connection={connection}"
+    return "all"
+
+
+def replay_throttles(q: _Quota, events: Iterable[tuple[float, int, int, float]]) -> list[int]:
+    """Throttle milliseconds each request would have been told, charging ``events`` (time in seconds,
+    produced bytes, fetched bytes, seconds of kproxy time) in order to one fresh budget of ``q``. The
+    recorded times are kept as they were: what a client would have waited is not replayed into them."""
+    out = []
+    budget: Budget | None = None
+    for now, produced, fetched, spent in events:
+        if budget is None:
+            budget = Budget(now, q.span_s)
+        seconds = _throttle(budget, q, now, produced, fetched, spent)
+        out.append(to_ms(seconds) if seconds > 0 else 0)
+    return out

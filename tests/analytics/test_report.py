@@ -75,6 +75,15 @@ rules:
   - name: no-list-offsets-for-pctl
     match: {client_id: pctl-client, api: list_offsets}
     action: deny
+quotas:
+  - name: half-of-steady
+    match: {client_id: steady-producer}
+    per: client_id
+    produce_bytes_per_s: 51200
+  - name: roomy-requests
+    match: {client_id: pctl-client}
+    per: client_id
+    requests_per_s: 1000
 """
 
 
@@ -212,8 +221,11 @@ def test_denials_by_rule(spark: Any, report: Path, logs: tuple[Path, Truth]) -> 
 
 def check_rules_file(path: Path) -> dict[str, Any]:
     """``kproxy check --rules FILE`` accepts the file, and it has the structure the report promises."""
+    from kproxy.cli import main
     from kproxy.policy.loader import load_rules
 
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["check", "--rules", str(path)]) == 0
     rule_set = load_rules([str(path)])
     assert not rule_set.warnings, rule_set.warnings
     doc = yaml.safe_load(path.read_text())
@@ -413,3 +425,16 @@ def test_a_broken_candidate_rules_file_is_refused_with_its_line(spark: Any, tmp_
         rc = main(["report", str(logs[0]), "--out", str(tmp_path / "out"), "--rules", str(bad)])
     assert rc != 0
     assert f"{bad}:3" in err.getvalue() and "topic" in err.getvalue()
+
+
+def test_the_quota_dry_run_says_who_would_be_throttled(spark: Any, report: Path) -> None:
+    got = {r["quota"]: r for r in table(spark, report, "dry_run_throttled")}
+    # 100 KiB a second against a 50 KiB/s quota: soon every request is over. Kafka's formula,
+    # (rate - quota) / quota x the window measured over, is then 1 x 11 to 12 s (11 samples of 1 s,
+    # the last one part-way through): a client twice over its quota waits as long as it sent.
+    steady = got["half-of-steady"]
+    assert steady["key"] == "client_id=steady-producer" and steady["requests"] == 100
+    assert steady["throttled"] >= 90
+    assert 10_000 <= steady["throttle_ms_p99"] <= 12_100
+    roomy = got["roomy-requests"]       # one request every 7 s: never near 1,000 a second
+    assert (roomy["requests"], roomy["throttled"], roomy["throttle_ms_total"]) == (1001, 0, 0)
