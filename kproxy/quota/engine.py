@@ -88,15 +88,8 @@ class _Compiled:
 
 def budget_key(per: str, ctx: ConnectionContext) -> str:
     """The key of the budget a request of this connection is charged to (``client_id=app-1``)."""
-    if per == "client_id":
-        return f"client_id={ctx.client_id or ''}"
-    if per == "principal":
-        return f"principal={ctx.principal or ANONYMOUS}"
-    if per == "source":
-        return f"source={ctx.client_address[0] if ctx.client_address else '?'}"
-    if per == "connection":
-        return f"connection={ctx.connection_id}"
-    return "all"        # per: rule, everyone the quota matches
+    source = ctx.client_address[0] if ctx.client_address else None
+    return key_of(per, ctx.client_id, ctx.principal, source, str(ctx.connection_id))
 
 
 @attrs.define(slots=True, eq=False)
