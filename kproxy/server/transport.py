@@ -19,6 +19,9 @@ from kproxy.config import TlsClientSide, TlsServerSide
 _IOV_MAX = 512
 # Socket operations that complete at once between two yields to the scheduler (fairness).
 _YIELD_EVERY = 16
+# The most one receive or send copies before the event loop gets a turn: a 5 MB Fetch answer goes
+# through in slices of this, so other connections are not held for the whole copy.
+_SLICE = 512 * 1024
 
 
 class Transport:
@@ -62,13 +65,20 @@ class PlainTransport(Transport):
 
     async def recv_into(self, buf: memoryview) -> int:
         raw = self.raw
+        if len(buf) > _SLICE:
+            # One receive copies at most a slice, so a multi-megabyte frame does not hold the event
+            # loop (and every other connection) for the whole copy.
+            buf = buf[:_SLICE]
         while True:
             try:
                 n = raw.recv_into(buf)
             except (BlockingIOError, InterruptedError):
                 await trio.lowlevel.wait_readable(raw)
                 continue
-            await self._fair()
+            if n == _SLICE:
+                await trio.lowlevel.checkpoint()
+            else:
+                await self._fair()
             return n
 
     def readable_now(self) -> bool:
@@ -88,18 +98,31 @@ class PlainTransport(Transport):
             view = memoryview(buffers[0]).cast("B")
             while view:
                 try:
-                    view = view[raw.send(view):]
+                    sent = raw.send(view[:_SLICE])
                 except (BlockingIOError, InterruptedError):
                     await trio.lowlevel.wait_writable(raw)
+                    continue
+                view = view[sent:]
+                if view:
+                    await trio.lowlevel.checkpoint()
             await self._fair()
             return
         bufs = [memoryview(b).cast("B") if not isinstance(b, bytes | bytearray) else b for b in buffers]
         while bufs:
+            batch: list = []
+            size = 0
+            for b in bufs[:_IOV_MAX]:
+                if size + len(b) > _SLICE and batch:
+                    break
+                batch.append(b if size + len(b) <= _SLICE else memoryview(b)[: _SLICE - size])
+                size += len(batch[-1])
             try:
-                sent = raw.sendmsg(bufs[:_IOV_MAX])
+                sent = raw.sendmsg(batch)
             except (BlockingIOError, InterruptedError):
                 await trio.lowlevel.wait_writable(raw)
                 continue
+            if sent >= _SLICE:
+                await trio.lowlevel.checkpoint()    # a big frame goes out a slice at a time
             # Drop what went out; a partial send leaves the tail of one buffer.
             while sent:
                 n = len(bufs[0])

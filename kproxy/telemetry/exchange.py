@@ -55,16 +55,17 @@ class Learned:
     """Names learned from traffic, shared by every connection: topic ids (Metadata answers) and
     the group each client joined (by client address and client id)."""
 
-    def __init__(self, cap: int = 100_000) -> None:
+    def __init__(self, cap: int = 100_000, learn_topics: bool = True) -> None:
         self.topic_names = BoundedMap(cap)
         self.groups = BoundedMap(cap)
+        self.learn_topics = learn_topics
 
     def topic(self, topic_id: Any) -> str | None:
         return self.topic_names.get(topic_id)
 
     def observe(self, entry: InFlight, ctx: ConnectionContext) -> None:
         key = entry.api_key
-        if key == METADATA and entry.response is not None:
+        if key == METADATA and entry.response is not None and self.learn_topics:
             for t in entry.response.body.topics:
                 tid = getattr(t, "topic_id", None)
                 if t.name and tid is not None and tid != _ZERO_UUID:

@@ -297,3 +297,13 @@ def reencode_families(check: Any) -> list[Metric]:
 
 def tracing_families(tracing: Any) -> list[Metric]:
     return [CounterMetricFamily("kproxy_spans", "Request spans handed to the exporter.", value=tracing.spans)]
+
+
+def loop_lag_families(lag: Histogram, longest: float) -> list[Metric]:
+    """How late the event loop ran a timer: what a frame or a filter that holds the loop costs every
+    other connection."""
+    h = HistogramMetricFamily("kproxy_event_loop_lag_seconds", "How late a 5 ms timer on the event loop "
+                              "fired: time the loop was held by other work.")
+    h.add_metric([], lag.cumulative(), lag.sum)
+    return [h, GaugeMetricFamily("kproxy_event_loop_lag_max_seconds", "The longest event loop lag seen.",
+                                 value=longest)]

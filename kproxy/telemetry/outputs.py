@@ -32,11 +32,15 @@ class Telemetry:
 
     def __init__(self, config: ProxyConfig, *, span_exporter: SpanExporter | None = None,
                  env: Mapping[str, str] = os.environ) -> None:
-        self.learned = Learned()
         self.metrics = Metrics(config.metrics) if config.admin.listen is not None else None
         tl = config.traffic_log
         self.traffic_log = TrafficLogWriter(tl) if tl.dir is not None else None
         tr = config.tracing
+        # Topic names of topic ids are learned from every Metadata answer, which means reading every
+        # topic of it (milliseconds on a cluster of 100,000 partitions): only when something names
+        # topics of Produce and Fetch v13+ (the traffic log, spans, per-topic metrics).
+        self.learned = Learned(learn_topics=tl.dir is not None or tr.enabled or (
+            self.metrics is not None and config.metrics.topic_labels))
         try:
             self.tracing = (Tracing(tr, config.limits.max_decompressed_batch_bytes, span_exporter, env)
                             if tr.enabled else None)
