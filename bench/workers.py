@@ -24,6 +24,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -53,8 +54,9 @@ def _produce(bootstrap: str, topic: str, partition: int, n: int, size: int, star
     out.send((left, time.perf_counter()))  # type: ignore[attr-defined]
 
 
-def run(bootstrap: str, admin: AdminClient, producers: int, n: int, size: int) -> float:
-    """Records per second of all producers together."""
+def run(bootstrap: str, admin: AdminClient, producers: int, n: int, size: int,
+        cpu: Any = None) -> tuple[float, float | None]:
+    """Records per second of all producers together, and ``cpu()``'s growth per second meanwhile."""
     topic = f"workers-{uuid.uuid4().hex[:8]}"
     admin.create_topics([NewTopic(topic, num_partitions=producers, replication_factor=1)])[topic].result(30)
     ctx = multiprocessing.get_context("spawn")
@@ -65,6 +67,7 @@ def run(bootstrap: str, admin: AdminClient, producers: int, n: int, size: int) -
     for p in procs:
         p.start()
     time.sleep(3.0)  # each producer's warm-up record (connections, metadata) before the clock starts
+    c0 = cpu() if cpu is not None else 0.0
     t0 = time.perf_counter()
     start.set()
     ends = []
@@ -73,11 +76,12 @@ def run(bootstrap: str, admin: AdminClient, producers: int, n: int, size: int) -
         if left:
             raise RuntimeError(f"{left} records not acknowledged via {bootstrap}")
         ends.append(end)
+    used = (cpu() - c0) / (max(ends) - t0) if cpu is not None else None
     for p in procs:
         p.join()
     with contextlib.suppress(Exception):  # best effort: it only frees the broker's memory
         admin.delete_topics([topic])[topic].result(30)
-    return producers * n / (max(ends) - t0)
+    return producers * n / (max(ends) - t0), used
 
 
 def cpu_seconds(pid: int) -> float:
@@ -136,11 +140,11 @@ def main() -> int:
             names = list(targets)
             for r in range(args.rounds):
                 for name in names[r % 3:] + names[: r % 3]:
-                    c0 = cpu_seconds(pids[name]) if name in pids else 0.0
-                    t0 = time.perf_counter()
-                    rate = run(targets[name], admin, args.producers, args.records, args.size)
-                    if name in pids:
-                        cpus[name].append((cpu_seconds(pids[name]) - c0) / (time.perf_counter() - t0))
+                    pid = pids.get(name)
+                    rate, used = run(targets[name], admin, args.producers, args.records, args.size,
+                                     (lambda p=pid: cpu_seconds(p)) if pid is not None else None)
+                    if used is not None:
+                        cpus[name].append(used)
                     rates[name].append(rate)
                     print(f"  round {r + 1}: {name:<10} {rate:>10,.0f} records/s", file=sys.stderr, flush=True)
         finally:
