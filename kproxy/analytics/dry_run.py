@@ -17,7 +17,6 @@ from typing import Any
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql import types as T
 
 from kproxy.analytics.source import ReportError
 
@@ -26,17 +25,10 @@ _INPUT = ("ts", "api", "api_key", "api_version", "client_id", "principal", "clie
           "client_software_name", "client_software_version", "topics", "group", "transactional_id", "acks",
           "partitions")
 
-_OUTPUT = T.StructType([
-    T.StructField("ts", T.TimestampType()),
-    T.StructField("rule", T.StringType()),          # "default" when no rule decided
-    T.StructField("action", T.StringType()),        # allow, deny, rewrite; "refuse topics" when partial
-    T.StructField("error", T.StringType()),
-    T.StructField("client_id", T.StringType()),
-    T.StructField("principal", T.StringType()),
-    T.StructField("api", T.StringType()),
-    T.StructField("refused_topics", T.IntegerType()),
-    T.StructField("example_topic", T.StringType()),
-])
+# Rows the pandas functions yield (Spark DDL; the comments say what each column holds).
+_OUTPUT = ("ts timestamp, rule string, action string, error string, client_id string, principal string, "
+           "api string, refused_topics int, example_topic string")
+# rule: "default" when no rule decided; action: allow, deny, rewrite, or "refuse topics" when partial.
 
 
 def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
@@ -98,7 +90,7 @@ def _judge(rules: Any) -> Any:
                 rule = d.rule if not refused or d.action == "deny" else refused[0].rule
                 out.append((row.ts, rule or "default", action, error, row.client_id, row.principal, row.api,
                             len(refused), refused[0].topic if refused else None))
-            yield pd.DataFrame(out, columns=[f.name for f in _OUTPUT.fields])
+            yield pd.DataFrame(out, columns=_columns(_OUTPUT))
 
     return judge
 
@@ -156,24 +148,11 @@ def _scalar(value: Any, array: bool = False) -> Any:
         return value
 
 
-_CHARGES = T.StructType([
-    T.StructField("quota", T.StringType()),
-    T.StructField("key", T.StringType()),
-    T.StructField("t", T.DoubleType()),            # when the response completed, seconds
-    T.StructField("produced", T.LongType()),
-    T.StructField("fetched", T.LongType()),
-    T.StructField("spent", T.DoubleType()),        # kproxy's own time on the request, seconds
-])
+# t: when the response completed (seconds); spent: kproxy's own time on the request (seconds).
+_CHARGES = "quota string, key string, t double, produced bigint, fetched bigint, spent double"
 
-_THROTTLED = T.StructType([
-    T.StructField("quota", T.StringType()),
-    T.StructField("key", T.StringType()),
-    T.StructField("requests", T.LongType()),
-    T.StructField("throttled", T.LongType()),
-    T.StructField("throttle_ms_total", T.LongType()),
-    T.StructField("throttle_ms_p99", T.LongType()),
-    T.StructField("throttle_ms_max", T.LongType()),
-])
+_THROTTLED = ("quota string, key string, requests bigint, throttled bigint, throttle_ms_total bigint, "
+              "throttle_ms_p99 bigint, throttle_ms_max bigint")
 
 
 def _quotas(requests: DataFrame, rules: Any) -> DataFrame:
@@ -218,7 +197,7 @@ def _charges(rules: Any) -> Any:
                     key = key_of(q.rule.per, facts.client_id, facts.principal, facts.source, connection)
                     spent = (_scalar(row.kproxy_ms) or 0.0) / 1000.0
                     out.append((q.rule.name, key, pd.Timestamp(done).timestamp(), produced, fetched, spent))
-            yield pd.DataFrame(out, columns=[f.name for f in _CHARGES.fields])
+            yield pd.DataFrame(out, columns=_columns(_CHARGES))
 
     return charges
 
@@ -239,6 +218,11 @@ def _replay(rules: Any) -> Any:
         hit = sorted(m for m in ms if m > 0)
         p99 = hit[int(0.99 * (len(hit) - 1))] if hit else 0
         return pd.DataFrame([(name, key, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
-                            columns=[f.name for f in _THROTTLED.fields])
+                            columns=_columns(_THROTTLED))
 
     return replay
+
+
+def _columns(ddl: str) -> list[str]:
+    """The column names of a DDL schema string, in order."""
+    return [part.split()[0] for part in ddl.split(",")]
