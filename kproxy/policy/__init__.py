@@ -2,13 +2,29 @@
 
 ``loader`` turns rule files into a ``RuleSet`` (``model``), ``engine`` judges requests against it
 (pure; ``decide`` works on plain values, ``PolicyFilter`` on live connections), and ``store`` keeps
-the rule set in force across reloads.
+the rule set in force across reloads. The names below are imported when first used, so importing
+the pure modules (``model``, ``engine``, and ``kproxy.quota`` that builds on them) never pulls in the
+YAML loader or the store's clock.
 """
 
-from kproxy.policy.engine import Decision, Facts, Policy, PolicyFilter, Refusal, decide
-from kproxy.policy.loader import RuleError, load_rules
-from kproxy.policy.model import Match, Rule, RuleSet
-from kproxy.policy.store import RuleStore
+from __future__ import annotations
 
-__all__ = ["Decision", "Facts", "Match", "Policy", "PolicyFilter", "Refusal", "Rule", "RuleError", "RuleSet",
-           "RuleStore", "decide", "load_rules"]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "Decision": "engine", "Facts": "engine", "Policy": "engine", "PolicyFilter": "engine",
+    "Refusal": "engine", "decide": "engine",
+    "RuleError": "loader", "load_rules": "loader",
+    "Match": "model", "Rule": "model", "RuleSet": "model",
+    "RuleStore": "store",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kproxy.policy' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kproxy.policy.{home}"), name)

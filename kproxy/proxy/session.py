@@ -350,19 +350,17 @@ class Session:
             return actions
         if verdict is not None:
             return actions + self._answer_locally(entry, verdict)
+        upstream_id = self._take_correlation_id()
         if req.api_key == PRODUCE and req.body.acks == 0:
             # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
             # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
-            upstream_id = self._take_correlation_id()
             self._no_response.append(upstream_id)
             entry.outcome = NO_RESPONSE
-            actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
         else:
-            upstream_id = self._take_correlation_id()
             entry.upstream_correlation_id = upstream_id
             self.in_flight.append(entry)
             self._by_upstream[upstream_id] = entry
-            actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
+        actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
         if since is not None:
             entry.handling_s += self.ctx.clock() - since
         return actions

@@ -1,6 +1,7 @@
-"""kproxy.protocol and kproxy.proxy stay sans-I/O (h11's rule): no module in them imports trio,
-sockets, TLS, clocks, event loops, OpenTelemetry, YAML or Spark, directly or through another kproxy
-module, including the package ``__init__`` files that every import of theirs runs."""
+"""kproxy.protocol, kproxy.proxy, kproxy.quota and the pure half of kproxy.policy stay sans-I/O (h11's
+rule): no module in them imports trio, sockets, TLS, clocks, event loops, OpenTelemetry, YAML or
+Spark, directly or through another kproxy module, including the package ``__init__`` files that
+every import of theirs runs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ FORBIDDEN = frozenset(
     {"trio", "socket", "ssl", "time", "asyncio", "opentelemetry", "yaml", "pyspark", "selectors"}
 )
 KPROXY_DIR = Path(kproxy.__file__).parent
-SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy")
+SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy", "kproxy.quota")
+# kproxy.policy's loader reads YAML and its store keeps time: only these of its modules are pure.
+SANS_IO_MODULES = ("kproxy.policy", "kproxy.policy.model", "kproxy.policy.engine")
 
 
 def module_file(name: str, root: Path) -> Path | None:
@@ -96,6 +99,10 @@ def sans_io_files() -> list[Path]:
         # kproxy.proxy is written in parallel with the protocol core and may not exist yet.
         if directory.is_dir():
             files += sorted(directory.rglob("*.py"))
+    for name in SANS_IO_MODULES:
+        path = module_file(name, KPROXY_DIR.parent)
+        assert path is not None, name
+        files.append(path)
     return files
 
 
