@@ -26,6 +26,7 @@ from kproxy.protocol.messages import (
 from kproxy.protocol.primitives import read_uvarint, write_uvarint
 from kproxy.protocol.records import LOG_OVERHEAD, MAGIC_OFFSET, V2_HEADER_SIZE
 from kproxy.protocol.schema import FieldSpec, StructSpec
+from kproxy.proxy.filters import FilterChain
 
 # Below this a frame is stored and forwarded whole: streaming it would save nothing measurable.
 STREAM_MIN_BYTES = 64 * 1024
@@ -39,6 +40,26 @@ _FIXED = {"int8": P.INT8, "bool": P.INT8, "int16": P.INT16, "uint16": P.UINT16, 
           "uint32": P.UINT32, "int64": P.INT64, "float64": P.FLOAT64}
 _INTS = frozenset({"int8", "int16", "uint16", "int32", "uint32", "int64"})
 _V2_COUNT_AT, _V2_LAST_DELTA_AT = 57, 23
+
+
+# What can stream: Fetch answers (records towards the client) and Produce requests (towards the broker).
+STREAMED = frozenset({(FETCH, "response"), (PRODUCE, "request")})
+
+
+def why_stored(chain: FilterChain, api_key: int, kind: str, size: int, *, transport_streams: bool,
+               min_bytes: int = STREAM_MIN_BYTES) -> str | None:
+    """Why a frame of ``size`` bytes must be stored and forwarded whole; None when it may stream.
+    The reason is what the completed-request entry and the log say."""
+    if (api_key, kind) not in STREAMED:
+        return "api"
+    if size < min_bytes:
+        return "small"
+    if not transport_streams:
+        return "transport"
+    name = chain.whole_frame_filter(api_key, kind)
+    if name is not None:
+        return f"filter {name}"
+    return None
 
 
 class StreamError(DecodeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import uuid
 from typing import Any
 
 import hypothesis.strategies as st
@@ -30,15 +31,20 @@ from kproxy.protocol.messages import (
     encode_response_frame,
 )
 from kproxy.protocol.records import build_batch, summarize
+from kproxy.proxy.addresses import AddressMap, AddressRewriter
+from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.streaming import (
     PAD_TAG,
+    STREAM_MIN_BYTES,
     FrameStream,
     StreamError,
     encode_tags,
     fit_tags,
     node_endpoints_rewrite,
     parse_tags,
+    why_stored,
 )
+from kproxy.proxy.versions import ApiVersionsNarrower
 
 from .kio_bridge import kio_class
 from .strategies import message_strategy
@@ -272,3 +278,60 @@ def test_rewritten_tags_keep_their_length_or_drop_the_hint(tags, new):
     if not dropped:
         plain = encode_tags(wanted)
         assert plain is not None and len(plain) + padded == len(original)
+
+
+# -- which frames stream, and the address rewriter on a streamed answer
+
+
+def test_frames_stream_only_when_large_on_a_streaming_transport_and_no_filter_sees_them_whole():
+    rewriter = AddressRewriter(AddressMap("proxy.example", 19000, 16))
+    chain = FilterChain([ApiVersionsNarrower(), rewriter])
+    big = STREAM_MIN_BYTES
+    assert why_stored(chain, FETCH, "response", big, transport_streams=True) is None
+    assert why_stored(chain, FETCH, "response", big - 1, transport_streams=True) == "small"
+    assert why_stored(chain, FETCH, "response", big, transport_streams=False) == "transport"
+    assert why_stored(chain, 3, "response", big, transport_streams=True) == "api"
+    assert why_stored(chain, PRODUCE, "request", big, transport_streams=True) is None
+
+    class Records(Filter):
+        name = "record-rules"
+        response_api_keys = frozenset({FETCH})
+
+    # A filter that has not said otherwise sees the frames of its api keys whole.
+    assert why_stored(FilterChain([rewriter, Records()]), FETCH, "response", big,
+                      transport_streams=True) == "filter record-rules"
+
+
+@pytest.mark.parametrize(("host", "fits"), [("p", True), ("proxy.example", True),
+                                           ("a-very-long-advertised-name.proxy.example", False)])
+def test_a_streamed_answer_gets_the_node_endpoints_store_and_forward_would_give(host, fits):
+    cls: Any = body_class(FETCH, "response")
+    body = cls(responses=[cls.FetchableTopicResponse(topic_id=uuid.uuid4(), partitions=[
+        cls.PartitionData(partition_index=0, current_leader=cls.LeaderIdAndEpoch(leader_id=2, leader_epoch=5),
+                          records=build_batch([(None, b"v" * 500)] * 200))])],
+        node_endpoints=[cls.NodeEndpoint(node_id=2, host="broker-2.internal.example", port=9092, rack="r1")])
+    frame = joined(encode_response_frame(Response.build(FETCH, 16, 3, body)))
+
+    def rewriter_and_ctx():
+        rw = AddressRewriter(AddressMap(host, 19000, 16, node_id_base=0))
+        return rw, ConnectionContext(1)
+
+    rw, ctx = rewriter_and_ctx()
+    stream = FrameStream(FETCH, 16, "response", len(frame) - 4, decide=lambda head: {},
+                         rewrite_tail=node_endpoints_rewrite(16, lambda eps: rw.rewrite_node_endpoints(ctx, eps)))
+    sent = stream_all(stream, frame[4:], [1000, 5000, 50000])
+    assert ctx.ports_to_open == [19002]
+
+    rw2, ctx2 = rewriter_and_ctx()
+    stored = decode_response(memoryview(frame)[4:], FETCH, 16)
+    rw2.on_response(ctx2, None, stored)   # type: ignore[arg-type]
+    got = decode_response(memoryview(sent)[4:], FETCH, 16)
+    assert [(e.node_id, e.host, e.port, e.rack) for e in stored.body.node_endpoints] == [(2, host, 19002, "r1")]
+    # A rewritten hint longer than the broker's (the size prefix is already out) is dropped whole:
+    # the client then asks for metadata, as before KIP-951.
+    assert stream.dropped_hint == (not fits)
+    assert [(e.node_id, e.host, e.port, e.rack) for e in got.body.node_endpoints] == \
+        ([(2, host, 19002, "r1")] if fits else [])
+    unknown = dict(got.body._unknown or ())
+    assert (PAD_TAG in unknown) == (stream.padded > 2)
+    assert len(sent) == len(frame)
