@@ -80,6 +80,9 @@ class RecordsFacts:
     last_offset: int | None = None
     compressed: bool = False
     malformed: bool = False            # bytes that are not batches: counting stopped there
+    # Per whole batch: (base offset, last offset, records, first timestamp, max timestamp,
+    # attributes), what telemetry reads from a stored frame's batch headers.
+    batch_headers: list[tuple[int, int, int, int | None, int | None, int]] = attrs.field(factory=list)
 
 
 @attrs.define(slots=True)
@@ -111,6 +114,10 @@ class FrameStream:
     ``stored`` is then True and the ``feed`` that completes the frame returns it whole, unchanged.
     ``rewrite_tail`` (responses) gets the root's closing tagged fields at the end and returns those
     to send instead; they are re-encoded in exactly the length they had (``fit_tags``).
+
+    ``skeleton`` holds what was sent with every records payload left out (empty records in their
+    place): decoded with the ordinary codec, it is the answer filters, telemetry and the
+    transparency check see, while ``facts`` says what the records held.
     """
 
     def __init__(self, api_key: int, api_version: int, kind: str, size: int, *,
@@ -136,7 +143,7 @@ class FrameStream:
         self._spec = spec
         self._pos = 0                      # bytes of the frame taken so far
         self._decided = decide is None
-        self._notes: list[tuple[int, str, Any, int]] = []   # ints read before the decision
+        self._notes: list[tuple[int, int, str, Any, int]] = []   # ints read before the decision
         self._head = bytearray()           # head bytes read, not yet returned
         self._head_at = 0                  # their offset in the frame
         self._stash = bytearray()          # bytes received that the walker has not taken yet
@@ -148,6 +155,7 @@ class FrameStream:
         self._topic: Any = None
         self._partition: Any = None
         self._out: list = [P.INT32.pack(size)]
+        self.skeleton = bytearray()
         self._walker: Generator[int, bytes, None] | None = self._walk()
         self._want = next(self._walker)
 
@@ -174,6 +182,8 @@ class FrameStream:
                 piece = view[i:i + take]
                 if self._batches is not None:
                     self._batches.feed(piece)
+                elif self._rest:
+                    self.skeleton += piece
                 self._flush_head()
                 self._out.append(piece)
                 self._pos += take
@@ -230,7 +240,9 @@ class FrameStream:
         if self._tail is not None:
             tail, self._tail = bytes(self._tail), None
             self._walker = None
-            self._head += self._rewrite(tail)
+            tail = self._rewrite(tail)
+            self._head += tail
+            self.skeleton += tail
             self._head_known()
             return
         if self._store is not None:
@@ -261,14 +273,16 @@ class FrameStream:
             self._tail = None
             return
         self.patches = patches
-        for at, path, codec, value in self._notes:
-            self._patch(at, path, codec, value)
+        for at, skel_at, path, codec, value in self._notes:
+            self._patch(at, skel_at, path, codec, value)
         self._notes = []
 
-    def _patch(self, at: int, path: str, codec: Any, value: int) -> None:
+    def _patch(self, at: int, skel_at: int, path: str, codec: Any, value: int) -> None:
         new = self.patches.get(path)
         if new is not None:
-            codec.pack_into(self._head, at - self._head_at, new(value) if callable(new) else new)
+            value = new(value) if callable(new) else new
+            codec.pack_into(self._head, at - self._head_at, value)
+            codec.pack_into(self.skeleton, skel_at, value)
 
     def _finish_stored(self) -> list:
         assert self._store is not None
@@ -300,17 +314,19 @@ class FrameStream:
     def _read(self, n: int) -> Generator[int, bytes, bytes]:
         got = yield n
         self._head += got
+        self.skeleton += got
         return got
 
     def _int(self, path: str, codec: Any) -> Generator[int, bytes, int]:
         (value,) = codec.unpack((yield from self._read(codec.size)))
         at = self._pos - codec.size
+        skel_at = len(self.skeleton) - codec.size
         if "." not in path:
             self.values[path] = value
         if self._decided:
-            self._patch(at, path, codec, value)
+            self._patch(at, skel_at, path, codec, value)
         else:
-            self._notes.append((at, path, codec, value))
+            self._notes.append((at, skel_at, path, codec, value))
         return value
 
     def _uvarint(self) -> Generator[int, bytes, int]:
@@ -398,11 +414,15 @@ class FrameStream:
                 yield from self._read(n)
             return
         if t == "records":
+            start = self._pos
             n = yield from self._length(compact, P.INT32)
             facts = RecordsFacts((self._topic, self._partition), n)
             self.facts.append(facts)
             if n <= 0:
                 return
+            # The skeleton holds empty records in their place.
+            del self.skeleton[len(self.skeleton) - (self._pos - start):]
+            self.skeleton += b"\x01" if compact else b"\x00\x00\x00\x00"
             self._head_known()
             if self._store is None:
                 self._batches = _BatchCounter(facts)
@@ -443,7 +463,7 @@ class _BatchCounter:
         self._head = bytearray()         # the current batch's header, when it straddles pieces
         self._skip = 0                   # bytes of the current batch's body still to pass
         self._need = LOG_OVERHEAD
-        self._pending: tuple[int, int, int, bool] | None = None   # (base, last, records, compressed)
+        self._pending: tuple[int, int, int, int | None, int | None, int] | None = None
         self._size = 0                   # of the batch being passed
 
     def feed(self, piece: memoryview) -> None:
@@ -496,10 +516,13 @@ class _BatchCounter:
             if count < 0:
                 self.facts.malformed = True
                 return
-            compressed = bool(P.INT16.unpack_from(buf, at + 21)[0] & 0x07)
-            self._pending = (base, base + P.INT32.unpack_from(buf, at + _V2_LAST_DELTA_AT)[0], count, compressed)
+            self._pending = (base, base + P.INT32.unpack_from(buf, at + _V2_LAST_DELTA_AT)[0], count,
+                             P.INT64.unpack_from(buf, at + 27)[0], P.INT64.unpack_from(buf, at + 35)[0],
+                             P.INT16.unpack_from(buf, at + 21)[0])
         elif magic in (0, 1) and head_len > MAGIC_OFFSET + 1:
-            self._pending = (base, base, 1, bool(buf[at + MAGIC_OFFSET + 1] & 0x07))
+            # A legacy message: one record; magic 1 carries a timestamp after its attributes.
+            ts = P.INT64.unpack_from(buf, at + 18)[0] if magic == 1 and head_len >= 26 else None
+            self._pending = (base, base, 1, ts, ts, buf[at + MAGIC_OFFSET + 1])
         else:
             self.facts.malformed = True
             return
@@ -510,13 +533,15 @@ class _BatchCounter:
 
     def _commit(self) -> None:
         assert self._pending is not None
-        base, last, records, compressed = self._pending
+        pending = self._pending
+        base, last, records, _, _, attributes = pending
         self._pending = None
         f = self.facts
         f.batches += 1
         f.records += records
         f.whole_bytes += self._size
-        f.compressed |= compressed
+        f.compressed |= bool(attributes & 0x07)
+        f.batch_headers.append(pending)
         if f.first_offset is None:
             f.first_offset = base
         f.last_offset = last

@@ -37,7 +37,9 @@ from kproxy.proxy.streaming import (
     PAD_TAG,
     STREAM_MIN_BYTES,
     FrameStream,
+    RecordsFacts,
     StreamError,
+    _BatchCounter,
     encode_tags,
     fit_tags,
     node_endpoints_rewrite,
@@ -45,6 +47,7 @@ from kproxy.proxy.streaming import (
     why_stored,
 )
 from kproxy.proxy.versions import ApiVersionsNarrower
+from kproxy.telemetry.exchange import PartitionFacts, _read_batches, read_streamed
 
 from .kio_bridge import kio_class
 from .strategies import message_strategy
@@ -162,6 +165,17 @@ def test_fetch_streams_what_store_and_forward_sends(answer, cuts, host, port):
         if stream.dropped_hint:
             expected.body.node_endpoints = []
         assert joined(encode_response_frame(got)) == joined(encode_response_frame(expected))
+
+    # The skeleton is what was sent without the records: it decodes, and re-encodes to itself.
+    skeleton = decode_response(memoryview(stream.skeleton), FETCH, v, keep_trailing=True)
+    assert joined(encode_response_frame(skeleton))[4:] == stream.skeleton
+    if stream.padded == 0 and not stream.dropped_hint:
+        for t in expected.body.responses:
+            for p in t.partitions:
+                if p.records:
+                    p.records = b""
+        assert stream.skeleton == joined(encode_response_frame(expected))[4:]
+        expected = decode_response(memoryview(frame)[4:], FETCH, v, keep_trailing=True)
 
     # The batch facts, partition by partition, as summarize reads the stored records.
     records = [p.records for t in expected.body.responses for p in t.partitions]
@@ -335,3 +349,21 @@ def test_a_streamed_answer_gets_the_node_endpoints_store_and_forward_would_give(
     unknown = dict(got.body._unknown or ())
     assert (PAD_TAG in unknown) == (stream.padded > 2)
     assert len(sent) == len(frame)
+
+
+@given(records=record_payloads(), from_offset=st.integers(-1, 1 << 41), cuts=st.lists(st.integers(0, 5000), max_size=6))
+@CHECKS
+def test_telemetry_reads_the_same_facts_from_a_streamed_records_field(records, from_offset, cuts):
+    """The traffic log and spans stay exact: what telemetry reads from the batch headers the stream
+    noted equals what it reads from the stored records."""
+    facts = RecordsFacts(("t", 0), -1 if records is None else len(records))
+    if records:
+        counter = _BatchCounter(facts)
+        for piece in chunked(records, cuts):
+            counter.feed(memoryview(piece))
+    stored, streamed = PartitionFacts("t", None, 0), PartitionFacts("t", None, 0)
+    offsets = _read_batches(stored, records, from_offset)
+    if facts.malformed:
+        return   # bytes that are not batches: each counts what it understood, neither fails
+    assert read_streamed(streamed, facts, from_offset) == offsets
+    assert streamed.as_dict() == stored.as_dict()
