@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from kio.serial import entity_reader, entity_writer
 
+from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
     Request,
     Response,
@@ -367,3 +368,51 @@ def test_telemetry_reads_the_same_facts_from_a_streamed_records_field(records, f
         return   # bytes that are not batches: each counts what it understood, neither fails
     assert read_streamed(streamed, facts, from_offset) == offsets
     assert streamed.as_dict() == stored.as_dict()
+
+
+# -- the frame reader's cut-through mode
+
+
+@given(sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=6),
+       recv=st.lists(st.integers(1, 70_000), min_size=1, max_size=20), threshold=st.integers(1, 200_000))
+@settings(max_examples=60, deadline=None)
+def test_the_frame_reader_hands_large_frames_out_in_pieces_and_holds_one_chunk(sizes, recv, threshold):
+    frames = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    wire = b"".join(len(f).to_bytes(4, "big") + f for f in frames)
+    reader = FrameReader(max_frame_size=1 << 20, chunk_size=64 * 1024)
+    got: list[bytes] = []
+    streamed = bytearray()
+    pos = k = 0
+    most_held = 0
+    while pos < len(wire) or reader.streaming_left or not reader.at_frame_boundary:
+        buf = reader.recv_buffer()
+        n = min(len(buf), recv[k % len(recv)], len(wire) - pos)
+        k += 1
+        if n == 0:
+            break
+        buf[:n] = wire[pos:pos + n]
+        pos += n
+        reader.received(n)
+        while True:
+            if reader.streaming_left:
+                piece = reader.take_piece()
+                if piece is None:
+                    break
+                streamed += piece
+                if not reader.streaming_left:
+                    got.append(bytes(streamed))
+                    streamed.clear()
+                continue
+            starting = reader.frame_starting()
+            if starting is not None and starting[0] >= threshold:
+                reader.stream_current()
+                continue
+            frame = reader.next_frame()
+            if frame is None:
+                break
+            got.append(bytes(frame))
+        most_held = max(most_held, reader.held_bytes)
+    assert got == frames
+    if all(len(f) >= threshold for f in frames):
+        # Only streamed frames: never more than a chunk or two held, whatever the frame sizes.
+        assert most_held <= 2 * 64 * 1024 + 8
