@@ -31,6 +31,9 @@ class Transport:
 
     peer_subject: str | None = None
     server_name: str | None = None
+    # Whether a large frame may be forwarded while it arrives (cut-through): the transport receives
+    # into the frame reader's own chunk and sends views without copying them.
+    can_stream = False
 
     def readable_now(self) -> bool:
         """Whether a receive would return at once; transports that cannot tell say True."""
@@ -53,6 +56,7 @@ class PlainTransport(Transport):
     always has data ready cannot starve the others."""
 
     __slots__ = ("_ready_ops", "raw", "sock")
+    can_stream = True
 
     def __init__(self, sock: trio.socket.SocketType, raw: socket.socket) -> None:
         self.sock = sock
