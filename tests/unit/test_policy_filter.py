@@ -636,3 +636,24 @@ def test_responses_without_pending_work_are_left_alone(tmp_path):
     body = metadata_answer(["a"])
     _, resp = roundtrip(s, METADATA, 12, metadata(["a"]), answer=body)
     assert resp.body == Response.build(METADATA, 12, 7, body).body
+
+
+def test_telemetry_names_a_tenants_topic_the_same_by_name_and_by_id(tmp_path):
+    """One table of topic names: the policy and telemetry both see the broker's name (with the tenant's
+    prefix), whether the client named the topic (Produce v9) or gave its id (Produce v13)."""
+    from kproxy.telemetry.exchange import Exchange, Learned
+
+    ids = TopicNames()
+    learned = Learned(topic_names=ids)
+    s = session(policy_filter(tmp_path, TENANTS, topic_ids=ids))
+    # A Metadata answer passing through teaches the id of tenant-a.orders (the broker's name) ...
+    meta, _ = roundtrip(s, METADATA, 12, metadata(["orders"]), client_id="team-a-1",
+                        answer=metadata_answer(["tenant-a.orders"]), correlation_id=1)
+    oid = uuid.uuid5(uuid.NAMESPACE_DNS, "tenant-a.orders")
+    assert ids.get(oid) == "tenant-a.orders"
+    names = []
+    for version, body in ((9, produce(["orders"])), (13, _produce_by_id(oid))):
+        acts = send(s, PRODUCE, version, body, client_id="team-a-1", correlation_id=version)
+        done = broker_answers(s, forwarded(acts[-1]))[-1].done[0]
+        names.append(Exchange(done, s.ctx, learned).topics)
+    assert names == [["tenant-a.orders"], ["tenant-a.orders"]]
