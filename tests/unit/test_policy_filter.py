@@ -647,8 +647,8 @@ def test_telemetry_names_a_tenants_topic_the_same_by_name_and_by_id(tmp_path):
     learned = Learned(topic_names=ids)
     s = session(policy_filter(tmp_path, TENANTS, topic_ids=ids))
     # A Metadata answer passing through teaches the id of tenant-a.orders (the broker's name) ...
-    meta, _ = roundtrip(s, METADATA, 12, metadata(["orders"]), client_id="team-a-1",
-                        answer=metadata_answer(["tenant-a.orders"]), correlation_id=1)
+    roundtrip(s, METADATA, 12, metadata(["orders"]), client_id="team-a-1",
+              answer=metadata_answer(["tenant-a.orders"]), correlation_id=1)
     oid = uuid.uuid5(uuid.NAMESPACE_DNS, "tenant-a.orders")
     assert ids.get(oid) == "tenant-a.orders"
     names = []
