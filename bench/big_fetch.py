@@ -14,6 +14,7 @@ before the first large answer. With ``--slow-client`` the client pauses 1 ms per
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import struct
 import sys
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=64, help="answer size in MiB (default 64)")
     ap.add_argument("--answers", type=int, default=3, help="large answers to pass (default 3)")
     ap.add_argument("--slow-client", action="store_true", help="the client pauses 1 ms per MiB it reads")
+    ap.add_argument("--profile-kproxy", metavar="FILE.prof", help="run kproxy under cProfile, write its profile here")
+    ap.add_argument("--no-cut-through", action="store_true", help="kproxy stores every answer whole (as before)")
     args = ap.parse_args(argv)
     # The frame must stay under kproxy's default limits.max_buffered_bytes (64 MiB, the frame cap):
     # the records take the size asked for less 1 KiB for the frame's head.
@@ -101,8 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         broker = Child("fake broker", [sys.executable, "bench/fake_broker.py", "--listen", f"{HOST}:{bp}",
                                        "--preload", f"big:1:{records}:1024"], Path(tmp) / "broker.log")
         kp = free_port_pair()
-        kproxy = Child("kproxy", [sys.executable, "-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}",
-                                  "--listen", f"{HOST}:{kp}", "--log-level", "WARNING"], Path(tmp) / "kproxy.log")
+        argv = [sys.executable]
+        if args.profile_kproxy:
+            argv += ["-m", "cProfile", "-o", str(Path(args.profile_kproxy).resolve())]
+        argv += ["-m", "kproxy", "run", "--log-level", "WARNING"]
+        if args.no_cut_through:
+            config = Path(tmp) / "kproxy.yaml"
+            config.write_text(f'listen: "{HOST}:{kp}"\nupstream: {{bootstrap_servers: "{HOST}:{bp}"}}\n'
+                              "cut_through_min_bytes: null\n")
+            argv += ["--config", str(config)]
+        else:
+            argv += ["--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}"]
+        kproxy = Child("kproxy", argv, Path(tmp) / "kproxy.log")
         try:
             broker.start([bp])
             kproxy.start([kp, kp + 1])
@@ -131,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"broker log:\n{broker.log_tail()}\nkproxy log:\n{kproxy.log_tail()}", file=sys.stderr)
             raise
         finally:
-            kproxy.stop()
+            kproxy.stop(signal.SIGINT)   # a cProfile'd kproxy writes its profile on the way out
             broker.stop()
     print(f"{args.answers} Fetch answers of {args.mib} MiB through kproxy in {dt:.2f}s "
           f"({args.answers * (args.mib << 20) / dt / 1e9:.2f} GB/s){' to a slow client' if args.slow_client else ''}")

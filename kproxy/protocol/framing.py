@@ -20,6 +20,7 @@ DEFAULT_MAX_FRAME_SIZE = 100 * 1024 * 1024  # Kafka's socket.request.max.bytes d
 DEFAULT_CHUNK_SIZE = 256 * 1024
 FIRST_CHUNK_SIZE = 4 * 1024        # an idle connection costs a few KiB, not a whole chunk
 GROWTH_FLOOR = 64 * 1024           # first step of an untrusted large frame's buffer
+STREAM_CHUNK_SIZE = 1024 * 1024    # what a frame taken piece by piece (cut-through) holds
 
 
 class FrameReader:
@@ -99,6 +100,12 @@ class FrameReader:
             raise ValueError("no frame is starting")
         self._stream_left = got[0]
         self._start += 4
+        assert self._buf is not None
+        if len(self._buf) < STREAM_CHUNK_SIZE:
+            # The chunk is refilled rather than outgrown while a frame streams: take its full size
+            # now, or a large frame would pass through a first, small chunk a few KiB at a time.
+            # Larger than a stored frame's chunk: fewer, larger receives and sends per frame.
+            self._new_chunk(grow=False, need=STREAM_CHUNK_SIZE)
 
     @property
     def streaming_left(self) -> int:
@@ -169,7 +176,7 @@ class FrameReader:
         """Nothing buffered, and the receive chunk has grown past the first size: worth releasing
         if the connection is about to wait."""
         return (self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE and self._big is None
-                and self._ready is None and self._end == self._start)
+                and self._ready is None and self._end == self._start and not self._stream_left)
 
     def release_idle(self) -> int:
         """Give back the receive chunk when nothing is buffered; returns the bytes released.

@@ -35,10 +35,18 @@ from kproxy.protocol.messages import (
     request_header_version,
     supported_versions,
 )
-from kproxy.protocol.primitives import read_uvarint
+from kproxy.protocol.primitives import ShortBuffer, read_uvarint
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond, Throttle
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
+from kproxy.proxy.streaming import (
+    STREAM_MIN_BYTES,
+    FrameStream,
+    StreamError,
+    node_endpoints_rewrite,
+    why_stored,
+)
+from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.session")
 
@@ -53,6 +61,15 @@ LOCAL = "local"                  # kproxy answered (a filter, an unsupported ver
 NO_RESPONSE = "no_response"      # acks=0 Produce: complete once written to the broker
 UPSTREAM_LOST = "upstream_lost"  # the broker connection was lost or timed out first
 PASSTHROUGH = "passthrough"      # forwarded opaquely (passthrough_unknown_versions)
+CLIENT_GONE = "client_gone"      # the client went away before its answer was written
+CLOSED = "closed"                # kproxy closed the connection first (a bad frame, a drain timeout, a fault)
+
+# How an answer reached the client (``InFlight.path``): stored whole and then forwarded, or streamed
+# while it arrived (cut-through, kproxy.proxy.streaming).
+STORED, STREAMED = "stored", "streamed"
+
+METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
+DESCRIBE_TOPIC_PARTITIONS = 75
 
 
 class Action:
@@ -172,13 +189,39 @@ class InFlight:
     broker: tuple[str, int] | None = None  # the broker connection it went to
     throttle_ms: int = 0                   # throttle_time_ms as sent to the client
     handling_s: float = 0.0
+    seq: int = 0                           # the request's place among the connection's requests
     # What filters decided about this request (rule names, quota keys), for metrics and logs.
     notes: dict[str, Any] | None = None
+    # Each filter's own state from the request to its answer (keep / kept); dies with the entry.
+    kept_by: dict[Any, Any] | None = None
+    # Broker ports an answer names that no listener holds yet (the address rewriter's ``listen``).
+    ports: list[int] | None = None
+    # How the broker's answer reached the client (STORED or STREAMED); for a streamed one, what each
+    # records field held (kproxy.proxy.streaming.RecordsFacts, in the answer's order), since the
+    # decoded ``response`` then has its records left out.
+    path: str = STORED
+    records_facts: list | None = None
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:
             self.notes = {}
         self.notes[key] = value
+
+    def keep(self, owner: Any, value: Any) -> None:
+        """Carry ``owner``'s (a filter's) state for this request to its on_response and on_done."""
+        if self.kept_by is None:
+            self.kept_by = {}
+        self.kept_by[owner] = value
+
+    def kept(self, owner: Any) -> Any:
+        return self.kept_by.get(owner) if self.kept_by is not None else None
+
+    def listen(self, port: int) -> None:
+        """The answer names ``port``: it must be listening before the answer is written."""
+        if self.ports is None:
+            self.ports = [port]
+        elif port not in self.ports:
+            self.ports.append(port)
 
 
 @attrs.define(slots=True, eq=False)
@@ -244,8 +287,14 @@ def future_produce_acks(frame: Any) -> int | None:
         pos += max(length - 1, 0)
         (acks,) = struct.unpack_from(">h", frame, pos)
         return int(acks)
-    except (struct.error, IndexError, ValueError):
+    except (struct.error, IndexError, ValueError, ShortBuffer):
+        # A frame too short to hold acks: it is forwarded as a request with an answer, and the
+        # broker decides what it is.
         return None
+
+
+def _read_order(entry: InFlight) -> int:
+    return entry.seq
 
 
 def _size_prefixed(frame: Any) -> list:
@@ -265,9 +314,18 @@ class Session:
     """The per-connection state machine between one client and its upstream connection."""
 
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
-                 passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None) -> None:
+                 passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
+                 topic_names: TopicNames | None = None, stream_min_bytes: int | None = STREAM_MIN_BYTES) -> None:
         self.ctx = ctx
+        # Broker answers at least this large may be streamed to the client (None: never).
+        self.stream_min_bytes = stream_min_bytes
+        # The answer being streamed to the client: its entry and the walker (stream_start).
+        self.streaming: tuple[InFlight, FrameStream] | None = None
         self.chain = chain
+        self.topic_names = topic_names       # the process's topic id -> name table, learned here
+        # Every request read and not yet done (``finish``): what ``abandon`` ends when the
+        # connection does, so each request completes exactly once.
+        self.open: set[InFlight] = set()
         self.passthrough = passthrough_unknown_versions
         self.reencode = reencode             # verify_reencode; None when off
         self.in_flight: collections.deque[InFlight] = collections.deque()
@@ -325,7 +383,9 @@ class Session:
             self._raw_sasl = False
         self.requests += 1
         self._observe_request(req)
-        entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4)
+        entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4,
+                         seq=self.requests)
+        self.open.add(entry)
         # The received bytes and their re-encoding, when the transparency check found them different.
         original = self._recheck(req, frame) if self.reencode is not None else None
         try:
@@ -392,42 +452,38 @@ class Session:
         """Run the request filters from ``start``: a Respond, None (forward) or _ASKED. ``resumed``
         is (filter, call) for the filter whose question was just answered; its call runs first."""
         ctx = self.ctx
-        ctx.exchange = entry
         filters = self.chain.for_request(req.api_key)
         i = start
-        try:
-            while True:
-                if resumed is not None:
-                    f, call = resumed
-                    resumed = None
-                elif i < len(filters):
-                    f = filters[i]
-                    i += 1
-                    call = functools.partial(f.on_request, ctx, req)
-                else:
-                    return None
-                try:
-                    verdict = call()
-                except Exception as e:
-                    raise self._filter_failed(f, "on_request", req.api_key) from e
-                if verdict is None:
+        while True:
+            if resumed is not None:
+                f, call = resumed
+                resumed = None
+            elif i < len(filters):
+                f = filters[i]
+                i += 1
+                call = functools.partial(f.on_request, ctx, entry)
+            else:
+                return None
+            try:
+                verdict = call()
+            except Exception as e:
+                raise self._filter_failed(f, "on_request", req.api_key) from e
+            if verdict is None:
+                continue
+            if isinstance(verdict, AskBroker):
+                self._ask(entry, req, f, i, verdict, actions)
+                return _ASKED
+            if isinstance(verdict, Delay):
+                if verdict.seconds > 0:
+                    actions.append(Hold(verdict.seconds))
+                if verdict.then is None:
                     continue
-                if isinstance(verdict, AskBroker):
-                    self._ask(entry, req, f, i, verdict, actions)
-                    return _ASKED
-                if isinstance(verdict, Delay):
-                    if verdict.seconds > 0:
-                        actions.append(Hold(verdict.seconds))
-                    if verdict.then is None:
-                        continue
-                    verdict = verdict.then
-                elif isinstance(verdict, Throttle):
-                    if verdict.seconds > 0:
-                        self._mute(verdict.seconds)
-                    continue
-                return verdict
-        finally:
-            ctx.exchange = None
+                verdict = verdict.then
+            elif isinstance(verdict, Throttle):
+                if verdict.seconds > 0:
+                    self._mute(verdict.seconds)
+                continue
+            return verdict
 
     # -- questions filters ask the broker (AskBroker)
 
@@ -559,6 +615,9 @@ class Session:
                        api_keys=[cls.ApiVersion(api_key=API_VERSIONS, min_version=lo, max_version=hi)])
             entry = InFlight(correlation_id, api_key, 0, now, None, request_bytes=len(frame) + 4,
                              outcome=LOCAL)
+            self.requests += 1
+            entry.seq = self.requests
+            self.open.add(entry)
             resp = Response.build(API_VERSIONS, 0, correlation_id, body)
             entry.response = resp
             entry.reply = encode_response_frame(resp)
@@ -573,6 +632,9 @@ class Session:
         _I32.pack_into(patched, 4, upstream_id)
         entry = InFlight(correlation_id, api_key, api_version, now, None, upstream_id,
                          request_bytes=len(frame) + 4, outcome=PASSTHROUGH)
+        self.requests += 1
+        entry.seq = self.requests
+        self.open.add(entry)
         if api_key == PRODUCE and future_produce_acks(frame) == 0:
             self._no_response.append(upstream_id)
             entry.upstream_correlation_id = None
@@ -656,16 +718,22 @@ class Session:
             encoded = encode_response_frame(resp)
             if not check.matches("response", entry.api_key, version, frame, encoded, 4):
                 original = frame, joined(encoded)
+        names = self.topic_names
+        if names is not None and names.learning and (
+                (entry.api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE)
+                or entry.api_key == DESCRIBE_TOPIC_PARTITIONS):
+            # The broker's own names, before any filter changes them (a tenant prefix comes off).
+            names.learn(resp.body.topics)
         try:
             throttle = self._response_filters(entry, resp)
         except FilterFailed as e:
             return [Close(str(e))]
         ctx = self.ctx
         actions: list[Action] = []
-        if ctx.ports_to_open:
+        if entry.ports:
             # The answer names broker ports that must be listening before the client reads them.
-            actions.append(Listen(tuple(ctx.ports_to_open)))
-            ctx.ports_to_open.clear()
+            actions.append(Listen(tuple(entry.ports)))
+            entry.ports = None
         if throttle > 0:
             # Told in the answer, which goes out at once; the client is then not read meanwhile.
             self._mute(throttle)
@@ -686,23 +754,99 @@ class Session:
         actions += self._flush()
         return actions
 
+    # -- cut-through: a broker answer streamed to the client while it arrives
+
+    def stream_start(self, size: int, head: memoryview, transport_streams: bool) -> bool:
+        """A broker answer of ``size`` bytes is arriving; ``head`` is what has arrived of it (at least
+        its 4-byte correlation id). True when the session takes it piece by piece (``stream_piece``)
+        rather than whole (``upstream_frame``): a large Fetch answer that is the next one owed to
+        the client, on transports that can stream, that no filter must see whole."""
+        if (self.stream_min_bytes is None or size < self.stream_min_bytes or len(head) < 4
+                or self._raw_sasl or self.streaming is not None):
+            return False
+        (upstream_id,) = _I32.unpack_from(head, 0)
+        entry = self._by_upstream.get(upstream_id)
+        if (entry is None or entry.request is None or not self.in_flight or self.in_flight[0] is not entry
+                or (self.asking is not None and upstream_id == self.asking.upstream_correlation_id)):
+            return False
+        if why_stored(self.chain, entry.api_key, "response", size, transport_streams=transport_streams,
+                      min_bytes=self.stream_min_bytes) is not None:
+            return False
+        del self._by_upstream[upstream_id]
+        version = entry.api_version
+        rewriters = [f for f in self.chain.for_response(entry.api_key) if hasattr(f, "rewrite_node_endpoints")]
+
+        def endpoints(found: list) -> bool:
+            return any([r.rewrite_node_endpoints(entry, found) for r in rewriters])
+
+        def decide(_head: Any) -> dict:
+            return {"correlation_id": entry.client_correlation_id}
+
+        stream = FrameStream(entry.api_key, version, "response", size, decide=decide,
+                             rewrite_tail=node_endpoints_rewrite(version, endpoints) if rewriters else None)
+        entry.path = STREAMED
+        self.streaming = (entry, stream)
+        return True
+
+    def stream_piece(self, piece: memoryview) -> list[Action]:
+        """The next bytes of the answer being streamed; its buffers to write (views of ``piece``
+        among them: written before the receive buffer is reused). The last piece completes it."""
+        assert self.streaming is not None
+        entry, stream = self.streaming
+        try:
+            buffers = stream.feed(piece)
+        except StreamError as e:
+            # Part of the answer is already with the client: the connection cannot go on.
+            self.streaming = None
+            entry.outcome = UPSTREAM_LOST
+            return [Close(f"malformed {api_name(entry.api_key)} v{entry.api_version} response from the broker "
+                          f"while streaming it: {e}", (entry,), undecodable="response")]
+        actions: list[Action] = []
+        if entry.ports:
+            # The rewritten node endpoints (in the tail, the last buffers) name ports to open first.
+            actions.append(Listen(tuple(entry.ports)))
+            entry.ports = None
+        if not stream.done:
+            if buffers:
+                actions.append(ToClient(buffers))
+            return actions
+        self.streaming = None
+        now = self.ctx.clock()
+        entry.answered_at = now
+        entry.records_facts = stream.facts
+        skeleton = stream.skeleton
+        try:
+            resp = decode_response(memoryview(skeleton), entry.api_key, entry.api_version, keep_trailing=True)
+        except DecodeError as e:
+            actions.append(Close(f"malformed {api_name(entry.api_key)} v{entry.api_version} response from "
+                                 f"the broker while streaming it: {e}", (entry,), undecodable="response"))
+            return actions
+        check = self.reencode
+        if check is not None and check.due():
+            # The transparency check over what was sent: the head and tail re-encode to the same bytes
+            # (the records went through untouched).
+            check.matches("response", entry.api_key, entry.api_version, skeleton, encode_response_frame(resp), 4)
+        entry.response = resp
+        entry.throttle_ms = getattr(resp.body, "throttle_time_ms", 0) or 0
+        entry.reply = []
+        entry.response_bytes = stream.sent
+        self.in_flight.popleft()
+        actions.append(ToClient(buffers, (entry,)))
+        return actions + self._flush()
+
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""
         throttle = 0.0
         req = entry.request
         assert req is not None
         ctx = self.ctx
-        ctx.exchange = entry
-        try:
-            for f in self.chain.for_response(entry.api_key):
-                try:
-                    t = f.on_response(ctx, req, resp)
-                except Exception as e:
-                    raise self._filter_failed(f, "on_response", entry.api_key) from e
-                if t > throttle:
-                    throttle = t
-        finally:
-            ctx.exchange = None
+        for f in self.chain.for_response(entry.api_key):
+            try:
+                t = f.on_response(ctx, entry, resp)
+            except Exception as e:
+                raise self._filter_failed(f, "on_response", entry.api_key) from e
+            if t > throttle:
+                throttle = t
         return throttle
 
     def _observe_response(self, entry: InFlight, resp: Response) -> None:
@@ -747,6 +891,16 @@ class Session:
 
     def upstream_lost(self, reason: str) -> list[Action]:
         """The broker connection ended: answer what was waiting on it, in order, with retriable errors."""
+        if self.streaming is not None:
+            # Part of an answer is with the client and the rest will never come: a frame cannot be
+            # finished with made-up bytes, so the connection closes; the client retries.
+            entry, stream = self.streaming
+            self.streaming = None
+            entry.outcome = UPSTREAM_LOST
+            self.in_flight.clear()
+            self._by_upstream.clear()
+            return [Close(f"broker connection lost in the middle of a streamed {api_name(entry.api_key)} answer "
+                          f"({stream.sent - 4} of {stream.size} bytes sent): {reason}", (entry,))]
         waiting = list(self._by_upstream.values())
         self._by_upstream.clear()
         self._raw_sasl = False
@@ -798,8 +952,34 @@ class Session:
             actions += self._resume(None)
         return actions
 
+    def finish(self, entry: InFlight) -> None:
+        """The I/O layer completed ``entry`` (its answer written, or the connection gone): the filters
+        hear it once in ``on_done``. A failing hook is logged; the request is over either way."""
+        if entry not in self.open:
+            return
+        self.open.discard(entry)
+        for f in self.chain.for_done(entry.api_key):
+            try:
+                f.on_done(self.ctx, entry)
+            except Exception:
+                log.error("connection %d: filter %r failed in on_done on %s", self.ctx.connection_id, f.name,
+                          api_name(entry.api_key), exc_info=True)
+
+    def abandon(self, outcome: str) -> list[InFlight]:
+        """The connection is ending: every request not yet done ends with ``outcome`` (CLIENT_GONE or
+        CLOSED), in the order the client sent them. The caller completes them (``finish``)."""
+        left = sorted(self.open, key=_read_order)
+        for entry in left:
+            entry.outcome = outcome
+        self.in_flight.clear()
+        self._by_upstream.clear()
+        self.asking = None
+        self.streaming = None
+        return left
+
     def close(self) -> None:
-        """The connection ended: every filter's ``on_close`` runs, whatever the others do."""
+        """The connection ended: every filter's ``on_close`` runs, whatever the others do, then their
+        per-connection state is dropped."""
         if self.closed:
             return
         self.closed = True
@@ -809,3 +989,4 @@ class Session:
             except Exception:
                 log.error("connection %d: filter %r failed in on_close", self.ctx.connection_id, f.name,
                           exc_info=True)
+        self.ctx.clear_state()
