@@ -20,6 +20,7 @@ from kproxy.protocol.messages import (
 from kproxy.protocol.records import build_batch
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.reencode import ReencodeCheck
 from kproxy.proxy.session import STORED, STREAMED, UPSTREAM_LOST, Close, Listen, Session, ToClient, ToUpstream
 from kproxy.proxy.streaming import PAD_TAG
 from kproxy.proxy.versions import ApiVersionsNarrower
@@ -151,3 +152,14 @@ def test_a_malformed_answer_closes_the_connection_once_streaming():
     assert s.stream_start(len(f), memoryview(f)[:8], True)
     actions = s.stream_piece(memoryview(f))
     assert isinstance(actions[-1], Close) and actions[-1].undecodable == "response"
+
+
+def test_verify_reencode_checks_what_a_streamed_answer_sent():
+    rewriter = AddressRewriter(AddressMap("proxy.example", 19000, 16, node_id_base=0))
+    check = ReencodeCheck(1.0)
+    s = Session(ConnectionContext(1, clock=lambda: 5.0), FilterChain([rewriter]), reencode=check)
+    f = answer(fetch(s))
+    checked = check.checked
+    stream(s, f)
+    # The head and tail as sent (the records went through untouched) re-encode to the same bytes.
+    assert check.checked == checked + 1 and check.mismatches == 0
