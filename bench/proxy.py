@@ -55,6 +55,8 @@ HOST = "127.0.0.1"
 TARGETS = ("direct", "kproxy", "tansu-proxy")
 FAKE_TARGETS = ("direct", "kproxy", "haproxy")    # the defaults with --broker fake
 HAPROXY = "haproxy"
+# kproxy from another source tree (--baseline DIR), e.g. the commit before a change, in the same run.
+BASELINE = "kproxy-base"
 # kproxy with telemetry on, each compared with plain kproxy in the same run: metrics (the admin
 # listener) and the traffic log; tracing alone at 1% and at 100% sampling, exporting OTLP over HTTP
 # to a receiver in this process that reads and discards the payloads.
@@ -78,7 +80,7 @@ QUOTAS = {
                            "    match: {client_id: kproxy-bench}\n    produce_bytes_per_s: 1.0e12\n"
                            "    fetch_bytes_per_s: 1.0e12\n    requests_per_s: 1.0e9\n"},
 }
-ALL_TARGETS = (*TARGETS, HAPROXY, *TELEMETRY, TENANT, *QUOTAS)
+ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -386,6 +388,8 @@ class Bench:
 
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
+        if BASELINE in self.args.targets:
+            self._start_kproxy(bp, BASELINE)
         for name, options in {**TELEMETRY, **QUOTAS}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
@@ -411,6 +415,8 @@ class Bench:
                 self._start_kproxy(bp, name, options)
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
+        if BASELINE in self.args.targets:
+            self._start_kproxy(bp, BASELINE)
         if HAPROXY in self.args.targets:
             self._start_haproxy(hp, relay_side)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
@@ -438,6 +444,10 @@ class Bench:
         if self.args.profile_kproxy and name == "kproxy":
             kargv += ["-m", "cProfile", "-o", str(self.args.profile_kproxy)]
         env = None
+        if name == BASELINE:
+            # The other tree's kproxy package comes first on the path (an editable install's
+            # finder only answers what the path does not).
+            env = {**os.environ, "PYTHONPATH": str(self.args.baseline)}
         if telemetry is None:
             kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
                       "--log-level", "WARNING", *(extra or [])]
@@ -541,7 +551,7 @@ class Bench:
         """Many connections looping on Metadata v12 (bench/small_requests.py), per target and round;
         with each proxy's CPU seconds per request."""
         out: dict[str, list[tuple[LoadResult, float | None]]] = {}
-        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy", HAPROXY)]
+        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy", HAPROXY, BASELINE)]
         for r in range(rounds):
             for target in targets[r % len(targets):] + targets[: r % len(targets)]:
                 self.check_alive()
@@ -581,7 +591,7 @@ def fmt_ratio(a: float, b: float) -> str:
 
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
-          (HAPROXY, "direct"), ("kproxy", HAPROXY),
+          (HAPROXY, "direct"), ("kproxy", HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
           *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
           ("kp-quotas", "kp-rules"))
 
@@ -706,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--quotas", action="store_true",
                     help=f"add {', '.join(QUOTAS)} (and kproxy, which they are compared with)")
+    ap.add_argument("--baseline", metavar="DIR", type=Path,
+                    help=f"add {BASELINE}: kproxy run from the source tree DIR (DIR/kproxy), e.g. "
+                         "`git archive COMMIT kproxy | tar -x -C DIR` plus the built kproxy/protocol/_accel*.so")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--small-clients", type=int, default=200,
                     help="connections in the many-small-requests part (default 200; 0 skips it)")
@@ -724,6 +737,13 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"kproxy", TENANT}
     if args.quotas:
         wanted |= {"kproxy", *QUOTAS}
+    if args.baseline is not None:
+        if not (args.baseline / "kproxy" / "__init__.py").is_file():
+            ap.error(f"--baseline {args.baseline}: no kproxy package there")
+        args.baseline = args.baseline.resolve()
+        wanted |= {"kproxy", BASELINE}
+    elif BASELINE in wanted:
+        ap.error(f"{BASELINE} needs --baseline DIR")
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
     if fake and wanted & {"tansu-proxy", TENANT}:

@@ -51,6 +51,8 @@ from kproxy.proxy.topics import TopicNames
 log = logging.getLogger("kproxy.session")
 
 _I32 = struct.Struct(">i")
+_HEAD = struct.Struct(">ihhi")          # size prefix, api key, api version, correlation id
+_HHI = struct.Struct(">hhi").unpack_from
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
 UNSUPPORTED_VERSION = 35
@@ -345,6 +347,8 @@ class Session:
         self.closed = False
         # A request whose filter asked the broker something; the client is not read meanwhile.
         self.asking: _Question | None = None
+        # The frame of the request being dispatched, when no request filter could change it.
+        self._untouched: memoryview | None = None
 
     # -- client side
 
@@ -392,6 +396,8 @@ class Session:
             verdict = self._request_filters(entry, req, actions)
         except FilterFailed as e:
             return [Close(str(e))]
+        if len(frame) >= 8 and not self.chain.for_request(api_key):
+            self._untouched = frame
         return self._dispatch(entry, req, verdict, actions, original, now)
 
     def throttled_for(self, now: float) -> float:
@@ -404,6 +410,7 @@ class Session:
     def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action],
                   original: tuple[memoryview, bytes] | None = None, since: float | None = None) -> list[Action]:
         """Act on the filters' verdict: wait for a question's answer, answer locally, or forward."""
+        frame, self._untouched = self._untouched, None
         if verdict is _ASKED:
             assert self.asking is not None
             self.asking.original = original
@@ -420,7 +427,14 @@ class Session:
             entry.upstream_correlation_id = upstream_id
             self.in_flight.append(entry)
             self._by_upstream[upstream_id] = entry
-        actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
+        if frame is not None and original is None:
+            # No request filter could have changed it: the bytes received go on, only the
+            # correlation id replaced (no re-encoding: what the client sent, byte for byte).
+            req.correlation_id = upstream_id
+            buffers: list = [_HEAD.pack(len(frame), *_HHI(frame, 0)[:2], upstream_id), frame[8:]]
+        else:
+            buffers = self._request_buffers(req, upstream_id, original)
+        actions.append(ToUpstream(buffers, entry))
         if since is not None:
             entry.handling_s += self.ctx.clock() - since
         return actions
