@@ -267,6 +267,9 @@ def rule_families(store: Any) -> list[Metric]:
         out.append(GaugeMetricFamily("kproxy_rules", "Rules in force.", value=getattr(store, "rule_count", 0)))
         out.append(GaugeMetricFamily("kproxy_rules_generation", "Generation of the rule sets in force "
                                      "(one more per successful load).", value=getattr(store, "generation", 0)))
+        out.append(GaugeMetricFamily("kproxy_rules_reload_failing", "1 while the last rule reload was "
+                                     "refused (the rules loaded before stay in force), else 0.",
+                                     value=1 if getattr(store, "last_error", None) else 0))
         loaded = epoch_seconds(getattr(store, "loaded_at", None))
         if loaded is not None:
             out.append(GaugeMetricFamily("kproxy_rules_loaded_timestamp_seconds", "When the rules in force "
