@@ -31,6 +31,18 @@ log = logging.getLogger("kproxy.supervisor")
 WORKER_ENV = "KPROXY_WORKER"                # "i/n": this process is worker i of n
 WORKER_ADMIN_ENV = "KPROXY_WORKER_ADMIN"    # host:port of this worker's private admin listener
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Gauges that are states or times, not amounts: the workers' values are not added up. The earliest
+# certificate expiry and "ready only if every worker is" (min); the latest rule load, the longest lag,
+# "a reload failing in any worker", and the rule count every worker has (max).
+MERGED_BY = {
+    "kproxy_tls_certificate_expiry_timestamp_seconds": min,
+    "kproxy_ready": min,
+    "kproxy_event_loop_lag_max_seconds": max,
+    "kproxy_rules": max,
+    "kproxy_rules_generation": max,
+    "kproxy_rules_loaded_timestamp_seconds": max,
+    "kproxy_rules_reload_failing": max,
+}
 
 
 def worker_identity(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
@@ -210,7 +222,8 @@ async def _fetch(address: str | None, target: str) -> tuple[int, str, bytes]:
 
 def merge_expositions(texts: Sequence[bytes]) -> bytes:
     """Prometheus text expositions of several workers as one: samples with the same name and labels
-    are added up (``*_created`` timestamps take the earliest), families keep their HELP and TYPE."""
+    are added up (``*_created`` timestamps take the earliest, the gauges of ``MERGED_BY`` their min or
+    max), families keep their HELP and TYPE."""
     families: dict[str, tuple[list[str], dict[str, float]]] = {}
     for text in texts:
         family = ""
@@ -229,8 +242,9 @@ def merge_expositions(texts: Sequence[bytes]) -> bytes:
             _, samples = families.setdefault(family, ([], {}))
             number = float(value)
             if key in samples:
-                samples[key] = min(samples[key], number) if key.split("{", 1)[0].endswith("_created") \
-                    else samples[key] + number
+                name = key.split("{", 1)[0]
+                combine = MERGED_BY.get(name) or (min if name.endswith("_created") else None)
+                samples[key] = combine(samples[key], number) if combine else samples[key] + number
             else:
                 samples[key] = number
     out = []
