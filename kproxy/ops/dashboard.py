@@ -127,9 +127,21 @@ def build() -> dict[str, Any]:
         (f"topk(10, sum by (client_id) (rate(kproxy_by_client_requests_total{{{API}}}[{RATE}])))",
          "{{client_id}}"), width=8))
     d = d.with_panel(series(
-        "Top topics by records", "The ten busiest topics. Needs metrics.topic_labels: true.", "rps",
+        "Top clients by bytes", "The ten client ids moving the most bytes (requests and responses). Needs "
+        "metrics.client_labels: true.", "Bps",
+        (f"topk(10, sum by (client_id) (rate(kproxy_by_client_request_bytes_total{{{API}}}[{RATE}]))"
+         f" + sum by (client_id) (rate(kproxy_by_client_response_bytes_total{{{API}}}[{RATE}])))",
+         "{{client_id}}"), width=8))
+    d = d.with_panel(series(
+        "Top topics by records", "The ten busiest topics by records produced and fetched. Needs "
+        "metrics.topic_labels: true.", "rps",
         (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_records_total{{{SEL}}}[{RATE}])))",
-         "{{topic}} {{direction}}"), width=8))
+         "{{topic}} {{direction}}")))
+    d = d.with_panel(series(
+        "Top topics by bytes", "The ten topics with the most record bytes produced and fetched (batch "
+        "sizes). Needs metrics.topic_labels: true.", "Bps",
+        (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_bytes_total{{{SEL}}}[{RATE}])))",
+         "{{topic}} {{direction}}")))
 
     d = d.with_row(Row("Latency"))
     d = d.with_panel(series(
