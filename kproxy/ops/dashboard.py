@@ -159,14 +159,16 @@ def build() -> dict[str, Any]:
     d = d.with_row(Row("Errors, denials and throttles"))
     d = d.with_panel(series(
         "Requests not answered by the broker, by outcome", "Outcomes other than forwarded: local "
-        "(kproxy answered), no_response (acks=0), upstream_lost, client_gone, passthrough.", "reqps",
+        "(kproxy answered), no_response (acks=0), upstream_lost, client_gone (the client left first), closed "
+        "(kproxy closed the connection first), passthrough.", "reqps",
         (f'sum by (outcome) (rate(kproxy_request_outcomes_total{{{API}, outcome!="forwarded"}}[{RATE}]))',
          "{{outcome}}"), width=8))
     d = d.with_panel(series(
-        "Error ratio", "Requests whose broker connection was lost or timed out (upstream_lost), over all "
-        "requests; and frames that could not be decoded, per second.", "percentunit",
-        (f'sum(rate(kproxy_request_outcomes_total{{{API}, outcome="upstream_lost"}}[{RATE}])) / '
-         f"sum(rate(kproxy_requests_total{{{API}}}[{RATE}]))", "upstream_lost ratio"),
+        "Error ratio", "Requests that ended without an answer because the broker connection was lost or "
+        "timed out (upstream_lost) or kproxy closed the connection (closed), over all requests; and frames "
+        "that could not be decoded, per second.", "percentunit",
+        (f'sum(rate(kproxy_request_outcomes_total{{{API}, outcome=~"upstream_lost|closed"}}[{RATE}])) / '
+         f"sum(rate(kproxy_requests_total{{{API}}}[{RATE}]))", "error ratio"),
         (f"sum by (direction) (rate(kproxy_decode_errors_total{{{SEL}}}[{RATE}]))",
          "decode errors/s ({{direction}})"),
         (f"sum by (broker) (rate(kproxy_upstream_connect_failures_total{{{SEL}}}[{RATE}]))",
