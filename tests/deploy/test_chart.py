@@ -358,3 +358,19 @@ def test_grafana_dashboard_config_map_carries_the_dashboard() -> None:
     elsewhere = merged(values, {"metrics": {"grafanaDashboard": {"namespace": "monitoring"}}})
     assert one(chart_objects(render_chart(elsewhere)), "ConfigMap", "kp-kproxy-dashboard")["metadata"]["namespace"] == \
         "monitoring"
+
+
+def test_the_down_alert_matches_the_jobs_the_monitors_scrape_under() -> None:
+    # The Prometheus Operator names a ServiceMonitor's job after the Service, a PodMonitor's after itself.
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    down = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "KproxyDown")
+    job = re.fullmatch(r'up\{job=~"(.*)"\} == 0', down["expr"].strip())
+    assert job is not None
+    objects = chart_objects(render_chart(ci_values()["gateway-values.yaml"]))
+    selector = one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    (service,) = [s for s in by_kind(objects, "Service")
+                  if all(s["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+    monitoring = CHART_DIR.parents[1] / "deploy" / "monitoring"
+    podmonitor = yaml.safe_load((monitoring / "sidecar" / "podmonitor.yaml").read_text())
+    for name in (service["metadata"]["name"], f"{NAMESPACE}/{podmonitor['metadata']['name']}", "kproxy-admin"):
+        assert re.fullmatch(job.group(1), name), name
