@@ -308,3 +308,13 @@ def test_rich_view_renders_client_strings_as_text() -> None:
     console.print(top.render_rich(top.view("h:1", before, after)))
     out = console.export_text()
     assert "[bold]x[/bold]" in out and "produce" in out
+
+
+def test_the_live_view_without_rich_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    monkeypatch.setattr(top, "scrape", lambda admin: scrape(0.0, exposition(0, 0, 0, 0, 0)))
+    monkeypatch.setitem(sys.modules, "rich.live", None)     # as if the top extra were not installed
+    assert top.run("h:1", once=False) == 2
+    assert "pip install 'kproxy[top]'" in capsys.readouterr().err
