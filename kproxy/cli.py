@@ -9,22 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
-
-def package_version() -> str:
-    """The installed package's version (from its metadata, so it matches what pip reports)."""
-    try:
-        return metadata.version("kproxy")
-    except metadata.PackageNotFoundError:
-        from kproxy import __version__
-
-        return f"{__version__} (not installed)"
+from kproxy import __version__
 
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kproxy", description="A transparent Kafka wire-protocol proxy.")
-    p.add_argument("--version", action="version", version=f"kproxy {package_version()}")
+    p.add_argument("--version", action="version", version=f"kproxy {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the proxy")

@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from kproxy.cli import package_version
+from kproxy import __version__
 from kproxy.config import (
     HostPort,
     ProxyConfig,
@@ -54,7 +54,7 @@ def run_from_args(args: Any) -> int:
     worker = worker_identity()
     configure_logging(cfg.log_level, cfg.log_format, process=f"worker {worker[0]}" if worker else None)
     if worker is None and effective_workers(cfg) > 1:
-        log.info("kproxy %s: %s", package_version(), describe_config(cfg))
+        log.info("kproxy %s: %s", __version__, describe_config(cfg))
         if cfg.rules:
             # Checked once here, so rule files that do not load stop the start instead of every
             # worker failing and being restarted.
@@ -66,7 +66,7 @@ def run_from_args(args: Any) -> int:
         argv = getattr(args, "argv", None) or sys.argv[1:]
         return trio.run(Supervisor(cfg, argv).run)
     if worker is None or worker[0] == 0:
-        log.info("kproxy %s: %s", package_version(), describe_config(cfg))
+        log.info("kproxy %s: %s", __version__, describe_config(cfg))
     private_admin = os.environ.get(WORKER_ADMIN_ENV) if worker else None
     try:
         server = ProxyServer(cfg, worker=worker,
