@@ -44,8 +44,15 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="check policy rule files (or directories) on their own; repeatable")
     check.add_argument("--chaos", action="store_true", help="with --rules: check as if chaos were enabled")
 
-    demo = sub.add_parser("demo", help="embedded broker + kproxy + a real client, then a summary")
-    demo.add_argument("--records", type=int, default=1000, help="records to produce and consume")
+    demo = sub.add_parser("demo", help="the product tour on an embedded broker: a tenant, a refused topic, a "
+                          "quota, metrics, the traffic log and the fleet report")
+    demo.add_argument("--plain", action="store_true", help="only records through kproxy and back, and a table "
+                      "of the APIs kproxy saw")
+    demo.add_argument("--records", type=int, default=1000, help="records to produce and consume (--plain)")
+    demo.add_argument("--no-report", action="store_true", help="leave out kproxy report (which needs Java 17+ "
+                      "and the analytics extra)")
+    demo.add_argument("--out", help="directory for the rule file, traffic log and report (default: a new "
+                      "temporary directory)")
 
     dec = sub.add_parser("decode", help="decode a Kafka frame given as hex or raw bytes")
     dec.add_argument("file", nargs="?", default="-", help="file with hex or raw bytes; - for stdin")
