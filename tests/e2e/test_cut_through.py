@@ -24,7 +24,9 @@ from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
 from tests.e2e.scenarios import (
     _ak_consume_assigned,
+    _ck_admin,
     _ck_consume_assigned,
+    _ck_wait,
     _kp_consume_assigned,
     confluent_create_topic,
 )
@@ -83,11 +85,22 @@ def proxy(upstream: str, cut_through: bool = True) -> Iterator[tuple[ProxyThread
         p.stop()
 
 
+@pytest.fixture
+def cleanup(broker: TansuBroker) -> Iterator[list[str]]:
+    """Topics a test made on the shared broker, deleted afterwards: later tests list every topic."""
+    made: list[str] = []
+    yield made
+    with contextlib.suppress(Exception):
+        _ck_wait(_ck_admin(broker.bootstrap).delete_topics(made, request_timeout=30))
+
+
 def consumed_all(got: list) -> bool:
     return sorted((key, value) for _, key, value, _ in got) == records()
 
 
-def test_real_clients_consume_streamed_answers_and_get_every_record(broker: TansuBroker, topic: str) -> None:
+def test_real_clients_consume_streamed_answers_and_get_every_record(broker: TansuBroker, topic: str,
+                                                                    cleanup: list[str]) -> None:
+    cleanup += [topic, f"{topic}-kcat"]
     produce_direct(broker.bootstrap, topic)
     with proxy(broker.bootstrap) as (p, admin):
         for name, consume in (("kafka-python", _kp_consume_assigned), ("confluent-kafka", _ck_consume_assigned),
@@ -105,7 +118,8 @@ def test_real_clients_consume_streamed_answers_and_get_every_record(broker: Tans
         assert metrics(admin).get(STREAMED, 0) > before.get(STREAMED, 0)
 
 
-def test_with_cut_through_off_every_answer_is_stored(broker: TansuBroker, topic: str) -> None:
+def test_with_cut_through_off_every_answer_is_stored(broker: TansuBroker, topic: str, cleanup: list[str]) -> None:
+    cleanup.append(topic)
     produce_direct(broker.bootstrap, topic)
     with proxy(broker.bootstrap, cut_through=False) as (p, admin):
         assert consumed_all(_ck_consume_assigned(p.bootstrap, topic, N, 1))
