@@ -44,6 +44,7 @@ from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.coordination import Coordinator
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import (
@@ -100,6 +101,7 @@ class ProxyServer:
         self.rules_poll_interval_s = POLL_INTERVAL_S
         self.discovered = False              # a bootstrap server answered discovery at least once
         self.admin: admin.AdminServer | None = None
+        self.coordinator: Coordinator | None = None     # fleet quotas (quota.coordination)
         self._telemetry_failures: set[str] = set()
         exposure = config.exposure
         self.sni = exposure.mode == "sni"
@@ -121,8 +123,12 @@ class ProxyServer:
         if self.rule_store is not None:
             builtin.append(PolicyFilter(self.rule_store))
             # Quotas come from the same files; they count what the policy lets through.
-            builtin.append(QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
-                                       config.quota_share(self.workers)))
+            coordinated = config.quota.coordination is not None
+            quotas = QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
+                                 config.quota_share(self.workers), coordinated=coordinated)
+            builtin.append(quotas)
+            if coordinated:
+                self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers))
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -190,6 +196,9 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
+        if self.coordinator is not None:
+            coordinator = self.coordinator
+            m.add_reader(lambda: metric_families.coordination_families(coordinator.snapshot()))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
@@ -314,6 +323,10 @@ class ProxyServer:
                     log.info("rules in force: %s (watching %s)", describe_rules(self.rule_store.rule_set),
                              ", ".join(self.rule_store.paths))
                     nursery.start_soon(watch_rules, self.rule_store, self.rules_poll_interval_s)
+                if self.coordinator is not None:
+                    # Background only: the data path reads each budget's share, never waits on this.
+                    nursery.start_soon(self.coordinator.run)
+                    nursery.start_soon(self.coordinator.watch)
                 task_status.started(self)
         finally:
             for s in self._listeners.values():
