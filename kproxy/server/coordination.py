@@ -135,7 +135,8 @@ class Coordinator:
         self.active = 0                     # budgets reported in the last interval
         self.last_error: str | None = None
         self._partition = 0
-        self._offset: int | None = None
+        self._offset: int | None = None     # the next offset to read; None: not reading yet
+        self._gone_at: float | None = None  # when the topic was found deleted
         self._link: _Link | None = None
         self._links_bytes = (0, 0)
 
@@ -225,6 +226,7 @@ class Coordinator:
         self.last_error = None
         while True:
             due = trio.current_time() + self.interval
+            await self._still_there()
             await self._publish()
             await self._read()
             self.apply()
@@ -267,7 +269,7 @@ class Coordinator:
                 if code in _DENIED:
                     raise CoordinationError(f"{_DENIED[code]}: {acls_needed(self.settings.topic)}")
                 if code == 3:
-                    await self._create(link)
+                    await self._topic_missing(link)
                     continue
                 if code or not topic.partitions:
                     await trio.sleep(min(0.1 * (attempt + 1), 1.0))
@@ -292,6 +294,39 @@ class Coordinator:
                 self.bytes_out += link.sent
                 self.bytes_in += link.received
                 link.close()
+
+    async def _still_there(self) -> None:
+        """Ask the leader about the topic each interval: a deleted topic or a moved leader ends the
+        session at once (tansu even keeps accepting records for a topic it has deleted)."""
+        assert self._link is not None
+        md = await self._metadata(self._link)
+        topic = next((t for t in md.topics if t.name == self.settings.topic), None)
+        code = topic.error_code if topic is not None else 3
+        if code == 3 or topic is None:
+            await self._topic_missing(self._link)
+            raise OSError(f"topic {self.settings.topic} is gone")
+        self._check(code, "Metadata")
+        part = next((p for p in topic.partitions if p.partition_index == self._partition), None)
+        brokers = {b.node_id: (b.host, b.port) for b in md.brokers}
+        if part is None or brokers.get(part.leader_id) != self._link.address:
+            raise OSError(f"the leader of {self.settings.topic} moved")
+
+    async def _topic_missing(self, link: _Link) -> None:
+        """Create the topic; but one that was in use and went away (deleted) is created again only
+        ``stale_after_s`` later, so every process of the fleet sees it gone and falls back alike
+        instead of the quickest one recreating it under the others."""
+        if self._offset is not None:
+            self._offset = None
+            self._gone_at = self.wall()
+            self.shares.own_seen_at = None      # fall back now: what was read belongs to the old topic
+            self.apply()
+        if self._gone_at is not None:
+            wait = self._gone_at + self.settings.stale_after_s - self.wall()
+            if wait > 0:
+                raise OSError(f"topic {self.settings.topic} is gone (deleted?); kproxy creates it again "
+                              f"{self.settings.stale_after_s:g}s after it went")
+        await self._create(link)
+        self._gone_at = None
 
     async def _create(self, link: _Link) -> None:
         c = self.settings
