@@ -389,6 +389,8 @@ class CoordinationConfig:
     process falls back to the static share (limit / (quota_replicas x workers))."""
 
     fleet: str = _setting()
+    # false keeps the section written but off (charts template it in and switch it with one flag).
+    enabled: bool = True
     topic: str = _setting("__kproxy_quotas")
     publish_interval_ms: int = _setting(500, min=50, max=60000)
     stale_after_s: float = _setting(5.0, above=0, max=3600)
@@ -421,6 +423,12 @@ class QuotaConfig:
     samples: int = _setting(11, min=1, max=3600)
     window_s: float = _setting(1.0, above=0, max=3600)
     coordination: CoordinationConfig | None = None
+
+    @property
+    def coordinated(self) -> CoordinationConfig | None:
+        """The coordination settings when fleet quotas are on, else None."""
+        c = self.coordination
+        return c if c is not None and c.enabled else None
 
 
 @attrs.frozen(field_transformer=_with_checks)
@@ -661,7 +669,7 @@ def describe_config(cfg: ProxyConfig) -> str:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
         if cfg.quota_replicas > 1:
             parts.append(f"quotas split over {cfg.quota_replicas} replicas")
-        coord = cfg.quota.coordination
+        coord = cfg.quota.coordinated
         if coord is not None:
             parts.append(f"quotas shared by fleet {coord.fleet!r} through topic {coord.topic}")
     return "; ".join(parts)

@@ -123,7 +123,7 @@ class ProxyServer:
         if self.rule_store is not None:
             builtin.append(PolicyFilter(self.rule_store))
             # Quotas come from the same files; they count what the policy lets through.
-            coordinated = config.quota.coordination is not None
+            coordinated = config.quota.coordinated is not None
             quotas = QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
                                  config.quota_share(self.workers), coordinated=coordinated)
             builtin.append(quotas)

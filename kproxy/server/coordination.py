@@ -114,7 +114,7 @@ class Coordinator:
     def __init__(self, config: ProxyConfig, quotas: QuotaFilter, static_share: float, *,
                  instance: str | None = None, wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = trio.current_time) -> None:
-        coord = config.quota.coordination
+        coord = config.quota.coordinated
         assert coord is not None
         self.settings: CoordinationConfig = coord
         self.config = config
