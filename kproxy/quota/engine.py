@@ -161,7 +161,8 @@ class QuotaFilter(Filter):
         rule_set = self.source.policy.rule_set
         if not rule_set.quotas:
             return []
-        by_name = {q.rule.name: q for q in self._compile(rule_set).quotas}
+        # A per-connection budget belongs to one connection of one process: nothing to share.
+        by_name = {q.rule.name: q for q in self._compile(rule_set).quotas if q.rule.per != "connection"}
         out = []
         for key, budget in list(self.budgets.items()):
             q = by_name.get(key[0])

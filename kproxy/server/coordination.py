@@ -24,8 +24,9 @@ from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import Request, body_class, decode_response, encode_request_frame
 from kproxy.protocol.records import Compression, RecordBatch, build_batch, iter_batches
+from kproxy.quota.budgets import Budget, BudgetKey
 from kproxy.quota.engine import QuotaFilter
-from kproxy.quota.fleet import FleetShares, decode_record, record_key, record_value
+from kproxy.quota.fleet import FleetShares, Load, decode_record, record_key, record_value
 from kproxy.server.transport import Transport, client_context, connect
 
 log = logging.getLogger("kproxy.quota.coordination")
@@ -155,16 +156,18 @@ class Coordinator:
             log.warning("fleet quotas: falling back to the static share (%.3g of each limit): %s",
                         self.static_share, why)
 
-    def apply(self) -> None:
-        """Set the share of every active budget from what was read; the static share while down."""
-        now_wall, now = self.wall(), self.clock()
-        loads = self.quotas.loads(now)
+    def apply(self, loads: list[tuple[BudgetKey, Budget, Load]] | None = None) -> None:
+        """Set the share of every active budget (``loads``, measured now if not given) from what was
+        read; the static share while down."""
+        now_wall = self.wall()
         up = self.shares.up(now_wall)
         if not up:
             for _, budget in list(self.quotas.budgets.items()):
                 budget.share = self.static_share
             self._set_up(False, self.last_error or f"no own record read back for {self.settings.stale_after_s:g}s")
             return
+        if loads is None:
+            loads = self.quotas.loads(self.clock())
         for key, budget, load in loads:
             budget.share = self.shares.share(key, load.demand, now_wall)
         self.shares.forget(now_wall, (k for k, _, _ in loads))
@@ -227,9 +230,10 @@ class Coordinator:
         while True:
             due = trio.current_time() + self.interval
             await self._still_there()
-            await self._publish()
+            loads = self.quotas.loads(self.clock())
+            await self._publish(loads)
             await self._read()
-            self.apply()
+            self.apply(loads)
             await trio.sleep_until(due)
 
     async def _open(self, host: str, port: int) -> _Link:
@@ -377,9 +381,8 @@ class Coordinator:
         name = _RELOCATE.get(code, f"error {code}")
         raise OSError(f"{what} on {self.settings.topic}: {name}")
 
-    async def _publish(self) -> None:
+    async def _publish(self, loads: list[tuple[BudgetKey, Budget, Load]]) -> None:
         assert self._link is not None
-        loads = self.quotas.loads(self.clock())
         c = self.settings
         ts = int(self.wall() * 1000)
         records = [(record_key(c.fleet, key[0], key[1], self.instance), record_value(load), (), ts)

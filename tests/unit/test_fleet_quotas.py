@@ -277,3 +277,10 @@ def test_the_contract_names_load_from_yaml_and_errors_name_file_and_line(tmp_pat
     path.write_text(path.read_text().replace("stale_after_s: 5", "stale_after_s: 0.2"))
     with pytest.raises(ConfigError, match=r"kproxy.yaml:8: quota.coordination.stale_after_s: must be at least"):
         load_config(path)
+
+
+def test_per_connection_budgets_are_not_reported_to_the_fleet(tmp_path):
+    base = quota_filter(tmp_path, ONE_K % ("connection", 1))
+    f = type(base)(base.source, 11, 1.0, 0.5, coordinated=True)
+    produce_once(session(f), 300)
+    assert len(f.budgets) == 1 and f.loads(100.0) == []
