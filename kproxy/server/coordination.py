@@ -139,7 +139,6 @@ class Coordinator:
         self._offset: int | None = None     # the next offset to read; None: not reading yet
         self._gone_at: float | None = None  # when the topic was found deleted
         self._link: _Link | None = None
-        self._links_bytes = (0, 0)
 
     # -- the share in force
 
