@@ -197,8 +197,7 @@ async def _fetch(address: str | None, target: str) -> tuple[int, str, bytes]:
 
 def merge_expositions(texts: Sequence[bytes]) -> bytes:
     """Prometheus text expositions of several workers as one: samples with the same name and labels
-    are added up (``*_created`` timestamps and ``*_age_seconds`` ages take the smallest: the earliest,
-    the newest), families keep their HELP and TYPE."""
+    are added up (``*_created`` timestamps take the earliest), families keep their HELP and TYPE."""
     families: dict[str, tuple[list[str], dict[str, float]]] = {}
     for text in texts:
         family = ""
@@ -217,7 +216,7 @@ def merge_expositions(texts: Sequence[bytes]) -> bytes:
             _, samples = families.setdefault(family, ([], {}))
             number = float(value)
             if key in samples:
-                samples[key] = min(samples[key], number) if key.split("{", 1)[0].endswith(("_created", "_age_seconds")) \
+                samples[key] = min(samples[key], number) if key.split("{", 1)[0].endswith("_created") \
                     else samples[key] + number
             else:
                 samples[key] = number

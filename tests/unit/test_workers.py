@@ -74,12 +74,3 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
-
-
-def test_ages_merge_to_the_newest_and_coordination_up_counts_the_workers():
-    a = b"# TYPE kproxy_quota_coordination_up gauge\nkproxy_quota_coordination_up 1.0\n" \
-        b"# TYPE kproxy_quota_coordination_peer_age_seconds gauge\nkproxy_quota_coordination_peer_age_seconds 0.4\n"
-    b = a.replace(b"0.4", b"1.5")
-    merged = merge_expositions([a, b]).decode().splitlines()
-    assert "kproxy_quota_coordination_up 2" in merged
-    assert "kproxy_quota_coordination_peer_age_seconds 0.4" in merged
