@@ -128,7 +128,8 @@ class ProxyServer:
                                  config.quota_share(self.workers), coordinated=coordinated)
             builtin.append(quotas)
             if coordinated:
-                self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers))
+                self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
+                                               opener=self._open_upstream)
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -460,6 +461,11 @@ class ProxyServer:
         if route is None:
             log.warning("no broker known for %s; sending it to the bootstrap servers", port or safe(name))
         return route
+
+    async def _open_upstream(self, host: str, port: int) -> Transport:
+        """A broker connection opened as discovery opens one (upstream TLS, its server name)."""
+        up = self.config.upstream
+        return await connect(host, port, up.connect_timeout_s, self.upstream_tls, up.tls.server_hostname)
 
     # -- broker discovery
 

@@ -14,7 +14,7 @@ import secrets
 import socket
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -114,7 +114,8 @@ class Coordinator:
 
     def __init__(self, config: ProxyConfig, quotas: QuotaFilter, static_share: float, *,
                  instance: str | None = None, wall: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = trio.current_time) -> None:
+                 clock: Callable[[], float] = trio.current_time,
+                 opener: Callable[[str, int], Awaitable[Transport]] | None = None) -> None:
         coord = config.quota.coordinated
         assert coord is not None
         self.settings: CoordinationConfig = coord
@@ -127,7 +128,10 @@ class Coordinator:
         self.clock = clock
         self.interval = coord.publish_interval_ms / 1000.0
         upstream = config.upstream
-        self.tls = client_context(upstream.tls) if upstream.tls.enabled else None
+        # How a broker connection is opened: the server passes its own (the same TLS, and SASL when it
+        # exists, as every other upstream connection); alone, the upstream settings are used here.
+        self.opener = opener or self._connect
+        self.tls = client_context(upstream.tls) if upstream.tls.enabled and opener is None else None
         self.timeout = min(upstream.request_timeout_s, max(coord.stale_after_s / 2, self.interval))
         self.up = False                     # as last logged and exported
         self.switches = 0
@@ -235,9 +239,12 @@ class Coordinator:
             self.apply(loads)
             await trio.sleep_until(due)
 
-    async def _open(self, host: str, port: int) -> _Link:
+    async def _connect(self, host: str, port: int) -> Transport:
         up = self.config.upstream
-        t = await connect(host, port, up.connect_timeout_s, self.tls, up.tls.server_hostname)
+        return await connect(host, port, up.connect_timeout_s, self.tls, up.tls.server_hostname)
+
+    async def _open(self, host: str, port: int) -> _Link:
+        t = await self.opener(host, port)
         link = _Link(t, (host, port), self.config.limits.max_frame_size)
         try:
             await link.negotiate(self.timeout)
