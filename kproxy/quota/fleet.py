@@ -113,7 +113,7 @@ class FleetShares:
     """
 
     def __init__(self, fleet: str, instance: str, static_share: float, stale_after_s: float, *,
-                 floor: float = 0.5, smoothing: float = 0.5) -> None:
+                 floor: float = 0.5, smoothing: float = 0.5, max_instances: int = 10_000) -> None:
         self.fleet = fleet
         self.instance = instance
         self.static_share = static_share
@@ -125,6 +125,11 @@ class FleetShares:
         self._peers: dict[BudgetKey, dict[str, PeerRecord]] = {}
         self._shares: dict[BudgetKey, float] = {}
         self.own_seen_at: float | None = None     # the timestamp of the newest own record read back
+        # Budgets this process uses (None: every one). Only their peer records are kept: what others
+        # write about other budgets changes no share here, and the topic is not trusted to be small.
+        self.interest: set[BudgetKey] | None = None
+        self._instances: dict[str, float] = {}    # other instance -> its newest record's time
+        self.max_instances = max_instances
 
     # -- what was read
 
@@ -135,6 +140,13 @@ class FleetShares:
         if report.instance == self.instance:
             if self.own_seen_at is None or report.at > self.own_seen_at:
                 self.own_seen_at = report.at
+            return
+        seen = self._instances.get(report.instance)
+        if seen is None and len(self._instances) >= self.max_instances:
+            return          # more writers than a fleet has: ignore the new names until old ones go stale
+        if seen is None or report.at > seen:
+            self._instances[report.instance] = report.at
+        if self.interest is not None and report.budget not in self.interest:
             return
         peers = self._peers.setdefault(report.budget, {})
         known = peers.get(report.instance)
@@ -158,13 +170,12 @@ class FleetShares:
 
     def newest_peer_age(self, now: float) -> float | None:
         """Seconds since the newest peer record of any budget was written; None before the first."""
-        newest = max((p.at for peers in self._peers.values() for p in peers.values()), default=None)
+        newest = max(self._instances.values(), default=None)
         return None if newest is None else max(0.0, now - newest)
 
     def peer_count(self, now: float) -> int:
-        """Distinct other instances with a fresh record on any budget."""
-        return len({p.instance for peers in self._peers.values() for p in peers.values()
-                    if now - p.at < self.stale_after_s})
+        """Other instances of the fleet with a fresh record (on any budget, or a heartbeat)."""
+        return sum(1 for at in self._instances.values() if now - at < self.stale_after_s)
 
     # -- the sharing rule
 
@@ -198,3 +209,5 @@ class FleetShares:
         keep = set(active)
         for key in [k for k in self._shares if k not in keep]:
             del self._shares[key]
+        for name in [n for n, at in self._instances.items() if now - at >= self.stale_after_s]:
+            del self._instances[name]

@@ -234,6 +234,7 @@ class Coordinator:
             due = trio.current_time() + self.interval
             await self._still_there()
             loads = self.quotas.loads(self.clock())
+            self.shares.interest = {key for key, _, _ in loads}
             await self._publish(loads)
             await self._read()
             self.apply(loads)

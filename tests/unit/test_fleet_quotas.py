@@ -284,3 +284,18 @@ def test_per_connection_budgets_are_not_reported_to_the_fleet(tmp_path):
     f = type(base)(base.source, 11, 1.0, 0.5, coordinated=True)
     produce_once(session(f), 300)
     assert len(f.budgets) == 1 and f.loads(100.0) == []
+
+
+def test_only_peer_records_of_budgets_in_use_are_kept_and_writers_are_bounded():
+    fs = FleetShares("billing", "me", STATIC, STALE, max_instances=3)
+    fs.interest = {KEY}
+    fs.observe(report("me", 0.5, 1000.0))
+    for i in range(100):        # someone writes about budgets this process never uses
+        fs.observe(report("p1", 0.5, 1000.0, key=("q", f"client_id=other-{i}")))
+    assert fs.target(KEY, 0.5, 1000.0) == 1.0 and len(fs._peers) == 0
+    assert fs.peer_count(1000.0) == 1                     # p1 is alive all the same
+    for i in range(10):         # forged instance names: three are kept, the rest ignored
+        fs.observe(report(f"forged-{i}", 5.0, 1000.0))
+    assert fs.peer_count(1000.0) == 3
+    assert [p.instance for p in fs.fresh_peers(KEY, 1000.0)] == ["forged-0", "forged-1"]
+    assert fs.target(KEY, 0.5, 1000.0) == pytest.approx(0.5 / 3)      # the floor holds against them
