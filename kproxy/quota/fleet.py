@@ -18,9 +18,9 @@ import attrs
 
 from kproxy.quota.budgets import BudgetKey
 
-# A demand estimate counts the time a throttled budget's clients were told to wait; past this share
-# of each second muted, the estimate (rate / (1 - muted)) would explode, so it is held here.
-MAX_MUTED = 0.9
+# A demand estimate counts the time a throttled budget's clients were told to wait; near always
+# muted, rate / (1 - muted) explodes, so muted is held below this.
+MAX_MUTED = 0.99
 # Characters of a budget key, quota or instance name kept as they are in a record key; the rest
 # (the '/' that separates the parts above all) are %-escaped, so a record key always splits in four.
 _SAFE = "=:@.-_+,;!~*()[]{}<>#$&'"
@@ -39,8 +39,11 @@ class Load:
 def demand_of(rate: float, muted: float) -> float:
     """What a budget would have let through unthrottled, estimated from its ``rate`` and the seconds per
     second its clients were told to wait (``muted``): a client sending back to back at D, told to wait
-    a fraction m of the time, is measured at D x (1 - m)."""
-    return rate / (1.0 - min(max(muted, 0.0), MAX_MUTED))
+    a fraction m of the time, is measured at D x (1 - m). Demand beyond the whole limit counts as the
+    whole limit: it changes nothing about one limit's split, and an estimate from a client muted
+    nearly always only grows with the share it already has, which would make shares drift."""
+    estimate = rate / (1.0 - min(max(muted, 0.0), MAX_MUTED))
+    return min(estimate, max(1.0, rate))
 
 
 @attrs.frozen(slots=True)

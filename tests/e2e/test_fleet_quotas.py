@@ -165,6 +165,8 @@ def test_a_fleet_shares_one_budget_and_falls_back_when_the_topic_goes(broker: Ta
             report = (", ".join(f"{k} {v / MIB:.3f}" for k, v in got.items()) + f" MiB/s; shared together "
                       f"{shared / MIB:.3f}; throttles " + ", ".join(f"{k} {t.max_ms}" for k, (_, t) in runs.items()))
             assert abs(shared - RATE) <= 0.2 * RATE, report
+            # Equal demand (three clients that all want more than the limit): a third each.
+            assert all(abs(got[n] - RATE / 3) <= 0.3 * RATE / 3 for n in ("shared-a", "shared-b", "shared-c")), report
             assert got["alone"] >= 0.8 * RATE, report
             assert got["other"] >= 0.8 * RATE, report          # fleet "other" does not count billing's demand
             assert abs(got["static"] - RATE / 3) <= 0.2 * RATE / 3, report

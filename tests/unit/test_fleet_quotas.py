@@ -178,8 +178,11 @@ def test_anything_else_on_the_topic_is_ignored(key, value):
 
 def test_demand_counts_the_time_clients_were_told_to_wait():
     assert demand_of(0.5, 0.0) == 0.5
-    assert demand_of(0.5, 0.5) == pytest.approx(1.0)      # let through half the time: twice the demand
-    assert demand_of(0.5, 5.0) == pytest.approx(5.0)      # held at 90%
+    assert demand_of(0.2, 0.5) == pytest.approx(0.4)      # let through half the time: twice the demand
+    # Beyond the whole limit it is the whole limit: two clients muted nearly always, one on a bigger
+    # share than the other, want the same, and get the same from then on.
+    assert demand_of(0.2, 0.95) == demand_of(0.4, 0.97) == 1.0
+    assert demand_of(0.5, 5.0) == 1.0 and demand_of(1.2, 0.0) == 1.2
 
 
 # -- the quota engine
