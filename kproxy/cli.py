@@ -79,8 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--quota-replicas", type=int, default=1, metavar="N",
                      help="without --fleet-quotas: each instance is judged with 1/N of each limit (default 1)")
     rep.add_argument("--coordination-dump", metavar="FILE",
-                     help="a dump of the fleet quota coordination topic (kcat -C -t TOPIC -f '%%k\t%%s\t%%T\n'): "
-                     "per budget key, the instances that reported it and their peak rate and demand summed")
+                     help="a dump of the fleet quota coordination topic, one record a line: key, value and timestamp "
+                     "(ms), tab-separated, as kcat -C -e -t TOPIC -f with %%k, %%s and %%T writes it; gives per "
+                     "budget key the instances that reported it and their peak rate and demand summed")
     rep.add_argument("--quota-per", choices=("client_id", "principal"), default="client_id",
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
