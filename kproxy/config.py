@@ -304,7 +304,7 @@ class UpstreamSasl:
     username: str | None = None
     password: str | None = None
     password_file: str | None = _setting(None, file=True)
-    oauth: UpstreamOAuth | None = None
+    oauth: UpstreamOAuth | None = None      # read only with OAUTHBEARER
 
     def __attrs_post_init__(self) -> None:
         if self.mechanism == "OAUTHBEARER":
@@ -312,8 +312,6 @@ class UpstreamSasl:
                 raise SettingError(_path_of(self, "mechanism"), "OAUTHBEARER needs upstream.sasl.oauth "
                                                                 "(token_endpoint_url, client_id, client secret)")
             return
-        if self.oauth is not None:
-            raise SettingError(_path_of(self, "oauth"), f"only for OAUTHBEARER, not {self.mechanism}")
         if not self.username:
             raise SettingError(_path_of(self, "username"), f"{self.mechanism} needs a username")
         _one_secret(self, "password", "password_file", "a password")

@@ -44,6 +44,8 @@ from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.identity import IdentityService
+from kproxy.server.origination import direct_roundtrip
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import (
@@ -92,6 +94,8 @@ class ProxyServer:
         self.workers = worker[1] if worker is not None else 1
         self.admin_listen = admin_listen or config.admin.listen
         self.stats = ProxyStats()
+        # SASL termination and origination (sasl, upstream.sasl); raises ConfigError for a bad users file.
+        self.identity = IdentityService(config)
         self.telemetry = Telemetry(config, span_exporter=span_exporter)
         self.reencode = ReencodeCheck(config.verify_reencode) if config.verify_reencode > 0 else None
         # The policy rules in force (generation, loaded_at, rule_count, sources, reloads_ok,
@@ -151,6 +155,7 @@ class ProxyServer:
             upstream_server_hostname=upstream.tls.server_hostname,
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
+            originator=self.identity.originator,
         )
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
         # How late the event loop runs a short timer (see _watch_loop_lag).
@@ -190,6 +195,8 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
+        if self.identity.active:
+            m.add_reader(lambda: metric_families.identity_families(self.identity))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
@@ -291,6 +298,7 @@ class ProxyServer:
                     nursery.start_soon(self.admin.serve)
                     log.info("admin listener on %s: /metrics /livez /readyz /config /rules",
                              _hostport(*self.admin.address))
+                await self.identity.run(nursery)
                 nursery.start_soon(self._accept_loop, boot, None)
                 if self.metrics is not None:
                     nursery.start_soon(self._watch_loop_lag)
@@ -395,12 +403,15 @@ class ProxyServer:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
         if route is not None:
             ctx.listener = f"{route.role}-{route.node_id}"
+        front = self.identity.front(ctx)
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
-                          reencode=self.reencode)
+                          reencode=self.reencode, front=front)
+        prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
+                   if front is not None and front.termination is not None else None)
         complete = (functools.partial(self._completed_with_telemetry, ctx) if self.telemetry.active
                     else self._completed)
         conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
-                                budget=self.budget, route_key=(port, name), stats=self.stats)
+                                budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
@@ -463,6 +474,8 @@ class ProxyServer:
                 continue
             try:
                 with trio.fail_after(cfg.request_timeout_s):
+                    if self.identity.originator is not None:
+                        await self.identity.originator.login(direct_roundtrip(t, cfg.request_timeout_s), str(hp))
                     await self._discover_on(t)
                 if not self.discovered:
                     self.discovered = True
@@ -486,6 +499,8 @@ class ProxyServer:
             return decode_response(frame, req.api_key, req.api_version)
 
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))
+        # Kept for terminating connections, which answer ApiVersions themselves before any login.
+        self.identity.broker_versions = [(e.api_key, e.min_version, e.max_version) for e in av.body.api_keys]
         ranges = {e.api_key: e for e in narrow_api_keys(av.body.api_keys, supported_versions())}
         meta = ranges.get(3)
         if meta is None:
