@@ -23,6 +23,8 @@ from kproxy.identity.tokens import VerificationKey, keys_from_jwks
 from kproxy.logs import safe
 
 log = logging.getLogger("kproxy.oauth")
+# httpx logs every request at INFO; kproxy logs what matters about these itself.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 MAX_DOCUMENT_BYTES = 1 << 20       # a JWKS or token answer larger than this is refused
 REFETCH_UNKNOWN_KID_S = 10.0       # an unknown kid fetches the key set again at most this often
