@@ -64,6 +64,7 @@ class JwksCache:
         self.clock = clock
         self.keys: Mapping[str, VerificationKey] = {}
         self.fetched_at = -math.inf           # last attempt, successful or not
+        self._unknown_kid_at = -math.inf      # last fetch an unknown kid caused
         self.fetches_ok = 0
         self.fetches_failed = 0
         self._lock = trio.Lock()
@@ -93,7 +94,11 @@ class JwksCache:
         """Before a token naming ``kid`` is judged: fetch again if the kid is unknown (rate-limited)."""
         if kid is None or kid in self.keys:
             return
-        if self.clock() - self.fetched_at >= REFETCH_UNKNOWN_KID_S:
+        # Only fetches caused by unknown kids count against the limit: a key rotated just after the
+        # scheduled fetch is picked up by the first token that uses it.
+        now = self.clock()
+        if now - self._unknown_kid_at >= REFETCH_UNKNOWN_KID_S:
+            self._unknown_kid_at = now
             log.info("JWKS %s: a token names unknown kid %s; fetching the keys again", safe(self.url),
                      safe(kid, 80))
             await self.refresh()
