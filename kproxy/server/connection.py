@@ -46,6 +46,9 @@ _I32 = struct.Struct(">i")
 # KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
 # client picks 85-95%), leaving time for the exchange before the broker would close the connection.
 REAUTH_AT = 0.85
+# The largest frame a client may send before it has logged in to kproxy: a SaslAuthenticate with a
+# 128 KiB token fits; a stranger cannot make kproxy hold more than this.
+PRE_LOGIN_FRAME_CAP = 256 * 1024
 
 
 class ConnectionClosed(Exception):
@@ -130,6 +133,11 @@ class ClientConnection:
         self._reauth_at: float | None = None        # when kproxy logs in to the broker again (KIP-368)
         self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
         self._login_ids: set[int] = set()
+        front = session.front
+        self._pre_login = front is not None and front.termination is not None
+        if self._pre_login:
+            self.client_reader.max_frame_size = min(settings.frame_cap, PRE_LOGIN_FRAME_CAP)
+            self.client_reader.limit_name = "the frame limit before SASL login (256 KiB)"
 
     # -- completion
 
@@ -254,6 +262,10 @@ class ClientConnection:
                 if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
                     await self._reauthenticate_upstream()
                 await self._execute(session.client_frame(frame))
+                if self._pre_login and session.ctx.authenticated:
+                    self._pre_login = False
+                    reader.max_frame_size = self.settings.frame_cap
+                    reader.limit_name = self.settings.frame_cap_setting
                 if self.draining:
                     break
             self._account()

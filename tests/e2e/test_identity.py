@@ -12,7 +12,10 @@ provider: a JWKS and a client-credentials token endpoint on loopback.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -80,7 +83,8 @@ def kproxy_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     return caplog
 
 
-def start_proxy(gate: SaslGate, recorder: PrincipalRecorder, *, upstream_sasl: str = "", sasl: str = "") -> ProxyThread:
+def start_proxy(gate: SaslGate, recorder: PrincipalRecorder, *, upstream_sasl: str = "", sasl: str = "",
+                extra: str = "") -> ProxyThread:
     port, broker_port = free_ports(2)
     cfg = parse_config(f"""\
 listen: "127.0.0.1:{port}"
@@ -92,6 +96,7 @@ exposure:
   broker_port_start: {broker_port}
   broker_port_count: 1
 {sasl}
+{extra}
 """)
     return ProxyThread(cfg, [recorder]).start()
 
@@ -198,7 +203,9 @@ def test_clients_log_in_to_kproxy_by_scram(client: str, gate: SaslGate, users_fi
     gate.require_sasl = False
     before = len(gate.authentications)
     topic = unique_name(f"term-{client}")
-    with start_proxy(gate, recorder, sasl=termination(users_file, oidc)) as proxy:
+    logs = users_file.parent / "traffic"
+    extra = f"traffic_log: {{dir: {logs}, compression: none}}" if client == "confluent" else ""
+    with start_proxy(gate, recorder, sasl=termination(users_file, oidc), extra=extra) as proxy:
         if client == "confluent":
             got = confluent_roundtrip(librdkafka(proxy.bootstrap), topic)
         elif client == "kafka-python":
@@ -216,6 +223,11 @@ def test_clients_log_in_to_kproxy_by_scram(client: str, gate: SaslGate, users_fi
     text = kproxy_text(kproxy_log)
     assert "authenticated as User:alice" in text and "verified by kproxy" in text
     assert ALICE_PASSWORD not in text
+    if extra:
+        # The traffic log names the verified principal on every request that reached the broker.
+        lines = [json.loads(line) for f in logs.rglob("*.jsonl*") for line in f.read_text().splitlines()]
+        produced = [r for r in lines if r.get("api") == "produce"]
+        assert produced and all(r["principal"] == f"User:{ALICE}" for r in produced)
 
 
 def test_wrong_password_is_refused_and_reaches_no_broker(gate: SaslGate, users_file: Path, oidc: OidcProvider,
@@ -385,3 +397,26 @@ def test_reauthentication_on_both_sides_loses_no_record(gate: SaslGate, users_fi
     assert "re-authenticated as User:alice" in text                # the client re-authenticated to kproxy
     assert "re-authenticated kproxy to" in text
     assert principals(recorder) == {f"User:{ALICE}"}
+
+
+def test_before_login_a_request_or_a_big_frame_closes_the_connection(gate: SaslGate, users_file: Path,
+                                                                     oidc: OidcProvider,
+                                                                     recorder: PrincipalRecorder) -> None:
+    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+
+    gate.require_sasl = False
+    with start_proxy(gate, recorder, sasl=termination(users_file, oidc)) as proxy:
+        accepted, forwarded = gate.accepted, len(gate.forwarded)
+        host, port = proxy.bootstrap.rsplit(":", 1)
+        metadata = Request.build(3, 12, 1, "probe", body_class(3, "request")(topics=None))
+        for payload in (b"".join(bytes(b) for b in encode_request_frame(metadata)),
+                        struct.pack(">i", 1 << 20) + b"\x00" * 65536):    # 1 MiB claimed before login
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                try:
+                    sock.sendall(payload)
+                    got = sock.recv(4096)
+                except ConnectionResetError:     # closed with unread bytes pending: a reset
+                    got = b""
+                assert got == b""                    # closed, not answered
+        assert gate.accepted == accepted and len(gate.forwarded) == forwarded
+    assert recorder.snapshot() == []
