@@ -88,6 +88,10 @@ class SaslFront:
                                               auth_bytes=b""),
                                    close="client tried SASL, but kproxy originates the cluster's SASL itself")
             return None
+        if t.authenticated and t.expired(self.ctx.clock()):
+            # As a broker does (KIP-368): once the session has ended, any request closes the
+            # connection, one that would start re-authentication too.
+            return FrontAnswer(close="SASL session expired without re-authentication (KIP-368)")
         if key == API_VERSIONS:
             return FrontAnswer(self._api_versions(req))
         if key == SASL_HANDSHAKE:
@@ -100,8 +104,6 @@ class SaslFront:
         if not t.authenticated:
             return FrontAnswer(close=f"{api_name(key)} before SASL authentication (only ApiVersions, "
                                      "SaslHandshake and SaslAuthenticate are answered until then)")
-        if t.expired(self.ctx.clock()):
-            return FrontAnswer(close="SASL session expired without re-authentication (KIP-368)")
         if key in HIDDEN_APIS:
             return FrontAnswer(self._error_body(req))
         return None

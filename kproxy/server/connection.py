@@ -131,6 +131,7 @@ class ClientConnection:
         # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
         self.prepare = prepare
         self._reauth_at: float | None = None        # when kproxy logs in to the broker again (KIP-368)
+        self._session_end: float | None = None      # when the broker's session ends
         self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
         self._login_ids: set[int] = set()
         front = session.front
@@ -260,7 +261,7 @@ class ClientConnection:
                     await self.prepare(frame)
                 reauth_at = self._reauth_at
                 if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
-                    await self._reauthenticate_upstream()
+                    await self._renew_upstream_session()
                 await self._execute(session.client_frame(frame))
                 if self._pre_login and session.ctx.authenticated:
                     self._pre_login = False
@@ -407,7 +408,23 @@ class ClientConnection:
         self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
 
     def _schedule_reauth(self, lifetime_ms: int) -> None:
-        self._reauth_at = trio.current_time() + REAUTH_AT * lifetime_ms / 1000 if lifetime_ms > 0 else None
+        now = trio.current_time()
+        self._reauth_at = now + REAUTH_AT * lifetime_ms / 1000 if lifetime_ms > 0 else None
+        self._session_end = now + lifetime_ms / 1000 if lifetime_ms > 0 else None
+
+    async def _renew_upstream_session(self) -> None:
+        end = self._session_end
+        if end is not None and trio.current_time() >= end - 0.1 and not self.session.awaiting_upstream:
+            # Idle past the session's end: a broker closes an expired connection at its next request,
+            # re-authentication included (KIP-368), so open a fresh one, which logs in anew.
+            log.debug("connection %d: the broker session ended while idle; reconnecting",
+                      self.session.ctx.connection_id)
+            upstream, self.upstream = self.upstream, None
+            self._reauth_at = self._session_end = None
+            if upstream is not None:
+                upstream.close()
+            return
+        await self._reauthenticate_upstream()
 
     async def _reauthenticate_upstream(self) -> None:
         """KIP-368 on the broker side: log in again on the live connection. Called from the client
@@ -446,7 +463,7 @@ class ClientConnection:
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
-        self._reauth_at = None
+        self._reauth_at = self._session_end = None
         where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
         BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
                             self.session.ctx.connection_id, where, reason)

@@ -375,14 +375,16 @@ class GateConnection:
     def _client_frame(self, frame: bytes) -> bool:
         """Handle one request; False ends the connection."""
         api_key, _version, correlation_id = _HHI.unpack_from(frame, 0)
+        if self.expires_at is not None and time.monotonic() > self.expires_at:
+            # KIP-368: once the session has ended, any request closes the connection, even one that
+            # would start re-authentication (Kafka's Processor checks expiry before reading it).
+            self.gate.expired.append(self.cid)
+            return False
         if api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE):
             return self._sasl(frame)
         if self.user is None and api_key != API_VERSIONS and self.gate.require_sasl:
             # A broker that requires SASL only takes ApiVersions and the SASL requests before it.
             self.gate.refused.append((self.cid, api_key))
-            return False
-        if self.expires_at is not None and time.monotonic() > self.expires_at:
-            self.gate.expired.append(self.cid)   # KIP-368: the session ran out without re-authentication
             return False
         expects_answer = not (api_key == PRODUCE and decode_request(frame).body.acks == 0)
         if expects_answer:

@@ -420,3 +420,36 @@ def test_before_login_a_request_or_a_big_frame_closes_the_connection(gate: SaslG
                 assert got == b""                    # closed, not answered
         assert gate.accepted == accepted and len(gate.forwarded) == forwarded
     assert recorder.snapshot() == []
+
+
+def test_an_idle_broker_session_that_ran_out_is_replaced_not_used(gate: SaslGate, tmp_path: Path,
+                                                                   recorder: PrincipalRecorder,
+                                                                   kproxy_log: pytest.LogCaptureFixture) -> None:
+    """A connection idle past the broker's session lifetime would be closed at its next request
+    (KIP-368); kproxy opens a fresh, freshly logged-in one instead and the client notices nothing."""
+    import confluent_kafka
+
+    gate.require_sasl = True
+    gate.session_lifetime_ms = 600
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD)
+    topic = unique_name("idle-expiry")
+    try:
+        with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret)) as proxy:
+            producer = confluent_kafka.Producer({"bootstrap.servers": proxy.bootstrap, "log_level": 0,
+                                                 "connections.max.idle.ms": 0})
+            delivered: list[Any] = []
+            producer.produce(topic, value=b"before", on_delivery=lambda err, msg: delivered.append(err))
+            assert producer.flush(20) == 0
+            logins = len([a for a in gate.authentications if a.ok])
+            # The scenario is time passing: the broker session (0.6 s) runs out while nothing is sent.
+            time.sleep(1.0)
+            producer.produce(topic, value=b"after", on_delivery=lambda err, msg: delivered.append(err))
+            assert producer.flush(20) == 0
+            del producer
+    finally:
+        gate.session_lifetime_ms = 0
+    assert delivered == [None, None]
+    assert gate.expired == []                           # no request ever went on an expired session
+    assert len([a for a in gate.authentications if a.ok]) > logins
+    assert "lost the connection" not in kproxy_text(kproxy_log)

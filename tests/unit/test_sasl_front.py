@@ -188,3 +188,13 @@ def test_origination_refuses_a_clients_own_sasl() -> None:
     assert "kproxy holds the cluster's credentials" in answered(actions[0], SASL_AUTHENTICATE, 2).body.error_message
     s = session(terminate=False)
     assert kinds(metadata(s)) == [ToUpstream]                # no SASL: requests flow (kproxy logs in upstream)
+
+
+def test_reauthentication_after_the_session_ended_is_too_late() -> None:
+    clock = Clock(100.0)
+    s = session(clock=clock, max_session_s=10)
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    clock.now = 110.5
+    actions = handshake(s, cid=5)
+    assert kinds(actions) == [Close] and "KIP-368" in actions[0].reason
