@@ -8,6 +8,7 @@ add`` takes effect without a restart; a broken file keeps the users already load
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -18,7 +19,13 @@ import attrs
 import trio
 
 from kproxy.config import ProxyConfig
-from kproxy.identity.termination import FailedLogins, SaslTermination, TerminationSettings
+from kproxy.identity.termination import (
+    FailedLogins,
+    SaslTermination,
+    TerminationSettings,
+    plain_check,
+    plain_parts,
+)
 from kproxy.identity.tokens import TokenRules, bearer_token, token_kid
 from kproxy.logs import safe
 from kproxy.protocol.errors import KProxyError
@@ -93,7 +100,7 @@ class IdentityService:
             return
         t = front.termination
         if front.raw_expected:
-            message: bytes | None = bytes(frame) if t.mechanism == "OAUTHBEARER" else None
+            message: bytes | None = bytes(frame) if t.mechanism in ("OAUTHBEARER", "PLAIN") else None
         else:
             if len(frame) < 8:
                 return
@@ -103,19 +110,34 @@ class IdentityService:
                     await discover()
                 self._reload_users()
                 return
-            if api_key != SASL_AUTHENTICATE or t.mechanism != "OAUTHBEARER":
+            if api_key != SASL_AUTHENTICATE or t.mechanism not in ("OAUTHBEARER", "PLAIN"):
                 return
             try:
                 message = bytes(decode_request(frame).body.auth_bytes)
             except KProxyError:
                 return      # the session refuses it
-        if message is None or self.jwks is None:
+        if message is None:
+            return
+        if t.mechanism == "PLAIN":
+            await self._check_plain(t, message)
+            return
+        if self.jwks is None:
             return
         try:
             kid = token_kid(bearer_token(message)[0])
         except ValueError:
             return
         await self.jwks.ensure(kid)
+
+    async def _check_plain(self, t: SaslTermination, message: bytes) -> None:
+        # PLAIN costs a PBKDF2 (milliseconds of CPU); hashlib releases the GIL, so in a thread it
+        # does not hold up every other connection on the event loop.
+        parts = plain_parts(message)
+        if parts is None or len(message) > t.settings.max_auth_bytes:
+            return
+        users = t.settings.users
+        ok = await trio.to_thread.run_sync(plain_check, users, *parts)
+        t.plain_checked[hashlib.sha256(message).digest()] = ok
 
     def _reload_users(self) -> None:
         path = self.users_file

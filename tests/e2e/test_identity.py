@@ -197,7 +197,7 @@ def wait_for_auth_error(settings: dict[str, Any], seconds: float = 10) -> list[A
 # -- termination: clients log in to kproxy; the cluster has no SASL
 
 
-@pytest.mark.parametrize("client", ["confluent", "kafka-python", "aiokafka"])
+@pytest.mark.parametrize("client", ["confluent", "kafka-python", "aiokafka", "confluent-plain"])
 def test_clients_log_in_to_kproxy_by_scram(client: str, gate: SaslGate, users_file: Path, oidc: OidcProvider,
                                            recorder: PrincipalRecorder, kproxy_log: pytest.LogCaptureFixture) -> None:
     gate.require_sasl = False
@@ -208,6 +208,8 @@ def test_clients_log_in_to_kproxy_by_scram(client: str, gate: SaslGate, users_fi
     with start_proxy(gate, recorder, sasl=termination(users_file, oidc), extra=extra) as proxy:
         if client == "confluent":
             got = confluent_roundtrip(librdkafka(proxy.bootstrap), topic)
+        elif client == "confluent-plain":
+            got = confluent_roundtrip(librdkafka(proxy.bootstrap, "PLAIN"), topic)
         elif client == "kafka-python":
             got = kafka_python_roundtrip({"bootstrap_servers": proxy.bootstrap, "security_protocol": "SASL_PLAINTEXT",
                                          "sasl_mechanism": "SCRAM-SHA-256", "sasl_plain_username": ALICE,

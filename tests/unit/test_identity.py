@@ -153,6 +153,18 @@ def test_plain_refusals(message: bytes) -> None:
     assert o.error_code == SASL_AUTHENTICATION_FAILED and t.state is SaslState.FAILED
 
 
+def test_plain_uses_a_verdict_worked_out_ahead_once() -> None:
+    """The I/O layer runs PLAIN's PBKDF2 in a thread and hands the verdict in by the message's hash."""
+    import hashlib
+
+    message = b"\x00alice\x00alice-secret"
+    t = terminate()
+    t.plain_checked[hashlib.sha256(message).digest()] = False     # as if the thread said no
+    t.handshake("PLAIN", 1)
+    assert t.authenticate(message).failed
+    assert t.plain_checked == {}
+
+
 def test_auth_bytes_and_user_names_are_capped() -> None:
     t = terminate(max_auth_bytes=100)
     t.handshake("PLAIN", 1)
