@@ -455,3 +455,51 @@ def test_an_idle_broker_session_that_ran_out_is_replaced_not_used(gate: SaslGate
     assert gate.expired == []                           # no request ever went on an expired session
     assert len([a for a in gate.authentications if a.ok]) > logins
     assert "lost the connection" not in kproxy_text(kproxy_log)
+
+
+@pytest.fixture(scope="module")
+def sasl_ssl(tansu_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, SaslGate, Path]]:
+    """A SASL_SSL listener: TLS (a relay with a trustme certificate) in front of the SASL gate in
+    front of tansu, which advertises the TLS address."""
+    import ssl
+
+    import trustme
+
+    from tests.e2e.test_tls import TlsRelay
+
+    d = tmp_path_factory.mktemp("sasl-ssl")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(ctx)
+    g = SaslGate(None, {SERVICE: SERVICE_PASSWORD})
+    with TlsRelay(ctx) as relay, Tansu(tansu_binary, advertised=relay.address, log_path=d / "broker.log") as tansu:
+        g.upstream = (tansu.host, tansu.port)
+        relay.target = g.address
+        with g:
+            yield relay, g, d / "ca.pem"
+    assert g.errors == []
+
+
+def test_kproxy_originates_sasl_ssl(sasl_ssl: tuple[Any, SaslGate, Path], tmp_path: Path,
+                                    recorder: PrincipalRecorder) -> None:
+    relay, tls_gate, ca = sasl_ssl
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD)
+    port, broker_port = free_ports(2)
+    cfg = parse_config(f"""\
+listen: "127.0.0.1:{port}"
+upstream:
+  bootstrap_servers: ["{relay.address[0]}:{relay.address[1]}"]
+  tls: {{enabled: true, ca_file: {ca}}}
+{origination_scram(secret)}
+exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker_port_count: 1}}
+""")
+    tls_connections = len(relay.peer_subjects)
+    with ProxyThread(cfg, [recorder]) as proxy:
+        got = confluent_roundtrip({"bootstrap.servers": proxy.bootstrap, "log_level": 0}, unique_name("sasl-ssl"))
+    assert got == expected_pairs()
+    assert len(relay.peer_subjects) > tls_connections and relay.handshake_errors == []
+    done = tls_gate.authentications
+    assert done and all(a.ok and a.user == SERVICE for a in done)
+    assert tls_gate.tokens and not any(SERVICE_PASSWORD.encode() in t for t in tls_gate.tokens)  # SCRAM never sends it
