@@ -258,8 +258,9 @@ def test_wrong_password_is_refused_and_reaches_no_broker(gate: SaslGate, users_f
 def test_clients_log_in_to_kproxy_by_oauth(gate: SaslGate, users_file: Path, oidc: OidcProvider,
                                            recorder: PrincipalRecorder,
                                            kproxy_log: pytest.LogCaptureFixture) -> None:
-    """confluent-kafka fetches its own token (OIDC client credentials); kafka-python hands one in. The
-    provider rotates its signing key between the two: kproxy fetches the JWKS again for the new kid."""
+    """confluent-kafka fetches its own token (OIDC client credentials); kafka-python and aiokafka hand
+    one in. The provider rotates its signing key after the first: kproxy fetches the JWKS again for
+    the new kid."""
     from kafka.net.sasl.oauth import AbstractTokenProvider
 
     gate.require_sasl = False
@@ -278,7 +279,17 @@ def test_clients_log_in_to_kproxy_by_oauth(gate: SaslGate, users_file: Path, oid
                                       "request_timeout_ms": 20000}, unique_name("oauth-kp"))
         assert got == expected_pairs()
         assert oidc.jwks_requests > fetched
-    assert principals(recorder) == {"User:orders", "User:inventory"}
+
+        import aiokafka.abc
+
+        class AsyncTokens(aiokafka.abc.AbstractTokenProvider):
+            async def token(self) -> str:
+                return oidc.token("shipping")
+
+        got = aiokafka_roundtrip(proxy.bootstrap, unique_name("oauth-ak"), security_protocol="SASL_PLAINTEXT",
+                                 sasl_mechanism="OAUTHBEARER", sasl_oauth_token_provider=AsyncTokens())
+        assert got == expected_pairs()
+    assert principals(recorder) == {"User:orders", "User:inventory", "User:shipping"}
     assert "unknown kid k-rotated" in kproxy_text(kproxy_log)
 
 
