@@ -12,7 +12,6 @@ import collections
 import enum
 import hashlib
 import hmac
-import logging
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -27,8 +26,6 @@ from kproxy.identity.users import (
     UserBook,
     password_matches,
 )
-
-log = logging.getLogger("kproxy.identity")
 
 MECHANISMS: Final = ("PLAIN", *SCRAM_MECHANISMS, "OAUTHBEARER")
 ILLEGAL_SASL_STATE: Final = 34

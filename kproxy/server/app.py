@@ -27,12 +27,9 @@ from kproxy.policy.engine import PolicyFilter
 from kproxy.policy.loader import describe_rules
 from kproxy.policy.store import RuleStore
 from kproxy.protocol.errors import KProxyError
-from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
     Request,
     body_class,
-    decode_response,
-    encode_request_frame,
     supported_versions,
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
@@ -46,14 +43,13 @@ from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.identity import IdentityService
-from kproxy.server.origination import direct_roundtrip
+from kproxy.server.origination import Roundtrip, direct_roundtrip
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import (
     PlainTransport,
     SniNames,
     TlsTransport,
-    Transport,
     client_context,
     connect,
     format_subject,
@@ -476,10 +472,11 @@ class ProxyServer:
                 log.warning("discovery: cannot reach %s: %s", hp, e or "timed out")
                 continue
             try:
+                roundtrip = direct_roundtrip(t, cfg.request_timeout_s, self.config.limits.max_frame_size)
                 with trio.fail_after(cfg.request_timeout_s):
                     if self.identity.originator is not None:
-                        await self.identity.originator.login(direct_roundtrip(t, cfg.request_timeout_s), str(hp))
-                    await self._discover_on(t)
+                        await self.identity.originator.login(roundtrip, str(hp))
+                    await self._discover_on(roundtrip)
                 if not self.discovered:
                     self.discovered = True
                 return True
@@ -489,18 +486,7 @@ class ProxyServer:
                 t.close()
         return False
 
-    async def _discover_on(self, t: Transport) -> None:
-        reader = FrameReader(self.config.limits.max_frame_size)
-
-        async def roundtrip(req: Request) -> Any:
-            await t.send(encode_request_frame(req))
-            while (frame := reader.next_frame()) is None:
-                n = await t.recv_into(reader.recv_buffer())
-                if n == 0:
-                    raise OSError("broker closed the connection")
-                reader.received(n)
-            return decode_response(frame, req.api_key, req.api_version)
-
+    async def _discover_on(self, roundtrip: Roundtrip) -> None:
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))
         # Kept for terminating connections, which answer ApiVersions themselves before any login.
         self.identity.broker_versions = [(e.api_key, e.min_version, e.max_version) for e in av.body.api_keys]

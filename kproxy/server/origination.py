@@ -130,9 +130,10 @@ class Originator:
         return lifetime
 
 
-def direct_roundtrip(transport: Transport, timeout: float) -> Roundtrip:
-    """A roundtrip that reads the answer straight from ``transport`` (nothing else reads it yet)."""
-    reader = FrameReader(LOGIN_FRAME_CAP)
+def direct_roundtrip(transport: Transport, timeout: float, frame_cap: int = LOGIN_FRAME_CAP) -> Roundtrip:
+    """A roundtrip that reads the answer straight from ``transport`` (nothing else reads it yet):
+    kproxy's login on a new broker connection, and discovery."""
+    reader = FrameReader(frame_cap)
 
     async def roundtrip(req: Request) -> Response:
         with trio.fail_after(timeout):
@@ -140,7 +141,7 @@ def direct_roundtrip(transport: Transport, timeout: float) -> Roundtrip:
             while (frame := reader.next_frame()) is None:
                 n = await transport.recv_into(reader.recv_buffer())
                 if n == 0:
-                    raise OriginationError("the broker closed the connection during kproxy's SASL login")
+                    raise OriginationError("the broker closed the connection")
                 reader.received(n)
         return decode_response(frame, req.api_key, req.api_version)
 

@@ -76,6 +76,7 @@ def test_nothing_goes_upstream_before_login() -> None:
 
 def test_plain_login_then_requests_flow_as_the_user() -> None:
     s = session()
+    assert s.sasl_in_progress          # the unauthenticated timeout runs from the start
     hs = answered(handshake(s)[0], SASL_HANDSHAKE, 1).body
     assert hs.error_code == 0 and hs.mechanisms == ["SCRAM-SHA-256", "PLAIN"]
     auth = answered(authenticate(s, b"\x00alice\x00pw")[0], SASL_AUTHENTICATE, 2).body
