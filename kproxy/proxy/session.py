@@ -651,6 +651,10 @@ class Session:
         if not self.passthrough:
             return [Close(f"cannot decode {err}; set passthrough_unknown_versions to forward such "
                           "frames opaquely")]
+        front = self.front
+        if front is not None and front.termination is not None and not self.ctx.authenticated:
+            # Forwarded opaquely it would reach the broker before the client logged in.
+            return [Close(f"cannot decode {err} before SASL authentication")]
         # Opaque passthrough: only the correlation id (bytes 4..8 of the header) is touched.
         upstream_id = self._take_correlation_id()
         patched = bytearray(frame)

@@ -199,3 +199,16 @@ def test_reauthentication_after_the_session_ended_is_too_late() -> None:
     clock.now = 110.5
     actions = handshake(s, cid=5)
     assert kinds(actions) == [Close] and "KIP-368" in actions[0].reason
+
+
+def test_passthrough_of_undecodable_versions_waits_for_the_login() -> None:
+    """passthrough_unknown_versions forwards frames kproxy cannot decode, but never before login."""
+    s = session()
+    s.passthrough = True
+    frame = bytearray(request_frame(METADATA, 12, 3, metadata_request()))
+    frame[2:4] = (99).to_bytes(2, "big")             # a Metadata version from the future
+    actions = s.client_frame(memoryview(bytes(frame)))
+    assert kinds(actions) == [Close] and "before SASL authentication" in actions[0].reason
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    assert kinds(s.client_frame(memoryview(bytes(frame)))) == [ToUpstream]
