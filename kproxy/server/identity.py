@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import secrets
 import time
@@ -55,6 +56,7 @@ class IdentityService:
         self.broker_versions: VersionRanges | None = None    # what discovery learned
         self.logins: dict[tuple[str, str], int] = {}         # (mechanism, outcome) -> count
         self._users_mtime: float | None = None
+        self._discovery_tried_at = -math.inf
         if sasl is None:
             return
         rules = None
@@ -106,7 +108,10 @@ class IdentityService:
                 return
             api_key = peek_request_header(frame)[0]
             if api_key == API_VERSIONS:
-                if self.broker_versions is None:
+                if self.broker_versions is None and trio.current_time() - self._discovery_tried_at >= 5.0:
+                    # Unauthenticated clients must not make kproxy dial the brokers at will: one try
+                    # every 5 s at most; meanwhile ApiVersions offers kproxy's own version ranges.
+                    self._discovery_tried_at = trio.current_time()
                     await discover()
                 self._reload_users()
                 return
