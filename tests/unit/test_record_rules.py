@@ -298,3 +298,51 @@ def test_check_errors_with_file_and_line(tmp_path, text, message):
     with pytest.raises(RuleError) as e:
         load_rules([path])
     assert message in str(e.value) and str(e.value).startswith(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# telemetry
+
+
+def test_produce_span_carries_the_chosen_ids_even_unsampled(tmp_path):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    from kproxy.telemetry.exchange import Exchange, Learned
+
+    from .test_telemetry import ctx, produce_entry, tracing
+
+    exp = InMemorySpanExporter()
+    t = tracing(exp, sample_ratio=0.0)
+    e = produce_entry({("orders", 0): GOOD}, {("orders", 0): 0})
+    e.notes = {"trace_context": (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331)}
+    t.emit(Exchange(e, ctx(), Learned()), 0)
+    t.emit(Exchange(produce_entry({("orders", 0): GOOD}, {("orders", 0): 0}), ctx(), Learned()), 0)  # unsampled
+    t.shutdown()
+    server, = [s for s in exp.get_finished_spans() if s.kind is SpanKind.SERVER]
+    client, = [s for s in exp.get_finished_spans() if s.kind is SpanKind.CLIENT]
+    assert (server.context.trace_id, server.context.span_id) == (0x0AF7651916CD43DD8448EB211C80319C,
+                                                                 0xB7AD6B7169203331)
+    assert client.context.trace_id == server.context.trace_id and client.context.span_id != server.context.span_id
+
+
+def test_refusals_counted_and_logged_per_rule():
+    import jsonschema
+
+    from kproxy.telemetry.exchange import Exchange, Learned
+    from kproxy.telemetry.metrics import Metrics
+    from kproxy.telemetry.traffic_log import SCHEMA_PATH, traffic_line
+
+    from .test_telemetry import ctx, produce_entry
+
+    e = produce_entry({("orders", 0): GOOD, ("orders", 1): BAD}, {("orders", 0): 0})
+    e.notes = {"rule": "orders-json", "action": "validate",
+               "records_refused": [{"rule": "orders-json", "topic": "orders", "partition": 1, "records": 2}]}
+    m = Metrics()
+    m.record(Exchange(e, ctx(), Learned()))
+    m.record(Exchange(e, ctx(), Learned()))
+    assert b'kproxy_records_refused_total{rule="orders-json"} 2.0' in m.exposition()
+    line = traffic_line(Exchange(e, ctx(), Learned()), 0.0)
+    jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(line)
+    assert line["records_refused"] == [{"rule": "orders-json", "topic": "orders", "partition": 1, "records": 2}]
+    assert line["rule"] == "orders-json" and line["action"] == "validate"
