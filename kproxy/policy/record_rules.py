@@ -69,25 +69,38 @@ def check_bytes(check: ValueCheck, what: str, data: memoryview) -> str | None:
     return None
 
 
-def _record_size(key: Any, value: Any, headers: Any) -> int:
-    size = (len(key) if key is not None else 0) + (len(value) if value is not None else 0)
+def _varint_size(value: int) -> int:
+    z = (value << 1) ^ (value >> 63)
+    return 1 if z < 0x80 else (z.bit_length() + 6) // 7
+
+
+def record_size(key: Any, value: Any, headers: Any, timestamp_delta: int = 0, offset_delta: int = 0) -> int:
+    """The bytes a record takes in an uncompressed v2 batch, its length prefix included: what
+    ``max_record_bytes`` limits (and what a traffic log's batch sizes bound from below)."""
+    n = 1 + _varint_size(timestamp_delta) + _varint_size(offset_delta)
+    for part in (key, value):
+        n += 1 if part is None else _varint_size(len(part)) + len(part)
+    n += _varint_size(len(headers))
     for h in headers:
-        size += len(h.key.encode("utf-8", "surrogateescape")) + (len(h.value) if h.value is not None else 0)
-    return size
+        k = len(h.key.encode("utf-8", "surrogateescape"))
+        n += _varint_size(k) + k + (1 if h.value is None else _varint_size(len(h.value)) + len(h.value))
+    return _varint_size(n) + n
 
 
-def _records(records: Any, cap: int) -> Iterator[tuple[Any, Any, Any]]:
-    """(key, value, headers) of every record in a records field, legacy messages expanded."""
+def _records(records: Any, cap: int) -> Iterator[tuple[Any, Any, Any, int, int]]:
+    """(key, value, headers, timestamp delta, offset delta) of every record in a records field,
+    legacy messages expanded."""
     for batch in iter_batches(records, allow_truncated=False):
         if isinstance(batch, LegacyMessage):
             for msg in batch.records(cap):
-                yield msg.key, msg.value, ()
+                yield msg.key, msg.value, (), 0, 0
         else:
             for rec in batch.records(cap):
-                yield rec.key, rec.value, rec.headers
+                yield rec.key, rec.value, rec.headers, rec.timestamp_delta, rec.offset_delta
 
 
-def check_record(v: Validate, key: Any, value: Any, headers: Any) -> str | None:
+def check_record(v: Validate, key: Any, value: Any, headers: Any, timestamp_delta: int = 0,
+                 offset_delta: int = 0) -> str | None:
     """Why one record breaks ``v``, or None."""
     if key is None:
         if v.key_required:
@@ -104,7 +117,7 @@ def check_record(v: Validate, key: Any, value: Any, headers: Any) -> str | None:
         if why is not None:
             return why
     if v.max_record_bytes is not None:
-        size = _record_size(key, value, headers)
+        size = record_size(key, value, headers, timestamp_delta, offset_delta)
         if size > v.max_record_bytes:
             return f"record is {size} bytes, more than max_record_bytes {v.max_record_bytes}"
     if v.required_headers:
@@ -122,8 +135,8 @@ def validate_records(rule: Rule, records: Any, cap: int) -> Verdict | None:
     errors: list[RecordError] = []
     broken = 0
     try:
-        for i, (key, value, headers) in enumerate(_records(records, cap)):
-            why = check_record(v, key, value, headers)
+        for i, (key, value, headers, ts_delta, off_delta) in enumerate(_records(records, cap)):
+            why = check_record(v, key, value, headers, ts_delta, off_delta)
             if why is not None:
                 broken += 1
                 if len(errors) < MAX_RECORD_ERRORS:

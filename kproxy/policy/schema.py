@@ -165,7 +165,8 @@ def rules_schema() -> dict[str, Any]:
             "value": value_check,
             "key": {"anyOf": [key_check, {"type": "array", "items": key_check, "minItems": 1}],
                     "description": "required (not null), and/or a check of non-null keys"},
-            "max_record_bytes": _ints("the largest record: key, value and header names and values, in bytes", 1),
+            "max_record_bytes": _ints("the largest record, as its bytes in the uncompressed batch (key, value, "
+                                      "headers and their framing)", 1),
             "headers": {"type": "object", "additionalProperties": False, "required": ["required"],
                         "properties": {"required": {"type": "array", "minItems": 1,
                                                     "items": {"type": "string", "minLength": 1},

@@ -113,3 +113,14 @@ def test_property_edit_matches_the_oracle(kafka_codecs, rows, codec, inject, pro
     assert {f: getattr(after, f) for f in _FIELDS} == {f: getattr(before, f) for f in _FIELDS}
     (_, _, got), = _kafka_python_view(new)
     assert [(k, v, h) for _, _, k, v, h in got] == [(k, v, expected_headers(list(h), edit)) for k, v, h in rows]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=_rows, ts=st.lists(st.integers(0, 2**41), min_size=6, max_size=6))
+def test_record_size_is_the_encoded_size(rows, ts):
+    from kproxy.policy.record_rules import record_size
+
+    rows = [(k, v, h, 1_700_000_000_000 + t) for (k, v, h), t in zip(rows, ts, strict=False)]
+    batch = only(build_batch(rows))
+    sizes = [record_size(r.key, r.value, r.headers, r.timestamp_delta, r.offset_delta) for r in batch.records()]
+    assert sum(sizes) == len(batch.raw) - 61

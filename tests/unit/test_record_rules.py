@@ -175,7 +175,7 @@ def test_checks(tmp_path):
         3: ((b"plain", b'{"id": 1}', team), "key is not in the schema registry's wire format"),
         4: ((avro7, None, team), "value is null (a tombstone) and allow_null is false"),
         5: ((avro7, b'{"id": 1}', []), "header 'x-team' is missing"),
-        6: ((avro7, b'{"id": 1, "pad": "' + b"x" * 100 + b'"}', team), "record is 133 bytes, more than max_record_bytes 100"),
+        6: ((avro7, b'{"id": 1, "pad": "' + b"x" * 100 + b'"}', team), "record is 144 bytes, more than max_record_bytes 100"),
         7: ((None, b'{"id": 1}', team), None),                       # keys are not required here
     }
     body = produce({("t", p): batch([row]) for p, (row, _) in cases.items()})
