@@ -122,6 +122,7 @@ class Decision:
     rule that decided it (None: the default). A request refused as a whole has ``error``. Topics
     refused on their own, while the rest goes through, are in ``refused``. ``effects`` names the
     cap, chaos and log rules that apply (chaos and log may then still skip it, by their rate).
+    ``record_rules`` names, per topic of a Produce, the validate and headers rules its records meet.
     """
 
     action: str
@@ -130,6 +131,7 @@ class Decision:
     refused: tuple[Refusal, ...] = ()
     rewrite: Rewrite | None = None
     effects: tuple[str, ...] = ()
+    record_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -469,6 +471,7 @@ def decide(rules: RuleSet | Policy, facts: Facts) -> Decision:
     topics = tuple(dict.fromkeys(facts.topics))
     outcome = plan.outcome(inactive, topics)
     effects = tuple(r.name for r in outcome.effects)
+    records = tuple((t, tuple(r.name for r in rs)) for t, rs in outcome.record_rules.items())
     top = outcome.request_rule
     rewrite = top.params if top is not None and isinstance(top.params, Rewrite) else None
     refused = []
@@ -486,7 +489,9 @@ def decide(rules: RuleSet | Policy, facts: Facts) -> Decision:
         if error is not None:
             return Decision("deny", name, error, (), None, effects)
     action = "rewrite" if rewrite is not None else "allow"
-    return Decision(action, name, None, tuple(refused), rewrite, effects)
+    gone = {r.topic for r in refused}
+    return Decision(action, name, None, tuple(refused), rewrite, effects,
+                    tuple((t, names) for t, names in records if t not in gone))
 
 
 # --------------------------------------------------------------------------------------------------
