@@ -400,7 +400,7 @@ class Policy:
         # Topic ids need names when a rule looks at topics or a tenant's namespace must be kept.
         self.uses_topic_names = any(
             r.match.topic is not None or (isinstance(r.params, Rewrite) and r.params.topic_prefix)
-            for r in rule_set.rules) or self.default_deny
+            or r.action in RECORD_ACTIONS for r in rule_set.rules) or self.default_deny
 
     def view(self, key: ConnectionKey) -> _View:
         """The rules for a connection (client id, principal, source address, listener, client

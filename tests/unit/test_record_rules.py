@@ -346,3 +346,26 @@ def test_refusals_counted_and_logged_per_rule():
     jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(line)
     assert line["records_refused"] == [{"rule": "orders-json", "topic": "orders", "partition": 1, "records": 2}]
     assert line["rule"] == "orders-json" and line["action"] == "validate"
+
+
+def test_produce_by_topic_id_is_judged_by_the_topics_name(tmp_path):
+    import uuid
+
+    from kproxy.policy.engine import TopicIds
+
+    ids = TopicIds()
+    orders, logs = uuid.UUID(int=0xA), uuid.UUID(int=0xB)
+    meta: Any = body_class(3, "response")
+    ids.learn([meta.MetadataResponseTopic(name="orders-a", topic_id=orders),
+               meta.MetadataResponseTopic(name="logs", topic_id=logs)])
+    s = session(policy_filter(tmp_path, VALIDATE, topic_ids=ids))
+    cls = body_class(PRODUCE, "request")
+    body = cls(acks=-1, timeout_ms=1000, topic_data=[
+        cls.TopicProduceData(topic_id=i, partition_data=[cls.PartitionProduceData(index=0, records=BAD)])
+        for i in (orders, logs)])
+    acts = send(s, PRODUCE, 13, body)
+    up = forwarded(acts[-1])
+    assert [t.topic_id for t in up.body.topic_data] == [logs]
+    back = answered(broker_answers(s, up)[-1], PRODUCE, 13)
+    assert {t.topic_id: t.partition_responses[0].error_code for t in back.body.responses} == {
+        orders: INVALID_RECORD, logs: 0}
