@@ -41,7 +41,11 @@ class Verdict(NamedTuple):
 
 
 def _schema_failure(check: ValueCheck, what: str, doc: Any) -> str | None:
-    error = next(iter(check.validator.iter_errors(doc)), None)
+    try:
+        error = next(iter(check.validator.iter_errors(doc)), None)
+    except RecursionError:
+        # orjson accepts 1024 levels of nesting; the validator recurses once per level.
+        return f"{what} is nested too deeply to check against the schema"
     if error is None:
         return None
     # The schema path names the schema's own words (properties/price/type), never the record's.

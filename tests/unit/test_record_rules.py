@@ -369,3 +369,14 @@ def test_produce_by_topic_id_is_judged_by_the_topics_name(tmp_path):
     back = answered(broker_answers(s, up)[-1], PRODUCE, 13)
     assert {t.topic_id: t.partition_responses[0].error_code for t in back.body.responses} == {
         orders: INVALID_RECORD, logs: 0}
+
+
+def test_deeply_nested_json_is_refused_not_a_crash(tmp_path):
+    schema = tmp_path / "any.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"$ref": "#"}}))
+    rules = load_rules([write_rules(tmp_path, "rules:\n  - {name: s, action: validate, "
+                                              "validate: {value: {json_schema: any.json}}}\n")])
+    check = rules.rules[0].params.value
+    deep = b"[" * 1000 + b"]" * 1000
+    assert check_bytes(check, "value", memoryview(deep)) == "value is nested too deeply to check against the schema"
+    assert check_bytes(check, "value", memoryview(b"[[1]]")) == "value does not match the schema at items/items/type"
