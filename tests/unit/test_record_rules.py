@@ -9,9 +9,11 @@ import logging
 import struct
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
 
-from kproxy.policy.engine import Facts, decide
+from kproxy.policy.engine import Facts, FixedRules, PolicyFilter, decide
 from kproxy.policy.loader import RuleError, load_rules
 from kproxy.policy.model import ValueCheck
 from kproxy.policy.record_rules import check_bytes, traceparent
@@ -380,3 +382,46 @@ def test_deeply_nested_json_is_refused_not_a_crash(tmp_path):
     deep = b"[" * 1000 + b"]" * 1000
     assert check_bytes(check, "value", memoryview(deep)) == "value is nested too deeply to check against the schema"
     assert check_bytes(check, "value", memoryview(b"[[1]]")) == "value does not match the schema at items/items/type"
+
+
+_values = st.none() | st.binary(max_size=30) | st.builds(lambda o: json.dumps(o).encode(), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8)) | st.integers(3000, 70_000).map(lambda n: b'"' + b"x" * n + b'"')
+_hdrs = st.lists(st.tuples(st.sampled_from(["x-team", "a"]), st.none() | st.binary(max_size=8)), max_size=2)
+
+
+def _is_json(value: bytes) -> bool:
+    try:
+        json.loads(value.decode("utf-8"))
+    except ValueError:
+        return False
+    return True
+
+
+_PROPERTY_RULES: dict[str, Any] = {}
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.none() | st.binary(max_size=8), _values, _hdrs), min_size=1, max_size=6),
+       codec=st.sampled_from(list(Compression)))
+def test_property_a_batch_is_refused_exactly_when_a_record_breaks_the_rule(tmp_path, rows, codec):
+    text = ("rules:\n  - {name: v, action: validate, validate: {value: json, key: required, "
+            "max_record_bytes: 20000, headers: {required: [x-team]}}}\n")
+    if text not in _PROPERTY_RULES:
+        _PROPERTY_RULES[text] = load_rules([write_rules(tmp_path, text)])
+    s = session(PolicyFilter(FixedRules.of(_PROPERTY_RULES[text])))
+    records = batch(rows, codec)
+    expected = [i for i, (k, v, h) in enumerate(rows)
+                if k is None or (v is not None and not _is_json(v)) or "x-team" not in {n for n, _ in h}
+                or len(k) + (len(v) if v is not None else 0) > 20000 - 40]
+    size_unsure = any(20000 - 40 < (len(k or b"") + len(v or b"")) <= 20000 + 40 for k, v, _ in rows)
+    acts = send(s, PRODUCE, 9, produce({("t", 0): records}))
+    if isinstance(acts[-1], ToUpstream):
+        assert not expected or size_unsure
+        assert records_of(forwarded(acts[-1])) == {("t", 0): records}
+    else:
+        back = answered(acts[-1], PRODUCE, 9)
+        got = [e.batch_index for e in back.body.responses[0].partition_responses[0].record_errors]
+        assert got == expected or size_unsure
