@@ -353,9 +353,9 @@ def test_refusals_counted_and_logged_per_rule():
 def test_produce_by_topic_id_is_judged_by_the_topics_name(tmp_path):
     import uuid
 
-    from kproxy.policy.engine import TopicIds
+    from kproxy.proxy.topics import TopicNames
 
-    ids = TopicIds()
+    ids = TopicNames()
     orders, logs = uuid.UUID(int=0xA), uuid.UUID(int=0xB)
     meta: Any = body_class(3, "response")
     ids.learn([meta.MetadataResponseTopic(name="orders-a", topic_id=orders),
