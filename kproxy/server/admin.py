@@ -1,4 +1,4 @@
-"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config and /rules.
+"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules and /clients.
 
 HTTP/1.1 comes from h11 (sans-I/O); this module moves its bytes over trio in the proxy's own event
 loop, so /livez answering proves the loop is alive. It only reads the server's state: nothing here
@@ -27,8 +27,9 @@ MAX_REQUEST_BYTES = 16 * 1024
 REQUEST_TIMEOUT_S = 10.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 REDACTED = "<redacted>"
-# Setting names that hold a secret, or may one day (none does today): their values never leave.
-_SECRET_NAME = re.compile(r"pass(word|phrase)?|secret|token|credential|private|sasl|api_?key|hmac|salt",
+# Setting names that hold a secret, or may: their values never leave (upstream.sasl.password,
+# client_secret; SASL extensions may carry account ids; token URLs may carry credentials).
+_SECRET_NAME = re.compile(r"pass(word|phrase)?|secret|token|credential|private|api_?key|hmac|salt|extensions",
                           re.IGNORECASE)
 # Paths to key files are fine to show; the keys themselves are not in the config.
 _PATH_SUFFIX = ("_file", "_path", "_dir")
@@ -39,6 +40,7 @@ class AdminView(Protocol):
 
     config: ProxyConfig
     rule_store: Any
+    clients: Any        # kproxy.server.clients.ClientTable
 
     def readiness(self) -> tuple[bool, str]: ...
 
@@ -178,7 +180,10 @@ class AdminServer:
             return 200, "application/json", _json(public_config(view.config))
         if path == "/rules":
             return 200, "application/json", _json(rules_view(view.rule_store))
-        return 404, "text/plain; charset=utf-8", b"not found; try /metrics, /livez, /readyz, /config or /rules\n"
+        if path == "/clients":
+            return 200, "application/json", _json(view.clients.view())
+        return 404, "text/plain; charset=utf-8", (b"not found; try /metrics, /livez, /readyz, /config, /rules "
+                                                 b"or /clients\n")
 
 
 def _json(data: Any) -> bytes:

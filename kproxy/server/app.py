@@ -27,12 +27,9 @@ from kproxy.policy.engine import PolicyFilter
 from kproxy.policy.loader import describe_rules
 from kproxy.policy.store import RuleStore
 from kproxy.protocol.errors import KProxyError
-from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
     Request,
     body_class,
-    decode_response,
-    encode_request_frame,
     supported_versions,
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
@@ -44,14 +41,17 @@ from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
+from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
+from kproxy.server.clients import ClientRecord, ClientTable
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.identity import IdentityService
+from kproxy.server.origination import Roundtrip, direct_roundtrip
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import (
     PlainTransport,
     SniNames,
     TlsTransport,
-    Transport,
     client_context,
     connect,
     format_subject,
@@ -84,7 +84,7 @@ class ProxyServer:
 
     def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *,
                  span_exporter: SpanExporter | None = None, worker: tuple[int, int] | None = None,
-                 admin_listen: HostPort | None = None) -> None:
+                 admin_listen: HostPort | None = None, certificates: CertificateExpiry | None = None) -> None:
         """Raises RuleError (a ConfigError) when the configured rule files do not load."""
         self.config = config
         # (index, count) when this is one of several worker processes sharing the ports (SO_REUSEPORT);
@@ -93,6 +93,11 @@ class ProxyServer:
         self.workers = worker[1] if worker is not None else 1
         self.admin_listen = admin_listen or config.admin.listen
         self.stats = ProxyStats()
+        # SASL termination and origination (sasl, upstream.sasl); raises ConfigError for a bad users file.
+        self.identity = IdentityService(config)
+        # Live and recently closed connections, for /clients and `kproxy top`.
+        self.clients = ClientTable()
+        self.certificates = certificates if certificates is not None else CERTIFICATES
         # The one table of topic names by id, for the rules and telemetry alike (the broker's names).
         self.topic_names = TopicNames()
         self.telemetry = Telemetry(config, span_exporter=span_exporter, topic_names=self.topic_names)
@@ -111,6 +116,7 @@ class ProxyServer:
             server_context(config.tls, self.sni_names if self.sni else None) if config.tls.enabled else None)
         self.upstream_tls: ssl.SSLContext | None = (
             client_context(config.upstream.tls) if config.upstream.tls.enabled else None)
+        self._observe_certificates()
         self.address_map = AddressMap(
             config.advertised_host, config.broker_port_start, exposure.broker_port_count,
             node_id_base=exposure.node_id_base,
@@ -154,6 +160,7 @@ class ProxyServer:
             upstream_server_hostname=upstream.tls.server_hostname,
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
+            originator=self.identity.originator,
         )
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
         # How late the event loop runs a short timer (see _watch_loop_lag).
@@ -178,6 +185,17 @@ class ProxyServer:
             return False, "not ready: no bootstrap server has answered discovery yet"
         return True, "ready"
 
+    def _observe_certificates(self) -> None:
+        """Record the expiry of every certificate file the TLS contexts above just loaded."""
+        files = []
+        if self.config.tls.enabled:
+            files += [self.config.tls.cert_file, self.config.tls.ca_file]
+        if self.config.upstream.tls.enabled:
+            files += [self.config.upstream.tls.cert_file, self.config.upstream.tls.ca_file]
+        for path in files:
+            if path:
+                self.certificates.observe(path)
+
     def _add_metric_readers(self, m: Metrics) -> None:
         stats = self.stats
 
@@ -193,6 +211,10 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
+        m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
+        m.add_reader(self.certificates.families)
+        if self.identity.active:
+            m.add_reader(lambda: metric_families.identity_families(self.identity))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
@@ -208,8 +230,9 @@ class ProxyServer:
             if lag > self.loop_lag_max:
                 self.loop_lag_max = lag
 
-    def _completed_with_telemetry(self, ctx: ConnectionContext, entry: InFlight) -> None:
+    def _completed_with_telemetry(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:
         self.stats.record(entry)
+        record.completed(entry.request_bytes, entry.response_bytes)
         try:
             self.telemetry.completed(entry, ctx)
         except Exception as e:
@@ -292,8 +315,9 @@ class ProxyServer:
                 if admin_listener is not None:
                     self.admin = admin.AdminServer(self, admin_listener)
                     nursery.start_soon(self.admin.serve)
-                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules",
+                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules /clients",
                              _hostport(*self.admin.address))
+                await self.identity.run(nursery)
                 nursery.start_soon(self._accept_loop, boot, None)
                 if self.metrics is not None:
                     nursery.start_soon(self._watch_loop_lag)
@@ -398,12 +422,16 @@ class ProxyServer:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
         if route is not None:
             ctx.listener = f"{route.role}-{route.node_id}"
+        front = self.identity.front(ctx)
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
-                          reencode=self.reencode, topic_names=self.topic_names)
-        complete = (functools.partial(self._completed_with_telemetry, ctx) if self.telemetry.active
-                    else self._completed)
+                          reencode=self.reencode, topic_names=self.topic_names, front=front)
+        prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
+                   if front is not None and front.termination is not None else None)
+        record = self.clients.opened(ctx)
+        complete = functools.partial(self._completed_with_telemetry if self.telemetry.active
+                                     else self._completed, ctx, record)
         conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
-                                budget=self.budget, route_key=(port, name), stats=self.stats)
+                                budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
@@ -418,6 +446,7 @@ class ProxyServer:
             await conn.run()
         finally:
             self.connections.discard(conn)
+            self.clients.closed(record)
             self.stats.connections_open -= 1
 
     def reload_rules(self, reason: str) -> bool:
@@ -432,8 +461,9 @@ class ProxyServer:
         return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
                                  max_decompressed_batch_bytes=self.config.limits.max_decompressed_batch_bytes)
 
-    def _completed(self, entry: InFlight) -> None:
+    def _completed(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:
         self.stats.record(entry)
+        record.completed(entry.request_bytes, entry.response_bytes)
 
     def _sni_bootstrap_prefix(self) -> str:
         sni = self.config.exposure.sni
@@ -465,8 +495,11 @@ class ProxyServer:
                 log.warning("discovery: cannot reach %s: %s", hp, e or "timed out")
                 continue
             try:
+                roundtrip = direct_roundtrip(t, cfg.request_timeout_s, self.config.limits.max_frame_size)
                 with trio.fail_after(cfg.request_timeout_s):
-                    await self._discover_on(t)
+                    if self.identity.originator is not None:
+                        await self.identity.originator.login(roundtrip, str(hp))
+                    await self._discover_on(roundtrip)
                 if not self.discovered:
                     self.discovered = True
                 return True
@@ -476,19 +509,10 @@ class ProxyServer:
                 t.close()
         return False
 
-    async def _discover_on(self, t: Transport) -> None:
-        reader = FrameReader(self.config.limits.max_frame_size)
-
-        async def roundtrip(req: Request) -> Any:
-            await t.send(encode_request_frame(req))
-            while (frame := reader.next_frame()) is None:
-                n = await t.recv_into(reader.recv_buffer())
-                if n == 0:
-                    raise OSError("broker closed the connection")
-                reader.received(n)
-            return decode_response(frame, req.api_key, req.api_version)
-
+    async def _discover_on(self, roundtrip: Roundtrip) -> None:
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))
+        # Kept for terminating connections, which answer ApiVersions themselves before any login.
+        self.identity.broker_versions = [(e.api_key, e.min_version, e.max_version) for e in av.body.api_keys]
         ranges = {e.api_key: e for e in narrow_api_keys(av.body.api_keys, supported_versions())}
         meta = ranges.get(3)
         if meta is None:

@@ -21,6 +21,7 @@ from helm_python.chart import Chart, lint
 from helm_python.errors import HelmError
 
 from kproxy.config import HostPort, ProxyConfig
+from kproxy.userfile import add_user
 from tests.deploy.pod import lay_out
 from tests.deploy.render import (
     CHART_DIR,
@@ -78,6 +79,10 @@ def test_renders_lints_and_validates(ci_file: str, kube_version: str) -> None:
     ({"config": {"log_format": "xml"}}, "log_format"),
     # What the chart sets itself cannot be set again through config.
     ({"config": {"listen": "0.0.0.0:1"}}, "listen"),
+    ({"metrics": {"prometheusRule": {"enabled": "yes"}}}, "enabled"),
+    ({"metrics": {"prometheusRule": {"runbookBaseUrl": "docs.example.com"}}}, "runbookBaseUrl"),
+    ({"metrics": {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}}}, "grafana_dashboard"),
+    ({"metrics": {"grafanaDashboard": {"folder": "Kafka"}}}, "folder"),
     ({"rules": {"files": {"policy.json": {}}}}, "policy.json"),
 ])
 def test_schema_rejects_wrong_values(bad: dict[str, Any], where: str) -> None:
@@ -178,7 +183,11 @@ def _secrets(tmp_path: Path) -> dict[str, dict[str, bytes]]:
     cert = ca.issue_cert("*.kafka.example.com", "kp-kproxy.kafka.svc", "bootstrap.kafka.example.com")
     tls = {"tls.crt": cert.cert_chain_pems[0].bytes(), "tls.key": cert.private_key_pem.bytes(),
            "ca.crt": ca.cert_pem.bytes()}
-    return {"kproxy-tls": tls, "kafka-example-com-wildcard": tls, "kafka-cluster-ca-cert": {"ca.crt": ca.cert_pem.bytes()}}
+    users = tmp_path / "users.yaml"
+    add_user(str(users), "alice", "alice-password")
+    credentials = {"password": b"svc-password\n", "users.yaml": users.read_bytes()}
+    return {"kproxy-tls": tls, "kafka-example-com-wildcard": tls, "kafka-cluster-ca-cert": {"ca.crt": ca.cert_pem.bytes()},
+            "kafka-credentials": credentials}
 
 
 # Stand-ins for the ConfigMaps ci/existing-configmaps-values.yaml names.
@@ -310,3 +319,90 @@ def test_inconsistent_values_fail_with_the_reason(bad: Obj, message: str) -> Non
     with pytest.raises(HelmError, match=re.escape(message)):
         render_chart(bad)
 
+
+
+def test_sasl_secrets_come_from_an_existing_secret_as_files() -> None:
+    objects = chart_objects(render_chart(ci_values()["sasl-values.yaml"]))
+    spec = one(objects, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "kproxy-secret")
+    assert volume["secret"] == {"secretName": "kafka-credentials", "defaultMode": 0o400}
+    (container,) = spec["containers"]
+    assert {"name": "kproxy-secret", "mountPath": "/etc/kproxy/secret", "readOnly": True} in container["volumeMounts"]
+    config = _config_of(objects)
+    assert config["upstream"]["sasl"]["password_file"].startswith("/etc/kproxy/secret/")
+    assert "password" not in config["upstream"]["sasl"]
+    assert not by_kind(objects, "Secret")          # the chart makes no Secret of its own
+
+
+@pytest.mark.parametrize("sasl", [
+    {"mechanism": "PLAIN", "username": "svc", "password": "hunter2"},
+    {"mechanism": "OAUTHBEARER", "oauth": {"token_endpoint_url": "https://idp/t", "client_id": "k",
+                                           "client_secret": "s3cret"}},
+])
+def test_a_secret_written_in_values_is_refused(sasl: Obj) -> None:
+    with pytest.raises(HelmError, match=r"password|secret"):
+        render_chart({"config": {"upstream": {"bootstrap_servers": ["kafka:9092"], "sasl": sasl}}})
+    # A ${VAR} reference (filled from env: valueFrom a Secret) is fine.
+    sasl_ref = {**sasl, "password": "${KAFKA_PASSWORD}"} if "password" in sasl else {
+        **sasl, "oauth": {**sasl["oauth"], "client_secret": "${CLIENT_SECRET}"}}
+    render_chart({"config": {"upstream": {"bootstrap_servers": ["kafka:9092"], "sasl": sasl_ref}}})
+
+
+# -- monitoring: the alert rules and the Grafana dashboard, off by default
+
+RULES_FILE = CHART_DIR.parents[1] / "deploy" / "monitoring" / "prometheus-rules.yaml"
+DASHBOARD_FILE = CHART_DIR.parents[1] / "deploy" / "monitoring" / "grafana" / "kproxy.json"
+
+
+def test_monitoring_objects_are_off_by_default() -> None:
+    for mode in ("gateway", "sidecar"):
+        objects = chart_objects(render_chart({"mode": mode}))
+        assert by_kind(objects, "PrometheusRule") == []
+        assert [o for o in by_kind(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]] == []
+
+
+def test_prometheus_rule_renders_the_alert_rules_file() -> None:
+    values = ci_values()["gateway-values.yaml"]
+    source = yaml.safe_load(RULES_FILE.read_text())
+    rule = one(chart_objects(render_chart(values)), "PrometheusRule")
+    assert rule["metadata"]["name"] == "kp-kproxy" and rule["metadata"]["labels"]["release"] == "prometheus"
+    # With runbookBaseUrl, every runbook link points into the published page, the rest is the file's.
+    base = values["metrics"]["prometheusRule"]["runbookBaseUrl"]
+    links = [r["annotations"].pop("runbook_url") for g in rule["spec"]["groups"] for r in g["rules"]]
+    expected = [r["annotations"].pop("runbook_url").replace("docs/operations.md", base)
+                for g in source["groups"] for r in g["rules"]]
+    assert links == expected and all(link.startswith(f"{base}#kproxy") for link in links)
+    assert rule["spec"] == source
+    plain = merged(values, {"metrics": {"prometheusRule": {"runbookBaseUrl": ""}}})
+    assert one(chart_objects(render_chart(plain)), "PrometheusRule")["spec"] == yaml.safe_load(RULES_FILE.read_text())
+
+
+def test_grafana_dashboard_config_map_carries_the_dashboard() -> None:
+    import json
+
+    values = ci_values()["gateway-values.yaml"]
+    cm = one(chart_objects(render_chart(values)), "ConfigMap", "kp-kproxy-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Kafka"}
+    assert json.loads(cm["data"]["kproxy.json"]) == json.loads(DASHBOARD_FILE.read_text())
+    # A ConfigMap holds at most 1 MiB.
+    assert len(cm["data"]["kproxy.json"]) < 512 * 1024
+    elsewhere = merged(values, {"metrics": {"grafanaDashboard": {"namespace": "monitoring"}}})
+    assert one(chart_objects(render_chart(elsewhere)), "ConfigMap", "kp-kproxy-dashboard")["metadata"]["namespace"] == \
+        "monitoring"
+
+
+def test_the_down_alert_matches_the_jobs_the_monitors_scrape_under() -> None:
+    # The Prometheus Operator names a ServiceMonitor's job after the Service, a PodMonitor's after itself.
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    down = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "KproxyDown")
+    job = re.fullmatch(r'up\{job=~"(.*)"\} == 0', down["expr"].strip())
+    assert job is not None
+    objects = chart_objects(render_chart(ci_values()["gateway-values.yaml"]))
+    selector = one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    (service,) = [s for s in by_kind(objects, "Service")
+                  if all(s["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+    monitoring = CHART_DIR.parents[1] / "deploy" / "monitoring"
+    podmonitor = yaml.safe_load((monitoring / "sidecar" / "podmonitor.yaml").read_text())
+    for name in (service["metadata"]["name"], f"{NAMESPACE}/{podmonitor['metadata']['name']}", "kproxy-admin"):
+        assert re.fullmatch(job.group(1), name), name
