@@ -44,6 +44,7 @@ from kproxy.server.budget import BufferBudget
 from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
 from kproxy.server.origination import Roundtrip, direct_roundtrip
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
@@ -52,6 +53,7 @@ from kproxy.server.transport import (
     PlainTransport,
     SniNames,
     TlsTransport,
+    Transport,
     client_context,
     connect,
     format_subject,
@@ -108,6 +110,7 @@ class ProxyServer:
         self.rules_poll_interval_s = POLL_INTERVAL_S
         self.discovered = False              # a bootstrap server answered discovery at least once
         self.admin: admin.AdminServer | None = None
+        self.coordinator: Coordinator | None = None     # fleet quotas (quota.coordination)
         self._telemetry_failures: set[str] = set()
         exposure = config.exposure
         self.sni = exposure.mode == "sni"
@@ -130,8 +133,13 @@ class ProxyServer:
         if self.rule_store is not None:
             builtin.append(PolicyFilter(self.rule_store, topic_ids=self.topic_names))
             # Quotas come from the same files; they count what the policy lets through.
-            builtin.append(QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
-                                       config.quota_share(self.workers)))
+            coordinated = config.quota.coordinated is not None
+            quotas = QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
+                                 config.quota_share(self.workers), coordinated=coordinated)
+            builtin.append(quotas)
+            if coordinated:
+                self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
+                                               opener=self._open_upstream)
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -215,6 +223,9 @@ class ProxyServer:
         m.add_reader(self.certificates.families)
         if self.identity.active:
             m.add_reader(lambda: metric_families.identity_families(self.identity))
+        if self.coordinator is not None:
+            coordinator = self.coordinator
+            m.add_reader(lambda: metric_families.coordination_families(coordinator.snapshot()))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
@@ -341,6 +352,10 @@ class ProxyServer:
                     log.info("rules in force: %s (watching %s)", describe_rules(self.rule_store.rule_set),
                              ", ".join(self.rule_store.paths))
                     nursery.start_soon(watch_rules, self.rule_store, self.rules_poll_interval_s)
+                if self.coordinator is not None:
+                    # Background only: the data path reads each budget's share, never waits on this.
+                    nursery.start_soon(self.coordinator.run)
+                    nursery.start_soon(self.coordinator.watch)
                 task_status.started(self)
         finally:
             for s in self._listeners.values():
@@ -480,6 +495,22 @@ class ProxyServer:
         if route is None:
             log.warning("no broker known for %s; sending it to the bootstrap servers", port or safe(name))
         return route
+
+    async def _open_upstream(self, host: str, port: int) -> Transport:
+        """A broker connection opened as discovery opens one: upstream TLS with its server name, then
+        kproxy's own SASL login when upstream.sasl is set. (The fleet quota coordinator's opener; a
+        session past the broker's re-authentication deadline is closed by the broker, and the
+        coordinator opens a new one.)"""
+        up = self.config.upstream
+        t = await connect(host, port, up.connect_timeout_s, self.upstream_tls, up.tls.server_hostname)
+        if self.identity.originator is not None:
+            try:
+                roundtrip = direct_roundtrip(t, up.request_timeout_s, self.config.limits.max_frame_size)
+                await self.identity.originator.login(roundtrip, f"{host}:{port}")
+            except BaseException:
+                t.close()
+                raise
+        return t
 
     # -- broker discovery
 

@@ -347,3 +347,26 @@ def loop_lag_families(lag: Histogram, longest: float) -> list[Metric]:
     h.add_metric([], lag.cumulative(), lag.sum)
     return [h, GaugeMetricFamily("kproxy_event_loop_lag_max_seconds", "The longest event loop lag seen.",
                                  value=longest)]
+
+
+def coordination_families(snap: Mapping[str, Any]) -> list[Metric]:
+    """Fleet quotas (``Coordinator.snapshot()``): whether shares follow the fleet or the static share."""
+    out: list[Metric] = [
+        GaugeMetricFamily("kproxy_quota_coordination_up", "1 while quota shares follow the fleet (an own record "
+                          "was read back from the coordination topic within stale_after_s), 0 on the static "
+                          "share.", value=1 if snap["up"] else 0),
+        CounterMetricFamily("kproxy_quota_coordination_switches", "Switches between coordinated and static "
+                            "quota shares.", value=snap["switches"]),
+        _counter("kproxy_quota_coordination_records", "Coordination records written and read.", ["direction"],
+                 {("out",): snap["published"], ("in",): snap["read"]}),
+        _counter("kproxy_quota_coordination_bytes", "Bytes sent to and received from brokers for quota "
+                 "coordination.", ["direction"], {("out",): snap["bytes_out"], ("in",): snap["bytes_in"]}),
+        GaugeMetricFamily("kproxy_quota_coordination_budgets", "Budgets reported in the last interval.",
+                          value=snap["active"]),
+        GaugeMetricFamily("kproxy_quota_coordination_peers", "Other kproxy processes of the fleet with a fresh "
+                          "record.", value=snap["peers"]),
+    ]
+    if snap["peer_age_s"] is not None:
+        out.append(GaugeMetricFamily("kproxy_quota_coordination_peer_age_seconds", "Age of the newest record "
+                                     "of another process of the fleet.", value=snap["peer_age_s"]))
+    return out

@@ -77,6 +77,8 @@ def test_renders_lints_and_validates(ci_file: str, kube_version: str) -> None:
     ({"config": {"limits": {"drain_timeout_s": "20s"}}}, "drain_timeout_s"),
     ({"config": {"limits": {"drain_timeout": 20}}}, "drain_timeout"),
     ({"config": {"log_format": "xml"}}, "log_format"),
+    ({"config": {"quota": {"coordination": {"fleet": "a/b"}}}}, "fleet"),
+    ({"config": {"quota": {"coordination": {"topic": "__kproxy_quotas"}}}}, "fleet"),
     # What the chart sets itself cannot be set again through config.
     ({"config": {"listen": "0.0.0.0:1"}}, "listen"),
     ({"metrics": {"prometheusRule": {"enabled": "yes"}}}, "enabled"),
