@@ -1,0 +1,1 @@
+"""Who a client is: principals from certificates, the PROXY header, SASL."""
