@@ -21,7 +21,8 @@ from typing import Any
 
 import trio
 
-from kproxy.config import HostPort, ProxyConfig, effective_buffer_budget
+from kproxy.config import HostPort, ProxyConfig, TlsClientSide, TlsServerSide, effective_buffer_budget
+from kproxy.identity.principal import PrincipalMapper
 from kproxy.logs import safe
 from kproxy.policy.engine import PolicyFilter
 from kproxy.policy.loader import describe_rules
@@ -44,8 +45,11 @@ from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.proxy_protocol import ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
+from kproxy.server.tls_files import POLL_INTERVAL_S as TLS_POLL_INTERVAL_S
+from kproxy.server.tls_files import ReloadingContext, watch_tls
 from kproxy.server.transport import (
     PlainTransport,
     SniNames,
@@ -53,7 +57,6 @@ from kproxy.server.transport import (
     Transport,
     client_context,
     connect,
-    format_subject,
     server_context,
     tune,
 )
@@ -103,11 +106,20 @@ class ProxyServer:
         self._telemetry_failures: set[str] = set()
         exposure = config.exposure
         self.sni = exposure.mode == "sni"
-        self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None)
-        self.client_tls: ssl.SSLContext | None = (
-            server_context(config.tls, self.sni_names if self.sni else None) if config.tls.enabled else None)
-        self.upstream_tls: ssl.SSLContext | None = (
-            client_context(config.upstream.tls) if config.upstream.tls.enabled else None)
+        self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None,
+                                  exposure.sni.bootstrap_name if exposure.sni else "bootstrap")
+        # Both sides follow their certificate files (tls_poll_interval_s); see tls_files.py.
+        self.client_tls: ReloadingContext | None = (
+            _reloading("tls", config.tls, lambda: server_context(config.tls, self.sni_names if self.sni else None),
+                       server_side=True) if config.tls.enabled else None)
+        self.upstream_tls: ReloadingContext | None = (
+            _reloading("upstream.tls", config.upstream.tls, lambda: client_context(config.upstream.tls),
+                       server_side=False) if config.upstream.tls.enabled else None)
+        self.tls_poll_interval_s = TLS_POLL_INTERVAL_S
+        principal = config.tls.principal
+        self.principal_mapper = PrincipalMapper.from_config(principal.mapping_rules, principal.san_uri)
+        self.proxy_protocol: ProxyProtocolGate | None = (
+            ProxyProtocolGate(config.proxy_protocol) if config.proxy_protocol.mode != "off" else None)
         self.address_map = AddressMap(
             config.advertised_host, config.broker_port_start, exposure.broker_port_count,
             node_id_base=exposure.node_id_base,
@@ -310,6 +322,9 @@ class ProxyServer:
                     nursery.start_soon(self._rediscover)
                 log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
                          ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
+                tls_files = [c for c in (self.client_tls, self.upstream_tls) if c is not None]
+                if tls_files:
+                    nursery.start_soon(watch_tls, tls_files, self.tls_poll_interval_s)
                 if self.rule_store is not None:
                     log.info("rules in force: %s (watching %s)", describe_rules(self.rule_store.rule_set),
                              ", ".join(self.rule_store.paths))
@@ -365,7 +380,19 @@ class ProxyServer:
                       raw: socket.socket) -> None:
         tune(sock)
         cid = next(self._ids)
-        ctx = self.new_context(cid, (addr[0], addr[1]))
+        peer = (addr[0], addr[1])
+        via = ""
+        if self.proxy_protocol is not None:
+            # Before TLS: a load balancer writes the header ahead of the client's ClientHello.
+            admission = await self.proxy_protocol.admit(raw, peer)
+            if admission.refused is not None:
+                sock.close()
+                log.warning("connection %d from %s refused: %s", cid, _hostport(*peer), safe(admission.refused))
+                return
+            if admission.via is not None:
+                via = f" via {_hostport(*admission.via)}"
+            peer = admission.client
+        ctx = self.new_context(cid, peer)
         transport: PlainTransport | TlsTransport
         route: Route | None = None
         name: str | None = None
@@ -374,11 +401,17 @@ class ProxyServer:
                 stream = trio.SSLStream(trio.SocketStream(sock), self.client_tls, server_side=True)
                 with trio.fail_after(self.tls_handshake_timeout_s):
                     await stream.do_handshake()
-                name = self.sni_names.name_of(stream.context)
+                name = self.sni_names.name_of(stream)
                 transport = TlsTransport(stream)
                 cert = stream.getpeercert()
                 if cert:
-                    ctx.tls_subject = format_subject(cert)
+                    # Verified by the handshake (getpeercert is empty otherwise); only then a principal.
+                    principal, why = self.principal_mapper.map(cert)
+                    if principal is None:
+                        transport.close()
+                        log.warning("connection %d from %s%s refused: %s", cid, _hostport(*peer), via, safe(why))
+                        return
+                    ctx.tls_subject = principal
                 if self.sni and name is not None:
                     route = self.address_map.route_for_name(name)
                     if route is None and not name.startswith(self._sni_bootstrap_prefix()):
@@ -387,7 +420,7 @@ class ProxyServer:
                 transport = PlainTransport(sock, raw)
         except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError) as e:
             sock.close()
-            log.info("connection %d from %s: TLS handshake failed: %s", cid, addr[0],
+            log.info("connection %d from %s%s: TLS handshake failed: %s", cid, _hostport(*peer), via,
                      "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError)
                      else safe(str(e)))
             return
@@ -406,7 +439,7 @@ class ProxyServer:
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
             # serve it through the bootstrap servers until a response teaches the route.
             conn.unrouted = (port, name)
-        log.info("connection %d from %s on %s", cid, _hostport(addr[0], addr[1]), ctx.listener)
+        log.info("connection %d from %s%s on %s", cid, _hostport(*peer), via, ctx.listener)
         self.connections.add(conn)
         self.stats.opened(ctx.listener)
         try:
@@ -560,6 +593,11 @@ async def _drain_when_orphaned(server: ProxyServer, scope: trio.CancelScope, par
 async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None:
     await server.drain()
     scope.cancel()
+
+
+def _reloading(setting: str, side: TlsServerSide | TlsClientSide, build: Any, server_side: bool) -> ReloadingContext:
+    files = [f for f in (side.cert_file, side.key_file, side.ca_file) if f]
+    return ReloadingContext(setting, files, build, server_side=server_side)
 
 
 def _budget_limit(config: ProxyConfig) -> int:
