@@ -202,6 +202,9 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
+        m.add_reader(lambda: metric_families.identity_edge_families(
+            [c for c in (self.client_tls, self.upstream_tls) if c is not None], self.proxy_protocol,
+            self.sni_names if self.sni else None))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))

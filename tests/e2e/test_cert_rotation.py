@@ -132,12 +132,13 @@ def test_server_certificate_rotates_under_connected_clients(broker: TansuBroker,
     volume.update(leaf_files(old))
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
-    port, broker_port = free_ports(2)
+    port, broker_port, admin = free_ports(3)
     cfg = parse_config(f"""\
 listen: "127.0.0.1:{port}"
 upstream: {{bootstrap_servers: ["{broker.bootstrap}"]}}
 exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker_port_count: 1}}
 tls: {{enabled: true, cert_file: {volume.path("tls.crt")}, key_file: {volume.path("tls.key")}}}
+admin: {{listen: "127.0.0.1:{admin}"}}
 """)
     proxy = ProxyThread(cfg)
     proxy.server.tls_poll_interval_s = 0.1
@@ -173,6 +174,10 @@ tls: {{enabled: true, cert_file: {volume.path("tls.crt")}, key_file: {volume.pat
         third = stack.enter_context(connect(client_ctx, address))
         assert serial_of(third) == serial_of_pem(new.cert_chain_pems[0].bytes())
         assert metadata(third, 1).brokers
+        assert proxy.server.metrics is not None
+        text = proxy.call(proxy.server.metrics.exposition).decode()
+        assert 'kproxy_tls_reloads_total{outcome="ok",setting="tls"} 1.0' in text
+        assert 'kproxy_tls_reloads_total{outcome="failed",setting="tls"} 1.0' in text
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "tls: the certificate files changed but do not load" in errors[0].getMessage()
