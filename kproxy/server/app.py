@@ -390,7 +390,9 @@ class ProxyServer:
             admission = await self.proxy_protocol.admit(raw, peer)
             if admission.refused is not None:
                 sock.close()
-                log.warning("connection %d from %s refused: %s", cid, _hostport(*peer), safe(admission.refused))
+                # A balancer's TCP health check connects and closes without a byte: not worth a warning.
+                log.log(logging.DEBUG if admission.kind == "closed" else logging.WARNING,
+                        "connection %d from %s refused: %s", cid, _hostport(*peer), safe(admission.refused))
                 return
             if admission.via is not None:
                 via = f" via {_hostport(*admission.via)}"

@@ -30,6 +30,7 @@ class Admission:
     client: tuple[str, int]
     refused: str | None = None
     via: tuple[str, int] | None = None     # the load balancer, when a header named someone else
+    kind: str = ""                         # why refused: untrusted, missing, malformed, timeout, closed
 
 
 class ProxyProtocolGate:
@@ -118,7 +119,7 @@ class ProxyProtocolGate:
 
     def _refuse(self, peer: tuple[str, int], kind: str, reason: str) -> Admission:
         self.refused[kind] = self.refused.get(kind, 0) + 1
-        return Admission(peer, refused=reason)
+        return Admission(peer, refused=reason, kind=kind)
 
 
 async def _peek(raw: socket.socket, limit: int) -> bytes:
