@@ -44,6 +44,7 @@ from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
+from kproxy.server.certificates import CERTIFICATES
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.proxy_protocol import ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
@@ -202,6 +203,7 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
+        m.add_reader(CERTIFICATES.families)
         m.add_reader(lambda: metric_families.identity_edge_families(
             [c for c in (self.client_tls, self.upstream_tls) if c is not None], self.proxy_protocol,
             self.sni_names if self.sni else None))
@@ -602,7 +604,14 @@ async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None
 
 def _reloading(setting: str, side: TlsServerSide | TlsClientSide, build: Any, server_side: bool) -> ReloadingContext:
     files = [f for f in (side.cert_file, side.key_file, side.ca_file) if f]
-    return ReloadingContext(setting, files, build, server_side=server_side)
+    certificates = [f for f in (side.cert_file, side.ca_file) if f]
+
+    def observe_expiry() -> None:
+        # The expiry of what is in force now: read again after every load, never after a refused one.
+        for path in certificates:
+            CERTIFICATES.observe(path)
+
+    return ReloadingContext(setting, files, build, server_side=server_side, on_loaded=observe_expiry)
 
 
 def _budget_limit(config: ProxyConfig) -> int:

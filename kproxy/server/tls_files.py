@@ -47,12 +47,13 @@ class ReloadingContext(ssl.SSLContext):
     current: ssl.SSLContext
 
     def __new__(cls, setting: str, files: Sequence[str], build: Callable[[], ssl.SSLContext],
-                server_side: bool, on_loaded: Callable[[Sequence[str]], None] | None = None) -> ReloadingContext:
+                server_side: bool, on_loaded: Callable[[], None] | None = None) -> ReloadingContext:
         return super().__new__(cls, ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
 
     def __init__(self, setting: str, files: Sequence[str], build: Callable[[], ssl.SSLContext],
-                 server_side: bool, on_loaded: Callable[[Sequence[str]], None] | None = None) -> None:
-        """Loads the files now; errors propagate (at start-up a file that does not load is fatal)."""
+                 server_side: bool, on_loaded: Callable[[], None] | None = None) -> None:
+        """Loads the files now; errors propagate (at start-up a file that does not load is fatal).
+        ``on_loaded`` runs after every successful load, the first included (certificate expiry)."""
         self.setting = setting
         self.files = tuple(dict.fromkeys(files))
         self._build = build
@@ -63,7 +64,7 @@ class ReloadingContext(ssl.SSLContext):
         self.current = build()
         self.loaded_at = datetime.datetime.now(datetime.UTC)
         if on_loaded is not None:
-            on_loaded(self.files)
+            on_loaded()
 
     def wrap_bio(self, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO, server_side: bool = False,
                  server_hostname: Any = None, session: Any = None) -> ssl.SSLObject:
@@ -94,7 +95,7 @@ class ReloadingContext(ssl.SSLContext):
         log.info("%s: reloaded %s; new handshakes use them, open connections keep theirs",
                  self.setting, ", ".join(self.files))
         if self._on_loaded is not None:
-            self._on_loaded(self.files)
+            self._on_loaded()
         return True
 
 

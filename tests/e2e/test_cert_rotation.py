@@ -127,7 +127,10 @@ def test_server_certificate_rotates_under_connected_clients(broker: TansuBroker,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kproxy")
     ca = trustme.CA()
-    old, new = ca.issue_cert("127.0.0.1", common_name="kproxy-old"), ca.issue_cert("127.0.0.1", common_name="kproxy-new")
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    old_expiry, new_expiry = now + datetime.timedelta(hours=3), now + datetime.timedelta(days=90)
+    old = ca.issue_cert("127.0.0.1", common_name="kproxy-old", not_after=old_expiry)
+    new = ca.issue_cert("127.0.0.1", common_name="kproxy-new", not_after=new_expiry)
     volume = SecretVolume(tmp_path / "tls")
     volume.update(leaf_files(old))
     ca_file = tmp_path / "ca.pem"
@@ -145,7 +148,16 @@ admin: {{listen: "127.0.0.1:{admin}"}}
     client_ctx = ssl.create_default_context(cafile=str(ca_file))
     address = ("127.0.0.1", port)
     topic = unique_name("rotation")
+    assert proxy.server.metrics is not None
+
+    def expiry() -> str:
+        text = proxy.call(proxy.server.metrics.exposition).decode()
+        cert = volume.path("tls.crt")
+        return next((line.rpartition(" ")[2] for line in text.splitlines()
+                     if line.startswith(f'kproxy_tls_certificate_expiry_timestamp_seconds{{file="{cert}"}}')), "")
+
     with proxy, contextlib.ExitStack() as stack:
+        assert float(expiry()) == old_expiry.timestamp()
         first = stack.enter_context(connect(client_ctx, address))
         assert serial_of(first) == serial_of_pem(old.cert_chain_pems[0].bytes())
         assert metadata(first, 1).brokers
@@ -163,18 +175,20 @@ admin: {{listen: "127.0.0.1:{admin}"}}
 
         second = stack.enter_context(connect(client_ctx, address))
         assert serial_of(second) == serial_of_pem(new.cert_chain_pems[0].bytes())
+        assert float(expiry()) == new_expiry.timestamp()
         # The connections from before the rotation still work.
         assert metadata(first, 2).brokers
         producer.send(topic, b"after").get(timeout=TIMEOUT)
         assert proxy.call(lambda: proxy.server.stats.connections_total) == opened + 1   # no reconnect
 
-        # A broken update (a key that does not match) keeps the new certificate in force.
-        volume.update({**leaf_files(new), "tls.key": old.private_key_pem.bytes()})
+        # A broken update (a third certificate with a key that does not match) keeps the new one in force.
+        third = ca.issue_cert("127.0.0.1", common_name="kproxy-third", not_after=now + datetime.timedelta(days=1))
+        volume.update({**leaf_files(third), "tls.key": old.private_key_pem.bytes()})
         wait_for("the failed reload", lambda: proxy.call(lambda: tls.reloads_failed) == 1)
-        third = stack.enter_context(connect(client_ctx, address))
-        assert serial_of(third) == serial_of_pem(new.cert_chain_pems[0].bytes())
-        assert metadata(third, 1).brokers
-        assert proxy.server.metrics is not None
+        later = stack.enter_context(connect(client_ctx, address))
+        assert serial_of(later) == serial_of_pem(new.cert_chain_pems[0].bytes())
+        assert metadata(later, 1).brokers
+        assert float(expiry()) == new_expiry.timestamp()      # the refused files never counted
         text = proxy.call(proxy.server.metrics.exposition).decode()
         assert 'kproxy_tls_reloads_total{outcome="ok",setting="tls"} 1.0' in text
         assert 'kproxy_tls_reloads_total{outcome="failed",setting="tls"} 1.0' in text
