@@ -464,6 +464,12 @@ class ProxyServer:
             return False
         return self.rule_store.reload(reason)
 
+    def reload_tls(self) -> None:
+        """Look at the TLS files now (SIGHUP) instead of at the next poll; unchanged files stay loaded."""
+        for ctx in (self.client_tls, self.upstream_tls):
+            if ctx is not None:
+                ctx.check()
+
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""
         return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
@@ -568,7 +574,8 @@ class ProxyServer:
 
 
 async def serve_until_signal(server: ProxyServer) -> None:
-    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files."""
+    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
+    and any changed TLS files."""
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         if server.worker is not None:
@@ -578,6 +585,7 @@ async def serve_until_signal(server: ProxyServer) -> None:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
                     server.reload_rules("SIGHUP")
+                    server.reload_tls()
                     continue
                 if server.draining:
                     log.info("%s again: stopping now", name)
