@@ -72,7 +72,10 @@ class ProxyProtocolGate:
             return self._refuse(peer, "untrusted", f"peer {peer[0]} sent a PROXY header but is not in "
                                                    "proxy_protocol.trusted")
         with trio.move_on_after(self.timeout_s):
-            return await self._read(raw, peer)
+            try:
+                return await self._read(raw, peer)
+            except OSError as e:     # a reset between peeking and taking the bytes
+                return self._refuse(peer, "closed", f"connection lost in the PROXY header: {e}")
         return self._refuse(peer, "timeout", f"no whole PROXY header within {self.timeout_s:g}s "
                                              "(proxy_protocol.timeout_s)")
 
