@@ -81,7 +81,7 @@ class Principals(Filter):
         self.seen: set[tuple[str | None, str | None]] = set()
         self._lock = threading.Lock()
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> None:
+    def on_request(self, ctx: ConnectionContext, exchange: object) -> None:
         with self._lock:
             self.seen.add((ctx.principal, ctx.client_address[0] if ctx.client_address else None))
 

@@ -46,7 +46,7 @@ class Sources(Filter):
         self.seen: set[str] = set()
         self._lock = threading.Lock()
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> None:
+    def on_request(self, ctx: ConnectionContext, exchange: object) -> None:
         with self._lock:
             self.seen.add(ctx.client_address[0] if ctx.client_address else "?")
 
