@@ -14,8 +14,9 @@ $(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c
 
 # From Debian, installed when missing and we may use apt: kcat for the end-to-end tests, promtool
 # (package prometheus; no service starts) to lint /metrics, haproxy (the load balancer in front of
-# kproxy in the PROXY protocol tests; they run their own, in the foreground), and a Java runtime (17 or newer) for
-# PySpark, which `kproxy report` and its tests run on. Otherwise the tests that need them fail saying so.
+# kproxy in the PROXY protocol tests, which run their own in the foreground), and a Java runtime
+# (17 or newer) for PySpark, which `kproxy report` and its tests run on. Otherwise the tests that
+# need them fail saying so.
 system-deps:
 	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
 	if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then \
