@@ -183,9 +183,10 @@ class SniNames:
     """Which SNI names a handshake may ask for, and which one it asked.
 
     Only the names kproxy serves pass: ``broker-<int>.<domain>``, ``controller-<int>.<domain>`` and
-    the bootstrap name. Any other name under the domain ends the handshake at the ClientHello with an
-    ``unrecognized_name`` alert, before a certificate is sent, and leaves nothing behind; a name
-    outside the domain (or none) is the bootstrap, as before SNI routing. One loaded context serves
+    the bootstrap name. Any other name under the domain ends the handshake at the ClientHello, before
+    a certificate is sent (OpenSSL makes an ``unrecognized_name`` alert, which trio does not flush
+    before the socket closes), and leaves nothing behind; a name outside the domain (or none) is the
+    bootstrap, as before SNI routing. One loaded context serves
     every name: the callback only records the name on the connection's own TLS object.
     """
 
