@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-slow lint bench system-deps
+.PHONY: demo test test-fast test-slow lint bench system-deps monitoring
 
 # The native codec accelerator is built by the editable install: rebuild when its source changes.
 $(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c
@@ -61,3 +61,10 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python bench/codec.py
 	$(BIN)/python bench/proxy.py
+
+# The Grafana dashboard built as code, and the chart's copies of it and of the alert rules (Helm reads
+# only files inside the chart). tests/monitoring fails when any of them is stale.
+monitoring: $(VENV)/.installed
+	$(BIN)/python -m kproxy.ops.dashboard --out deploy/monitoring/grafana/kproxy.json \
+	  --out helm/kproxy/files/kproxy-dashboard.json
+	cp deploy/monitoring/prometheus-rules.yaml helm/kproxy/files/prometheus-rules.yaml

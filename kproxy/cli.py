@@ -1,4 +1,4 @@
-"""kproxy's command line: ``kproxy run | check | demo | decode | report``, parsed in this one place.
+"""kproxy's command line: ``kproxy run | check | demo | decode | report | top``, parsed in this one place.
 
 Each sub-command's work lives in the module that owns it; this file only parses arguments and
 imports that module lazily, so ``kproxy decode`` never pays for trio or the server.
@@ -79,6 +79,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
                      "every executor can write")
+    top = sub.add_parser("top", help="live view of a running kproxy's traffic, from its admin listener")
+    top.add_argument("--admin", required=True, metavar="HOST:PORT", help="the admin listener (admin.listen)")
+    top.add_argument("--once", action="store_true", help="print one plain-text snapshot (rates from two "
+                     "scrapes a second apart) and exit")
     return p
 
 
@@ -118,6 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return run_report(args)
+    if args.command == "top":
+        from kproxy.ops.top import run as run_top
+
+        return run_top(args.admin, args.once)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

@@ -45,7 +45,8 @@ from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
-from kproxy.server.certificates import CERTIFICATES
+from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
+from kproxy.server.clients import ClientRecord, ClientTable
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.proxy_protocol import ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
@@ -88,7 +89,7 @@ class ProxyServer:
 
     def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *,
                  span_exporter: SpanExporter | None = None, worker: tuple[int, int] | None = None,
-                 admin_listen: HostPort | None = None) -> None:
+                 admin_listen: HostPort | None = None, certificates: CertificateExpiry | None = None) -> None:
         """Raises RuleError (a ConfigError) when the configured rule files do not load."""
         self.config = config
         # (index, count) when this is one of several worker processes sharing the ports (SO_REUSEPORT);
@@ -97,6 +98,9 @@ class ProxyServer:
         self.workers = worker[1] if worker is not None else 1
         self.admin_listen = admin_listen or config.admin.listen
         self.stats = ProxyStats()
+        # Live and recently closed connections, for /clients and `kproxy top`.
+        self.clients = ClientTable()
+        self.certificates = certificates if certificates is not None else CERTIFICATES
         # The one table of topic names by id, for the rules and telemetry alike (the broker's names).
         self.topic_names = TopicNames()
         self.telemetry = Telemetry(config, span_exporter=span_exporter, topic_names=self.topic_names)
@@ -112,13 +116,14 @@ class ProxyServer:
         self.sni = exposure.mode == "sni"
         self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None,
                                   exposure.sni.bootstrap_name if exposure.sni else "bootstrap")
-        # Both sides follow their certificate files (tls_poll_interval_s); see tls_files.py.
+        # Both sides follow their certificate files (tls_poll_interval_s; see tls_files.py), and every
+        # load, the first included, records the certificates' expiry in self.certificates.
         self.client_tls: ReloadingContext | None = (
             _reloading("tls", config.tls, lambda: server_context(config.tls, self.sni_names if self.sni else None),
-                       server_side=True) if config.tls.enabled else None)
+                       server_side=True, expiry=self.certificates) if config.tls.enabled else None)
         self.upstream_tls: ReloadingContext | None = (
             _reloading("upstream.tls", config.upstream.tls, lambda: client_context(config.upstream.tls),
-                       server_side=False) if config.upstream.tls.enabled else None)
+                       server_side=False, expiry=self.certificates) if config.upstream.tls.enabled else None)
         self.tls_poll_interval_s = TLS_POLL_INTERVAL_S
         principal = config.tls.principal
         self.principal_mapper = PrincipalMapper.from_config(principal.mapping_rules, principal.san_uri)
@@ -206,7 +211,8 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
-        m.add_reader(CERTIFICATES.families)
+        m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
+        m.add_reader(self.certificates.families)
         m.add_reader(lambda: metric_families.identity_edge_families(
             [c for c in (self.client_tls, self.upstream_tls) if c is not None], self.proxy_protocol,
             self.sni_names if self.sni else None))
@@ -225,8 +231,9 @@ class ProxyServer:
             if lag > self.loop_lag_max:
                 self.loop_lag_max = lag
 
-    def _completed_with_telemetry(self, ctx: ConnectionContext, entry: InFlight) -> None:
+    def _completed_with_telemetry(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:
         self.stats.record(entry)
+        record.completed(entry.request_bytes, entry.response_bytes)
         try:
             self.telemetry.completed(entry, ctx)
         except Exception as e:
@@ -309,7 +316,7 @@ class ProxyServer:
                 if admin_listener is not None:
                     self.admin = admin.AdminServer(self, admin_listener)
                     nursery.start_soon(self.admin.serve)
-                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules",
+                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules /clients",
                              _hostport(*self.admin.address))
                 nursery.start_soon(self._accept_loop, boot, None)
                 if self.metrics is not None:
@@ -440,8 +447,9 @@ class ProxyServer:
             ctx.listener = f"{route.role}-{route.node_id}"
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=self.topic_names)
-        complete = (functools.partial(self._completed_with_telemetry, ctx) if self.telemetry.active
-                    else self._completed)
+        record = self.clients.opened(ctx)
+        complete = functools.partial(self._completed_with_telemetry if self.telemetry.active
+                                     else self._completed, ctx, record)
         conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
                                 budget=self.budget, route_key=(port, name), stats=self.stats)
         if route is None and (port is not None or (self.sni and name is not None
@@ -458,6 +466,7 @@ class ProxyServer:
             await conn.run()
         finally:
             self.connections.discard(conn)
+            self.clients.closed(record)
             self.stats.connections_open -= 1
 
     def reload_rules(self, reason: str) -> bool:
@@ -478,8 +487,9 @@ class ProxyServer:
         return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
                                  max_decompressed_batch_bytes=self.config.limits.max_decompressed_batch_bytes)
 
-    def _completed(self, entry: InFlight) -> None:
+    def _completed(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:
         self.stats.record(entry)
+        record.completed(entry.request_bytes, entry.response_bytes)
 
     def _sni_bootstrap_prefix(self) -> str:
         sni = self.config.exposure.sni
@@ -614,14 +624,15 @@ async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None
     scope.cancel()
 
 
-def _reloading(setting: str, side: TlsServerSide | TlsClientSide, build: Any, server_side: bool) -> ReloadingContext:
+def _reloading(setting: str, side: TlsServerSide | TlsClientSide, build: Any, server_side: bool,
+               expiry: CertificateExpiry) -> ReloadingContext:
     files = [f for f in (side.cert_file, side.key_file, side.ca_file) if f]
     certificates = [f for f in (side.cert_file, side.ca_file) if f]
 
     def observe_expiry() -> None:
         # The expiry of what is in force now: read again after every load, never after a refused one.
         for path in certificates:
-            CERTIFICATES.observe(path)
+            expiry.observe(path)
 
     return ReloadingContext(setting, files, build, server_side=server_side, on_loaded=observe_expiry)
 

@@ -4,7 +4,8 @@
 
 The server fills the process-wide ``CERTIFICATES`` at start for every certificate file it loads
 (``tls.cert_file``, ``tls.ca_file``, ``upstream.tls.cert_file``, ``upstream.tls.ca_file``); code that
-loads a certificate again (reloading on change) calls ``CERTIFICATES.observe(path)`` after it.
+loads a certificate again (reloading on change) calls ``observe(path)`` on the server's registry
+(``ProxyServer.certificates``, this one unless a test gave its own) after it.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ divided among the workers as among replicas.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,12 +24,25 @@ import trio
 
 from kproxy.config import ProxyConfig, effective_workers
 from kproxy.server import admin
+from kproxy.server.clients import MAX_LISTED
 
 log = logging.getLogger("kproxy.supervisor")
 
 WORKER_ENV = "KPROXY_WORKER"                # "i/n": this process is worker i of n
 WORKER_ADMIN_ENV = "KPROXY_WORKER_ADMIN"    # host:port of this worker's private admin listener
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Gauges that are states or times, not amounts: the workers' values are not added up. The earliest
+# certificate expiry and "ready only if every worker is" (min); the latest rule load, the longest lag,
+# "a reload failing in any worker", and the rule count every worker has (max).
+MERGED_BY = {
+    "kproxy_tls_certificate_expiry_timestamp_seconds": min,
+    "kproxy_ready": min,
+    "kproxy_event_loop_lag_max_seconds": max,
+    "kproxy_rules": max,
+    "kproxy_rules_generation": max,
+    "kproxy_rules_loaded_timestamp_seconds": max,
+    "kproxy_rules_reload_failing": max,
+}
 
 
 def worker_identity(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
@@ -87,7 +101,7 @@ class Supervisor:
                 listener = admin.bind(self.config.admin.listen)
                 merged = SupervisorAdmin(self, listener)
                 nursery.start_soon(merged.serve)
-                log.info("admin listener on %s: merged /metrics of %d workers, /livez /readyz /config /rules",
+                log.info("admin listener on %s: merged /metrics and /clients of %d workers, /livez /readyz /config /rules",
                          self.config.admin.listen, self.count)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 async for signum in signals:
@@ -156,6 +170,17 @@ class SupervisorAdmin(admin.AdminServer):
                      "# TYPE kproxy_worker_restarts_total counter\n"
                      f"kproxy_worker_restarts_total {sum(w.restarts for w in workers)}\n").encode()
             return 200, admin.PROMETHEUS_TEXT, merge_expositions(texts) + extra
+        if path == "/clients":
+            views = []
+            for w, (status, _, body) in zip(workers, answers, strict=True):
+                if status == 200:
+                    try:
+                        views.append((w.index, json.loads(body)))
+                    except ValueError:
+                        log.warning("worker %d answered /clients with something that is not JSON", w.index)
+            if not views:
+                return 503, "text/plain; charset=utf-8", b"no worker answered\n"
+            return 200, "application/json", (json.dumps(merge_clients(views), indent=2) + "\n").encode()
         if path == "/readyz":
             not_ready = [f"worker {w.index}: {body.decode(errors='replace').strip() or status}"
                          for w, (status, _, body) in zip(workers, answers, strict=True) if status != 200]
@@ -197,7 +222,8 @@ async def _fetch(address: str | None, target: str) -> tuple[int, str, bytes]:
 
 def merge_expositions(texts: Sequence[bytes]) -> bytes:
     """Prometheus text expositions of several workers as one: samples with the same name and labels
-    are added up (``*_created`` timestamps take the earliest), families keep their HELP and TYPE."""
+    are added up (``*_created`` timestamps take the earliest, the gauges of ``MERGED_BY`` their min or
+    max), families keep their HELP and TYPE."""
     families: dict[str, tuple[list[str], dict[str, float]]] = {}
     for text in texts:
         family = ""
@@ -216,8 +242,9 @@ def merge_expositions(texts: Sequence[bytes]) -> bytes:
             _, samples = families.setdefault(family, ([], {}))
             number = float(value)
             if key in samples:
-                samples[key] = min(samples[key], number) if key.split("{", 1)[0].endswith("_created") \
-                    else samples[key] + number
+                name = key.split("{", 1)[0]
+                combine = MERGED_BY.get(name) or (min if name.endswith("_created") else None)
+                samples[key] = combine(samples[key], number) if combine else samples[key] + number
             else:
                 samples[key] = number
     out = []
@@ -225,6 +252,24 @@ def merge_expositions(texts: Sequence[bytes]) -> bytes:
         out.extend(meta)
         out.extend(f"{key} {_number(v)}" for key, v in samples.items())
     return ("\n".join(out) + "\n").encode()
+
+
+def merge_clients(views: Sequence[tuple[int, dict]], limit: int = MAX_LISTED) -> dict:
+    """The /clients answers of several workers as one; every row says its ``worker`` (connection
+    numbers are per worker), and the merged lists keep the same bound and order as one worker's."""
+    live: list[dict] = []
+    recent: list[dict] = []
+    omitted = 0
+    for index, view in views:
+        live += [{**row, "worker": index} for row in view.get("connections", [])]
+        recent += [{**row, "worker": index} for row in view.get("recent", [])]
+        omitted += int(view.get("omitted", 0))
+    live.sort(key=lambda r: r.get("request_bytes", 0) + r.get("response_bytes", 0), reverse=True)
+    recent.sort(key=lambda r: r.get("closed_at") or 0, reverse=True)
+    omitted += max(0, len(live) - limit) + max(0, len(recent) - limit)
+    return {"time": max(float(v.get("time", 0)) for _, v in views),
+            "live": sum(int(v.get("live", 0)) for _, v in views),
+            "connections": live[:limit], "recent": recent[:limit], "omitted": omitted}
 
 
 def _number(v: float) -> str:

@@ -332,3 +332,45 @@ async def test_a_request_owed_when_the_client_goes_away_completes_as_client_gone
         await settle()
     assert [(e.client_correlation_id, e.outcome) for e in h.completed] == [(1, "forwarded"), (2, CLIENT_GONE)]
     assert h.completed[1].finished_at is not None and h.completed[1].response_bytes == 0
+
+
+# -- a filter's question: the resumed request and the next one reach the broker whole and in order
+
+
+class AskFirst(Filter):
+    """Asks the broker a Metadata question before every Heartbeat, then forwards it."""
+
+    name = "ask-first"
+    request_api_keys = frozenset({HEARTBEAT})
+
+    def on_request(self, ctx, exchange):
+        from kproxy.protocol.messages import Request
+        from kproxy.proxy.filters import AskBroker
+
+        return AskBroker(Request.build(METADATA, 12, 0, "kproxy", metadata_request(())), lambda answer: None)
+
+
+async def test_a_question_answered_as_it_times_out_keeps_the_brokers_order(monkeypatch, autojump_clock):
+    h = Harness(monkeypatch, AskFirst(), request_timeout_s=5.0)
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        h.ask(HEARTBEAT, 4, 1, heartbeat_request())
+        await settle()
+        (question,) = h.requests_at()
+        broker = h.brokers[0]
+        broker.gate = trio.Event()               # the broker stops reading
+        h.answer(METADATA, 12, question.correlation_id, metadata_response())
+        await settle()                           # the upstream pump resumes the Heartbeat: stuck sending
+        await trio.sleep(6.0)                    # the client pump's wait for the answer times out too
+        h.ask(METADATA, 12, 2, metadata_request())
+        await settle()
+        broker.gate.set()
+        broker.gate = None
+        await settle()
+        assert [r.api_key for r in h.requests_at()] == [METADATA, HEARTBEAT, METADATA]
+        hb, meta = h.requests_at()[1:]
+        h.answer(HEARTBEAT, 4, hb.correlation_id, heartbeat_response())
+        h.answer(METADATA, 12, meta.correlation_id, metadata_response())
+        await settle()
+        assert h.answered_ids() == [1, 2] and len(h.brokers) == 1
+        n.cancel_scope.cancel()

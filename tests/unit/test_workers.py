@@ -74,3 +74,19 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
+
+
+def test_state_and_time_gauges_are_not_added_up():
+    def worker(ready: int, expiry: float, failing: int, generation: int) -> bytes:
+        return (f"# TYPE kproxy_ready gauge\nkproxy_ready {ready}\n"
+                f"# TYPE kproxy_tls_certificate_expiry_timestamp_seconds gauge\n"
+                f'kproxy_tls_certificate_expiry_timestamp_seconds{{file="/tls.crt"}} {expiry}\n'
+                f"# TYPE kproxy_rules_reload_failing gauge\nkproxy_rules_reload_failing {failing}\n"
+                f"# TYPE kproxy_rules_generation gauge\nkproxy_rules_generation {generation}\n"
+                f"# TYPE kproxy_buffered_bytes gauge\nkproxy_buffered_bytes 10\n").encode()
+
+    merged = merge_expositions([worker(1, 1.9e9, 0, 3), worker(0, 1.8e9, 1, 2)]).decode().splitlines()
+    assert "kproxy_ready 0" in merged                    # ready only when every worker is
+    assert 'kproxy_tls_certificate_expiry_timestamp_seconds{file="/tls.crt"} 1800000000' in merged
+    assert "kproxy_rules_reload_failing 1" in merged and "kproxy_rules_generation 3" in merged
+    assert "kproxy_buffered_bytes 20" in merged          # an amount: added up
