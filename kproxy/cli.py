@@ -9,22 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
-
-def package_version() -> str:
-    """The installed package's version (from its metadata, so it matches what pip reports)."""
-    try:
-        return metadata.version("kproxy")
-    except metadata.PackageNotFoundError:
-        from kproxy import __version__
-
-        return f"{__version__} (not installed)"
+from kproxy import __version__
 
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kproxy", description="A transparent Kafka wire-protocol proxy.")
-    p.add_argument("--version", action="version", version=f"kproxy {package_version()}")
+    p.add_argument("--version", action="version", version=f"kproxy {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the proxy")
@@ -53,8 +44,15 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="check policy rule files (or directories) on their own; repeatable")
     check.add_argument("--chaos", action="store_true", help="with --rules: check as if chaos were enabled")
 
-    demo = sub.add_parser("demo", help="embedded broker + kproxy + a real client, then a summary")
-    demo.add_argument("--records", type=int, default=1000, help="records to produce and consume")
+    demo = sub.add_parser("demo", help="the product tour on an embedded broker: a tenant, a refused topic, a "
+                          "quota, metrics, the traffic log and the fleet report")
+    demo.add_argument("--plain", action="store_true", help="only records through kproxy and back, and a table "
+                      "of the APIs kproxy saw")
+    demo.add_argument("--records", type=int, default=1000, help="records to produce and consume (--plain)")
+    demo.add_argument("--no-report", action="store_true", help="leave out kproxy report (which needs Java 17+ "
+                      "and the analytics extra)")
+    demo.add_argument("--out", help="directory for the rule file, traffic log and report (default: a new "
+                      "temporary directory)")
 
     dec = sub.add_parser("decode", help="decode a Kafka frame given as hex or raw bytes")
     dec.add_argument("file", nargs="?", default="-", help="file with hex or raw bytes; - for stdin")
