@@ -7,6 +7,7 @@ hints. This module reads the config file, checks that the TLS files it names exi
 cgroup memory limit; it must not open sockets, load certificates or start tasks.
 """
 
+import contextlib
 import difflib
 import math
 import os
@@ -127,7 +128,7 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
             ok = isinstance(value, tuple) and all(isinstance(w, str) and w.strip() for w in value)
             return None if ok else f"expected a list of names, got {value!r}"
         if typing.get_args(tp)[0] is str:
-            return _paths_problem(value)
+            return _strings_problem(value) if rules.get("text") else _paths_problem(value)
         return _host_ports_problem(value)
     if typing.get_origin(tp) is dict:
         # dict[str, float] is the only mapping setting; its section checks the keys and values.
@@ -159,6 +160,12 @@ def _paths_problem(value: Any) -> str | None:
         return f"expected a list of file or directory names, got {value!r}"
     if any(not p.strip() for p in value):
         return "an empty file name"
+    return None
+
+
+def _strings_problem(value: Any) -> str | None:
+    if not (isinstance(value, tuple) and all(isinstance(p, str) for p in value)):
+        return f"expected a list of strings, got {value!r}"
     return None
 
 
@@ -356,6 +363,28 @@ class ExposureConfig:
 
 
 @attrs.frozen(field_transformer=_with_checks)
+class PrincipalConfig:
+    """How a verified client certificate becomes the principal: Kafka's ``ssl.principal.mapping.rules``
+    over its RFC 2253 subject, or (``san_uri``) its URI SAN, a SPIFFE ID."""
+
+    mapping_rules: tuple[str, ...] = _setting(("DEFAULT",), text=True)
+    san_uri: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        from kproxy.identity.principal import MappingRuleError, parse_rules
+
+        if not self.mapping_rules:
+            raise SettingError(_path_of(self, "mapping_rules"), "needs at least one rule (DEFAULT keeps the subject)")
+        try:
+            parse_rules(self.mapping_rules)
+        except MappingRuleError as e:
+            raise SettingError((*_path_of(self, "mapping_rules"), e.index), str(e)) from None
+        if self.san_uri and self.mapping_rules != ("DEFAULT",):
+            raise SettingError(_path_of(self, "san_uri"), "takes the URI SAN as it is; remove mapping_rules, "
+                                                          "or set san_uri: false to map the subject")
+
+
+@attrs.frozen(field_transformer=_with_checks)
 class TlsServerSide:
     """TLS from clients to kproxy (termination); mTLS when ``require_client_cert``."""
 
@@ -364,8 +393,12 @@ class TlsServerSide:
     key_file: str | None = _setting(None, file=True)
     ca_file: str | None = _setting(None, file=True)
     require_client_cert: bool = False
+    principal: PrincipalConfig = PrincipalConfig()
 
     def __attrs_post_init__(self) -> None:
+        if self.principal != PrincipalConfig() and self.ca_file is None:
+            raise SettingError(_path_of(self, "principal"), "maps client certificates, which need tls.ca_file "
+                                                            "(the CA that signs them)")
         if self.require_client_cert:
             if not self.enabled:
                 raise SettingError(_path_of(self, "require_client_cert"), "needs tls.enabled: true")
@@ -377,6 +410,30 @@ class TlsServerSide:
                 if getattr(self, name) is None:
                     raise SettingError(_path_of(self, "enabled"), f"TLS termination needs tls.{name}")
             _check_files(self)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class ProxyProtocolConfig:
+    """The HAProxy PROXY protocol header on the client listeners, from load balancers in ``trusted``."""
+
+    mode: str = _setting("off", case="lower", choices=("off", "optional", "required"), off=True)
+    trusted: tuple[str, ...] = _setting((), text=True)    # CIDRs of the peers that may send one
+    timeout_s: float = _setting(10.0, above=0)             # to receive the whole header
+
+    def __attrs_post_init__(self) -> None:
+        import ipaddress
+
+        for i, cidr in enumerate(self.trusted):
+            try:
+                ipaddress.ip_network(cidr, strict=True)
+            except ValueError as e:
+                hint = ""
+                with contextlib.suppress(ValueError):
+                    hint = f" (did you mean {str(ipaddress.ip_network(cidr, strict=False))!r}?)"
+                raise SettingError((*_path_of(self, "trusted"), i), f"{cidr!r} is not a CIDR: {e}{hint}") from None
+        if self.mode != "off" and not self.trusted:
+            raise SettingError(_path_of(self, "mode"), "needs proxy_protocol.trusted, the CIDRs of the load "
+                                                       "balancers allowed to send the header")
 
 
 @attrs.frozen(field_transformer=_with_checks)
@@ -575,6 +632,7 @@ class ProxyConfig:
     mode: str = _setting("gateway", choices=("gateway", "sidecar"))
     exposure: ExposureConfig = ExposureConfig()
     tls: TlsServerSide = TlsServerSide()
+    proxy_protocol: ProxyProtocolConfig = ProxyProtocolConfig()
     sasl: SaslConfig | None = None
     limits: LimitsConfig = LimitsConfig()
     passthrough_unknown_versions: bool = False
@@ -611,6 +669,11 @@ class ProxyConfig:
         if self.workers != 1 and self.exposure.mode != "sni" and self.exposure.node_id_base is None:
             raise SettingError(("workers",), "more than one worker needs broker ports every worker agrees on: "
                                              "set exposure.node_id_base (or use exposure.mode: sni)")
+        if (self.proxy_protocol.mode == "optional" and not self.tls.enabled
+                and self.limits.max_frame_size >= _PROXY_V2_AS_FRAME_SIZE):
+            raise SettingError(("limits", "max_frame_size"), "with proxy_protocol.mode: optional, frames must stay "
+                                                             f"under {_PROXY_V2_AS_FRAME_SIZE} bytes, or a frame's "
+                                                             "size could read as a PROXY v2 signature")
         admin = self.admin.listen
         if admin is not None and _may_share(admin.host, self.listen.host):
             taken = {self.listen.port}
@@ -636,6 +699,11 @@ class ProxyConfig:
         """The first per-broker port (port_per_broker mode)."""
         start = self.exposure.broker_port_start
         return self.listen.port + 1 if start is None else start
+
+
+# The first four bytes of a PROXY v2 signature (\r\n\r\n) read as a Kafka frame size; "PROXY"
+# reads larger still. Frames below this cannot be mistaken for a header.
+_PROXY_V2_AS_FRAME_SIZE: Final = 0x0D0A0D0A
 
 
 def _check_exposure(cfg: ProxyConfig) -> None:
@@ -797,6 +865,7 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
         f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        *_identity_summary(cfg),
         f"client SASL {'terminated: ' + ', '.join(cfg.sasl.mechanisms) if cfg.sasl else 'relayed'}",
         f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}",
         f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
@@ -815,6 +884,19 @@ def describe_config(cfg: ProxyConfig) -> str:
         if coord is not None:
             parts.append(f"quotas shared by fleet {coord.fleet!r} through topic {coord.topic}")
     return "; ".join(parts)
+
+
+def _identity_summary(cfg: ProxyConfig) -> list[str]:
+    out = []
+    principal = cfg.tls.principal
+    if principal.san_uri:
+        out.append("mTLS principal from the URI SAN (SPIFFE ID)")
+    elif principal.mapping_rules != ("DEFAULT",):
+        out.append(f"mTLS principal by {len(principal.mapping_rules)} mapping rules")
+    pp = cfg.proxy_protocol
+    if pp.mode != "off":
+        out.append(f"PROXY protocol {pp.mode} from {', '.join(pp.trusted)}")
+    return out
 
 
 def _on_off(flag: bool) -> str:
@@ -874,6 +956,7 @@ def _yaml_error(e: yaml.MarkedYAMLError, file: str | None) -> ConfigError:
 _NULL_TAG: Final = "tag:yaml.org,2002:null"
 _STR_TAG: Final = "tag:yaml.org,2002:str"
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+_BOOL_TAG: Final = "tag:yaml.org,2002:bool"
 
 # "$$" is a literal "$"; "${NAME}" and "${NAME:-default}" are references (a default may hold "$$"
 # but no reference); any other "${" is a mistake.
@@ -963,6 +1046,11 @@ class _Builder:
             self.fail(e.path, e.problem)
 
     def value(self, tp: Any, node: Node, path: _Path, rules: Mapping[str, Any]) -> Any:
+        if rules.get("off") and isinstance(node, ScalarNode) and node.tag == _BOOL_TAG:
+            # YAML 1.1 reads a bare off/no/false as a boolean; for a mode that is the word "off".
+            if node.value.lower() in ("off", "no", "false"):
+                return "off"
+            self.fail(path, f"expected one of {', '.join(rules.get('choices', ()))}, got {node.value}", node)
         if rules.get("auto") and isinstance(node, ScalarNode) and node.tag == _STR_TAG:
             if node.value == "auto":
                 return 0    # an int setting that also takes "auto" (workers): 0 stands for it
@@ -978,7 +1066,7 @@ class _Builder:
             if rules.get("words"):
                 return self.words(node, path, rules)
             if typing.get_args(tp)[0] is str:
-                return self.paths(node, path)
+                return self.strings(node, path) if rules.get("text") else self.paths(node, path)
             return self.host_ports(node, path)
         if origin is dict:
             return self.mapping(typing.get_args(tp)[1], node, path)
@@ -1032,6 +1120,22 @@ class _Builder:
             return HostPort.parse(node.value)
         except ValueError as e:
             self.fail(path, str(e), node)
+
+    def strings(self, node: Node, path: _Path) -> tuple[str, ...]:
+        """A list of strings (or one), each item's line remembered so an error can point at it."""
+        if _is_null(node):
+            return ()
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        out = []
+        for i, item in enumerate(items):
+            at = (*path, i) if isinstance(node, SequenceNode) else path
+            line = _line(item)
+            if line is not None:
+                self.lines[at] = line
+            if not (isinstance(item, ScalarNode) and item.tag == _STR_TAG):
+                self.fail(at, f"expected a string (quote it), got {_describe(item)}", item)
+            out.append(item.value)
+        return tuple(out)
 
     def paths(self, node: Node, path: _Path) -> tuple[str, ...]:
         """A list of file or directory names (or one), each relative to the config file, each existing."""

@@ -370,3 +370,27 @@ def coordination_families(snap: Mapping[str, Any]) -> list[Metric]:
         out.append(GaugeMetricFamily("kproxy_quota_coordination_peer_age_seconds", "Age of the newest record "
                                      "of another process of the fleet.", value=snap["peer_age_s"]))
     return out
+
+
+def identity_edge_families(tls_contexts: Iterable[Any], proxy_protocol: Any, sni_names: Any) -> list[Metric]:
+    """Certificate reloads (``ReloadingContext``), PROXY header refusals and refused SNI names."""
+    reloads: dict[tuple[str, str], float] = {}
+    loaded: dict[tuple[str], float] = {}
+    for ctx in tls_contexts:
+        reloads[(ctx.setting, "ok")] = ctx.reloads_ok
+        reloads[(ctx.setting, "failed")] = ctx.reloads_failed
+        when = epoch_seconds(ctx.loaded_at)
+        if when is not None:
+            loaded[(ctx.setting,)] = when
+    out = [_counter("kproxy_tls_reloads", "Reloads of changed certificate, key and CA files, by side "
+                    "(tls, upstream.tls) and outcome.", ["setting", "outcome"], reloads),
+           _gauge("kproxy_tls_loaded_timestamp_seconds", "When the TLS files in force on each side were "
+                  "loaded (seconds since the epoch).", ["setting"], loaded)]
+    if proxy_protocol is not None:
+        refused = {(kind,): float(n) for kind, n in proxy_protocol.refused.items()}
+        out.append(_counter("kproxy_proxy_protocol_refused", "Connections closed at the PROXY header, by "
+                            "reason (untrusted, missing, malformed, timeout, closed).", ["reason"], refused))
+    if sni_names is not None and sni_names.suffix is not None:
+        out.append(CounterMetricFamily("kproxy_sni_names_refused", "TLS handshakes ended for an SNI name "
+                                       "kproxy does not serve.", value=sni_names.refused))
+    return out
