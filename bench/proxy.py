@@ -3,7 +3,9 @@
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
 (also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
 ``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--rules`` adds kproxy with the example
-multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS).
+multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS; ``--fleet`` the same
+quota with fleet coordination on, see FLEET; ``--sasl`` kproxy logging in to the brokers by SCRAM, see
+SASL).
 
 One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
@@ -80,7 +82,17 @@ QUOTAS = {
                            "    match: {client_id: kproxy-bench}\n    produce_bytes_per_s: 1.0e12\n"
                            "    fetch_bytes_per_s: 1.0e12\n    requests_per_s: 1.0e9\n"},
 }
-ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS)
+# The same never-triggering quota with fleet coordination on (--fleet): kp-fleet/kp-quotas is what
+# coordination costs the data path (target at least 0.97x).
+FLEET = {"kp-fleet": {**QUOTAS["kp-quotas"], "coordination": "{fleet: bench, topic: __kproxy_bench_quotas}",
+                      "admin": True}}
+# kproxy with SASL origination (upstream.sasl, SCRAM-SHA-512) against kproxy without it, both in front
+# of the tests' SASL gate (tests/e2e/sasl_gate.py, which verifies the SCRAM login for real) and a
+# second tansu that advertises the gate: the gate's relay is the same for both, so the ratio is what
+# logging in costs. Origination adds nothing per request; the login is once per broker connection.
+SASL = ("kp-gate", "kp-sasl")
+SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
+ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -126,8 +138,10 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] | None = None
+    started: float = 0.0
 
     def start(self, ready_ports: list[int], timeout: float = 20.0) -> None:
+        self.started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=self.env)
@@ -371,6 +385,7 @@ class Bench:
     otlp: OtlpSink | None = None
     ports: dict[str, int] = field(default_factory=dict)
     proxies: dict[str, Child] = field(default_factory=dict)
+    admin_ports: dict[str, int] = field(default_factory=dict)
 
     def start(self) -> None:
         if self.args.broker == "fake":
@@ -390,7 +405,7 @@ class Bench:
             self._start_kproxy(bp)
         if BASELINE in self.args.targets:
             self._start_kproxy(bp, BASELINE)
-        for name, options in {**TELEMETRY, **QUOTAS}.items():
+        for name, options in {**TELEMETRY, **QUOTAS, **FLEET}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if TENANT in self.args.targets:
@@ -398,6 +413,33 @@ class Bench:
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
+        self.admins: dict[str, AdminClient] = {}
+        if set(SASL) & set(self.args.targets):
+            self._start_gate()
+
+    def _start_gate(self) -> None:
+        sys.path.insert(0, str(REPO))
+        from tests.e2e.sasl_gate import SaslGate, free_ports
+
+        (gate_port,) = free_ports(1)
+        launcher = Tansu(port=free_port(), advertised=(HOST, gate_port))
+        broker = Child("tansu broker (gate)", launcher.argv(), self.workdir / "broker-gate.log")
+        self.children.append(broker)
+        broker.start([launcher.port])
+        gate = SaslGate((HOST, launcher.port), {SASL_USER: SASL_PASSWORD}, port=gate_port).start()
+        gate.require_sasl = False        # kp-gate does not log in; kp-sasl does, and is verified
+        self.gate = gate
+        password = self.workdir / "password"
+        password.write_text(SASL_PASSWORD)
+        for name in SASL:
+            if name not in self.args.targets:
+                continue
+            options: dict = {"upstream": gate.bootstrap}
+            if name == "kp-sasl":
+                options["sasl"] = (f"{{mechanism: SCRAM-SHA-512, username: {SASL_USER}, "
+                                   f"password_file: \"{password}\"}}")
+            self._start_kproxy(launcher.port, name, options)
+            self.admins[name] = AdminClient({"bootstrap.servers": f"{HOST}:{self.ports[name]}"})
 
     def _start_fake(self) -> None:
         """The fake page-cache broker: one listener for direct clients and kproxy, a second that
@@ -463,13 +505,18 @@ class Bench:
         self.proxies[name] = kproxy
 
     def _config_file(self, name: str, telemetry: dict, bp: int, kp: int) -> Path:
-        lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{HOST}:{bp}"}}', "log_level: WARNING"]
+        upstream = telemetry.get("upstream", f"{HOST}:{bp}")
+        sasl = f", sasl: {telemetry['sasl']}" if "sasl" in telemetry else ""
+        lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{upstream}"{sasl}}}', "log_level: WARNING"]
         if "rules" in telemetry:
             rules = self.workdir / f"{name}-rules.yaml"
             rules.write_text(telemetry["rules"])
             lines.append(f'rules: ["{rules}"]')
+        if "coordination" in telemetry:
+            lines.append(f"quota: {{coordination: {telemetry['coordination']}}}")
         if telemetry.get("admin"):
-            lines.append(f'admin: {{listen: "{HOST}:{free_port()}"}}')
+            self.admin_ports[name] = free_port()
+            lines.append(f'admin: {{listen: "{HOST}:{self.admin_ports[name]}"}}')
         if telemetry.get("traffic_log"):
             lines.append(f'traffic_log: {{dir: "{self.workdir / name}-traffic"}}')
         if "tracing" in telemetry:
@@ -496,6 +543,7 @@ class Bench:
     def stop(self) -> None:
         # The admin client keeps a broker connection; drop it first so it does not log the shutdown.
         self.__dict__.pop("admin", None)
+        self.__dict__.pop("admins", None)
         gc.collect()
         for child in reversed(self.children):
             # SIGINT lets a cProfile'd kproxy drain and write its profile; SIGTERM for the rest.
@@ -504,6 +552,27 @@ class Bench:
                 child.stop(sig)
         if self.otlp is not None:
             self.otlp.stop()
+        gate = self.__dict__.pop("gate", None)
+        if gate is not None:
+            gate.close()
+
+    def coordination_figures(self) -> str:
+        """kp-fleet's coordination traffic over its whole life, from its /metrics."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{HOST}:{self.admin_ports['kp-fleet']}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        got = {}
+        for line in text.splitlines():
+            if line.startswith("kproxy_quota_coordination_") and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                got[name] = float(value)
+        seconds = time.monotonic() - self.proxies["kp-fleet"].started
+        out = got.get('kproxy_quota_coordination_bytes_total{direction="out"}', 0.0)
+        into = got.get('kproxy_quota_coordination_bytes_total{direction="in"}', 0.0)
+        return (f"kp-fleet coordination: up={got.get('kproxy_quota_coordination_up')}, "
+                f"{out / seconds / 1000:.2f} KB/s out and {into / seconds / 1000:.2f} KB/s in over {seconds:.0f} s "
+                f"(one budget active)")
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -516,7 +585,8 @@ class Bench:
         # A tenant's topic is created directly under the name the broker holds for it.
         held = TENANT_PREFIX + topic if target == TENANT else topic
         client_id = TENANT_CLIENT_ID if target == TENANT else "kproxy-bench"
-        create_topic(self.admin, held)
+        admin = self.admins.get(target, self.admin)
+        create_topic(admin, held)
         proxy = self.proxies.get(target)
         try:
             results = []
@@ -528,7 +598,7 @@ class Bench:
                 results.append(RunResult(dt, cpu))
             return results[0], results[1]
         finally:
-            delete_topic(self.admin, held)
+            delete_topic(admin, held)
 
     def throughput(self, rounds: int, ns: dict[int, int]) -> dict[tuple[str, int, str], list[RunResult]]:
         out: dict[tuple[str, int, str], list[RunResult]] = {}
@@ -593,7 +663,7 @@ def fmt_ratio(a: float, b: float) -> str:
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
           (HAPROXY, "direct"), ("kproxy", HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
           *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
-          ("kp-quotas", "kp-rules"))
+          ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -719,6 +789,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", metavar="DIR", type=Path,
                     help=f"add {BASELINE}: kproxy run from the source tree DIR (DIR/kproxy), e.g. "
                          "`git archive COMMIT kproxy | tar -x -C DIR` plus the built kproxy/protocol/_accel*.so")
+    ap.add_argument("--fleet", action="store_true",
+                    help=f"add {', '.join(FLEET)} (and kp-quotas, which it is compared with)")
+    ap.add_argument("--sasl", action="store_true",
+                    help=f"add {', '.join(SASL)}: kproxy through a SASL gate, logging in by SCRAM or not")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--small-clients", type=int, default=200,
                     help="connections in the many-small-requests part (default 200; 0 skips it)")
@@ -744,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"kproxy", BASELINE}
     elif BASELINE in wanted:
         ap.error(f"{BASELINE} needs --baseline DIR")
+    if args.fleet:
+        wanted |= {"kp-quotas", *FLEET}
+    if args.sasl:
+        wanted |= set(SASL)
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
     if fake and wanted & {"tansu-proxy", TENANT}:
@@ -776,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
             small = (bench.small_requests(rounds, args.small_clients, 2.0 if args.quick else args.small_seconds)
                      if args.small_clients else None)
             bench.check_alive()
+            fleet = bench.coordination_figures() if "kp-fleet" in args.targets else None
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
@@ -787,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_before} before, {_load()} after")
     if tp:
         report_throughput(ns, tp, args.targets)
+    if fleet:
+        print()
+        print(fleet)
     if lat:
         print()
         report_latency(lat, args.targets)

@@ -44,6 +44,16 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="check policy rule files (or directories) on their own; repeatable")
     check.add_argument("--chaos", action="store_true", help="with --rules: check as if chaos were enabled")
 
+    users = sub.add_parser("users", help="manage the users file kproxy authenticates clients against")
+    users_sub = users.add_subparsers(dest="users_command", required=True, metavar="ACTION")
+    add = users_sub.add_parser("add", help="add a user (or replace its password) as SCRAM keys; the password "
+                               "comes from --password-file, a prompt, or the first line of stdin")
+    add.add_argument("name", help="the user name (the principal is User:NAME)")
+    add.add_argument("--users-file", required=True, help="the users file (sasl.users_file); created if missing")
+    add.add_argument("--mechanism", help="SCRAM-SHA-256 or SCRAM-SHA-512 (default: both)")
+    add.add_argument("--password-file", help="read the password from the first line of this file")
+    add.add_argument("--iterations", type=int, default=4096, help="PBKDF2 iterations (default 4096, the minimum)")
+
     demo = sub.add_parser("demo", help="the product tour on an embedded broker: a tenant, a refused topic, a "
                           "quota, metrics, the traffic log and the fleet report")
     demo.add_argument("--plain", action="store_true", help="only records through kproxy and back, and a table "
@@ -73,6 +83,15 @@ def _build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--until", help="time to stop before, same forms as --since")
     rep.add_argument("--master", help="Spark master URL (default local[*], or what spark-submit set)")
     rep.add_argument("--rules", help="candidate rules file to dry-run against the recorded traffic")
+    rep.add_argument("--fleet-quotas", action="store_true",
+                     help="quota dry run as fleet quotas enforce it: each budget key summed over every instance's "
+                     "traffic before the whole limit applies (default: each instance on its own)")
+    rep.add_argument("--quota-replicas", type=int, default=1, metavar="N",
+                     help="without --fleet-quotas: each instance is judged with 1/N of each limit (default 1)")
+    rep.add_argument("--coordination-dump", metavar="FILE",
+                     help="a dump of the fleet quota coordination topic, one record a line: key, value and timestamp "
+                     "(ms), tab-separated, as kcat -C -e -t TOPIC -f with %%k, %%s and %%T writes it; gives per "
+                     "budget key the instances that reported it and their peak rate and demand summed")
     rep.add_argument("--quota-per", choices=("client_id", "principal"), default="client_id",
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
@@ -108,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             status = max(status, check_rules_files(args.rules, args.chaos))
         return status
+    if args.command == "users":
+        from kproxy.userfile import run_users_add
+
+        return run_users_add(args.name, args.users_file, args.mechanism, args.password_file, args.iterations)
     if args.command == "demo":
         from kproxy.demo import run_demo
 

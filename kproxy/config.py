@@ -7,6 +7,7 @@ hints. This module reads the config file, checks that the TLS files it names exi
 cgroup memory limit; it must not open sockets, load certificates or start tasks.
 """
 
+import contextlib
 import difflib
 import math
 import os
@@ -79,6 +80,8 @@ def _scalar_types(tp: Any) -> tuple[Any, ...]:
 
 # Converters run again on every attrs.evolve, so each must leave its own output unchanged.
 def _upper(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_upper(v) for v in value)
     return value.upper() if isinstance(value, str) else value
 
 
@@ -121,8 +124,11 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
             return None
         (tp,) = (a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is tuple:
+        if rules.get("words"):
+            ok = isinstance(value, tuple) and all(isinstance(w, str) and w.strip() for w in value)
+            return None if ok else f"expected a list of names, got {value!r}"
         if typing.get_args(tp)[0] is str:
-            return _paths_problem(value)
+            return _strings_problem(value) if rules.get("text") else _paths_problem(value)
         return _host_ports_problem(value)
     if typing.get_origin(tp) is dict:
         # dict[str, float] is the only mapping setting; its section checks the keys and values.
@@ -154,6 +160,12 @@ def _paths_problem(value: Any) -> str | None:
         return f"expected a list of file or directory names, got {value!r}"
     if any(not p.strip() for p in value):
         return "an empty file name"
+    return None
+
+
+def _strings_problem(value: Any) -> str | None:
+    if not (isinstance(value, tuple) and all(isinstance(p, str) for p in value)):
+        return f"expected a list of strings, got {value!r}"
     return None
 
 
@@ -236,12 +248,90 @@ class TlsClientSide:
         _check_files(self)
 
 
+SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+_LOOPBACK: Final = re.compile(r"^(localhost|127(\.\d{1,3}){3}|\[::1\]|::1)$", re.IGNORECASE)
+
+
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be an identity provider's address: https only, http on loopback only
+    (a token or key set fetched in clear from elsewhere could be swapped by anyone on the path)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        return f"{url!r} is not a URL"
+    if parts.scheme not in ("https", "http") or not host:
+        return f"{url!r} is not an https:// URL"
+    if parts.scheme == "http" and not _LOOPBACK.match(host if ":" not in host else f"[{host}]"):
+        return f"http:// is allowed only for a loopback address; use https:// for {host}"
+    if parts.username or parts.password:
+        return "put credentials in client_secret or client_secret_file, not in the URL"
+    return None
+
+
+def _one_secret(section: Any, value: str, file: str, what: str) -> None:
+    given = [n for n in (value, file) if getattr(section, n) is not None]
+    if len(given) != 1:
+        problem = (f"give {what} as {value} (from ${{VAR}}) or {file}, not both" if given
+                   else f"needs {what}: {value} (from ${{VAR}}) or {file}")
+        raise SettingError(_path_of(section, given[-1] if given else value), problem)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class UpstreamOAuth:
+    """OAUTHBEARER origination: kproxy gets its own token by client credentials (RFC 6749 4.4)."""
+
+    token_endpoint_url: str = _setting()
+    client_id: str = _setting()
+    client_secret: str | None = None
+    client_secret_file: str | None = _setting(None, file=True)
+    scope: str | None = None
+    # SASL extensions sent with the token (KIP-342), such as logicalCluster on Confluent Cloud.
+    extensions: dict[str, str] = attrs.field(factory=dict, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        problem = _url_problem(self.token_endpoint_url)
+        if problem is not None:
+            raise SettingError(_path_of(self, "token_endpoint_url"), problem)
+        _one_secret(self, "client_secret", "client_secret_file", "the client secret")
+        for key, value in self.extensions.items():
+            if not re.fullmatch(r"[A-Za-z]+", key) or key == "auth" or not isinstance(value, str):
+                raise SettingError((*_path_of(self, "extensions"), key),
+                                   "an extension name is letters only (not 'auth'), its value a string")
+        _check_files(self)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class UpstreamSasl:
+    """Origination: every broker connection kproxy opens logs in as kproxy, before any request."""
+
+    mechanism: str = _setting(case="upper", choices=SASL_MECHANISMS)
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = _setting(None, file=True)
+    oauth: UpstreamOAuth | None = None      # read only with OAUTHBEARER
+
+    def __attrs_post_init__(self) -> None:
+        if self.mechanism == "OAUTHBEARER":
+            if self.oauth is None:
+                raise SettingError(_path_of(self, "mechanism"), "OAUTHBEARER needs upstream.sasl.oauth "
+                                                                "(token_endpoint_url, client_id, client secret)")
+            return
+        if not self.username:
+            raise SettingError(_path_of(self, "username"), f"{self.mechanism} needs a username")
+        _one_secret(self, "password", "password_file", "a password")
+        _check_files(self)
+
+
 @attrs.frozen(field_transformer=_with_checks)
 class UpstreamConfig:
     """The real cluster: where to bootstrap, how to reach it, how long to wait for it."""
 
     bootstrap_servers: tuple[HostPort, ...]
     tls: TlsClientSide = TlsClientSide()
+    sasl: UpstreamSasl | None = None
     connect_timeout_s: float = _setting(10.0, above=0)
     # A request with no response after this gets a retriable error sent back to the client.
     request_timeout_s: float = _setting(30.0, above=0)
@@ -273,6 +363,28 @@ class ExposureConfig:
 
 
 @attrs.frozen(field_transformer=_with_checks)
+class PrincipalConfig:
+    """How a verified client certificate becomes the principal: Kafka's ``ssl.principal.mapping.rules``
+    over its RFC 2253 subject, or (``san_uri``) its URI SAN, a SPIFFE ID."""
+
+    mapping_rules: tuple[str, ...] = _setting(("DEFAULT",), text=True)
+    san_uri: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        from kproxy.identity.principal import MappingRuleError, parse_rules
+
+        if not self.mapping_rules:
+            raise SettingError(_path_of(self, "mapping_rules"), "needs at least one rule (DEFAULT keeps the subject)")
+        try:
+            parse_rules(self.mapping_rules)
+        except MappingRuleError as e:
+            raise SettingError((*_path_of(self, "mapping_rules"), e.index), str(e)) from None
+        if self.san_uri and self.mapping_rules != ("DEFAULT",):
+            raise SettingError(_path_of(self, "san_uri"), "takes the URI SAN as it is; remove mapping_rules, "
+                                                          "or set san_uri: false to map the subject")
+
+
+@attrs.frozen(field_transformer=_with_checks)
 class TlsServerSide:
     """TLS from clients to kproxy (termination); mTLS when ``require_client_cert``."""
 
@@ -281,8 +393,12 @@ class TlsServerSide:
     key_file: str | None = _setting(None, file=True)
     ca_file: str | None = _setting(None, file=True)
     require_client_cert: bool = False
+    principal: PrincipalConfig = PrincipalConfig()
 
     def __attrs_post_init__(self) -> None:
+        if self.principal != PrincipalConfig() and self.ca_file is None:
+            raise SettingError(_path_of(self, "principal"), "maps client certificates, which need tls.ca_file "
+                                                            "(the CA that signs them)")
         if self.require_client_cert:
             if not self.enabled:
                 raise SettingError(_path_of(self, "require_client_cert"), "needs tls.enabled: true")
@@ -294,6 +410,82 @@ class TlsServerSide:
                 if getattr(self, name) is None:
                     raise SettingError(_path_of(self, "enabled"), f"TLS termination needs tls.{name}")
             _check_files(self)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class ProxyProtocolConfig:
+    """The HAProxy PROXY protocol header on the client listeners, from load balancers in ``trusted``."""
+
+    mode: str = _setting("off", case="lower", choices=("off", "optional", "required"), off=True)
+    trusted: tuple[str, ...] = _setting((), text=True)    # CIDRs of the peers that may send one
+    timeout_s: float = _setting(10.0, above=0)             # to receive the whole header
+
+    def __attrs_post_init__(self) -> None:
+        import ipaddress
+
+        for i, cidr in enumerate(self.trusted):
+            try:
+                ipaddress.ip_network(cidr, strict=True)
+            except ValueError as e:
+                hint = ""
+                with contextlib.suppress(ValueError):
+                    hint = f" (did you mean {str(ipaddress.ip_network(cidr, strict=False))!r}?)"
+                raise SettingError((*_path_of(self, "trusted"), i), f"{cidr!r} is not a CIDR: {e}{hint}") from None
+        if self.mode != "off" and not self.trusted:
+            raise SettingError(_path_of(self, "mode"), "needs proxy_protocol.trusted, the CIDRs of the load "
+                                                       "balancers allowed to send the header")
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class SaslOAuth:
+    """How client tokens (OAUTHBEARER) are checked: signed by a key of ``jwks_url``, for this issuer
+    and audience; the principal is ``User:<principal_claim>``."""
+
+    jwks_url: str = _setting()
+    issuer: str = _setting()
+    audience: str = _setting()
+    principal_claim: str = "sub"
+    # The key set is fetched again this often, and at once (at most every 10 s) for an unknown kid.
+    jwks_refresh_s: float = _setting(3600.0, min=10)
+    leeway_s: float = _setting(30.0, min=0, max=600)
+
+    def __attrs_post_init__(self) -> None:
+        problem = _url_problem(self.jwks_url)
+        if problem is not None:
+            raise SettingError(_path_of(self, "jwks_url"), problem)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class SaslConfig:
+    """Termination: kproxy authenticates clients itself; nothing reaches a broker before that."""
+
+    mechanisms: tuple[str, ...] = _setting(words=True, case="upper")
+    users_file: str | None = _setting(None, file=True)
+    # KIP-368: clients re-authenticate within this (or their token's remaining life); 0: never.
+    max_session_s: float = _setting(3600.0, min=0)
+    # Every failed login is answered this long after it began, whatever failed.
+    failed_login_delay_s: float = _setting(0.5, min=0, max=10)
+    # Failed logins allowed per source address per minute; then its logins are refused. 0: no limit.
+    max_failed_logins_per_minute: int = _setting(10, min=0)
+    oauth: SaslOAuth | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.mechanisms:
+            raise SettingError(_path_of(self, "mechanisms"), f"list at least one of {', '.join(SASL_MECHANISMS)}")
+        for i, mechanism in enumerate(self.mechanisms):
+            if mechanism not in SASL_MECHANISMS:
+                raise SettingError((*_path_of(self, "mechanisms"), i),
+                                   f"must be one of {', '.join(SASL_MECHANISMS)}; got {mechanism!r}"
+                                   f"{_did_you_mean(mechanism, SASL_MECHANISMS)}")
+            if mechanism in self.mechanisms[:i]:
+                raise SettingError((*_path_of(self, "mechanisms"), i), f"lists {mechanism} twice")
+        if any(m != "OAUTHBEARER" for m in self.mechanisms) and self.users_file is None:
+            raise SettingError(_path_of(self, "mechanisms"), "PLAIN and SCRAM check clients against sasl.users_file "
+                                                             "(write it with `kproxy users add`)")
+        if "OAUTHBEARER" in self.mechanisms and self.oauth is None:
+            raise SettingError(_path_of(self, "mechanisms"), "OAUTHBEARER needs sasl.oauth (jwks_url, issuer, "
+                                                             "audience)")
+        _check_files(self)
 
 
 @attrs.frozen(field_transformer=_with_checks)
@@ -378,13 +570,57 @@ class TracingConfig:
     exporter: str | None = _setting(None, case="lower", choices=("otlp", "console", "none"))
 
 
+_TOPIC_NAME: Final = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class CoordinationConfig:
+    """Fleet-wide quotas (docs/fleet-quotas.md): every process of ``fleet`` reports its use of each
+    budget to ``topic`` every ``publish_interval_ms`` and enforces its demand-weighted share of the
+    whole limit; peers silent for ``stale_after_s`` are ignored, and without fresh coordination a
+    process falls back to the static share (limit / (quota_replicas x workers))."""
+
+    fleet: str = _setting()
+    # false keeps the section written but off (charts template it in and switch it with one flag).
+    enabled: bool = True
+    topic: str = _setting("__kproxy_quotas")
+    publish_interval_ms: int = _setting(500, min=50, max=60000)
+    stale_after_s: float = _setting(5.0, above=0, max=3600)
+    # Used when kproxy creates the topic (an existing one is used as it is).
+    partitions: int = _setting(1, min=1, max=1000)
+    replication_factor: int = _setting(-1, min=-1, max=32)     # -1: the broker's default
+    retention_ms: int = _setting(300000, min=1000)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.fleet.strip() or "/" in self.fleet or len(self.fleet) > 200:
+            raise SettingError(_path_of(self, "fleet"), f"{self.fleet!r} is not a fleet name (1 to 200 characters, "
+                                                        f"no '/')")
+        if not _TOPIC_NAME.fullmatch(self.topic) or self.topic in (".", ".."):
+            raise SettingError(_path_of(self, "topic"), f"{self.topic!r} is not a Kafka topic name "
+                                                        f"(letters, digits, '.', '_', '-'; at most 249)")
+        if self.replication_factor == 0:
+            raise SettingError(_path_of(self, "replication_factor"), "must be -1 (the broker's default) or at least 1")
+        if self.stale_after_s * 1000 < 2 * self.publish_interval_ms:
+            raise SettingError(_path_of(self, "stale_after_s"),
+                               f"must be at least two publish intervals ({2 * self.publish_interval_ms / 1000:g}s), "
+                               f"got {self.stale_after_s:g}: every record would be stale before the next is read")
+
+
 @attrs.frozen(field_transformer=_with_checks)
 class QuotaConfig:
     """How client quotas measure rates (Kafka's quota.window.num and quota.window.size.seconds):
-    ``samples`` sliding samples of ``window_s`` seconds each."""
+    ``samples`` sliding samples of ``window_s`` seconds each; ``coordination`` shares every quota
+    across a fleet of kproxy processes (off when None)."""
 
     samples: int = _setting(11, min=1, max=3600)
     window_s: float = _setting(1.0, above=0, max=3600)
+    coordination: CoordinationConfig | None = None
+
+    @property
+    def coordinated(self) -> CoordinationConfig | None:
+        """The coordination settings when fleet quotas are on, else None."""
+        c = self.coordination
+        return c if c is not None and c.enabled else None
 
 
 @attrs.frozen(field_transformer=_with_checks)
@@ -396,6 +632,8 @@ class ProxyConfig:
     mode: str = _setting("gateway", choices=("gateway", "sidecar"))
     exposure: ExposureConfig = ExposureConfig()
     tls: TlsServerSide = TlsServerSide()
+    proxy_protocol: ProxyProtocolConfig = ProxyProtocolConfig()
+    sasl: SaslConfig | None = None
     limits: LimitsConfig = LimitsConfig()
     passthrough_unknown_versions: bool = False
     # Policy rule files, or directories of them (every *.yaml), relative to the config file.
@@ -433,6 +671,11 @@ class ProxyConfig:
         if self.workers != 1 and self.exposure.mode != "sni" and self.exposure.node_id_base is None:
             raise SettingError(("workers",), "more than one worker needs broker ports every worker agrees on: "
                                              "set exposure.node_id_base (or use exposure.mode: sni)")
+        if (self.proxy_protocol.mode == "optional" and not self.tls.enabled
+                and self.limits.max_frame_size >= _PROXY_V2_AS_FRAME_SIZE):
+            raise SettingError(("limits", "max_frame_size"), "with proxy_protocol.mode: optional, frames must stay "
+                                                             f"under {_PROXY_V2_AS_FRAME_SIZE} bytes, or a frame's "
+                                                             "size could read as a PROXY v2 signature")
         admin = self.admin.listen
         if admin is not None and _may_share(admin.host, self.listen.host):
             taken = {self.listen.port}
@@ -458,6 +701,11 @@ class ProxyConfig:
         """The first per-broker port (port_per_broker mode)."""
         start = self.exposure.broker_port_start
         return self.listen.port + 1 if start is None else start
+
+
+# The first four bytes of a PROXY v2 signature (\r\n\r\n) read as a Kafka frame size; "PROXY"
+# reads larger still. Frames below this cannot be mistaken for a header.
+_PROXY_V2_AS_FRAME_SIZE: Final = 0x0D0A0D0A
 
 
 def _check_exposure(cfg: ProxyConfig) -> None:
@@ -585,6 +833,10 @@ def check_config_file(path: str) -> int:
     """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and return 2."""
     try:
         cfg = load_config(path)
+        if cfg.sasl is not None and cfg.sasl.users_file is not None:
+            from kproxy.userfile import load_users_file
+
+            load_users_file(cfg.sasl.users_file)
         rules = ""
         if cfg.rules:
             from kproxy.policy.loader import describe_rules, load_rules
@@ -615,6 +867,9 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
         f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        *_identity_summary(cfg),
+        f"client SASL {'terminated: ' + ', '.join(cfg.sasl.mechanisms) if cfg.sasl else 'relayed'}",
+        f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}",
         f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
         f"admin {cfg.admin.listen or 'off'}",
         f"traffic log {cfg.traffic_log.dir or 'off'}",
@@ -627,7 +882,23 @@ def describe_config(cfg: ProxyConfig) -> str:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
         if cfg.quota_replicas > 1:
             parts.append(f"quotas split over {cfg.quota_replicas} replicas")
+        coord = cfg.quota.coordinated
+        if coord is not None:
+            parts.append(f"quotas shared by fleet {coord.fleet!r} through topic {coord.topic}")
     return "; ".join(parts)
+
+
+def _identity_summary(cfg: ProxyConfig) -> list[str]:
+    out = []
+    principal = cfg.tls.principal
+    if principal.san_uri:
+        out.append("mTLS principal from the URI SAN (SPIFFE ID)")
+    elif principal.mapping_rules != ("DEFAULT",):
+        out.append(f"mTLS principal by {len(principal.mapping_rules)} mapping rules")
+    pp = cfg.proxy_protocol
+    if pp.mode != "off":
+        out.append(f"PROXY protocol {pp.mode} from {', '.join(pp.trusted)}")
+    return out
 
 
 def _on_off(flag: bool) -> str:
@@ -687,6 +958,7 @@ def _yaml_error(e: yaml.MarkedYAMLError, file: str | None) -> ConfigError:
 _NULL_TAG: Final = "tag:yaml.org,2002:null"
 _STR_TAG: Final = "tag:yaml.org,2002:str"
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+_BOOL_TAG: Final = "tag:yaml.org,2002:bool"
 
 # "$$" is a literal "$"; "${NAME}" and "${NAME:-default}" are references (a default may hold "$$"
 # but no reference); any other "${" is a mistake.
@@ -776,6 +1048,11 @@ class _Builder:
             self.fail(e.path, e.problem)
 
     def value(self, tp: Any, node: Node, path: _Path, rules: Mapping[str, Any]) -> Any:
+        if rules.get("off") and isinstance(node, ScalarNode) and node.tag == _BOOL_TAG:
+            # YAML 1.1 reads a bare off/no/false as a boolean; for a mode that is the word "off".
+            if node.value.lower() in ("off", "no", "false"):
+                return "off"
+            self.fail(path, f"expected one of {', '.join(rules.get('choices', ()))}, got {node.value}", node)
         if rules.get("auto") and isinstance(node, ScalarNode) and node.tag == _STR_TAG:
             if node.value == "auto":
                 return 0    # an int setting that also takes "auto" (workers): 0 stands for it
@@ -788,8 +1065,10 @@ class _Builder:
         if tp is HostPort:
             return self.host_port(node, path)
         if origin is tuple:
+            if rules.get("words"):
+                return self.words(node, path, rules)
             if typing.get_args(tp)[0] is str:
-                return self.paths(node, path)
+                return self.strings(node, path) if rules.get("text") else self.paths(node, path)
             return self.host_ports(node, path)
         if origin is dict:
             return self.mapping(typing.get_args(tp)[1], node, path)
@@ -844,6 +1123,22 @@ class _Builder:
         except ValueError as e:
             self.fail(path, str(e), node)
 
+    def strings(self, node: Node, path: _Path) -> tuple[str, ...]:
+        """A list of strings (or one), each item's line remembered so an error can point at it."""
+        if _is_null(node):
+            return ()
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        out = []
+        for i, item in enumerate(items):
+            at = (*path, i) if isinstance(node, SequenceNode) else path
+            line = _line(item)
+            if line is not None:
+                self.lines[at] = line
+            if not (isinstance(item, ScalarNode) and item.tag == _STR_TAG):
+                self.fail(at, f"expected a string (quote it), got {_describe(item)}", item)
+            out.append(item.value)
+        return tuple(out)
+
     def paths(self, node: Node, path: _Path) -> tuple[str, ...]:
         """A list of file or directory names (or one), each relative to the config file, each existing."""
         items = node.value if isinstance(node, SequenceNode) else [node]
@@ -858,6 +1153,19 @@ class _Builder:
             if not os.path.exists(value):
                 self.fail(at, f"not found: {value}", item)
             out.append(value)
+        return tuple(out)
+
+    def words(self, node: Node, path: _Path, rules: Mapping[str, Any]) -> tuple[str, ...]:
+        """A list of names (or one comma-separated string), such as SASL mechanisms."""
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        out = []
+        for i, item in enumerate(items):
+            at = (*path, i) if isinstance(node, SequenceNode) else path
+            if not (isinstance(item, ScalarNode) and item.tag == _STR_TAG):
+                self.fail(at, f"expected a name, got {_describe(item)}", item)
+            out += [w.strip() for w in item.value.split(",") if w.strip()]
+        if rules.get("case") == "upper":
+            out = [w.upper() for w in out]
         return tuple(out)
 
     def host_ports(self, node: Node, path: _Path) -> tuple[HostPort, ...]:

@@ -5,8 +5,10 @@ file:line message ``kproxy check`` prints), then shipped to the executors, where
 ``kproxy.policy.decide`` judges every recorded request, and each quota's requests are charged, in
 time order per budget key, with the accounting ``kproxy.quota`` uses, inside vectorised pandas
 functions (``mapInPandas``, ``applyInPandas``): the one place the report runs Python per row. Spark
-aggregates what comes out. The log is judged as one kproxy process would see it (share 1, Kafka's
-default 11 samples of 1 s).
+aggregates what comes out. Quotas are judged with Kafka's default 11 samples of 1 s, either per
+kproxy instance (the lines' ``proxy``) with the static share ``1 / quota_replicas`` each, or, in fleet
+mode, with every instance's traffic on a budget key summed before the whole limit applies, as fleet
+quotas (``quota.coordination``) enforce it.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ _OUTPUT = ("ts timestamp, rule string, action string, error string, client_id st
 # rule: "default" when no rule decided; action: allow, deny, rewrite, or "refuse topics" when partial.
 
 
-def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
+def dry_run(requests: DataFrame, rules_path: Path, fleet: bool = False, replicas: int = 1) -> dict[str, DataFrame]:
     """Applies the rules file (or directory) at ``rules_path`` to ``requests`` (the report's table).
 
     Returns ``dry_run_decisions`` (per rule and action: how many requests it decided),
     ``dry_run_denied`` (who would have been refused, by which rule, with which error, how often, and
-    when first and last) and, when the file has quotas, ``dry_run_throttled`` (per quota and budget
-    key: requests counted, how many would have been throttled, and by how much).
+    when first and last), when the file has validate rules ``dry_run_record_rules`` (what each would
+    have judged, and refused where the log can tell), and, when the file has quotas,
+    ``dry_run_throttled`` (per quota and budget key: requests counted, how many would have been
+    throttled, and by how much; per instance with a ``1 / replicas`` share of each limit, or with
+    ``fleet`` summed over the instances, ``instance`` then ``*``).
     """
     from kproxy.policy.loader import RuleError, load_rules
 
@@ -47,8 +52,10 @@ def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
         raise ReportError(f"--rules: {e}") from None
     check_executors(requests.sparkSession)
     tables = _policy(requests, rules)
+    if any(r.action == "validate" for r in rules.rules):
+        tables["dry_run_record_rules"] = _record_rules(requests, rules)
     if rules.quotas:
-        tables["dry_run_throttled"] = _quotas(requests, rules)
+        tables["dry_run_throttled"] = _quotas(requests, rules, fleet, 1.0 / replicas)
     return tables
 
 
@@ -195,22 +202,103 @@ def _scalar(value: Any, array: bool = False) -> Any:
         return value
 
 
+# Per validate rule and produced partition it reaches: ``refused`` 1 when the log proves a record
+# breaks the rule, ``cannot_judge`` the checks the log has nothing for (null when none).
+_RECORDS = ("ts timestamp, rule string, client_id string, topic string, records bigint, refused int, "
+            "cannot_judge string")
+# The traffic log holds batch sizes and record counts, never keys, values or headers.
+NOT_LOGGED = "keys, values and headers are not in the traffic log"
+
+
+def _record_rules(requests: DataFrame, rules: Any) -> DataFrame:
+    """Per validate rule, client and topic: the partitions and records it would have judged, how many
+    partitions it would certainly have refused, and which of its checks cannot be dry-run."""
+    judged = requests.where(F.col("api") == "produce").select(*_INPUT).mapInPandas(
+        _judge_records(rules), schema=_RECORDS)
+    return (judged.groupBy("rule", "client_id", "topic")
+            .agg(F.count(F.lit(1)).alias("partitions"), F.sum("records").alias("records"),
+                 F.sum("refused").alias("refused_partitions"),
+                 F.first("cannot_judge", ignorenulls=True).alias("cannot_judge"),
+                 F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
+            .orderBy(F.desc("refused_partitions"), F.desc("partitions")))
+
+
+def unjudgeable_checks(v: Any) -> list[str]:
+    """The checks of a Validate that need record contents (all but max_record_bytes)."""
+    out = []
+    if v.value is not None:
+        out.append(f"value {v.value.kind}")
+    if not v.allow_null:
+        out.append("allow_null: false")
+    if v.key_required:
+        out.append("key required")
+    if v.key is not None:
+        out.append(f"key {v.key.kind}")
+    if v.required_headers:
+        out.append("headers required")
+    return out
+
+
+def certainly_too_large(max_record_bytes: int | None, api_version: int, compression: Any, size: int,
+                        records: int) -> bool:
+    """Whether a produced partition must hold a record over ``max_record_bytes``: from v3 a Produce
+    partition is one batch (61 header bytes, then its records), and when it is uncompressed its
+    records' average size is a lower bound of the largest."""
+    if max_record_bytes is None or api_version < 3 or compression not in ("none", None) or records <= 0:
+        return False
+    return (size - 61) / records > max_record_bytes
+
+
+def _judge_records(rules: Any) -> Any:
+    def judge(batches: Iterator[Any]) -> Iterator[Any]:
+        import pandas as pd
+
+        from kproxy.policy.engine import Facts, decide
+
+        validators = {r.name: r.params for r in rules.rules if r.action == "validate"}
+        for batch in batches:
+            out = []
+            for row in batch.itertuples(index=False):
+                facts = _facts(row, Facts)
+                if facts is None or _scalar(row.partitions, array=True) is None:
+                    continue
+                reach = {t: [n for n in names if n in validators] for t, names in decide(rules, facts).record_rules}
+                for p in row.partitions:
+                    topic = p.get("topic")
+                    for name in reach.get(topic) or ():
+                        v = validators[name]
+                        records = int(_scalar(p.get("records")) or 0)
+                        refused = certainly_too_large(v.max_record_bytes, facts.api_version, p.get("compression"),
+                                                      int(_scalar(p.get("bytes")) or 0), records)
+                        unknown = unjudgeable_checks(v)
+                        if v.max_record_bytes is not None and not refused and p.get("compression") not in (
+                                "none", None):
+                            unknown.append("max_record_bytes of compressed batches")
+                        out.append((row.ts, name, row.client_id, topic, records, int(refused),
+                                    f"{', '.join(unknown)}: {NOT_LOGGED}" if unknown else None))
+            yield pd.DataFrame(out, columns=_columns(_RECORDS))
+
+    return judge
+
+
 # t: when the response completed (seconds); spent: kproxy's own time on the request (seconds).
-_CHARGES = "quota string, key string, t double, produced bigint, fetched bigint, spent double"
+# instance: the kproxy that counted it, or "*" when the fleet's instances share one budget.
+_CHARGES = "quota string, key string, instance string, t double, produced bigint, fetched bigint, spent double"
 
-_THROTTLED = ("quota string, key string, requests bigint, throttled bigint, throttle_ms_total bigint, "
-              "throttle_ms_p99 bigint, throttle_ms_max bigint")
+_THROTTLED = ("quota string, key string, instance string, requests bigint, throttled bigint, "
+              "throttle_ms_total bigint, throttle_ms_p99 bigint, throttle_ms_max bigint")
 
 
-def _quotas(requests: DataFrame, rules: Any) -> DataFrame:
-    """Per quota and budget key, what the quota would have done to the recorded requests."""
+def _quotas(requests: DataFrame, rules: Any, fleet: bool, share: float) -> DataFrame:
+    """Per quota and budget key (and instance, unless ``fleet``), what the quota would have done."""
     charges = requests.select(*_INPUT, "done_ts", "proxy", "conn", "kproxy_ms").mapInPandas(
-        _charges(rules), schema=_CHARGES)
-    return (charges.groupBy("quota", "key").applyInPandas(_replay(rules), schema=_THROTTLED)
+        _charges(rules, fleet), schema=_CHARGES)
+    return (charges.groupBy("quota", "key", "instance")
+            .applyInPandas(_replay(rules, 1.0 if fleet else share), schema=_THROTTLED)
             .orderBy(F.desc("throttle_ms_total"), F.desc("requests")))
 
 
-def _charges(rules: Any) -> Any:
+def _charges(rules: Any, fleet: bool) -> Any:
     """Each recorded request, once per quota that would have counted it, with what it is charged."""
 
     def charges(batches: Iterator[Any]) -> Iterator[Any]:
@@ -235,6 +323,7 @@ def _charges(rules: Any) -> Any:
                     produced, fetched = (moved, 0) if row.api == "produce" else (0, moved) if row.api == "fetch" \
                         else (0, 0)
                 connection = f"{_scalar(row.proxy) or ''}/{_scalar(row.conn)}"
+                instance = "*" if fleet else _scalar(row.proxy) or "?"
                 for q in quotas:
                     if not (q.rule.match.holds_for_connection(
                             facts.client_id, facts.principal, facts.source, facts.listener,
@@ -243,13 +332,14 @@ def _charges(rules: Any) -> Any:
                         continue
                     key = key_of(q.rule.per, facts.client_id, facts.principal, facts.source, connection)
                     spent = (_scalar(row.kproxy_ms) or 0.0) / 1000.0
-                    out.append((q.rule.name, key, pd.Timestamp(done).timestamp(), produced, fetched, spent))
+                    out.append((q.rule.name, key, instance, pd.Timestamp(done).timestamp(), produced, fetched,
+                                spent))
             yield pd.DataFrame(out, columns=_columns(_CHARGES))
 
     return charges
 
 
-def _replay(rules: Any) -> Any:
+def _replay(rules: Any, share: float) -> Any:
     """One quota's budget key: its requests charged in time order; the throttles that come of it."""
 
     def replay(group: Any) -> Any:
@@ -257,14 +347,14 @@ def _replay(rules: Any) -> Any:
 
         from kproxy.quota.engine import quotas_of, replay_throttles
 
-        name, key = group["quota"].iloc[0], group["key"].iloc[0]
-        q = next(q for q in quotas_of(rules) if q.rule.name == name)
+        name, key, instance = group["quota"].iloc[0], group["key"].iloc[0], group["instance"].iloc[0]
+        q = next(q for q in quotas_of(rules, share=share) if q.rule.name == name)
         group = group.sort_values("t", kind="stable")
         ms = replay_throttles(q, zip(group["t"], group["produced"], group["fetched"], group["spent"],
                                      strict=True))
         hit = sorted(m for m in ms if m > 0)
         p99 = hit[int(0.99 * (len(hit) - 1))] if hit else 0
-        return pd.DataFrame([(name, key, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
+        return pd.DataFrame([(name, key, instance, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
                             columns=_columns(_THROTTLED))
 
     return replay
@@ -273,3 +363,53 @@ def _replay(rules: Any) -> Any:
 def _columns(ddl: str) -> list[str]:
     """The column names of a DDL schema string, in order."""
     return [part.split()[0] for part in ddl.split(",")]
+
+
+# ---- the coordination topic's history (fleet quotas)
+
+# One record as a dump holds it: kcat -C -t TOPIC -f '%k\t%s\t%T\n' (key, value, timestamp in ms).
+_DUMP_RECORDS = "fleet string, quota string, key string, instance string, rate double, demand double, at double"
+
+
+def coordination_tables(spark: Any, dump: Path) -> dict[str, DataFrame]:
+    """``coordination_budgets`` from a dump of the coordination topic: per fleet, quota and budget key,
+    the instances that reported it, and the peak per second of the rates and demands they reported
+    summed (fractions of the quota's whole limit: above 1, the fleet wanted more than the limit)."""
+    if not dump.is_file():
+        raise ReportError(f"--coordination-dump {dump}: no such file")
+    lines = spark.read.text(str(dump))
+    records = lines.mapInPandas(_decode_records, schema=_DUMP_RECORDS)
+    per_second = (records.withColumn("second", F.floor("at"))
+                  .groupBy("fleet", "quota", "key", "instance", "second")
+                  .agg(F.max("rate").alias("rate"), F.max("demand").alias("demand")))
+    summed = (per_second.groupBy("fleet", "quota", "key", "second")
+              .agg(F.sum("rate").alias("rate"), F.sum("demand").alias("demand")))
+    peaks = summed.groupBy("fleet", "quota", "key").agg(F.max("rate").alias("peak_rate"),
+                                                        F.max("demand").alias("peak_demand"))
+    seen = records.groupBy("fleet", "quota", "key").agg(
+        F.countDistinct("instance").alias("instances"), F.count(F.lit(1)).alias("records"),
+        F.min("at").cast("timestamp").alias("first_seen"), F.max("at").cast("timestamp").alias("last_seen"))
+    table = (seen.join(peaks, ["fleet", "quota", "key"]).where(F.col("quota") != "")
+             .orderBy(F.desc("peak_demand")))
+    return {"coordination_budgets": table}
+
+
+def _decode_records(batches: Iterator[Any]) -> Iterator[Any]:
+    import pandas as pd
+
+    from kproxy.quota.fleet import decode_record
+
+    for batch in batches:
+        out = []
+        for line in batch["value"]:
+            parts = line.split("\t")
+            if len(parts) != 3:
+                continue
+            try:
+                at = int(parts[2]) / 1000.0
+            except ValueError:
+                continue
+            r = decode_record(parts[0].encode(), parts[1].encode(), at)
+            if r is not None:
+                out.append((r.fleet, r.quota, r.key, r.instance, r.rate, r.demand, r.at))
+        yield pd.DataFrame(out, columns=_columns(_DUMP_RECORDS))

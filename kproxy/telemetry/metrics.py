@@ -108,6 +108,7 @@ class Metrics(Collector):
         self.streams_broken = 0
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
+        self.records_refused: dict[str, int] = {}
         self.clients = Capped(self.cfg.label_cap) if self.cfg.client_labels else None
         self.topics = Capped(self.cfg.label_cap) if self.cfg.topic_labels else None
         self._readers: list[Reader] = []
@@ -149,6 +150,9 @@ class Metrics(Collector):
             if notes.get("action") == "deny":
                 rule = str(notes.get("rule") or "default")
                 self.denied[rule] = self.denied.get(rule, 0) + 1
+            for refusal in notes.get("records_refused") or ():
+                rule = str(refusal.get("rule"))
+                self.records_refused[rule] = self.records_refused.get(rule, 0) + 1
             quota = notes.get("quota")
             if isinstance(quota, dict) and quota.get("throttle_ms"):
                 rule = str(quota.get("rule") or "quota")
@@ -224,6 +228,8 @@ class Metrics(Collector):
                        {(k,): v for k, v in self.throttle_seconds.items()})
         yield _counter("kproxy_denied_requests", "Requests refused by a policy rule, by rule.", ["rule"],
                        {(k,): v for k, v in self.denied.items()})
+        yield _counter("kproxy_records_refused", "Partition batches refused by a validate rule (INVALID_RECORD), "
+                       "by rule.", ["rule"], {(k,): v for k, v in self.records_refused.items()})
         if self.clients is not None:
             for kind, doc in (("requests", "Requests"), ("request_bytes", "Request bytes"),
                               ("response_bytes", "Response bytes")):
@@ -256,6 +262,23 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
         _counter("kproxy_upstream_connect_failures", "Failed connection attempts to brokers, by broker.",
                  ["broker"], {(k,): v for k, v in upstream_failures.items()}),
     ]
+
+
+def identity_families(identity: Any) -> list[Metric]:
+    """SASL logins kproxy judged (termination) and made (origination)."""
+    out = [_counter("kproxy_sasl_logins", "Client SASL logins kproxy judged, by mechanism and outcome (ok, "
+                    "reauthenticated, failed, refused, rate_limited).", ["mechanism", "outcome"],
+                    dict(identity.logins))]
+    originator = identity.originator
+    if originator is not None:
+        out.append(_counter("kproxy_upstream_sasl_logins", "Logins kproxy made to brokers as itself, by outcome.",
+                            ["outcome"], {("ok",): originator.logins, ("failed",): originator.failures}))
+    jwks = identity.jwks
+    if jwks is not None:
+        out.append(_counter("kproxy_jwks_fetches", "JWKS fetches, by outcome.", ["outcome"],
+                            {("ok",): jwks.fetches_ok, ("failed",): jwks.fetches_failed}))
+        out.append(GaugeMetricFamily("kproxy_jwks_keys", "Signing keys held from the JWKS.", value=len(jwks.keys)))
+    return out
 
 
 def budget_families(budget: Any) -> list[Metric]:
@@ -337,3 +360,50 @@ def loop_lag_families(lag: Histogram, longest: float) -> list[Metric]:
     h.add_metric([], lag.cumulative(), lag.sum)
     return [h, GaugeMetricFamily("kproxy_event_loop_lag_max_seconds", "The longest event loop lag seen.",
                                  value=longest)]
+
+
+def coordination_families(snap: Mapping[str, Any]) -> list[Metric]:
+    """Fleet quotas (``Coordinator.snapshot()``): whether shares follow the fleet or the static share."""
+    out: list[Metric] = [
+        GaugeMetricFamily("kproxy_quota_coordination_up", "1 while quota shares follow the fleet (an own record "
+                          "was read back from the coordination topic within stale_after_s), 0 on the static "
+                          "share.", value=1 if snap["up"] else 0),
+        CounterMetricFamily("kproxy_quota_coordination_switches", "Switches between coordinated and static "
+                            "quota shares.", value=snap["switches"]),
+        _counter("kproxy_quota_coordination_records", "Coordination records written and read.", ["direction"],
+                 {("out",): snap["published"], ("in",): snap["read"]}),
+        _counter("kproxy_quota_coordination_bytes", "Bytes sent to and received from brokers for quota "
+                 "coordination.", ["direction"], {("out",): snap["bytes_out"], ("in",): snap["bytes_in"]}),
+        GaugeMetricFamily("kproxy_quota_coordination_budgets", "Budgets reported in the last interval.",
+                          value=snap["active"]),
+        GaugeMetricFamily("kproxy_quota_coordination_peers", "Other kproxy processes of the fleet with a fresh "
+                          "record.", value=snap["peers"]),
+    ]
+    if snap["peer_age_s"] is not None:
+        out.append(GaugeMetricFamily("kproxy_quota_coordination_peer_age_seconds", "Age of the newest record "
+                                     "of another process of the fleet.", value=snap["peer_age_s"]))
+    return out
+
+
+def identity_edge_families(tls_contexts: Iterable[Any], proxy_protocol: Any, sni_names: Any) -> list[Metric]:
+    """Certificate reloads (``ReloadingContext``), PROXY header refusals and refused SNI names."""
+    reloads: dict[tuple[str, str], float] = {}
+    loaded: dict[tuple[str], float] = {}
+    for ctx in tls_contexts:
+        reloads[(ctx.setting, "ok")] = ctx.reloads_ok
+        reloads[(ctx.setting, "failed")] = ctx.reloads_failed
+        when = epoch_seconds(ctx.loaded_at)
+        if when is not None:
+            loaded[(ctx.setting,)] = when
+    out = [_counter("kproxy_tls_reloads", "Reloads of changed certificate, key and CA files, by side "
+                    "(tls, upstream.tls) and outcome.", ["setting", "outcome"], reloads),
+           _gauge("kproxy_tls_loaded_timestamp_seconds", "When the TLS files in force on each side were "
+                  "loaded (seconds since the epoch).", ["setting"], loaded)]
+    if proxy_protocol is not None:
+        refused = {(kind,): float(n) for kind, n in proxy_protocol.refused.items()}
+        out.append(_counter("kproxy_proxy_protocol_refused", "Connections closed at the PROXY header, by "
+                            "reason (untrusted, missing, malformed, timeout, closed).", ["reason"], refused))
+    if sni_names is not None and sni_names.suffix is not None:
+        out.append(CounterMetricFamily("kproxy_sni_names_refused", "TLS handshakes ended for an SNI name "
+                                       "kproxy does not serve.", value=sni_names.refused))
+    return out

@@ -21,6 +21,7 @@ from helm_python.chart import Chart, lint
 from helm_python.errors import HelmError
 
 from kproxy.config import HostPort, ProxyConfig
+from kproxy.userfile import add_user
 from tests.deploy.pod import lay_out
 from tests.deploy.render import (
     CHART_DIR,
@@ -47,7 +48,7 @@ CHART_OWNED = {"listen", "mode", "admin", "exposure", "tls", "tracing", "rules",
 
 def test_the_ci_files_cover_every_supported_shape() -> None:
     assert {"gateway-values.yaml", "sidecar-values.yaml", "tls-mtls-values.yaml", "sni-values.yaml",
-            "tracing-values.yaml", "quotas-values.yaml"} <= set(CI_FILES)
+            "tracing-values.yaml", "quotas-values.yaml", "nlb-proxy-protocol-values.yaml"} <= set(CI_FILES)
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
@@ -76,6 +77,8 @@ def test_renders_lints_and_validates(ci_file: str, kube_version: str) -> None:
     ({"config": {"limits": {"drain_timeout_s": "20s"}}}, "drain_timeout_s"),
     ({"config": {"limits": {"drain_timeout": 20}}}, "drain_timeout"),
     ({"config": {"log_format": "xml"}}, "log_format"),
+    ({"config": {"quota": {"coordination": {"fleet": "a/b"}}}}, "fleet"),
+    ({"config": {"quota": {"coordination": {"topic": "__kproxy_quotas"}}}}, "fleet"),
     # What the chart sets itself cannot be set again through config.
     ({"config": {"listen": "0.0.0.0:1"}}, "listen"),
     ({"metrics": {"prometheusRule": {"enabled": "yes"}}}, "enabled"),
@@ -182,7 +185,11 @@ def _secrets(tmp_path: Path) -> dict[str, dict[str, bytes]]:
     cert = ca.issue_cert("*.kafka.example.com", "kp-kproxy.kafka.svc", "bootstrap.kafka.example.com")
     tls = {"tls.crt": cert.cert_chain_pems[0].bytes(), "tls.key": cert.private_key_pem.bytes(),
            "ca.crt": ca.cert_pem.bytes()}
-    return {"kproxy-tls": tls, "kafka-example-com-wildcard": tls, "kafka-cluster-ca-cert": {"ca.crt": ca.cert_pem.bytes()}}
+    users = tmp_path / "users.yaml"
+    add_user(str(users), "alice", "alice-password")
+    credentials = {"password": b"svc-password\n", "users.yaml": users.read_bytes()}
+    return {"kproxy-tls": tls, "kafka-example-com-wildcard": tls, "kafka-cluster-ca-cert": {"ca.crt": ca.cert_pem.bytes()},
+            "kafka-credentials": credentials}
 
 
 # Stand-ins for the ConfigMaps ci/existing-configmaps-values.yaml names.
@@ -309,11 +316,40 @@ def test_notes_tell_clients_where_to_connect() -> None:
     ({"exposure": {"mode": "sni", "sni": {"domain": "k.example"}}}, "exposure.mode sni needs tls.enabled"),
     ({"exposure": {"mode": "sni"}, "tls": {"enabled": True, "secretName": "s"}}, "needs exposure.sni.domain"),
     ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
+    ({"tls": {"enabled": True, "secretName": "s", "principal": {"san_uri": True}}},
+     "tls.principal maps client certificates: it needs tls.requireClientCert: true"),
 ])
 def test_inconsistent_values_fail_with_the_reason(bad: Obj, message: str) -> None:
     with pytest.raises(HelmError, match=re.escape(message)):
         render_chart(bad)
 
+
+
+def test_sasl_secrets_come_from_an_existing_secret_as_files() -> None:
+    objects = chart_objects(render_chart(ci_values()["sasl-values.yaml"]))
+    spec = one(objects, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "kproxy-secret")
+    assert volume["secret"] == {"secretName": "kafka-credentials", "defaultMode": 0o400}
+    (container,) = spec["containers"]
+    assert {"name": "kproxy-secret", "mountPath": "/etc/kproxy/secret", "readOnly": True} in container["volumeMounts"]
+    config = _config_of(objects)
+    assert config["upstream"]["sasl"]["password_file"].startswith("/etc/kproxy/secret/")
+    assert "password" not in config["upstream"]["sasl"]
+    assert not by_kind(objects, "Secret")          # the chart makes no Secret of its own
+
+
+@pytest.mark.parametrize("sasl", [
+    {"mechanism": "PLAIN", "username": "svc", "password": "hunter2"},
+    {"mechanism": "OAUTHBEARER", "oauth": {"token_endpoint_url": "https://idp/t", "client_id": "k",
+                                           "client_secret": "s3cret"}},
+])
+def test_a_secret_written_in_values_is_refused(sasl: Obj) -> None:
+    with pytest.raises(HelmError, match=r"password|secret"):
+        render_chart({"config": {"upstream": {"bootstrap_servers": ["kafka:9092"], "sasl": sasl}}})
+    # A ${VAR} reference (filled from env: valueFrom a Secret) is fine.
+    sasl_ref = {**sasl, "password": "${KAFKA_PASSWORD}"} if "password" in sasl else {
+        **sasl, "oauth": {**sasl["oauth"], "client_secret": "${CLIENT_SECRET}"}}
+    render_chart({"config": {"upstream": {"bootstrap_servers": ["kafka:9092"], "sasl": sasl_ref}}})
 
 
 # -- monitoring: the alert rules and the Grafana dashboard, off by default
