@@ -462,6 +462,7 @@ class Bench:
         if HAPROXY in self.args.targets:
             self._start_haproxy(hp, relay_side)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
+        self.admins = {}
 
     def _start_haproxy(self, port: int, upstream: int) -> None:
         binary = haproxy_binary()
@@ -824,8 +825,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= set(SASL)
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
-    if fake and wanted & {"tansu-proxy", TENANT}:
-        ap.error("tansu-proxy and kproxy-tenant need --broker tansu")
+    if fake and wanted & {"tansu-proxy", TENANT, *FLEET, *SASL}:
+        ap.error(f"{', '.join(sorted(wanted & {'tansu-proxy', TENANT, *FLEET, *SASL}))} need --broker tansu")
     if not fake and HAPROXY in wanted:
         ap.error("the haproxy target needs --broker fake (tansu advertises one listener only)")
     args.targets = tuple(t for t in ALL_TARGETS if t in wanted)
