@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-slow lint bench system-deps monitoring image-deps docs
+.PHONY: demo test test-fast test-slow lint bench bench-deps system-deps monitoring image-deps docs
 
 # The native codec accelerator is built by the editable install: rebuild when its source changes.
 $(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c
@@ -73,9 +73,20 @@ lint: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(BIN)/mkdocs build --strict
 
-bench: $(VENV)/.installed
+# HAProxy (Debian), the zero-copy relay bench/proxy.py --broker fake compares kproxy with; only the
+# benches need it, not `make test`.
+bench-deps:
+	@command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      haproxy) >/dev/null || echo "warning: could not install haproxy"; \
+	  else echo "warning: haproxy missing and apt-get unavailable (bench/proxy.py --broker fake needs it)"; fi; }
+
+bench: $(VENV)/.installed bench-deps
 	$(BIN)/python bench/codec.py
 	$(BIN)/python bench/proxy.py
+	$(BIN)/python bench/proxy.py --broker fake
+	$(BIN)/python bench/big_fetch.py
 
 # The Grafana dashboard built as code, and the chart's copies of it and of the alert rules (Helm reads
 # only files inside the chart). tests/monitoring fails when any of them is stale.

@@ -1,4 +1,4 @@
-"""End-to-end proxy throughput and latency: direct to tansu, through kproxy, through tansu's own proxy.
+"""End-to-end proxy throughput and latency: direct to the broker, through kproxy, through peer relays.
 
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
 (also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
@@ -13,6 +13,12 @@ produces N records with acks=all to a fresh topic and then consumes exactly thos
 beginning (assign, no group), through each target in turn; cases interleave, the order of the targets
 rotates each round, and figures are medians over rounds. A Metadata v12 round trip on one open raw
 socket per target (kproxy's own codec) gives p50/p99 latency and what each proxy adds.
+
+``--broker fake`` replaces tansu with bench/fake_broker.py, a stand-in for a broker serving Fetch from
+its page cache (1 MiB answers of prebuilt batches, as fast as loopback allows), and adds the
+``haproxy`` target: HAProxy in TCP mode with ``option splice-auto`` (Debian's ``haproxy``, installed
+when missing), a relay that copies nothing through user space, in front of the broker's second
+listener, which advertises HAProxy's address so clients stay on the relay after bootstrap.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -48,6 +55,10 @@ from small_requests import LoadResult, run_load
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 TARGETS = ("direct", "kproxy", "tansu-proxy")
+FAKE_TARGETS = ("direct", "kproxy", "haproxy")    # the defaults with --broker fake
+HAPROXY = "haproxy"
+# kproxy from another source tree (--baseline DIR), e.g. the commit before a change, in the same run.
+BASELINE = "kproxy-base"
 # kproxy with telemetry on, each compared with plain kproxy in the same run: metrics (the admin
 # listener) and the traffic log; tracing alone at 1% and at 100% sampling, exporting OTLP over HTTP
 # to a receiver in this process that reads and discards the payloads.
@@ -81,7 +92,7 @@ FLEET = {"kp-fleet": {**QUOTAS["kp-quotas"], "coordination": "{fleet: bench, top
 # logging in costs. Origination adds nothing per request; the login is once per broker connection.
 SASL = ("kp-gate", "kp-sasl")
 SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
-ALL_TARGETS = (*TARGETS, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL)
+ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -377,6 +388,9 @@ class Bench:
     admin_ports: dict[str, int] = field(default_factory=dict)
 
     def start(self) -> None:
+        if self.args.broker == "fake":
+            self._start_fake()
+            return
         launcher = Tansu(port=free_port())          # kproxy's launcher gives the command line
         tansu, bp = launcher.binary, launcher.port
         url = f"tcp://{HOST}:{bp}"
@@ -389,6 +403,8 @@ class Bench:
 
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
+        if BASELINE in self.args.targets:
+            self._start_kproxy(bp, BASELINE)
         for name, options in {**TELEMETRY, **QUOTAS, **FLEET}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
@@ -425,6 +441,45 @@ class Bench:
             self._start_kproxy(launcher.port, name, options)
             self.admins[name] = AdminClient({"bootstrap.servers": f"{HOST}:{self.ports[name]}"})
 
+    def _start_fake(self) -> None:
+        """The fake page-cache broker: one listener for direct clients and kproxy, a second that
+        advertises HAProxy's port, and HAProxy in front of it."""
+        bp, relay_side, hp = free_port(), free_port(), free_port()
+        argv = [sys.executable, str(REPO / "bench" / "fake_broker.py"), "--listen", f"{HOST}:{bp}",
+                "--listen", f"{HOST}:{relay_side}={HOST}:{hp}"]
+        broker = Child("fake broker", argv, self.workdir / "broker.log")
+        self.children.append(broker)
+        broker.start([bp, relay_side])
+        self.broker = broker
+        self.ports["direct"] = bp
+        for name, options in {**TELEMETRY, **QUOTAS}.items():
+            if name in self.args.targets:
+                self._start_kproxy(bp, name, options)
+        if "kproxy" in self.args.targets:
+            self._start_kproxy(bp)
+        if BASELINE in self.args.targets:
+            self._start_kproxy(bp, BASELINE)
+        if HAPROXY in self.args.targets:
+            self._start_haproxy(hp, relay_side)
+        self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
+        self.admins = {}
+
+    def _start_haproxy(self, port: int, upstream: int) -> None:
+        binary = haproxy_binary()
+        cfg = self.workdir / "haproxy.cfg"
+        # TCP mode, splice(2) between the sockets whenever the kernel allows (splice-auto): no byte
+        # crosses user space. Thread count is HAProxy's default (one per CPU).
+        cfg.write_text("\n".join([
+            "global", "    maxconn 4000", "defaults", "    mode tcp", "    option splice-auto",
+            "    timeout connect 5s", "    timeout client 1h", "    timeout server 1h",
+            "frontend kafka", f"    bind {HOST}:{port}", "    default_backend broker",
+            "backend broker", f"    server broker {HOST}:{upstream}", ""]))
+        child = Child(HAPROXY, [binary, "-db", "-f", str(cfg)], self.workdir / "haproxy.log")
+        self.children.append(child)
+        child.start([port])
+        self.ports[HAPROXY] = port
+        self.proxies[HAPROXY] = child
+
     def _start_kproxy(self, bp: int, name: str = "kproxy", telemetry: dict | None = None,
                       extra: list[str] | None = None) -> None:
         kp = free_port_pair()
@@ -432,6 +487,10 @@ class Bench:
         if self.args.profile_kproxy and name == "kproxy":
             kargv += ["-m", "cProfile", "-o", str(self.args.profile_kproxy)]
         env = None
+        if name == BASELINE:
+            # The other tree's kproxy package comes first on the path (an editable install's
+            # finder only answers what the path does not).
+            env = {**os.environ, "PYTHONPATH": str(self.args.baseline)}
         if telemetry is None:
             kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
                       "--log-level", "WARNING", *(extra or [])]
@@ -544,11 +603,11 @@ class Bench:
 
     def throughput(self, rounds: int, ns: dict[int, int]) -> dict[tuple[str, int, str], list[RunResult]]:
         out: dict[tuple[str, int, str], list[RunResult]] = {}
-        values = {size: os.urandom(size) for size in SIZES}
+        values = {size: os.urandom(size) for size in ns}
         targets = self.args.targets
         for r in range(rounds):
             order = targets[r % len(targets):] + targets[: r % len(targets)]
-            for size in SIZES:
+            for size in ns:
                 for target in order:
                     self.check_alive()
                     p, c = self.one_run(target, size, ns[size], values[size])
@@ -563,7 +622,7 @@ class Bench:
         """Many connections looping on Metadata v12 (bench/small_requests.py), per target and round;
         with each proxy's CPU seconds per request."""
         out: dict[str, list[tuple[LoadResult, float | None]]] = {}
-        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy")]
+        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy", HAPROXY, BASELINE)]
         for r in range(rounds):
             for target in targets[r % len(targets):] + targets[: r % len(targets)]:
                 self.check_alive()
@@ -603,6 +662,7 @@ def fmt_ratio(a: float, b: float) -> str:
 
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
+          (HAPROXY, "direct"), ("kproxy", HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
           *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
           ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"))
 
@@ -610,7 +670,7 @@ RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-pro
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
                       targets: tuple[str, ...]) -> None:
     rounds = len(next(iter(tp.values())))
-    print("records per run: " + ", ".join(f"{ns[s]:,} x {s} B" for s in SIZES)
+    print("records per run: " + ", ".join(f"{ns[s]:,} x {s} B" for s in ns)
           + f"; {rounds} interleaved round(s); MB/s = records x value size / 1e6")
     print("proxy CPU = the proxy process's CPU time / wall time of the run (100% = one core); "
           "mcores/MBps = millicores of proxy CPU per MB/s moved; CPU s/GB = proxy CPU seconds per GB moved")
@@ -621,7 +681,7 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
     print("-" * len(hdr))
     med: dict[tuple[str, int, str], float] = {}
     for op in ("produce", "consume"):
-        for size in SIZES:
+        for size in ns:
             for target in targets:
                 runs = tp[(op, size, target)]
                 rates = [ns[size] / r.seconds for r in runs]
@@ -647,7 +707,7 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
     print(f"{'':<16}" + "".join(f"{'medians   paired':>26}" for _ in pairs))
     print("-" * len(hdr))
     for op in ("produce", "consume"):
-        for size in SIZES:
+        for size in ns:
             cells = []
             for a, b in pairs:
                 paired = statistics.median(rb.seconds / ra.seconds
@@ -686,6 +746,21 @@ def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> Non
         print(f"{t:<15}{p50:>8.3f}{p99:>8.3f}{a50:>11}{a99:>11}")
 
 
+def haproxy_binary() -> str:
+    """HAProxy from Debian, installed with apt-get when missing and this is root."""
+    found = shutil.which("haproxy") or (Path("/usr/sbin/haproxy").is_file() and "/usr/sbin/haproxy")
+    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
+        print("  installing haproxy (Debian) for the haproxy target", file=sys.stderr, flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "haproxy"],
+                       check=True, env=env, stdout=subprocess.DEVNULL)
+        found = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    if not found:
+        raise RuntimeError("haproxy is not installed (Debian package haproxy; `make bench-deps` installs it)")
+    return str(found)
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     # SIGTERM takes the same way out as Ctrl-C, so the finally in main() stops every child.
     raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -702,7 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=2000, help="Metadata round trips per target (default 2000)")
     ap.add_argument("--records-100", type=int, help=f"records per 100 B run (default {DEFAULT_N[100]:,})")
     ap.add_argument("--records-1k", type=int, help=f"records per 1 KiB run (default {DEFAULT_N[1024]:,})")
-    ap.add_argument("--targets", default=",".join(TARGETS),
+    ap.add_argument("--broker", choices=("tansu", "fake"), default="tansu",
+                    help="tansu, or bench/fake_broker.py (a page-cache broker; adds the haproxy target)")
+    ap.add_argument("--targets", default=None,
                     help=f"comma-separated subset of {','.join(ALL_TARGETS).replace('%', '%%')} (direct is always run)")
     ap.add_argument("--telemetry", action="store_true",
                     help=f"add {', '.join(TELEMETRY).replace('%', '%%')} (and kproxy, which they are compared with)")
@@ -710,6 +787,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--quotas", action="store_true",
                     help=f"add {', '.join(QUOTAS)} (and kproxy, which they are compared with)")
+    ap.add_argument("--baseline", metavar="DIR", type=Path,
+                    help=f"add {BASELINE}: kproxy run from the source tree DIR (DIR/kproxy), e.g. "
+                         "`git archive COMMIT kproxy | tar -x -C DIR` plus the built kproxy/protocol/_accel*.so")
     ap.add_argument("--fleet", action="store_true",
                     help=f"add {', '.join(FLEET)} (and kp-quotas, which it is compared with)")
     ap.add_argument("--sasl", action="store_true",
@@ -722,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-kproxy", metavar="FILE.prof",
                     help="run kproxy under cProfile and write its profile here (slows kproxy down)")
     args = ap.parse_args(argv)
+    fake = args.broker == "fake"
+    if args.targets is None:
+        args.targets = ",".join(FAKE_TARGETS if fake else TARGETS)
     wanted = set(args.targets.split(",")) | {"direct"}
     if args.telemetry:
         wanted |= {"kproxy", *TELEMETRY}
@@ -729,12 +812,23 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"kproxy", TENANT}
     if args.quotas:
         wanted |= {"kproxy", *QUOTAS}
+    if args.baseline is not None:
+        if not (args.baseline / "kproxy" / "__init__.py").is_file():
+            ap.error(f"--baseline {args.baseline}: no kproxy package there")
+        args.baseline = args.baseline.resolve()
+        wanted |= {"kproxy", BASELINE}
+    elif BASELINE in wanted:
+        ap.error(f"{BASELINE} needs --baseline DIR")
     if args.fleet:
         wanted |= {"kp-quotas", *FLEET}
     if args.sasl:
         wanted |= set(SASL)
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
+    if fake and wanted & {"tansu-proxy", TENANT, *FLEET, *SASL}:
+        ap.error(f"{', '.join(sorted(wanted & {'tansu-proxy', TENANT, *FLEET, *SASL}))} need --broker tansu")
+    if not fake and HAPROXY in wanted:
+        ap.error("the haproxy target needs --broker fake (tansu advertises one listener only)")
     args.targets = tuple(t for t in ALL_TARGETS if t in wanted)
     rounds, samples = (1, 300) if args.quick else (args.rounds, args.samples)
     ns = dict(QUICK_N if args.quick else DEFAULT_N)
@@ -742,6 +836,9 @@ def main(argv: list[str] | None = None) -> int:
         ns[100] = args.records_100
     if args.records_1k:
         ns[1024] = args.records_1k
+    if fake:
+        # The fake broker's batches are of the first record's size; 1 KiB is the case the goals name.
+        ns = {1024: ns[1024]}
     if args.profile_kproxy:
         args.profile_kproxy = Path(args.profile_kproxy).resolve()
 
@@ -766,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.stop()
     print()
     print(f"confluent-kafka {confluent_kafka.__version__} (librdkafka {confluent_kafka.libversion()[0]}), "
-          f"tansu broker (memory storage), {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
+          f"{'fake page-cache broker' if fake else 'tansu broker (memory storage)'}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
           f"{load_before} before, {_load()} after")
     if tp:
         report_throughput(ns, tp, args.targets)

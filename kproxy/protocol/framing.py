@@ -20,6 +20,7 @@ DEFAULT_MAX_FRAME_SIZE = 100 * 1024 * 1024  # Kafka's socket.request.max.bytes d
 DEFAULT_CHUNK_SIZE = 256 * 1024
 FIRST_CHUNK_SIZE = 4 * 1024        # an idle connection costs a few KiB, not a whole chunk
 GROWTH_FLOOR = 64 * 1024           # first step of an untrusted large frame's buffer
+STREAM_CHUNK_SIZE = 1024 * 1024    # what a frame taken piece by piece (cut-through) holds
 
 
 class FrameReader:
@@ -32,7 +33,8 @@ class FrameReader:
     """
 
     __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_next_chunk",
-                 "_ready", "_start", "frames", "limit_name", "max_frame_size", "total_bytes", "trust_claims")
+                 "_ready", "_reusable", "_start", "_stream_left", "frames", "limit_name", "max_frame_size",
+                 "total_bytes", "trust_claims")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, *, trust_claims: bool = True,
@@ -53,6 +55,8 @@ class FrameReader:
         self._ready: memoryview | None = None   # a complete large frame not yet taken
         self.total_bytes = 0
         self.frames = 0          # frames returned so far
+        self._stream_left = 0    # bytes of a frame taken piece by piece (cut-through) still to take
+        self._reusable = False   # every byte of the chunk went out as pieces: it may be refilled
 
     @property
     def buffered(self) -> int:
@@ -70,7 +74,60 @@ class FrameReader:
 
     @property
     def at_frame_boundary(self) -> bool:
-        return self._big is None and self._ready is None and self._end == self._start
+        return self._big is None and self._ready is None and self._end == self._start and not self._stream_left
+
+    # -- cut-through: a large frame taken piece by piece as it arrives, never held whole
+
+    def frame_starting(self) -> tuple[int, memoryview] | None:
+        """The frame at the head when its size prefix has arrived but not all of it, and it is not
+        yet held in a buffer of its own: (its size, its bytes here so far). Ask before
+        ``next_frame``, which would give such a frame a buffer of its own."""
+        if self._big is not None or self._ready is not None or self._stream_left or self._buf is None:
+            return None
+        avail = self._end - self._start
+        if avail < 4:
+            return None
+        (size,) = _SIZE.unpack_from(self._buf, self._start)
+        if size < 0 or avail >= 4 + size:
+            return None
+        return size, memoryview(self._buf)[self._start + 4:self._end]
+
+    def stream_current(self) -> None:
+        """Take the frame ``frame_starting`` reported piece by piece (``take_piece``) from now on.
+        Its size may exceed ``max_frame_size``: only a chunk of it is ever held."""
+        got = self.frame_starting()
+        if got is None:
+            raise ValueError("no frame is starting")
+        self._stream_left = got[0]
+        self._start += 4
+        assert self._buf is not None
+        if len(self._buf) < STREAM_CHUNK_SIZE:
+            # The chunk is refilled rather than outgrown while a frame streams: take its full size
+            # now, or a large frame would pass through a first, small chunk a few KiB at a time.
+            # Larger than a stored frame's chunk: fewer, larger receives and sends per frame.
+            self._new_chunk(grow=False, need=STREAM_CHUNK_SIZE)
+
+    @property
+    def streaming_left(self) -> int:
+        """Bytes of the frame being taken piece by piece that have not been taken yet."""
+        return self._stream_left
+
+    def take_piece(self) -> memoryview | None:
+        """The next bytes of the streamed frame that have arrived, or None. The view is valid until
+        the next ``recv_buffer``: the chunk is then refilled, so a streamed frame holds one chunk."""
+        if not self._stream_left or self._buf is None:
+            return None
+        k = min(self._end - self._start, self._stream_left)
+        if k <= 0:
+            return None
+        piece = memoryview(self._buf)[self._start:self._start + k]
+        self._start += k
+        self._stream_left -= k
+        if not self._stream_left:
+            self.frames += 1
+        if self._start == self._end:
+            self._reusable = True
+        return piece
 
     def recv_buffer(self) -> memoryview:
         """A writable view to receive into; never empty."""
@@ -87,6 +144,10 @@ class FrameReader:
             return memoryview(big)[self._big_fill:]
         if self._buf is None:
             self._buf = bytearray(self._next_chunk)
+        if self._reusable:
+            self._reusable = False
+            if self._start == self._end:
+                self._start = self._end = 0
         if self._end == len(self._buf):
             self._make_room()
             if self._big is not None:
@@ -115,7 +176,7 @@ class FrameReader:
         """Nothing buffered, and the receive chunk has grown past the first size: worth releasing
         if the connection is about to wait."""
         return (self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE and self._big is None
-                and self._ready is None and self._end == self._start)
+                and self._ready is None and self._end == self._start and not self._stream_left)
 
     def release_idle(self) -> int:
         """Give back the receive chunk when nothing is buffered; returns the bytes released.
@@ -133,6 +194,9 @@ class FrameReader:
 
     def next_frame(self) -> memoryview | None:
         """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix."""
+        if self._stream_left:
+            return None
+        self._reusable = False
         if self._ready is not None:
             frame, self._ready = self._ready, None
             self.frames += 1
@@ -204,6 +268,10 @@ class FrameReader:
     def _make_room(self) -> None:
         """The chunk is full: move a large incomplete frame to its own buffer, else start a chunk."""
         assert self._buf is not None
+        if self._stream_left:
+            # Mid-frame of a streamed frame: no size prefix here, the rest is taken as pieces.
+            self._new_chunk(grow=False)
+            return
         avail = self._end - self._start
         if avail >= 4:
             (size,) = _SIZE.unpack_from(self._buf, self._start)

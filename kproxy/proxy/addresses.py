@@ -29,6 +29,7 @@ log = logging.getLogger("kproxy.addresses")
 # their own.
 CONTROLLER_APIS = quorum_apis()
 DESCRIBE_CLUSTER, CONTROLLER_ENDPOINTS = 60, 2
+FETCH = 1
 
 
 class AddressMapError(KProxyError):
@@ -249,6 +250,23 @@ class AddressRewriter(Filter):
             if not self._walk(exchange, body, steps, 0, role, node_id):
                 _blank(body)    # the endpoint is the body itself (FindCoordinator v0-3)
         return 0.0
+
+    def sees_whole(self, api_key: int, kind: str) -> bool:
+        # A Fetch answer's only endpoints are KIP-951's node_endpoints, in its closing tagged fields:
+        # a streamed answer has them rewritten at its end (``rewrite_node_endpoints``).
+        if api_key == FETCH and kind == "response":
+            return False
+        return super().sees_whole(api_key, kind)
+
+    def rewrite_node_endpoints(self, exchange: Any, endpoints: list) -> bool:
+        """Rewrite a Fetch answer's node_endpoints in place, as ``on_response`` would (a node that
+        cannot be exposed is left out; ports not yet open are asked of ``exchange``); whether
+        anything was there to rewrite."""
+        if not endpoints:
+            return False
+        kept = [e for e in endpoints if self._rewrite(exchange, e, "broker", e.node_id)]
+        endpoints[:] = kept
+        return True
 
     def _walk(self, exchange: Any, obj: Any, steps: tuple[_Step, ...], i: int, role: str,
               node_id: int | None) -> bool:

@@ -185,16 +185,30 @@ class Filter:
     def on_close(self, ctx: ConnectionContext) -> None:
         """The connection ended (after every request on it was done); its state_of is dropped next."""
 
+    def sees_whole(self, api_key: int, kind: str) -> bool:
+        """Whether this filter must see a whole frame of ``api_key`` ("request" or "response")
+        before any of it is sent. A frame that no filter must see whole may be streamed through as
+        it arrives (cut-through, ``kproxy.proxy.streaming``); the others are stored and forwarded.
+
+        Say True when the filter may change the frame's size (a topic prefix on a name-based
+        version, a partial denial merged into the answer, a record rule) or reads its records. The
+        default is True for every api key the filter registered for, so a filter that has not
+        thought about streaming never sees a frame it cannot handle.
+        """
+        keys = self.request_api_keys if kind == "request" else self.response_api_keys
+        return keys is None or api_key in keys
+
 
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "filters")
+    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_whole", "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
         self.filters = tuple(filters)
         self._by_request_key: dict[int, tuple[Filter, ...]] = {}
         self._by_response_key: dict[int, tuple[Filter, ...]] = {}
+        self._whole: dict[tuple[int, str], str | None] = {}
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
@@ -214,6 +228,18 @@ class FilterChain:
         if got is None:
             got = self._by_done_key[api_key] = self._select(api_key, "done_api_keys")
         return got
+
+    def whole_frame_filter(self, api_key: int, kind: str) -> str | None:
+        """The name of the first filter that must see whole frames of this api and kind (None when
+        none must: such frames may be streamed)."""
+        key = (api_key, kind)
+        try:
+            return self._whole[key]
+        except KeyError:
+            pass
+        name = next((f.name for f in self.filters if f.sees_whole(api_key, kind)), None)
+        self._whole[key] = name
+        return name
 
     def _select(self, api_key: int, keys_attr: str) -> tuple[Filter, ...]:
         return tuple(f for f in self.filters

@@ -40,11 +40,20 @@ from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, Fi
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
 from kproxy.proxy.sasl import FrontAnswer, SaslFront
+from kproxy.proxy.streaming import (
+    STREAM_MIN_BYTES,
+    FrameStream,
+    StreamError,
+    node_endpoints_rewrite,
+    why_stored,
+)
 from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.session")
 
 _I32 = struct.Struct(">i")
+_HEAD = struct.Struct(">ihhi")          # size prefix, api key, api version, correlation id
+_HHI = struct.Struct(">hhi").unpack_from
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
 UNSUPPORTED_VERSION = 35
@@ -57,6 +66,10 @@ UPSTREAM_LOST = "upstream_lost"  # the broker connection was lost or timed out f
 PASSTHROUGH = "passthrough"      # forwarded opaquely (passthrough_unknown_versions)
 CLIENT_GONE = "client_gone"      # the client went away before its answer was written
 CLOSED = "closed"                # kproxy closed the connection first (a bad frame, a drain timeout, a fault)
+
+# How an answer reached the client (``InFlight.path``): stored whole and then forwarded, or streamed
+# while it arrived (cut-through, kproxy.proxy.streaming).
+STORED, STREAMED = "stored", "streamed"
 
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
@@ -186,6 +199,11 @@ class InFlight:
     kept_by: dict[Any, Any] | None = None
     # Broker ports an answer names that no listener holds yet (the address rewriter's ``listen``).
     ports: list[int] | None = None
+    # How the broker's answer reached the client (STORED or STREAMED); for a streamed one, what each
+    # records field held (kproxy.proxy.streaming.RecordsFacts, in the answer's order), since the
+    # decoded ``response`` then has its records left out.
+    path: str = STORED
+    records_facts: list | None = None
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:
@@ -300,10 +318,15 @@ class Session:
 
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
                  passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
-                 topic_names: TopicNames | None = None, front: SaslFront | None = None) -> None:
+                 topic_names: TopicNames | None = None, front: SaslFront | None = None,
+                 stream_min_bytes: int | None = STREAM_MIN_BYTES) -> None:
         self.ctx = ctx
         # kproxy's own SASL handling (termination or origination); None: the client's SASL is relayed.
         self.front = front
+        # Broker answers at least this large may be streamed to the client (None: never).
+        self.stream_min_bytes = stream_min_bytes
+        # The answer being streamed to the client: its entry and the walker (stream_start).
+        self.streaming: tuple[InFlight, FrameStream] | None = None
         self.chain = chain
         self.topic_names = topic_names       # the process's topic id -> name table, learned here
         # Every request read and not yet done (``finish``): what ``abandon`` ends when the
@@ -332,6 +355,8 @@ class Session:
         self.closed = False
         # A request whose filter asked the broker something; the client is not read meanwhile.
         self.asking: _Question | None = None
+        # The frame of the request being dispatched, when no request filter could change it.
+        self._untouched: memoryview | None = None
 
     # -- client side
 
@@ -390,6 +415,8 @@ class Session:
             verdict = self._request_filters(entry, req, actions)
         except FilterFailed as e:
             return [Close(str(e))]
+        if len(frame) >= 8 and not self.chain.for_request(api_key):
+            self._untouched = frame
         return self._dispatch(entry, req, verdict, actions, original, now)
 
     def throttled_for(self, now: float) -> float:
@@ -402,6 +429,7 @@ class Session:
     def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action],
                   original: tuple[memoryview, bytes] | None = None, since: float | None = None) -> list[Action]:
         """Act on the filters' verdict: wait for a question's answer, answer locally, or forward."""
+        frame, self._untouched = self._untouched, None
         if verdict is _ASKED:
             assert self.asking is not None
             self.asking.original = original
@@ -418,7 +446,14 @@ class Session:
             entry.upstream_correlation_id = upstream_id
             self.in_flight.append(entry)
             self._by_upstream[upstream_id] = entry
-        actions.append(ToUpstream(self._request_buffers(req, upstream_id, original), entry))
+        if frame is not None and original is None:
+            # No request filter could have changed it: the bytes received go on, only the
+            # correlation id replaced (no re-encoding: what the client sent, byte for byte).
+            req.correlation_id = upstream_id
+            buffers: list = [_HEAD.pack(len(frame), *_HHI(frame, 0)[:2], upstream_id), frame[8:]]
+        else:
+            buffers = self._request_buffers(req, upstream_id, original)
+        actions.append(ToUpstream(buffers, entry))
         if since is not None:
             entry.handling_s += self.ctx.clock() - since
         return actions
@@ -783,6 +818,86 @@ class Session:
         actions += self._flush()
         return actions
 
+    # -- cut-through: a broker answer streamed to the client while it arrives
+
+    def stream_start(self, size: int, head: memoryview, transport_streams: bool) -> bool:
+        """A broker answer of ``size`` bytes is arriving; ``head`` is what has arrived of it (at least
+        its 4-byte correlation id). True when the session takes it piece by piece (``stream_piece``)
+        rather than whole (``upstream_frame``): a large Fetch answer that is the next one owed to
+        the client, on transports that can stream, that no filter must see whole."""
+        if (self.stream_min_bytes is None or size < self.stream_min_bytes or len(head) < 4
+                or self._raw_sasl or self.streaming is not None):
+            return False
+        (upstream_id,) = _I32.unpack_from(head, 0)
+        entry = self._by_upstream.get(upstream_id)
+        if (entry is None or entry.request is None or not self.in_flight or self.in_flight[0] is not entry
+                or (self.asking is not None and upstream_id == self.asking.upstream_correlation_id)):
+            return False
+        if why_stored(self.chain, entry.api_key, "response", size, transport_streams=transport_streams,
+                      min_bytes=self.stream_min_bytes) is not None:
+            return False
+        del self._by_upstream[upstream_id]
+        version = entry.api_version
+        rewriters = [f for f in self.chain.for_response(entry.api_key) if hasattr(f, "rewrite_node_endpoints")]
+
+        def endpoints(found: list) -> bool:
+            return any([r.rewrite_node_endpoints(entry, found) for r in rewriters])
+
+        def decide(_head: Any) -> dict:
+            return {"correlation_id": entry.client_correlation_id}
+
+        stream = FrameStream(entry.api_key, version, "response", size, decide=decide,
+                             rewrite_tail=node_endpoints_rewrite(version, endpoints) if rewriters else None)
+        entry.path = STREAMED
+        self.streaming = (entry, stream)
+        return True
+
+    def stream_piece(self, piece: memoryview) -> list[Action]:
+        """The next bytes of the answer being streamed; its buffers to write (views of ``piece``
+        among them: written before the receive buffer is reused). The last piece completes it."""
+        assert self.streaming is not None
+        entry, stream = self.streaming
+        try:
+            buffers = stream.feed(piece)
+        except StreamError as e:
+            # Part of the answer is already with the client: the connection cannot go on.
+            self.streaming = None
+            entry.outcome = UPSTREAM_LOST
+            return [Close(f"malformed {api_name(entry.api_key)} v{entry.api_version} response from the broker "
+                          f"while streaming it: {e}", (entry,), undecodable="response")]
+        actions: list[Action] = []
+        if entry.ports:
+            # The rewritten node endpoints (in the tail, the last buffers) name ports to open first.
+            actions.append(Listen(tuple(entry.ports)))
+            entry.ports = None
+        if not stream.done:
+            if buffers:
+                actions.append(ToClient(buffers))
+            return actions
+        self.streaming = None
+        now = self.ctx.clock()
+        entry.answered_at = now
+        entry.records_facts = stream.facts
+        skeleton = stream.skeleton
+        try:
+            resp = decode_response(memoryview(skeleton), entry.api_key, entry.api_version, keep_trailing=True)
+        except DecodeError as e:
+            actions.append(Close(f"malformed {api_name(entry.api_key)} v{entry.api_version} response from "
+                                 f"the broker while streaming it: {e}", (entry,), undecodable="response"))
+            return actions
+        check = self.reencode
+        if check is not None and check.due():
+            # The transparency check over what was sent: the head and tail re-encode to the same bytes
+            # (the records went through untouched).
+            check.matches("response", entry.api_key, entry.api_version, skeleton, encode_response_frame(resp), 4)
+        entry.response = resp
+        entry.throttle_ms = getattr(resp.body, "throttle_time_ms", 0) or 0
+        entry.reply = []
+        entry.response_bytes = stream.sent
+        self.in_flight.popleft()
+        actions.append(ToClient(buffers, (entry,)))
+        return actions + self._flush()
+
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""
         throttle = 0.0
@@ -840,6 +955,16 @@ class Session:
 
     def upstream_lost(self, reason: str) -> list[Action]:
         """The broker connection ended: answer what was waiting on it, in order, with retriable errors."""
+        if self.streaming is not None:
+            # Part of an answer is with the client and the rest will never come: a frame cannot be
+            # finished with made-up bytes, so the connection closes; the client retries.
+            entry, stream = self.streaming
+            self.streaming = None
+            entry.outcome = UPSTREAM_LOST
+            self.in_flight.clear()
+            self._by_upstream.clear()
+            return [Close(f"broker connection lost in the middle of a streamed {api_name(entry.api_key)} answer "
+                          f"({stream.sent - 4} of {stream.size} bytes sent): {reason}", (entry,))]
         waiting = list(self._by_upstream.values())
         self._by_upstream.clear()
         self._raw_sasl = False
@@ -914,6 +1039,7 @@ class Session:
         self.in_flight.clear()
         self._by_upstream.clear()
         self.asking = None
+        self.streaming = None
         return left
 
     def close(self) -> None:

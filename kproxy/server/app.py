@@ -245,6 +245,14 @@ class ProxyServer:
             if lag > self.loop_lag_max:
                 self.loop_lag_max = lag
 
+    def _cut_through_min_bytes(self) -> int | None:
+        """Answers this large stream to the client (None: none do). Spans that link the traces named
+        in records' headers read every Fetch answer's records, which a streamed answer no longer has."""
+        tracing = self.config.tracing
+        if tracing.enabled and tracing.link_record_traces != "off":
+            return None
+        return self.config.cut_through_min_bytes
+
     def _completed_with_telemetry(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:
         self.stats.record(entry)
         record.completed(entry.request_bytes, entry.response_bytes)
@@ -466,7 +474,8 @@ class ProxyServer:
             ctx.listener = f"{route.role}-{route.node_id}"
         front = self.identity.front(ctx)
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
-                          reencode=self.reencode, topic_names=self.topic_names, front=front)
+                          reencode=self.reencode, topic_names=self.topic_names, front=front,
+                          stream_min_bytes=self._cut_through_min_bytes())
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)

@@ -609,7 +609,14 @@ class ClientConnection:
                 if n == 0:
                     raise ConnectionError("broker closed the connection")
                 reader.received(n)
-                while (frame := reader.next_frame()) is not None:
+                streams = session.stream_min_bytes is not None
+                while True:
+                    if streams or reader.streaming_left:
+                        # A large answer starting (or going on) here may go out as it arrives.
+                        await self._stream_pieces(reader, upstream)
+                    frame = reader.next_frame()
+                    if frame is None:
+                        break
                     if self._login_answers is not None and _I32.unpack_from(frame, 0)[0] in self._login_ids:
                         # An answer to kproxy's own re-authentication: never the client's business.
                         self._login_answers.send_nowait(bytes(frame))
@@ -636,6 +643,29 @@ class ClientConnection:
         finally:
             self._readers.remove(reader)
             self._account()
+
+    async def _stream_pieces(self, reader: FrameReader, upstream: Transport) -> None:
+        """Cut-through: the pieces of a large answer that have arrived go to the client now, each
+        written before the next receive (they are views of the receive chunk), so a client that
+        reads slowly holds the broker connection back and the answer holds one chunk of memory.
+        Frames behind it are left to ``next_frame``."""
+        session = self.session
+        while True:
+            if reader.streaming_left:
+                piece = reader.take_piece()
+                if piece is None:
+                    return
+                await self._execute(session.stream_piece(piece))
+                continue
+            starting = reader.frame_starting()
+            if starting is None or len(starting[1]) < 4:
+                return
+            if not session.stream_start(starting[0], starting[1], upstream.can_stream and self.client.can_stream):
+                return
+            # Answers owed before it go out first (the session streams only the next one owed).
+            if self.writer.pending:
+                await self.writer.flush()
+            reader.stream_current()
 
     def _check_route(self) -> None:
         assert self.unrouted is not None
@@ -664,7 +694,10 @@ class ClientConnection:
     # -- timeouts
 
     def _overdue(self, now: float) -> str | None:
+        streaming = self.session.streaming
         for entry in self.session.in_flight:
+            if streaming is not None and entry is streaming[0]:
+                return None  # its answer is arriving; a slow client, not the broker, sets the pace
             # Timed from when it was written to the broker: a request kproxy itself holds (a
             # throttle, a delay) is not the broker being slow.
             sent = entry.forwarded_at

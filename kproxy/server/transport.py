@@ -24,6 +24,7 @@ _YIELD_EVERY = 16
 # slices cost 1 KiB produce throughput (1 MB requests, 0.83x against 0.93x unsliced); 2 MiB keeps
 # most of it and still holds the loop under 5 ms for a 4.4 MB Metadata answer (bench/big_metadata.py).
 _SLICE = 2 * 1024 * 1024
+_SMALL = 16 * 1024
 
 
 class Transport:
@@ -31,6 +32,9 @@ class Transport:
 
     peer_subject: str | None = None
     server_name: str | None = None
+    # Whether a large frame may be forwarded while it arrives (cut-through): the transport receives
+    # into the frame reader's own chunk and sends views without copying them.
+    can_stream = False
 
     def readable_now(self) -> bool:
         """Whether a receive would return at once; transports that cannot tell say True."""
@@ -52,12 +56,18 @@ class PlainTransport(Transport):
     ``wait_writable``). Every ``_YIELD_EVERY`` immediate operations yield once, so a connection that
     always has data ready cannot starve the others."""
 
-    __slots__ = ("_ready_ops", "raw", "sock")
+    __slots__ = ("_drained", "_ready_ops", "raw", "sock")
+    can_stream = True
 
     def __init__(self, sock: trio.socket.SocketType, raw: socket.socket) -> None:
         self.sock = sock
         self.raw = raw                # the same socket as the stdlib object kproxy created or accepted
         self._ready_ops = 0
+        # The last receive was small and left the socket empty (it returned less than there was
+        # room for): the next one waits for readiness first instead of trying a receive that would
+        # fail. A peer that waits for an answer before its next request (most clients, most of the
+        # time) sends nothing meanwhile, so this saves a failing system call per request and answer.
+        self._drained = False
 
     async def _fair(self) -> None:
         self._ready_ops += 1
@@ -71,12 +81,21 @@ class PlainTransport(Transport):
             # One receive copies at most a slice, so a multi-megabyte frame does not hold the event
             # loop (and every other connection) for the whole copy.
             buf = buf[:_SLICE]
+        if self._drained:
+            self._drained = False
+            self._ready_ops = 0
+            await trio.lowlevel.wait_readable(raw)
         while True:
             try:
                 n = raw.recv_into(buf)
             except (BlockingIOError, InterruptedError):
                 await trio.lowlevel.wait_readable(raw)
                 continue
+            # Small and short: a request or an answer, not a piece of a bulk transfer (whose next
+            # bytes are usually there already, and would then cost a turn of the loop to wait for).
+            self._drained = 0 < n < len(buf) and n < _SMALL
+            if self._drained:
+                return n       # about to wait for readiness anyway: no extra turn of the loop
             if n == _SLICE:
                 await trio.lowlevel.checkpoint()
             else:

@@ -18,6 +18,7 @@ from kproxy.protocol.records import LegacyMessage, iter_batches
 from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.session import InFlight
+from kproxy.proxy.streaming import RecordsFacts
 from kproxy.proxy.topics import TopicNames
 
 PRODUCE, FETCH = 0, 1
@@ -125,30 +126,43 @@ def _read_batches(p: PartitionFacts, records: Any, from_offset: int = -1) -> tup
     if records is None:
         return None, None
     p.bytes = len(records)
-    first = last = None
+    headers = []
     try:
         for b in iter_batches(records):
             if isinstance(b, LegacyMessage):
-                base = end = b.offset
-                count = 1
                 ts = b.timestamp if b.magic >= 1 else None
-                max_ts = ts
+                headers.append((b.offset, b.offset, 1, ts, ts, b.attributes))
             else:
-                base, end, count = b.base_offset, b.last_offset, b.record_count
-                ts, max_ts = b.base_timestamp, b.max_timestamp
-            if end < from_offset:
-                continue  # a batch the broker sent whole although the client asked past it
-            if first is None:
-                first = max(base, from_offset)
-                p.compression = _CODECS[b.attributes & 0x07] if (b.attributes & 0x07) < 5 else None
-            last = end
-            p.records += count
-            if ts is not None and ts >= 0 and (p.first_timestamp is None or ts < p.first_timestamp):
-                p.first_timestamp = ts
-            if max_ts is not None and (p.max_timestamp is None or max_ts > p.max_timestamp):
-                p.max_timestamp = max_ts
+                headers.append((b.base_offset, b.last_offset, b.record_count, b.base_timestamp,
+                                b.max_timestamp, b.attributes))
     except DecodeError:
         pass
+    return _fold(p, headers, from_offset)
+
+
+def read_streamed(p: PartitionFacts, facts: RecordsFacts, from_offset: int = -1) -> tuple[int | None, int | None]:
+    """``_read_batches`` for a records field that was streamed: the same figures, from the batch
+    headers the stream noted as the bytes passed."""
+    if facts.size < 0:
+        return None, None
+    p.bytes = facts.size
+    return _fold(p, facts.batch_headers, from_offset)
+
+
+def _fold(p: PartitionFacts, headers: Any, from_offset: int) -> tuple[int | None, int | None]:
+    first = last = None
+    for base, end, count, ts, max_ts, attributes in headers:
+        if end < from_offset:
+            continue  # a batch the broker sent whole although the client asked past it
+        if first is None:
+            first = max(base, from_offset)
+            p.compression = _CODECS[attributes & 0x07] if (attributes & 0x07) < 5 else None
+        last = end
+        p.records += count
+        if ts is not None and ts >= 0 and (p.first_timestamp is None or ts < p.first_timestamp):
+            p.first_timestamp = ts
+        if max_ts is not None and (p.max_timestamp is None or max_ts > p.max_timestamp):
+            p.max_timestamp = max_ts
     return first, last
 
 
@@ -199,12 +213,19 @@ def fetch_partitions(entry: InFlight, learned: Learned) -> list[PartitionFacts]:
         for fp in t.partitions:
             asked[(key, fp.partition)] = fp.fetch_offset
     out = []
+    # A streamed answer's records went to the client as they came: their batch headers were noted
+    # on the way, one RecordsFacts per records field, in the answer's order.
+    streamed = iter(entry.records_facts) if entry.records_facts is not None else None
     for t in resp.body.responses:
         name, tid, key = _topic(t, v, "topic", learned)
         for pd in t.partitions:
             p = PartitionFacts(name, tid, pd.partition_index)
             p.error_code = pd.error_code
-            p.first_offset, p.last_offset = _read_batches(p, pd.records, asked.get((key, pd.partition_index), -1))
+            from_offset = asked.get((key, pd.partition_index), -1)
+            if streamed is not None:
+                p.first_offset, p.last_offset = read_streamed(p, next(streamed), from_offset)
+            else:
+                p.first_offset, p.last_offset = _read_batches(p, pd.records, from_offset)
             out.append(p)
     return out
 

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kproxy.config import MetricsConfig
+from kproxy.proxy.session import STREAMED, UPSTREAM_LOST
 from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
 
 # Seconds: from sub-millisecond metadata answers to long polls and rebalances.
@@ -52,7 +53,7 @@ class Histogram:
 
 
 class ApiCounters:
-    __slots__ = ("added", "broker", "duration", "outcomes", "request_bytes", "requests", "response_bytes")
+    __slots__ = ("added", "broker", "duration", "outcomes", "paths", "request_bytes", "requests", "response_bytes")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -62,6 +63,7 @@ class ApiCounters:
         self.broker = Histogram()
         self.added = Histogram()
         self.outcomes: dict[str, int] = {}
+        self.paths: dict[str, int] = {}        # broker answers by path (stored, streamed)
 
 
 class Capped:
@@ -103,6 +105,7 @@ class Metrics(Collector):
         self.cfg = cfg or MetricsConfig()
         self.apis: dict[str, ApiCounters] = {}
         self.records = {"produced": 0, "fetched": 0}
+        self.streams_broken = 0
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
         self.records_refused: dict[str, int] = {}
@@ -135,6 +138,11 @@ class Metrics(Collector):
             # figure an alert on kproxy's latency wants, apart from the broker's long polls.
             c.added.observe(max(0.0, end - e.started - broker))
         c.outcomes[e.outcome] = c.outcomes.get(e.outcome, 0) + 1
+        if e.answered_at is not None or e.path == STREAMED:
+            # The broker's answer passed through kproxy: stored whole first, or streamed.
+            c.paths[e.path] = c.paths.get(e.path, 0) + 1
+            if e.path == STREAMED and e.outcome == UPSTREAM_LOST:
+                self.streams_broken += 1
         if e.api_key in (PRODUCE, FETCH):
             self._records(x)
         notes = e.notes
@@ -193,6 +201,11 @@ class Metrics(Collector):
         for a, c in apis:
             by_direction[(a, "request")] = c.request_bytes
             by_direction[(a, "response")] = c.response_bytes
+        yield _counter("kproxy_frames", "Broker answers forwarded to clients, by API and path: stored whole "
+                       "first, or streamed while they arrived (cut-through).", ["api", "direction", "path"],
+                       {(a, "response", p): n for a, c in apis for p, n in c.paths.items()})
+        yield _counter("kproxy_streamed_answers_broken", "Streamed answers whose broker connection was lost "
+                       "part-way (the client connection was closed).", [], {(): self.streams_broken})
         yield _counter("kproxy_client_bytes", "Bytes of requests from and responses to clients, size prefix "
                        "included, by API and direction.", ["api", "direction"], by_direction)
         for name, doc, attr in (

@@ -1,0 +1,682 @@
+"""Cut-through: forward a large frame while it arrives, once nothing that could change its size is left.
+
+A ``FrameStream`` walks one frame (a Fetch response, a Produce request) by its schema as its bytes
+come in, in any chunking: every field up to a ``records`` payload is decoded as it passes and handed
+on (fixed-size integer fields patched in place), the records go through untouched while their batch
+headers are counted, and the frame's closing tagged fields are held back and re-encoded at the end
+with exactly the length they had, since the size prefix went out first. Pure: bytes in, buffers out.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Generator
+from typing import Any
+
+import attrs
+
+from kproxy.protocol import primitives as P
+from kproxy.protocol.compiler import encode_to
+from kproxy.protocol.errors import DecodeError
+from kproxy.protocol.messages import (
+    api_by_key,
+    request_header_version,
+    response_codecs,
+    response_header_version,
+)
+from kproxy.protocol.primitives import read_uvarint, write_uvarint
+from kproxy.protocol.records import LOG_OVERHEAD, MAGIC_OFFSET, V2_HEADER_SIZE
+from kproxy.protocol.schema import FieldSpec, StructSpec
+from kproxy.proxy.filters import FilterChain
+
+# Below this a frame is stored and forwarded whole: streaming it would save nothing measurable.
+STREAM_MIN_BYTES = 64 * 1024
+FETCH, PRODUCE = 1, 0
+# The tag of the field that pads a re-encoded tail to its original length. Unknown to every Kafka
+# version, so every flexible-version parser skips it (KIP-482); high enough that Kafka will not
+# plausibly give it a meaning, small enough to take two bytes.
+PAD_TAG = 10_000
+
+_FIXED = {"int8": P.INT8, "bool": P.INT8, "int16": P.INT16, "uint16": P.UINT16, "int32": P.INT32,
+          "uint32": P.UINT32, "int64": P.INT64, "float64": P.FLOAT64}
+_INTS = frozenset({"int8", "int16", "uint16", "int32", "uint32", "int64"})
+# A RecordBatch v2 header: base offset, length, leader epoch, magic, crc, attributes, last offset
+# delta, first and max timestamps, producer id and epoch, base sequence, record count (61 bytes).
+_V2_HEADER = struct.Struct(">qiibIhiqqqhii")
+
+
+# What can stream: Fetch answers (records towards the client) and Produce requests (towards the broker).
+STREAMED = frozenset({(FETCH, "response"), (PRODUCE, "request")})
+
+
+def why_stored(chain: FilterChain, api_key: int, kind: str, size: int, *, transport_streams: bool,
+               min_bytes: int = STREAM_MIN_BYTES) -> str | None:
+    """Why a frame of ``size`` bytes must be stored and forwarded whole; None when it may stream.
+    The reason is what the completed-request entry and the log say."""
+    if (api_key, kind) not in STREAMED:
+        return "api"
+    if size < min_bytes:
+        return "small"
+    if not transport_streams:
+        return "transport"
+    name = chain.whole_frame_filter(api_key, kind)
+    if name is not None:
+        return f"filter {name}"
+    return None
+
+
+class StreamError(DecodeError):
+    """The bytes do not follow the schema; the frame cannot be streamed (nor forwarded)."""
+
+
+@attrs.define(slots=True)
+class RecordsFacts:
+    """What the batch headers of one ``records`` field said as they passed: what telemetry and quotas
+    read from ``kproxy.protocol.records.summarize`` on a stored frame."""
+
+    path: tuple[Any, ...]              # (topic name or id, partition index)
+    size: int = -1                     # bytes of the field (-1: null)
+    batches: int = 0
+    records: int = 0
+    whole_bytes: int = 0               # bytes of whole batches (a cut last batch is not counted)
+    first_offset: int | None = None
+    last_offset: int | None = None
+    compressed: bool = False
+    malformed: bool = False            # bytes that are not batches: counting stopped there
+    # Per whole batch: (base offset, last offset, records, first timestamp, max timestamp,
+    # attributes), what telemetry reads from a stored frame's batch headers.
+    batch_headers: list[tuple[int, int, int, int | None, int | None, int]] = attrs.field(factory=list)
+
+
+@attrs.define(slots=True)
+class StreamHead:
+    """The frame as far as the first records payload: what a decision to stream is made on."""
+
+    api_key: int
+    api_version: int
+    size: int                          # of the frame, without its 4-byte prefix
+    values: dict[str, Any]             # the root's scalar fields and the header's, by name
+
+
+Patch = int | Callable[[int], int]
+# Given the head, the fixed-size integers to patch (dotted path from the root, "correlation_id" for
+# the header), or None to store the frame and forward it whole instead.
+Decide = Callable[[StreamHead], dict[str, Patch] | None]
+# Given the root's tagged fields {tag: bytes}, the ones to send instead (same tags or fewer).
+TailRewrite = Callable[[dict[int, bytes]], dict[int, bytes]]
+
+
+class FrameStream:
+    """One frame of ``kind`` ("request" or "response") of ``api_key`` v``api_version``, ``size`` bytes
+    after the 4-byte prefix. ``feed`` the bytes as they arrive; it returns the buffers to write now,
+    size prefix first. Views of the fed data are among them: write them before reusing that memory.
+
+    ``decide`` runs once, when the head is known: at the first records payload, or at the end of a
+    frame that has none; until then nothing is returned. It returns the fixed-size integers to patch
+    (dotted paths from the root, ``correlation_id`` for the header's), or None to store the frame:
+    ``stored`` is then True and the ``feed`` that completes the frame returns it whole, unchanged.
+    ``rewrite_tail`` (responses) gets the root's closing tagged fields at the end and returns those
+    to send instead; they are re-encoded in exactly the length they had (``fit_tags``).
+
+    ``skeleton`` holds what was sent with every records payload left out (empty records in their
+    place): decoded with the ordinary codec, it is the answer filters, telemetry and the
+    transparency check see, while ``facts`` says what the records held.
+    """
+
+    def __init__(self, api_key: int, api_version: int, kind: str, size: int, *,
+                 decide: Decide | None = None, rewrite_tail: TailRewrite | None = None) -> None:
+        api = api_by_key(api_key)
+        spec = api.request if kind == "request" else api.response
+        if spec is None or api_version not in spec.versions:
+            raise StreamError(f"no {kind} schema for api {api_key} v{api_version}", 0, kind)
+        self.api_key = api_key
+        self.api_version = api_version
+        self.kind = kind
+        self.size = size
+        self.flexible = api_version in spec.flexible
+        self.decide = decide
+        self.rewrite_tail = rewrite_tail if self.flexible and kind == "response" else None
+        self.facts: list[RecordsFacts] = []
+        self.values: dict[str, Any] = {}
+        self.patches: dict[str, Patch] = {}
+        self.stored = False
+        self.padded = 0                    # bytes of padding the tail rewrite added
+        self.dropped_hint = False          # the rewritten tail did not fit: the hint was dropped
+        self.sent = 0                      # bytes returned so far, size prefix included
+        self._spec = spec
+        self._pos = 0                      # bytes of the frame taken so far
+        self._decided = decide is None
+        self._notes: list[tuple[int, int, str, Any, int]] = []   # ints read before the decision
+        self._head = bytearray()           # head bytes read, not yet returned
+        self._head_at = 0                  # their offset in the frame
+        self._stash = bytearray()          # bytes received that the walker has not taken yet
+        self._store: bytearray | None = None
+        self._records_left = 0             # of the records payload passing through
+        self._batches: _BatchCounter | None = None
+        self._tail: bytearray | None = None  # the root's closing tagged fields, held back
+        self._rest = False                 # past the schema: bytes pass as they are
+        self._topic: Any = None
+        self._partition: Any = None
+        self._out: list = [P.INT32.pack(size)]
+        self.skeleton = bytearray()
+        self._walker: Generator[int, bytes, None] | None = self._walk()
+        self._want = next(self._walker)
+
+    @property
+    def done(self) -> bool:
+        return self._pos == self.size and self._walker is None and self._tail is None
+
+    # -- driving
+
+    def feed(self, data: Any) -> list:
+        """The next bytes of the frame (never past its end); the buffers to write now."""
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        n = len(view)
+        if self._pos + len(self._stash) + n > self.size:
+            raise StreamError(f"{n} bytes fed past the end of a {self.size}-byte frame", self._pos, self.kind)
+        i = 0
+        while i < n:
+            if self._store is not None:
+                self._store += view[i:]
+                self._pos += n - i
+                break
+            if self._records_left or self._rest:
+                take = n - i if self._rest else min(self._records_left, n - i)
+                piece = view[i:i + take]
+                if self._batches is not None:
+                    self._batches.feed(piece)
+                elif self._rest:
+                    self.skeleton += piece
+                self._flush_head()
+                self._out.append(piece)
+                self._pos += take
+                i += take
+                if self._records_left:
+                    self._records_left -= take
+                    if not self._records_left:
+                        self._batches = None
+                        self._advance(b"")
+                continue
+            if self._tail is not None:
+                self._tail += view[i:]
+                self._pos += n - i
+                break
+            want = self._want
+            have = len(self._stash)
+            if have + n - i < want:
+                self._stash += view[i:]
+                break
+            take = want - have
+            if have:
+                self._stash += view[i:i + take]
+                got = bytes(self._stash)
+                self._stash.clear()
+            else:
+                got = bytes(view[i:i + take])
+            i += take
+            self._pos += want
+            self._advance(got)
+        if self._pos + len(self._stash) == self.size:
+            self._end()
+        if self._store is not None:
+            return self._finish_stored()
+        if not self._decided:
+            return []
+        self._flush_head()
+        out, self._out = self._out, []
+        self.sent += sum(len(b) for b in out)
+        return out
+
+    def _advance(self, got: bytes) -> None:
+        assert self._walker is not None
+        try:
+            self._want = self._walker.send(got)
+        except StopIteration:
+            self._walker = None
+            self._want = 0
+            # Bytes past what this version's schema holds: kept, as the codec keeps them.
+            self._rest = self._pos < self.size
+            self._head_known()
+
+    def _end(self) -> None:
+        """Every byte of the frame has arrived."""
+        if self._tail is not None:
+            tail, self._tail = bytes(self._tail), None
+            self._walker = None
+            tail = self._rewrite(tail)
+            self._head += tail
+            self.skeleton += tail
+            self._head_known()
+            return
+        if self._store is not None:
+            return
+        if self._walker is not None and not self._records_left:
+            raise StreamError(f"the {self.kind} ends inside a field ({self.size} bytes)", self.size, self.kind)
+
+    def _flush_head(self) -> None:
+        if self._head:
+            self._out.append(bytes(self._head))
+            self._head_at += len(self._head)
+            self._head.clear()
+
+    def _head_known(self) -> None:
+        """The head is decoded up to the first records payload, or the frame ended: decide."""
+        if self._decided:
+            return
+        self._decided = True
+        assert self.decide is not None
+        patches = self.decide(StreamHead(self.api_key, self.api_version, self.size, dict(self.values)))
+        if patches is None:
+            self.stored = True
+            self._store = self._head
+            self._head = bytearray()
+            self._out = []
+            self._walker = None
+            self._records_left = 0
+            self._tail = None
+            return
+        self.patches = patches
+        for at, skel_at, path, codec, value in self._notes:
+            self._patch(at, skel_at, path, codec, value)
+        self._notes = []
+
+    def _patch(self, at: int, skel_at: int, path: str, codec: Any, value: int) -> None:
+        new = self.patches.get(path)
+        if new is not None:
+            value = new(value) if callable(new) else new
+            codec.pack_into(self._head, at - self._head_at, value)
+            codec.pack_into(self.skeleton, skel_at, value)
+
+    def _finish_stored(self) -> list:
+        assert self._store is not None
+        if self._pos < self.size:
+            return []
+        whole, self._store = self._store, None
+        self.sent = 4 + self.size
+        return [P.INT32.pack(self.size), whole]
+
+    # -- the walk: a generator that yields how many bytes it needs and receives them; it sets
+    # _records_left (a records payload follows) or _tail (the closing tags) and yields 0 to hand over.
+
+    def _walk(self) -> Generator[int, bytes, None]:
+        if self.kind == "request":
+            yield from self._int("api_key", P.INT16)
+            yield from self._int("api_version", P.INT16)
+            yield from self._int("correlation_id", P.INT32)
+            n = P.INT16.unpack((yield from self._read(2)))[0]   # client_id: never compact
+            if n > 0:
+                yield from self._read(n)
+            if request_header_version(self.api_key, self.api_version) >= 2:
+                yield from self._tags()
+        else:
+            yield from self._int("correlation_id", P.INT32)
+            if response_header_version(self.api_key, self.api_version) >= 1:
+                yield from self._tags()
+        yield from self._struct(self._spec.root, "")
+
+    def _read(self, n: int) -> Generator[int, bytes, bytes]:
+        got = yield n
+        self._head += got
+        self.skeleton += got
+        return got
+
+    def _int(self, path: str, codec: Any) -> Generator[int, bytes, int]:
+        (value,) = codec.unpack((yield from self._read(codec.size)))
+        at = self._pos - codec.size
+        skel_at = len(self.skeleton) - codec.size
+        if "." not in path:
+            self.values[path] = value
+        if self._decided:
+            self._patch(at, skel_at, path, codec, value)
+        else:
+            self._notes.append((at, skel_at, path, codec, value))
+        return value
+
+    def _uvarint(self) -> Generator[int, bytes, int]:
+        value = shift = 0
+        for _ in range(5):
+            (b,) = yield from self._read(1)
+            value |= (b & 0x7F) << shift
+            if b < 0x80:
+                return value
+            shift += 7
+        raise StreamError("unsigned varint longer than 5 bytes", self._pos, self.kind)
+
+    def _length(self, compact: bool, codec: Any) -> Generator[int, bytes, int]:
+        """A length or count prefix; negative for null."""
+        if compact:
+            return (yield from self._uvarint()) - 1
+        return codec.unpack((yield from self._read(codec.size)))[0]
+
+    def _tags(self) -> Generator[int, bytes, None]:
+        for _ in range((yield from self._uvarint())):
+            yield from self._uvarint()
+            size = yield from self._uvarint()
+            if size:
+                yield from self._read(size)
+
+    def _struct(self, s: StructSpec, path: str) -> Generator[int, bytes, None]:
+        v, flex = self.api_version, self.flexible
+        for f in s.fields:
+            if v in f.versions and not f.is_tagged(v, flex):
+                yield from self._field(f, f"{path}{f.name}")
+        if not flex:
+            return
+        if not path and self.rewrite_tail is not None:
+            self._head_known()
+            if self._store is None:
+                self._flush_head() if self._decided else None
+                self._tail = bytearray()
+            yield 0
+            return
+        yield from self._tags()
+
+    def _field(self, f: FieldSpec, path: str) -> Generator[int, bytes, None]:
+        compact = self.flexible and not f.flex_never
+        if f.array:
+            count = yield from self._length(compact, P.INT32)
+            for _ in range(max(count, 0)):
+                if f.struct is not None:
+                    yield from self._struct(f.struct, path + ".")
+                else:
+                    yield from self._scalar(f, path, compact)
+        elif f.struct is not None:
+            yield from self._struct(f.struct, path + ".")
+        else:
+            yield from self._scalar(f, path, compact)
+
+    def _scalar(self, f: FieldSpec, path: str, compact: bool) -> Generator[int, bytes, None]:
+        t = f.type
+        codec = _FIXED.get(t)
+        if codec is not None:
+            if t in _INTS:
+                value = yield from self._int(path, codec)
+            else:
+                (value,) = codec.unpack((yield from self._read(codec.size)))
+            if "." not in path:
+                self.values[path] = value
+            if f.name in _PARTITION_KEYS:
+                self._partition = value
+            return
+        if t == "uuid":
+            got = yield from self._read(16)
+            if f.entity == "topic_id":
+                self._topic = P.make_uuid(*P.UUID_PAIR.unpack(got))
+            return
+        if t == "string":
+            n = yield from self._length(compact, P.INT16)
+            raw = (yield from self._read(n)) if n > 0 else b"" if n == 0 else None
+            if f.entity == "topic" and raw is not None:
+                self._topic = raw.decode("utf-8", "replace")
+            if "." not in path:
+                self.values[path] = raw
+            return
+        if t == "bytes":
+            n = yield from self._length(compact, P.INT32)
+            if n > 0:
+                yield from self._read(n)
+            return
+        if t == "records":
+            start = self._pos
+            n = yield from self._length(compact, P.INT32)
+            facts = RecordsFacts((self._topic, self._partition), n)
+            self.facts.append(facts)
+            if n <= 0:
+                return
+            # The skeleton holds empty records in their place.
+            del self.skeleton[len(self.skeleton) - (self._pos - start):]
+            self.skeleton += b"\x01" if compact else b"\x00\x00\x00\x00"
+            self._head_known()
+            if self._store is None:
+                self._batches = _BatchCounter(facts)
+                self._records_left = n
+            yield 0
+            return
+        raise StreamError(f"field {path} of type {t} cannot be walked", self._pos, self.kind)
+
+    # -- the tail
+
+    def _rewrite(self, tail: bytes) -> bytes:
+        parsed = parse_tags(tail)
+        if parsed is None:
+            raise StreamError("the closing tagged fields do not parse", self.size - len(tail), self.kind)
+        tags, end = parsed
+        assert self.rewrite_tail is not None
+        wanted = self.rewrite_tail(dict(tags))
+        if wanted == dict(tags):
+            return tail
+        fitted, self.padded, self.dropped_hint = fit_tags(wanted, end)
+        return fitted + tail[end:]
+
+
+_PARTITION_KEYS = frozenset({"partition_index", "partition", "index"})
+
+
+class _BatchCounter:
+    """Counts the batches of one records payload from their headers as the bytes pass, in any
+    chunking: the figures ``records.summarize`` gives for the whole payload. A batch counts once its
+    last byte has passed (a Fetch answer's last batch may be cut at max_bytes). Bytes that are not
+    batches stop the count (``RecordsFacts.malformed``); they are forwarded all the same, as a stored
+    frame's records are."""
+
+    __slots__ = ("_head", "_need", "_pending", "_size", "_skip", "facts")
+
+    def __init__(self, facts: RecordsFacts) -> None:
+        self.facts = facts
+        self._head = bytearray()         # the current batch's header, when it straddles pieces
+        self._skip = 0                   # bytes of the current batch's body still to pass
+        self._need = LOG_OVERHEAD
+        self._pending: tuple[int, int, int, int | None, int | None, int] | None = None
+        self._size = 0                   # of the batch being passed
+
+    def feed(self, piece: memoryview) -> None:
+        i, n = 0, len(piece)
+        f = self.facts
+        unpack = P.INT32.unpack_from
+        while i < n and not f.malformed:
+            if self._skip:
+                take = min(self._skip, n - i)
+                self._skip -= take
+                i += take
+                if not self._skip:
+                    self._commit()
+                continue
+            if not self._head and n - i >= V2_HEADER_SIZE:
+                # The usual case: the whole header is in this piece; read it where it lies.
+                length = unpack(piece, i + 8)[0]
+                if length < 14:
+                    f.malformed = True
+                    return
+                need = min(V2_HEADER_SIZE, LOG_OVERHEAD + length)
+                self._header(piece, i, need, length)
+                i += need
+                continue
+            take = min(self._need - len(self._head), n - i)
+            self._head += piece[i:i + take]
+            i += take
+            if len(self._head) < self._need:
+                continue
+            length = unpack(self._head, 8)[0]
+            if self._need == LOG_OVERHEAD:
+                if length < 14:
+                    f.malformed = True
+                    return
+                # Enough of the header to count the batch: a v2 batch's whole header, a legacy
+                # message's magic and attributes.
+                self._need = min(V2_HEADER_SIZE, LOG_OVERHEAD + length)
+                if len(self._head) < self._need:
+                    continue
+            head, self._head = self._head, bytearray()
+            need, self._need = self._need, LOG_OVERHEAD
+            self._header(head, 0, need, length)
+
+    def _header(self, buf: Any, at: int, head_len: int, length: int) -> None:
+        """A batch whose first ``head_len`` bytes are at ``buf[at:]``; the rest of it follows."""
+        magic = buf[at + MAGIC_OFFSET] if head_len > MAGIC_OFFSET else -1
+        if magic == 2 and head_len == V2_HEADER_SIZE:
+            # One unpack of the whole header: this runs once per batch of every streamed frame.
+            base, _, _, _, _, attributes, delta, ts, max_ts, _, _, _, count = _V2_HEADER.unpack_from(buf, at)
+            if count < 0:
+                self.facts.malformed = True
+                return
+            self._pending = (base, base + delta, count, ts, max_ts, attributes)
+        elif magic in (0, 1) and head_len > MAGIC_OFFSET + 1:
+            # A legacy message: one record; magic 1 carries a timestamp after its attributes.
+            base = P.INT64.unpack_from(buf, at)[0]
+            ts = P.INT64.unpack_from(buf, at + 18)[0] if magic == 1 and head_len >= 26 else None
+            self._pending = (base, base, 1, ts, ts, buf[at + MAGIC_OFFSET + 1])
+        else:
+            self.facts.malformed = True
+            return
+        self._skip = LOG_OVERHEAD + length - head_len
+        self._size = LOG_OVERHEAD + length
+        if not self._skip:
+            self._commit()
+
+    def _commit(self) -> None:
+        assert self._pending is not None
+        pending = self._pending
+        base, last, records, _, _, attributes = pending
+        self._pending = None
+        f = self.facts
+        f.batches += 1
+        f.records += records
+        f.whole_bytes += self._size
+        f.compressed |= bool(attributes & 0x07)
+        f.batch_headers.append(pending)
+        if f.first_offset is None:
+            f.first_offset = base
+        f.last_offset = last
+
+
+# ---------------------------------------------------------------------------------------------
+# Tagged fields that keep their length
+
+
+def parse_tags(data: bytes) -> tuple[dict[int, bytes], int] | None:
+    """The tagged-field section at the start of ``data``: ({tag: bytes}, where it ends), or None when
+    it does not parse."""
+    try:
+        count, pos = read_uvarint(data, 0)
+        out: dict[int, bytes] = {}
+        for _ in range(count):
+            tag, pos = read_uvarint(data, pos)
+            size, pos = read_uvarint(data, pos)
+            if pos + size > len(data) or tag in out:
+                return None
+            out[tag] = bytes(data[pos:pos + size])
+            pos += size
+    except (IndexError, P.ShortBuffer):
+        return None
+    return out, pos
+
+
+def _uvarint_exactly(value: int, width: int) -> bytes | None:
+    """``value`` as an unsigned varint of exactly ``width`` bytes, or None when it needs more. A
+    varint with trailing zero groups (0x80 0x00 for 0) is valid: parsers read to the last byte."""
+    out = bytearray()
+    for i in range(width):
+        out.append((value & 0x7F) | (0x80 if i < width - 1 else 0))
+        value >>= 7
+    return bytes(out) if value == 0 else None
+
+
+def encode_tags(tags: dict[int, bytes], pad: int = 0) -> bytes | None:
+    """Tagged fields in tag order; with ``pad`` > 0, plus a field of tag ``PAD_TAG`` that takes
+    exactly ``pad`` bytes on the wire (None when no such field exists: fewer than 3 bytes)."""
+    items = sorted(tags.items())
+    field = b""
+    if pad:
+        tag = write_uvarint(PAD_TAG)
+        for width in range(1, 6):
+            n = pad - len(tag) - width
+            length = _uvarint_exactly(n, width) if n >= 0 else None
+            if length is not None:
+                field = tag + length + bytes(n)
+                break
+        else:
+            return None
+    out = bytearray(write_uvarint(len(items) + (1 if pad else 0)))
+    for t, data in items:
+        if field and t > PAD_TAG:
+            out += field
+            field = b""
+        out += write_uvarint(t)
+        out += write_uvarint(len(data))
+        out += data
+    out += field
+    return bytes(out)
+
+
+def _fit(tags: dict[int, bytes], length: int) -> tuple[bytes, int] | None:
+    if PAD_TAG in tags:
+        return None
+    plain = encode_tags(tags)
+    assert plain is not None
+    room = length - len(plain)
+    if room == 0:
+        return plain, 0
+    if room < 0:
+        return None
+    # The pad field adds one to the count, whose varint may grow by a byte.
+    grow = len(write_uvarint(len(tags) + 1)) - len(write_uvarint(len(tags)))
+    padded = encode_tags(tags, room - grow) if room - grow > 0 else None
+    if padded is not None and len(padded) == length:
+        return padded, room
+    # Too little room for a pad field (under 3 bytes): the count's varint takes it instead, with
+    # trailing zero groups, which every parser reads as the same number.
+    count = write_uvarint(len(tags))
+    stretched = _uvarint_exactly(len(tags), len(count) + room)
+    if stretched is None:
+        return None
+    return stretched + plain[len(count):], room
+
+
+def fit_tags(wanted: dict[int, bytes], length: int, hint_tag: int = 0) -> tuple[bytes, int, bool]:
+    """``wanted`` encoded in exactly ``length`` bytes: (bytes, bytes of padding, hint dropped).
+
+    Shorter: padded with an unknown tagged field (``PAD_TAG``), which every flexible-version parser
+    skips (KIP-482), or for one or two bytes by writing the field count's varint longer. Longer, or too little room left for a pad field: the hint (``hint_tag``, KIP-951's
+    node_endpoints) is dropped and the rest padded; clients then refresh metadata, as before KIP-951."""
+    fitted = _fit(wanted, length)
+    if fitted is not None:
+        return fitted[0], fitted[1], False
+    fitted = _fit({t: d for t, d in wanted.items() if t != hint_tag}, length)
+    if fitted is None:
+        raise StreamError(f"the closing tagged fields cannot be re-encoded in {length} bytes", 0, "response")
+    return fitted[0], fitted[1], True
+
+
+def strip_padding(tags: dict[int, bytes]) -> dict[int, bytes]:
+    return {t: d for t, d in tags.items() if t != PAD_TAG}
+
+
+# A Fetch response body with nothing but its closing tags: throttle_time_ms, error_code, session_id,
+# an empty compact array of topics. The schema's codec decodes and encodes node_endpoints through it.
+_EMPTY_FETCH_HEAD = bytes(10) + b"\x01"
+
+
+def node_endpoints_rewrite(version: int, rewrite: Callable[[list], bool]) -> TailRewrite:
+    """A ``rewrite_tail`` for Fetch responses: decodes KIP-951's node_endpoints (tag 0) with the
+    schema's codec, lets ``rewrite`` change the list in place (it returns whether it did), and
+    encodes it again; the other tags pass as they are."""
+    _, codec = response_codecs(FETCH, version)
+
+    def rewrite_tail(tags: dict[int, bytes]) -> dict[int, bytes]:
+        data = tags.get(0)
+        if data is None:
+            return tags
+        section = encode_tags({0: data})
+        assert section is not None
+        raw = memoryview(_EMPTY_FETCH_HEAD + section)
+        body, _ = codec.decode_checked(raw, 0, len(raw))
+        if not rewrite(body.node_endpoints):
+            return tags
+        out: bytearray = bytearray()
+        ins: list = []
+        encode_to(codec, body, out, ins)
+        parsed = parse_tags(bytes(out[len(_EMPTY_FETCH_HEAD):]))
+        assert parsed is not None
+        return {**tags, 0: parsed[0][0]} if 0 in parsed[0] else {t: d for t, d in tags.items() if t != 0}
+
+    return rewrite_tail
