@@ -1224,7 +1224,7 @@ def _get(msg: MessageSpec, version: int, native: bool, lazy_min_items: int) -> C
 def _load_accelerator() -> tuple[Any, str]:
     """The native accelerator module, or None and why not."""
     try:
-        from kproxy.protocol import _accel  # type: ignore[attr-defined]
+        from kproxy.protocol import _accel
     except ImportError as e:
         return None, f"not built ({e})"
     if getattr(_accel, "ABI", None) != ACCEL_ABI:

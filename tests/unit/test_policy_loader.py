@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 
 from kproxy.cli import main
+from kproxy.config import ConfigError
 from kproxy.policy import model as M
 from kproxy.policy.loader import RuleError, load_rules, rule_files
 from kproxy.policy.schema import rules_schema, schema_text
-from kproxy.protocol.errors import ConfigError
 
 from .rulebook import rule_set, write_rules
 

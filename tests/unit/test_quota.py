@@ -663,8 +663,7 @@ def test_kproxy_check_accepts_a_report_quota_file(tmp_path, capsys):
 
 
 def test_quota_replicas_and_windows_in_kproxy_yaml(tmp_path):
-    from kproxy.config import load_config, parse_config
-    from kproxy.protocol.errors import ConfigError
+    from kproxy.config import ConfigError, load_config, parse_config
 
     head = 'listen: "127.0.0.1:9092"\nupstream: {bootstrap_servers: "k:1"}\n'
     cfg = parse_config(head + "quota_replicas: ${KPROXY_REPLICAS:-1}\nquota: {samples: 5, window_s: 0.5}\n",

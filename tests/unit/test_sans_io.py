@@ -6,6 +6,8 @@ every import of theirs runs."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,3 +170,20 @@ def test_checker_follows_internal_imports(tmp_path, source):
 def test_checker_allows_look_alike_names(tmp_path):
     mod = write(tmp_path, "pkg.core.mod", "import timeit\nimport socketserver_like\nfrom datetime import time\n")
     assert violations([mod], tmp_path) == []
+
+
+
+def test_config_sits_above_the_protocol_and_needs_only_its_errors():
+    # Configuration is loaded by `kproxy check` and every command; generating codecs is not its job.
+    # Run in a fresh interpreter: this one has imported everything already.
+    code = "import sys, kproxy.config; print(' '.join(sorted(m for m in sys.modules if m.startswith('kproxy'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert set(out.split()) == {"kproxy", "kproxy.config", "kproxy.protocol", "kproxy.protocol.errors"}
+
+
+def test_config_errors_are_not_a_protocol_matter():
+    from kproxy import config
+    from kproxy.protocol import errors
+
+    assert not hasattr(errors, "ConfigError")
+    assert issubclass(config.ConfigError, errors.KProxyError)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kproxy.config import effective_workers, parse_config
-from kproxy.protocol.errors import ConfigError
+from kproxy.config import ConfigError, effective_workers, parse_config
 from kproxy.server.workers import merge_expositions, worker_identity
 
 BASE = 'listen: "127.0.0.1:9092"\nupstream: {bootstrap_servers: "kafka:9092"}\n'
