@@ -244,6 +244,20 @@ def test_what_the_schema_cannot_say(tmp_path):
     ]
 
 
+def test_chaos_latency_above_the_bound_is_refused_with_its_line(tmp_path):
+    assert problems(tmp_path, """\
+        rules:
+          - {name: fixed, action: chaos, chaos: {latency_ms: 60001}}
+          - {name: uniform, action: chaos, chaos: {latency_ms: {min: 1, max: 90000}}}
+          - {name: exponential, action: chaos, chaos: {latency_ms: {mean: 600000}}}
+          - {name: at-the-bound, action: chaos, chaos: {latency_ms: {min: 60000, max: 60000}}}
+        """) == [
+        "2:54: rule 'fixed': chaos.latency_ms: must be at most 60000, got 60001",
+        "3:70: rule 'uniform': chaos.latency_ms.max: must be at most 60000, got 90000",
+        "4:67: rule 'exponential': chaos.latency_ms.mean: must be at most 60000, got 600000",
+    ]
+
+
 def test_types_and_shapes(tmp_path):
     assert problems(tmp_path, """\
         default: maybe
