@@ -52,11 +52,11 @@ from kproxy.server.transport import (
     TlsTransport,
     Transport,
     client_context,
-    connect,
     format_subject,
     server_context,
     tune,
 )
+from kproxy.server.upstream import UpstreamSettings, open_upstream
 from kproxy.telemetry import metrics as metric_families
 from kproxy.telemetry.metrics import Metrics
 from kproxy.telemetry.outputs import Telemetry
@@ -72,6 +72,11 @@ _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EN
 _PEER_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT,
                           errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
                           errno.ENETUNREACH, errno.ECONNRESET})
+
+
+# A discovery attempt that ended less than this long ago answers for a new one: a reconnect storm to
+# ports kproxy has not mapped yet costs one attempt, not one per connection.
+DISCOVERY_REUSE_S = 1.0
 
 
 class ListenError(KProxyError):
@@ -98,7 +103,12 @@ class ProxyServer:
         # reloads_failed, describe()); None when no rule files are configured. Read by /rules and /metrics.
         self.rule_store: RuleStore | None = RuleStore(config.rules, config.chaos) if config.rules else None
         self.rules_poll_interval_s = POLL_INTERVAL_S
-        self.discovered = False              # a bootstrap server answered discovery at least once
+        self.discovered = False              # a bootstrap server told the brokers (Metadata) at least once
+        self.bootstrap_answered = False      # a bootstrap server answered a request at least once (ready)
+        self.discovery_attempts = 0
+        self._discovery: trio.Event | None = None      # set when the attempt in progress ends
+        self._discovery_result = False
+        self.discovery_ended_at: float | None = None
         self.admin: admin.AdminServer | None = None
         self._telemetry_failures: set[str] = set()
         exposure = config.exposure
@@ -108,6 +118,8 @@ class ProxyServer:
             server_context(config.tls, self.sni_names if self.sni else None) if config.tls.enabled else None)
         self.upstream_tls: ssl.SSLContext | None = (
             client_context(config.upstream.tls) if config.upstream.tls.enabled else None)
+        # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
+        self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls)
         self.address_map = AddressMap(
             config.advertised_host, config.broker_port_start, exposure.broker_port_count,
             node_id_base=exposure.node_id_base,
@@ -166,13 +178,15 @@ class ProxyServer:
         return self.telemetry.metrics
 
     def readiness(self) -> tuple[bool, str]:
-        """(ready, why): listeners bound and the cluster's brokers learned, and not draining."""
+        """(ready, why): listeners bound and one round trip to a bootstrap server done (its ApiVersions
+        answer is enough: a broker that requires SASL answers it before authentication), and not
+        draining. Learning the brokers is not required: client traffic teaches them too."""
         if self.draining:
             return False, "not ready: draining"
         if self.bootstrap_address is None:
             return False, "not ready: the listeners are not bound yet"
-        if not self.discovered:
-            return False, "not ready: no bootstrap server has answered discovery yet"
+        if not self.bootstrap_answered:
+            return False, "not ready: no bootstrap server has answered yet"
         return True, "ready"
 
     def _add_metric_readers(self, m: Metrics) -> None:
@@ -187,6 +201,7 @@ class ProxyServer:
                                                        stats.upstream_connect_failures)
 
         m.add_reader(connections)
+        m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
@@ -324,8 +339,10 @@ class ProxyServer:
 
     async def _rediscover(self) -> None:
         # Until a bootstrap server answers once (readiness waits for it), try again with a backoff.
+        # Once one has answered, brokers still unknown are learned from client traffic, or by the
+        # discovery a connection to an unmapped port asks for.
         delay = 1.0
-        while not self.discovered and not self.draining:
+        while not (self.discovered or self.bootstrap_answered) and not self.draining:
             await trio.sleep(delay)
             delay = min(delay * 2, 30.0)
             await self.discover()
@@ -452,12 +469,43 @@ class ProxyServer:
 
     async def discover(self) -> bool:
         """Ask a bootstrap server for the brokers (ApiVersions, then Metadata with no topics) so
-        their ports are open before any client asks. Best effort: False if no broker answered."""
+        their ports are open before any client asks. Best effort: False if no broker told them.
+
+        One attempt at a time for the whole process: callers that arrive while one runs wait for it
+        and share its answer, and an attempt that ended less than ``DISCOVERY_REUSE_S`` ago answers
+        for a new one. The attempt runs in the server's nursery, so a caller that goes away (its
+        connection closed) does not cancel it for the others."""
+        running = self._discovery
+        if running is None:
+            ended = self.discovery_ended_at
+            if ended is not None and trio.current_time() - ended < DISCOVERY_REUSE_S:
+                return self._discovery_result
+            running = self._discovery = trio.Event()
+            if self._nursery is not None:
+                self._nursery.start_soon(self._discovery_attempt, running)
+            else:
+                await self._discovery_attempt(running)
+        await running.wait()
+        return self._discovery_result
+
+    async def _discovery_attempt(self, done: trio.Event) -> None:
+        self.discovery_attempts += 1
+        try:
+            self._discovery_result = await self._discover_once()
+        except Exception:
+            # A bug here must not stop the server; the next attempt may fare better.
+            log.exception("discovery failed")
+            self._discovery_result = False
+        finally:
+            self.discovery_ended_at = trio.current_time()
+            self._discovery = None
+            done.set()
+
+    async def _discover_once(self) -> bool:
         cfg = self.config.upstream
         for hp in cfg.bootstrap_servers:
             try:
-                t = await connect(hp.host, hp.port, cfg.connect_timeout_s, self.upstream_tls,
-                                  cfg.tls.server_hostname)
+                t = await open_upstream(hp.host, hp.port, self.upstream)
             except (OSError, trio.TooSlowError) as e:
                 log.warning("discovery: cannot reach %s: %s", hp, e or "timed out")
                 continue
@@ -468,7 +516,13 @@ class ProxyServer:
                     self.discovered = True
                 return True
             except (OSError, trio.TooSlowError, KProxyError, trio.BrokenResourceError) as e:
-                log.warning("discovery via %s failed: %s", hp, e or "timed out")
+                if self.bootstrap_answered and not self.discovered:
+                    # It answers ApiVersions but not Metadata: a broker that requires SASL, most likely.
+                    log.warning("discovery via %s: it answered ApiVersions but not Metadata (%s); a broker "
+                                "that requires SASL refuses Metadata before authentication. Brokers are "
+                                "learned from the clients' own Metadata instead", hp, e or "timed out")
+                else:
+                    log.warning("discovery via %s failed: %s", hp, e or "timed out")
             finally:
                 t.close()
         return False
@@ -486,6 +540,9 @@ class ProxyServer:
             return decode_response(frame, req.api_key, req.api_version)
 
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))
+        if not self.bootstrap_answered:
+            self.bootstrap_answered = True
+            log.info("a bootstrap server answered: ready")
         ranges = {e.api_key: e for e in narrow_api_keys(av.body.api_keys, supported_versions())}
         meta = ranges.get(3)
         if meta is None:

@@ -237,6 +237,11 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
     ]
 
 
+def discovery_families(attempts: int) -> list[Metric]:
+    return [CounterMetricFamily("kproxy_discovery_attempts", "Broker discovery attempts (one at a time, "
+                                "shared by every connection that needs one).", value=attempts)]
+
+
 def budget_families(budget: Any) -> list[Metric]:
     out = [
         GaugeMetricFamily("kproxy_buffered_bytes", "Bytes held in frame buffers, all connections.",
