@@ -392,7 +392,7 @@ class ProxyServer:
                 with trio.fail_after(self.tls_handshake_timeout_s):
                     await stream.do_handshake()
                 name = self.sni_names.name_of(stream.context)
-                transport = TlsTransport(stream)
+                transport = TlsTransport(stream, raw)
                 cert = stream.getpeercert()
                 if cert:
                     ctx.tls_subject = format_subject(cert)
