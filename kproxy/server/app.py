@@ -194,11 +194,13 @@ class ProxyServer:
 
         def connections() -> list:
             open_now: dict[str, int] = {}
+            in_flight = 0
             for c in self.connections:
                 listener = c.session.ctx.listener
                 open_now[listener] = open_now.get(listener, 0) + 1
+                in_flight += len(c.session.in_flight)
             return metric_families.connection_families(stats.opened_by_listener, open_now, stats.decode_errors,
-                                                       stats.upstream_connect_failures)
+                                                       stats.upstream_connect_failures, in_flight)
 
         m.add_reader(connections)
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))

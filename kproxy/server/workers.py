@@ -224,7 +224,7 @@ async def _fetch(address: str | None, target: str, timeout: float) -> tuple[int,
 # (the rules in force, their generation and load time, the longest loop lag). A new gauge that is a
 # per-process amount must be listed here, or the supervisor reports one worker's worth.
 ADDITIVE_GAUGES = frozenset({
-    "kproxy_connections_open", "kproxy_buffered_bytes", "kproxy_buffer_budget_bytes",
+    "kproxy_connections_open", "kproxy_requests_in_flight", "kproxy_buffered_bytes", "kproxy_buffer_budget_bytes",
 })
 
 
