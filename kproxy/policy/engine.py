@@ -54,13 +54,13 @@ from kproxy.protocol.messages import (
     body_class,
     decode_request,
     encode_request,
-    supported_versions,
 )
 from kproxy.protocol.primitives import ZERO_UUID
 from kproxy.protocol.records import iter_batches
 from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ALL, AskBroker, ConnectionContext, Delay, Filter, RequestVerdict, Respond
 from kproxy.proxy.replies import error_response, merge_response
+from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.policy")
 
@@ -476,40 +476,6 @@ def decide(rules: RuleSet | Policy, facts: Facts) -> Decision:
 # Topic ids: one map per proxy, learned from the answers that pass
 
 
-class TopicIds:
-    """Topic id -> name, learned from Metadata and DescribeTopicPartitions responses (broker names,
-    so a tenant's prefix included). Bounded: past ``limit`` ids the oldest are forgotten."""
-
-    def __init__(self, limit: int = 200_000) -> None:
-        self.limit = limit
-        self._names: dict[uuid.UUID, str] = {}
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def get(self, topic_id: uuid.UUID) -> str | None:
-        return self._names.get(topic_id)
-
-    def learn(self, topics: Iterable[Any]) -> None:
-        """From the ``topics`` array of a Metadata (v10+) or DescribeTopicPartitions response."""
-        names = self._names
-        for t in topics:
-            tid, name = t.topic_id, t.name
-            if name and tid != ZERO_UUID and names.get(tid) != name:
-                names.pop(tid, None)
-                names[tid] = name
-        while len(names) > self.limit:
-            del names[next(iter(names))]
-
-    def question(self, ids: Iterable[uuid.UUID]) -> Request:
-        """A Metadata request naming ``ids`` (v12, the first version brokers answer by id)."""
-        version = min(12, supported_versions()[METADATA][1])
-        cls: Any = body_class(METADATA, "request")
-        body = cls(topics=[cls.MetadataRequestTopic(topic_id=i, name=None) for i in ids],
-                   allow_auto_topic_creation=False)
-        return Request.build(METADATA, version, 0, "kproxy", body)
-
-
 # --------------------------------------------------------------------------------------------------
 # The filter
 
@@ -549,7 +515,6 @@ class _ConnState:
     policy: Policy | None = None
     key: Any = None
     view: _View | None = None
-    pending: dict[Any, _Pending] = attrs.field(factory=dict)
 
 
 class PolicyFilter(Filter):
@@ -560,18 +525,20 @@ class PolicyFilter(Filter):
     response_api_keys = ALL
 
     def __init__(self, source: RuleSource, rng: random.Random | None = None,
-                 topic_ids: TopicIds | None = None) -> None:
+                 topic_ids: TopicNames | None = None) -> None:
         self.source = source
         self.rng = rng if rng is not None else random.Random()
-        self.topic_ids = topic_ids if topic_ids is not None else TopicIds()
+        # The process's table of topic names, which the session fills from the broker's answers
+        # while rules name topics.
+        self.topic_ids = topic_ids if topic_ids is not None else TopicNames()
+        self.topic_ids.want(lambda: self.source.policy.uses_topic_names)
 
     # -- requests
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
+    def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
+        request: Request = exchange.request
         policy = self.source.policy
-        st: _ConnState | None = ctx.state.get("policy")
-        if st is None:
-            st = ctx.state["policy"] = _ConnState()
+        st: _ConnState = ctx.state_of(self, _ConnState)
         key = (ctx.client_id, ctx.principal, ctx.listener, ctx.client_software_name,
                ctx.client_software_version)
         if st.policy is not policy or st.key != key:
@@ -583,10 +550,10 @@ class PolicyFilter(Filter):
         plan = st.view.plan(request.api_key, request.api_version)
         if plan.idle and not policy.default_deny:
             return None
-        return self._judge(ctx, st, policy, plan, request, asked=False)
+        return self._judge(ctx, exchange, st, policy, plan, request, asked=False)
 
-    def _judge(self, ctx: ConnectionContext, st: _ConnState, policy: Policy, plan: _Plan, req: Request,
-               asked: bool) -> RequestVerdict:
+    def _judge(self, ctx: ConnectionContext, exchange: Any, st: _ConnState, policy: Policy, plan: _Plan,
+               req: Request, asked: bool) -> RequestVerdict:
         body, key, version = req.body, req.api_key, req.api_version
         rq = _Req(key, version, body)
         inactive = () if plan.static is not None else plan.inactive(rq)
@@ -607,7 +574,7 @@ class PolicyFilter(Filter):
             unknown = [i for i in ids if self.topic_ids.get(i) is None]
             if unknown and not asked:
                 return AskBroker(self.topic_ids.question(unknown),
-                                 lambda answer: self._answered(ctx, req, answer))
+                                 lambda answer: self._answered(ctx, exchange, req, answer))
             for i in ids:
                 name = self.topic_ids.get(i)
                 if name is not None and tenant:
@@ -632,7 +599,6 @@ class PolicyFilter(Filter):
                 refused_ids[i] = (None, UNKNOWN_TOPIC_ID)
             elif name in refused:
                 refused_ids[i] = refused[name]
-        exchange = ctx.exchange
         named = bool(names or id_names)
         if not named:
             error = _refusal(top, rq, policy, False)
@@ -691,21 +657,20 @@ class PolicyFilter(Filter):
                 _cap(req, rule.params)
         if not named and plan.topic_rules:
             pending.hide = (plan, inactive, rq)
-        if exchange is not None and (pending.prefixes or pending.parts or pending.hide) and not (
-                key == PRODUCE and body.acks == 0):
-            if len(st.pending) >= _CACHE_LIMIT:
-                # Answers another filter gave in place of the broker's never come back here.
-                del st.pending[next(iter(st.pending))]
-            st.pending[exchange] = pending
+        if (pending.prefixes or pending.parts or pending.hide) and not (key == PRODUCE and body.acks == 0):
+            # Read back when the answer comes; gone with the request if another filter answers it.
+            exchange.keep(self, pending)
         return Delay(delay, None) if delay else None
 
-    def _answered(self, ctx: ConnectionContext, req: Request, answer: Response | None) -> RequestVerdict:
+    def _answered(self, ctx: ConnectionContext, exchange: Any, req: Request, answer: Response | None
+                  ) -> RequestVerdict:
         """The broker's answer to a question about topic ids: learn, then judge with what is known."""
         if answer is not None:
             self.topic_ids.learn(answer.body.topics)
-        st = ctx.state["policy"]
+        st: _ConnState = ctx.state_of(self, _ConnState)
+        assert st.view is not None and st.policy is not None
         plan = st.view.plan(req.api_key, req.api_version)
-        return self._judge(ctx, st, st.policy, plan, req, asked=True)
+        return self._judge(ctx, exchange, st, st.policy, plan, req, asked=True)
 
     def _noted(self, ctx: ConnectionContext, exchange: Any, rule: Rule | None, action: str | None, req: Request,
                error: int | None, topics: list[str] | tuple[str, ...]) -> None:
@@ -754,17 +719,13 @@ class PolicyFilter(Filter):
 
     # -- responses
 
-    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
-        key = response.api_key
-        if key in (METADATA, DESCRIBE_TOPIC_PARTITIONS) and self.source.policy.uses_topic_names:
-            # Before any tenant prefix comes off: the map holds the broker's names.
-            self.topic_ids.learn(response.body.topics)
-        st: _ConnState | None = ctx.state.get("policy")
-        if st is None or not st.pending:
-            return 0.0
-        pending = st.pending.pop(ctx.exchange, None)
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
+        pending: _Pending | None = exchange.kept(self)
         if pending is None:
             return 0.0
+        request: Request = exchange.request
+        key = response.api_key
+        st: _ConnState = ctx.state_of(self, _ConnState)
         body, version = response.body, response.api_version
         if pending.prefixes:
             for entity, inside, strip in _tenant_of(pending.prefixes).undoing(key, version):

@@ -17,7 +17,7 @@ import attrs
 
 from kproxy.protocol.entities import node_id_fields, quorum_apis
 from kproxy.protocol.errors import KProxyError
-from kproxy.protocol.messages import Request, Response, apis
+from kproxy.protocol.messages import Response, apis
 from kproxy.protocol.schema import MessageSpec, StructSpec
 from kproxy.proxy.filters import ConnectionContext, Filter
 
@@ -227,7 +227,7 @@ class AddressRewriter(Filter):
         self._unexposable: set[tuple[str, int]] = set()   # nodes already reported as unexposable
         self._plans: dict[tuple[int, int], tuple[str | None, list[tuple[_Step, ...]]]] = {}
 
-    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         key = (response.api_key, response.api_version)
         plan = self._plans.get(key)
         if plan is None:
@@ -246,28 +246,28 @@ class AddressRewriter(Filter):
             response.api_key == DESCRIBE_CLUSTER and body.endpoint_type == CONTROLLER_ENDPOINTS) else "broker"
         node_id = getattr(body, root_node) if root_node is not None else None
         for steps in sites:
-            if not self._walk(ctx, body, steps, 0, role, node_id):
+            if not self._walk(exchange, body, steps, 0, role, node_id):
                 _blank(body)    # the endpoint is the body itself (FindCoordinator v0-3)
         return 0.0
 
-    def _walk(self, ctx: ConnectionContext, obj: Any, steps: tuple[_Step, ...], i: int, role: str,
+    def _walk(self, exchange: Any, obj: Any, steps: tuple[_Step, ...], i: int, role: str,
               node_id: int | None) -> bool:
         """Rewrite the endpoints under ``obj``; False when ``obj`` itself is an endpoint to drop."""
         if i == len(steps):
-            return self._rewrite(ctx, obj, role, node_id)
+            return self._rewrite(exchange, obj, role, node_id)
         step = steps[i]
         child = getattr(obj, step.field)
         if child is None:
             return True
         if not step.array:
             nid = getattr(child, step.node_field) if step.node_field is not None else node_id
-            if not self._walk(ctx, child, steps, i + 1, role, nid):
+            if not self._walk(exchange, child, steps, i + 1, role, nid):
                 _blank(child)
             return True
         dropped = False
         for item in child:
             nid = getattr(item, step.node_field) if step.node_field is not None else node_id
-            if not self._walk(ctx, item, steps, i + 1, role, nid):
+            if not self._walk(exchange, item, steps, i + 1, role, nid):
                 dropped = True
         if dropped and i + 1 == len(steps):
             # A node kproxy cannot expose is left out of the list: clients treat its partitions as
@@ -275,7 +275,7 @@ class AddressRewriter(Filter):
             setattr(obj, step.field, [e for e in child if e.host != _DROP])
         return True
 
-    def _rewrite(self, ctx: ConnectionContext, endpoint: Any, role: str, node_id: int | None) -> bool:
+    def _rewrite(self, exchange: Any, endpoint: Any, role: str, node_id: int | None) -> bool:
         if node_id is None or node_id < 0 or not endpoint.host or endpoint.port <= 0:
             # FindCoordinator errors carry node -1, host "" and port -1: nothing to expose, but no
             # upstream detail may survive either.
@@ -291,8 +291,9 @@ class AddressRewriter(Filter):
                 log.error("cannot expose %s node %d: %s", role, node_id, e)
             endpoint.host = _DROP
             return False
-        if not amap.is_confirmed(port) and port not in ctx.ports_to_open:
-            ctx.ports_to_open.append(port)
+        if not amap.is_confirmed(port):
+            # Opened by the I/O layer before this answer is written (the session's Listen action).
+            exchange.listen(port)
         endpoint.host, endpoint.port = host, port
         return True
 

@@ -1,9 +1,10 @@
 """The hook interface that address rewriting, policy, quotas and telemetry plug into.
 
-A filter declares the api keys it wants to see; the session calls it only for those, with the decoded
-request or response, which it may change in place. A request hook may also answer the request itself
-with a Kafka error, or ask for it to be held back a while. Filters are pure: no I/O, time comes from
-``ConnectionContext.clock``.
+A filter declares the api keys it wants to see; the session calls it only for those, with the request's
+completed-request entry (the exchange, which carries the decoded request) and the decoded response,
+which it may change in place. A request hook may also answer the request itself with a Kafka error,
+or ask for it to be held back a while; ``on_done`` tells it once that a request is over, whatever
+became of it. Filters are pure: no I/O, time comes from ``ConnectionContext.clock``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class ConnectionContext:
     - ``controller-<node id>``: a KRaft controller's port or SNI name (KIP-919);
     - ``discovery``: kproxy's own start-up Metadata request, seen only by the address rewriter.
 
-    While a hook runs, ``exchange`` is the request's completed-request entry
-    (``kproxy.proxy.session.InFlight``); filters record their decisions on it with ``note()``.
+    A filter keeps what it needs per connection in ``state_of(filter, factory)`` (dropped when the
+    connection closes) and what it needs per request on the exchange (``keep`` / ``kept``, dropped
+    with the request); decisions for telemetry go on the exchange with ``note()``.
     """
 
     connection_id: int
@@ -50,15 +52,32 @@ class ConnectionContext:
     client_id: str | None = None
     client_software_name: str | None = None
     client_software_version: str | None = None
-    # Scratch space for filters (per connection), keyed by the filter's own name.
-    state: dict[str, Any] = attrs.field(factory=dict)
-    exchange: Any = None
     # limits.max_decompressed_batch_bytes: the most a filter may decompress from one record batch
     # (pass it to RecordBatch.records / payload).
     max_decompressed_batch_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
-    # Broker ports the address rewriter exposed for the response at hand that no listener holds
-    # yet; the session asks the I/O layer to open them before the response is written.
-    ports_to_open: list[int] = attrs.field(factory=list)
+    # Each filter's per-connection state, by filter (see state_of); cleared when the connection ends.
+    _filter_state: dict[Filter, Any] = attrs.field(factory=dict, init=False, repr=False)
+
+    def state_of(self, owner: Filter, factory: Callable[[], Any]) -> Any:
+        """``owner``'s state for this connection, made with ``factory`` on first use."""
+        got = self._filter_state.get(owner)
+        if got is None:
+            got = self._filter_state[owner] = factory()
+        return got
+
+    def peek_state(self, owner: Filter) -> Any:
+        """``owner``'s state for this connection, or None."""
+        return self._filter_state.get(owner)
+
+    def set_state(self, owner: Filter, value: Any) -> None:
+        self._filter_state[owner] = value
+
+    def drop_state(self, owner: Filter) -> Any:
+        """Forget ``owner``'s state for this connection; returns it (None if there was none)."""
+        return self._filter_state.pop(owner, None)
+
+    def clear_state(self) -> None:
+        self._filter_state.clear()
 
     @property
     def principal(self) -> str | None:
@@ -123,14 +142,21 @@ RequestVerdict = Respond | Delay | Throttle | AskBroker | None
 
 
 class Filter:
-    """Base class: override what you need. Hooks run in the connection's order of filters."""
+    """Base class: override what you need. Hooks run in the connection's order of filters.
+
+    ``exchange`` is the request's completed-request entry (``kproxy.proxy.session.InFlight``): the
+    decoded request is ``exchange.request``; ``exchange.note()`` records a decision for telemetry,
+    ``exchange.keep()``/``kept()`` carry a filter's own state from the request to its answer.
+    """
 
     name: str = "filter"
     request_api_keys: frozenset[int] | None = frozenset()   # ALL (None) for every api key
     response_api_keys: frozenset[int] | None = frozenset()
+    # Api keys whose requests this filter hears about in on_done (ALL for every one).
+    done_api_keys: frozenset[int] | None = frozenset()
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
-        """See (and possibly change) a decoded request. Return None to forward it.
+    def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
+        """See (and possibly change) ``exchange.request``. Return None to forward it.
 
         A filter that changes a request it forwards (a tenant prefix) can change the answer back in
         ``on_response``: it sees every answer to a forwarded request, including the errors kproxy
@@ -138,8 +164,8 @@ class Filter:
         """
         return None
 
-    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
-        """See (and possibly change) a decoded response to ``request``.
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
+        """See (and possibly change) a decoded response to ``exchange.request``.
 
         Returns seconds of throttle the client should observe from now on (0 for none). With the
         largest value any filter returns, the session sets the response's ``throttle_time_ms`` (the
@@ -149,19 +175,25 @@ class Filter:
         """
         return 0.0
 
+    def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
+        """The request is over, once and whatever its outcome (answered, refused, lost with the broker
+        connection, or ``client_gone``); its times and outcome are final. Declare the api keys in
+        ``done_api_keys``."""
+
     def on_close(self, ctx: ConnectionContext) -> None:
-        """The connection ended; drop per-connection state."""
+        """The connection ended (after every request on it was done); its state_of is dropped next."""
 
 
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_by_request_key", "_by_response_key", "filters")
+    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
         self.filters = tuple(filters)
         self._by_request_key: dict[int, tuple[Filter, ...]] = {}
         self._by_response_key: dict[int, tuple[Filter, ...]] = {}
+        self._by_done_key: dict[int, tuple[Filter, ...]] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
@@ -173,6 +205,12 @@ class FilterChain:
         got = self._by_response_key.get(api_key)
         if got is None:
             got = self._by_response_key[api_key] = self._select(api_key, "response_api_keys")
+        return got
+
+    def for_done(self, api_key: int) -> tuple[Filter, ...]:
+        got = self._by_done_key.get(api_key)
+        if got is None:
+            got = self._by_done_key[api_key] = self._select(api_key, "done_api_keys")
         return got
 
     def _select(self, api_key: int, keys_attr: str) -> tuple[Filter, ...]:

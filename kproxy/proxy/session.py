@@ -35,10 +35,11 @@ from kproxy.protocol.messages import (
     request_header_version,
     supported_versions,
 )
-from kproxy.protocol.primitives import read_uvarint
+from kproxy.protocol.primitives import ShortBuffer, read_uvarint
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond, Throttle
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
+from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.session")
 
@@ -53,6 +54,11 @@ LOCAL = "local"                  # kproxy answered (a filter, an unsupported ver
 NO_RESPONSE = "no_response"      # acks=0 Produce: complete once written to the broker
 UPSTREAM_LOST = "upstream_lost"  # the broker connection was lost or timed out first
 PASSTHROUGH = "passthrough"      # forwarded opaquely (passthrough_unknown_versions)
+CLIENT_GONE = "client_gone"      # the client went away before its answer was written
+CLOSED = "closed"                # kproxy closed the connection first (a bad frame, a drain timeout, a fault)
+
+METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
+DESCRIBE_TOPIC_PARTITIONS = 75
 
 
 class Action:
@@ -172,13 +178,34 @@ class InFlight:
     broker: tuple[str, int] | None = None  # the broker connection it went to
     throttle_ms: int = 0                   # throttle_time_ms as sent to the client
     handling_s: float = 0.0
+    seq: int = 0                           # the request's place among the connection's requests
     # What filters decided about this request (rule names, quota keys), for metrics and logs.
     notes: dict[str, Any] | None = None
+    # Each filter's own state from the request to its answer (keep / kept); dies with the entry.
+    kept_by: dict[Any, Any] | None = None
+    # Broker ports an answer names that no listener holds yet (the address rewriter's ``listen``).
+    ports: list[int] | None = None
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:
             self.notes = {}
         self.notes[key] = value
+
+    def keep(self, owner: Any, value: Any) -> None:
+        """Carry ``owner``'s (a filter's) state for this request to its on_response and on_done."""
+        if self.kept_by is None:
+            self.kept_by = {}
+        self.kept_by[owner] = value
+
+    def kept(self, owner: Any) -> Any:
+        return self.kept_by.get(owner) if self.kept_by is not None else None
+
+    def listen(self, port: int) -> None:
+        """The answer names ``port``: it must be listening before the answer is written."""
+        if self.ports is None:
+            self.ports = [port]
+        elif port not in self.ports:
+            self.ports.append(port)
 
 
 @attrs.define(slots=True, eq=False)
@@ -244,8 +271,14 @@ def future_produce_acks(frame: Any) -> int | None:
         pos += max(length - 1, 0)
         (acks,) = struct.unpack_from(">h", frame, pos)
         return int(acks)
-    except (struct.error, IndexError, ValueError):
+    except (struct.error, IndexError, ValueError, ShortBuffer):
+        # A frame too short to hold acks: it is forwarded as a request with an answer, and the
+        # broker decides what it is.
         return None
+
+
+def _read_order(entry: InFlight) -> int:
+    return entry.seq
 
 
 def _size_prefixed(frame: Any) -> list:
@@ -265,9 +298,14 @@ class Session:
     """The per-connection state machine between one client and its upstream connection."""
 
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
-                 passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None) -> None:
+                 passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
+                 topic_names: TopicNames | None = None) -> None:
         self.ctx = ctx
         self.chain = chain
+        self.topic_names = topic_names       # the process's topic id -> name table, learned here
+        # Every request read and not yet done (``finish``): what ``abandon`` ends when the
+        # connection does, so each request completes exactly once.
+        self.open: set[InFlight] = set()
         self.passthrough = passthrough_unknown_versions
         self.reencode = reencode             # verify_reencode; None when off
         self.in_flight: collections.deque[InFlight] = collections.deque()
@@ -325,7 +363,9 @@ class Session:
             self._raw_sasl = False
         self.requests += 1
         self._observe_request(req)
-        entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4)
+        entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4,
+                         seq=self.requests)
+        self.open.add(entry)
         # The received bytes and their re-encoding, when the transparency check found them different.
         original = self._recheck(req, frame) if self.reencode is not None else None
         try:
@@ -392,42 +432,38 @@ class Session:
         """Run the request filters from ``start``: a Respond, None (forward) or _ASKED. ``resumed``
         is (filter, call) for the filter whose question was just answered; its call runs first."""
         ctx = self.ctx
-        ctx.exchange = entry
         filters = self.chain.for_request(req.api_key)
         i = start
-        try:
-            while True:
-                if resumed is not None:
-                    f, call = resumed
-                    resumed = None
-                elif i < len(filters):
-                    f = filters[i]
-                    i += 1
-                    call = functools.partial(f.on_request, ctx, req)
-                else:
-                    return None
-                try:
-                    verdict = call()
-                except Exception as e:
-                    raise self._filter_failed(f, "on_request", req.api_key) from e
-                if verdict is None:
+        while True:
+            if resumed is not None:
+                f, call = resumed
+                resumed = None
+            elif i < len(filters):
+                f = filters[i]
+                i += 1
+                call = functools.partial(f.on_request, ctx, entry)
+            else:
+                return None
+            try:
+                verdict = call()
+            except Exception as e:
+                raise self._filter_failed(f, "on_request", req.api_key) from e
+            if verdict is None:
+                continue
+            if isinstance(verdict, AskBroker):
+                self._ask(entry, req, f, i, verdict, actions)
+                return _ASKED
+            if isinstance(verdict, Delay):
+                if verdict.seconds > 0:
+                    actions.append(Hold(verdict.seconds))
+                if verdict.then is None:
                     continue
-                if isinstance(verdict, AskBroker):
-                    self._ask(entry, req, f, i, verdict, actions)
-                    return _ASKED
-                if isinstance(verdict, Delay):
-                    if verdict.seconds > 0:
-                        actions.append(Hold(verdict.seconds))
-                    if verdict.then is None:
-                        continue
-                    verdict = verdict.then
-                elif isinstance(verdict, Throttle):
-                    if verdict.seconds > 0:
-                        self._mute(verdict.seconds)
-                    continue
-                return verdict
-        finally:
-            ctx.exchange = None
+                verdict = verdict.then
+            elif isinstance(verdict, Throttle):
+                if verdict.seconds > 0:
+                    self._mute(verdict.seconds)
+                continue
+            return verdict
 
     # -- questions filters ask the broker (AskBroker)
 
@@ -559,6 +595,9 @@ class Session:
                        api_keys=[cls.ApiVersion(api_key=API_VERSIONS, min_version=lo, max_version=hi)])
             entry = InFlight(correlation_id, api_key, 0, now, None, request_bytes=len(frame) + 4,
                              outcome=LOCAL)
+            self.requests += 1
+            entry.seq = self.requests
+            self.open.add(entry)
             resp = Response.build(API_VERSIONS, 0, correlation_id, body)
             entry.response = resp
             entry.reply = encode_response_frame(resp)
@@ -573,6 +612,9 @@ class Session:
         _I32.pack_into(patched, 4, upstream_id)
         entry = InFlight(correlation_id, api_key, api_version, now, None, upstream_id,
                          request_bytes=len(frame) + 4, outcome=PASSTHROUGH)
+        self.requests += 1
+        entry.seq = self.requests
+        self.open.add(entry)
         if api_key == PRODUCE and future_produce_acks(frame) == 0:
             self._no_response.append(upstream_id)
             entry.upstream_correlation_id = None
@@ -656,16 +698,22 @@ class Session:
             encoded = encode_response_frame(resp)
             if not check.matches("response", entry.api_key, version, frame, encoded, 4):
                 original = frame, joined(encoded)
+        names = self.topic_names
+        if names is not None and names.learning and (
+                (entry.api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE)
+                or entry.api_key == DESCRIBE_TOPIC_PARTITIONS):
+            # The broker's own names, before any filter changes them (a tenant prefix comes off).
+            names.learn(resp.body.topics)
         try:
             throttle = self._response_filters(entry, resp)
         except FilterFailed as e:
             return [Close(str(e))]
         ctx = self.ctx
         actions: list[Action] = []
-        if ctx.ports_to_open:
+        if entry.ports:
             # The answer names broker ports that must be listening before the client reads them.
-            actions.append(Listen(tuple(ctx.ports_to_open)))
-            ctx.ports_to_open.clear()
+            actions.append(Listen(tuple(entry.ports)))
+            entry.ports = None
         if throttle > 0:
             # Told in the answer, which goes out at once; the client is then not read meanwhile.
             self._mute(throttle)
@@ -692,17 +740,13 @@ class Session:
         req = entry.request
         assert req is not None
         ctx = self.ctx
-        ctx.exchange = entry
-        try:
-            for f in self.chain.for_response(entry.api_key):
-                try:
-                    t = f.on_response(ctx, req, resp)
-                except Exception as e:
-                    raise self._filter_failed(f, "on_response", entry.api_key) from e
-                if t > throttle:
-                    throttle = t
-        finally:
-            ctx.exchange = None
+        for f in self.chain.for_response(entry.api_key):
+            try:
+                t = f.on_response(ctx, entry, resp)
+            except Exception as e:
+                raise self._filter_failed(f, "on_response", entry.api_key) from e
+            if t > throttle:
+                throttle = t
         return throttle
 
     def _observe_response(self, entry: InFlight, resp: Response) -> None:
@@ -798,8 +842,33 @@ class Session:
             actions += self._resume(None)
         return actions
 
+    def finish(self, entry: InFlight) -> None:
+        """The I/O layer completed ``entry`` (its answer written, or the connection gone): the filters
+        hear it once in ``on_done``. A failing hook is logged; the request is over either way."""
+        if entry not in self.open:
+            return
+        self.open.discard(entry)
+        for f in self.chain.for_done(entry.api_key):
+            try:
+                f.on_done(self.ctx, entry)
+            except Exception:
+                log.error("connection %d: filter %r failed in on_done on %s", self.ctx.connection_id, f.name,
+                          api_name(entry.api_key), exc_info=True)
+
+    def abandon(self, outcome: str) -> list[InFlight]:
+        """The connection is ending: every request not yet done ends with ``outcome`` (CLIENT_GONE or
+        CLOSED), in the order the client sent them. The caller completes them (``finish``)."""
+        left = sorted(self.open, key=_read_order)
+        for entry in left:
+            entry.outcome = outcome
+        self.in_flight.clear()
+        self._by_upstream.clear()
+        self.asking = None
+        return left
+
     def close(self) -> None:
-        """The connection ended: every filter's ``on_close`` runs, whatever the others do."""
+        """The connection ended: every filter's ``on_close`` runs, whatever the others do, then their
+        per-connection state is dropped."""
         if self.closed:
             return
         self.closed = True
@@ -809,3 +878,4 @@ class Session:
             except Exception:
                 log.error("connection %d: filter %r failed in on_close", self.ctx.connection_id, f.name,
                           exc_info=True)
+        self.ctx.clear_state()

@@ -8,7 +8,9 @@ defaults are dropped too, which old librdkafka builds need. Pure.
 
 from __future__ import annotations
 
-from kproxy.protocol.messages import Request, Response, supported_versions
+from typing import Any
+
+from kproxy.protocol.messages import Response, supported_versions
 from kproxy.proxy.filters import ConnectionContext, Filter
 
 API_VERSIONS = 18
@@ -36,7 +38,7 @@ class ApiVersionsNarrower(Filter):
     def __init__(self) -> None:
         self.supported = supported_versions()
 
-    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         body = response.body
         body.api_keys = narrow_api_keys(body.api_keys, self.supported)
         # Tagged fields that hold their default are left out, as Apache Kafka sends them. Some brokers

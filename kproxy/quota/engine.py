@@ -161,20 +161,22 @@ class QuotaFilter(Filter):
         address = ctx.client_address[0] if ctx.client_address else None
         key = (ctx.client_id, ctx.principal, address, ctx.listener, ctx.client_software_name,
                ctx.client_software_version)
-        st: _Conn | None = ctx.state.get("quota")
+        st: _Conn | None = ctx.peek_state(self)
         if st is None or st.compiled is not compiled or st.key != key:
             # Judged again only when the quotas or what their selectors look at change.
             own = st.own_budgets if st is not None else set()
             chosen = st.chosen_keys if st is not None else set()
             quotas = tuple((q, _capped(q, budget_key(q.rule.per, ctx), ctx.connection_id, chosen, own))
                            for q in compiled.for_connection(key))
-            st = ctx.state["quota"] = _Conn(compiled, key, quotas, largest_batch=st.largest_batch if st else 0,
-                                            own_budgets=own, chosen_keys=chosen)
+            st = _Conn(compiled, key, quotas, largest_batch=st.largest_batch if st else 0, own_budgets=own,
+                       chosen_keys=chosen)
+            ctx.set_state(self, st)
         return st
 
     # -- requests
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> RequestVerdict:
+    def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
+        request: Request = exchange.request
         if request.api_key == PRODUCE and request.body.acks != 0:
             return None         # charged when its answer comes
         st = self._conn(ctx)
@@ -188,9 +190,7 @@ class QuotaFilter(Filter):
         elif request.body.acks == 0:
             # No response will come to carry a throttle: charge it now, and mute the connection.
             now = ctx.clock()
-            entry = ctx.exchange
-            spent = now - entry.started if entry is not None else 0.0
-            seconds = self._charge(ctx, st, applied, request, None, now, spent)
+            seconds = self._charge(ctx, exchange, st, applied, request, None, now, now - exchange.started)
             if seconds > 0:
                 return Throttle(seconds)
         return None
@@ -244,22 +244,22 @@ class QuotaFilter(Filter):
 
     # -- responses
 
-    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         st = self._conn(ctx)
         if st is None:
             return 0.0
+        request: Request = exchange.request
         applied = st.applied(request)
         if not applied:
             return 0.0
         now = ctx.clock()
-        entry = ctx.exchange
-        spent = 0.0
-        if entry is not None:
-            spent = entry.handling_s + (now - entry.answered_at if entry.answered_at is not None else 0.0)
-        return self._charge(ctx, st, applied, request, response, now, spent)
+        answered = exchange.answered_at
+        spent = exchange.handling_s + (now - answered if answered is not None else 0.0)
+        return self._charge(ctx, exchange, st, applied, request, response, now, spent)
 
-    def _charge(self, ctx: ConnectionContext, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
-                request: Request, response: Response | None, now: float, spent: float) -> float:
+    def _charge(self, ctx: ConnectionContext, exchange: Any, st: _Conn,
+                applied: Iterable[tuple[_Quota, BudgetKey]], request: Request, response: Response | None,
+                now: float, spent: float) -> float:
         """Charge the request to every budget that applies; the longest throttle in seconds. The
         entry notes the quota that throttled it the most (the first one when none did)."""
         api_key = request.api_key
@@ -286,16 +286,14 @@ class QuotaFilter(Filter):
         if worst is None:
             return 0.0
         ms, q, key = worst
-        entry = ctx.exchange
-        if entry is not None:
-            entry.note("quota", {"rule": q.rule.name, "key": key[1], "throttle_ms": ms})
+        exchange.note("quota", {"rule": q.rule.name, "key": key[1], "throttle_ms": ms})
         if ms > 0 and log.isEnabledFor(logging.DEBUG):
             log.debug("quota %r key %s: %s throttled for %d ms (connection %d)", q.rule.name, safe(key[1]),
                       api_name(api_key), ms, ctx.connection_id)
         return ms / 1000.0
 
     def on_close(self, ctx: ConnectionContext) -> None:
-        st: _Conn | None = ctx.state.pop("quota", None)
+        st: _Conn | None = ctx.drop_state(self)
         if st is not None and st.own_budgets:
             self.budgets.drop(st.own_budgets)
 

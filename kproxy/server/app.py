@@ -39,6 +39,7 @@ from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.reencode import ReencodeCheck
 from kproxy.proxy.session import InFlight, Session
+from kproxy.proxy.topics import TopicNames
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
@@ -97,7 +98,9 @@ class ProxyServer:
         self.workers = worker[1] if worker is not None else 1
         self.admin_listen = admin_listen or config.admin.listen
         self.stats = ProxyStats()
-        self.telemetry = Telemetry(config, span_exporter=span_exporter)
+        # The one table of topic names by id, for the rules and telemetry alike (the broker's names).
+        self.topic_names = TopicNames()
+        self.telemetry = Telemetry(config, span_exporter=span_exporter, topic_names=self.topic_names)
         self.reencode = ReencodeCheck(config.verify_reencode) if config.verify_reencode > 0 else None
         # The policy rules in force (generation, loaded_at, rule_count, sources, reloads_ok,
         # reloads_failed, describe()); None when no rule files are configured. Read by /rules and /metrics.
@@ -131,7 +134,7 @@ class ProxyServer:
             builtin.insert(0, ApiVersionsNarrower())
         # Policy rules, when configured: judged after the built-in filters, before any given here.
         if self.rule_store is not None:
-            builtin.append(PolicyFilter(self.rule_store))
+            builtin.append(PolicyFilter(self.rule_store, topic_ids=self.topic_names))
             # Quotas come from the same files; they count what the policy lets through.
             builtin.append(QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
                                        config.quota_share(self.workers)))
@@ -415,7 +418,7 @@ class ProxyServer:
         if route is not None:
             ctx.listener = f"{route.role}-{route.node_id}"
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
-                          reencode=self.reencode)
+                          reencode=self.reencode, topic_names=self.topic_names)
         complete = (functools.partial(self._completed_with_telemetry, ctx) if self.telemetry.active
                     else self._completed)
         conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
@@ -554,9 +557,10 @@ class ProxyServer:
         req = Request.build(3, version, 2, "kproxy", body)
         resp = await roundtrip(req)
         ctx = ConnectionContext(0, listener="discovery")
-        self.rewriter.on_response(ctx, req, resp)
-        if ctx.ports_to_open:
-            self.open_ports(tuple(ctx.ports_to_open))
+        exchange = InFlight(req.correlation_id, req.api_key, req.api_version, 0.0, req)
+        self.rewriter.on_response(ctx, exchange, resp)
+        if exchange.ports:
+            self.open_ports(tuple(exchange.ports))
 
     # -- shutdown
 
@@ -569,7 +573,7 @@ class ProxyServer:
             scope.cancel()
         for s in self._listeners.values():
             s.close()
-        busy = sum(1 for c in self.connections if c.session.in_flight)
+        busy = sum(1 for c in self.connections if c.session.open)
         log.info("draining: %d connections open, %d with requests in flight (up to %gs)",
                  len(self.connections), busy, timeout)
         for c in list(self.connections):

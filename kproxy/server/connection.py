@@ -1,10 +1,14 @@
 """The two pumps of one proxied connection: client -> broker and broker -> client.
 
 The connection's nursery runs both; when the client side ends, the cancel scope ends the other and
-both sockets close in ``finally``. Both pumps hand the session's actions to one executor. A broker
-connection that is lost is not fatal to the client: the session answers what was waiting with
-retriable errors and the next request reconnects. A connection needs no server: it gets a frozen
-settings snapshot, a router (where to connect, which ports to open) and a completion callback.
+both sockets close in ``finally``. Both pumps (and the watchdog) hand the session's actions to one
+executor. Answers reach the client in the order the session made them, whichever task made them: they
+are queued the moment the session returns them and written by one task at a time (``ClientWriter``);
+writes to the broker are serialised the same way. A broker connection that is lost is not fatal to
+the client: the session answers what was waiting with retriable errors and the next request
+reconnects. Every request the session read completes exactly once, also when the client goes away
+(``client_gone``). A connection needs no server: it gets a frozen settings snapshot, a router (where
+to connect, which ports to open) and a completion callback.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import api_name
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.session import (
+    CLIENT_GONE,
+    CLOSED,
     NO_RESPONSE,
     Ask,
     Close,
@@ -43,6 +49,68 @@ log = logging.getLogger("kproxy.server")
 
 class ConnectionClosed(Exception):
     """Ends a connection on purpose; the reason is logged once."""
+
+
+class ClientGone(ConnectionClosed):
+    """The client's socket failed or closed while kproxy wrote to it."""
+
+
+class ClientWriter:
+    """Answers for one client socket, written in the order they were queued, whichever task queued
+    them: the first task that flushes writes everything queued (several answers in one vectored
+    send) while the others wait until what they queued is out. Queuing never waits, so the order is
+    the session's; ``complete`` is called for each answer's entries once its bytes are written."""
+
+    __slots__ = ("_failed", "_idle", "_queue", "_queued", "_written", "complete", "transport", "writing")
+
+    def __init__(self, transport: Transport, complete: Callable[[tuple[InFlight, ...], float], None]) -> None:
+        self.transport = transport
+        self.complete = complete
+        self._queue: list[tuple[list, tuple[InFlight, ...]]] = []
+        self._queued = 0          # answers ever queued
+        self._written = 0         # answers ever written
+        self.writing = False
+        self._idle = trio.Event()
+        self._failed: BaseException | None = None
+
+    @property
+    def pending(self) -> int:
+        """Answers queued and not yet written."""
+        return self._queued - self._written
+
+    def put(self, buffers: list, done: tuple[InFlight, ...]) -> None:
+        self._queue.append((buffers, done))
+        self._queued += 1
+
+    async def flush(self) -> None:
+        """Return once everything queued so far is written; ClientGone if the client went away."""
+        target = self._queued
+        while self.writing and self._written < target:
+            # Another task is writing: it writes what this one queued too.
+            await self._idle.wait()
+        if self._failed is not None:
+            raise ClientGone("client closed the connection") from self._failed
+        if self._written >= target:
+            return
+        self.writing = True
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                buffers = batch[0][0] if len(batch) == 1 else [b for bufs, _ in batch for b in bufs]
+                try:
+                    await self.transport.send(buffers)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    self._failed = e
+                    raise ClientGone(f"client connection error: {e!r}") from e
+                self._written += len(batch)
+                now = trio.current_time()
+                for _, done in batch:
+                    if done:
+                        self.complete(done, now)
+        finally:
+            self.writing = False
+            idle, self._idle = self._idle, trio.Event()
+            idle.set()
 
 
 @attrs.frozen(slots=True)
@@ -103,7 +171,10 @@ class ClientConnection:
         self.bytes_in = 0                           # request bytes from the client
         self.bytes_out = 0                          # response bytes to the client
         self._close_reason: str | None = None       # why another task closed the connection
-        self._client_lock = trio.StrictFIFOLock()
+        self.writer = ClientWriter(client, self._complete)
+        # One task at a time connects and writes to the broker, in the order the session asked.
+        self._upstream_lock = trio.StrictFIFOLock()
+        self.client_gone = False                    # the client went away (not kproxy closing it)
         self._room = trio.Event()                   # set when in-flight drops below the limit
         self._nursery: trio.Nursery | None = None
         self.cancel_scope: trio.CancelScope | None = None
@@ -119,8 +190,10 @@ class ClientConnection:
     # -- completion
 
     def _complete(self, done: tuple[InFlight, ...] | list[InFlight], now: float) -> None:
+        session = self.session
         for entry in done:
             entry.finished_at = now
+            session.finish(entry)
             self.requests_done += 1
             self.bytes_in += entry.request_bytes
             self.bytes_out += entry.response_bytes
@@ -133,7 +206,7 @@ class ClientConnection:
                           entry.request_bytes, entry.response_bytes)
         if not self._room.is_set():
             self._room.set()
-        if self.draining and not self.session.in_flight:
+        if self.draining and not session.open:
             self._close_from_task("kproxy is shutting down (answered what was in flight)")
 
     # -- the whole connection
@@ -151,6 +224,9 @@ class ClientConnection:
                             nursery.start_soon(self._watchdog, self.settings.watchdog_period)
                         try:
                             await self._client_pump()
+                        except ClientGone as e:
+                            reason = str(e)
+                            self.client_gone = True
                         except ConnectionClosed as e:
                             reason = str(e)
                         except FrameError as e:
@@ -159,6 +235,7 @@ class ClientConnection:
                                 self.stats.decode_errors["request"] += 1
                         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                             reason = f"client connection error: {e!r}"
+                            self.client_gone = True
                         nursery.cancel_scope.cancel()
                 except Exception as e:
                     # A bug (in kproxy or a filter) ends this connection only, never the proxy.
@@ -175,6 +252,11 @@ class ClientConnection:
                 self.upstream.close()
             self.budget.release(self._held)
             self._held = 0
+            # Requests still owed end here, each exactly once: the client went away, or kproxy
+            # closed the connection (a bad frame, a drain timeout, a fault).
+            left = self.session.abandon(CLIENT_GONE if self.client_gone else CLOSED)
+            if left:
+                self._complete(left, trio.current_time())
             self.session.close()
             log.info("connection %d from %s closed after %.1fs: %s (client id %s, %d requests, "
                      "%s in, %s out)", ctx.connection_id, _addr(ctx.client_address),
@@ -184,7 +266,7 @@ class ClientConnection:
     def drain(self) -> None:
         """Shut down gently: answer what is in flight, take no new request, then close."""
         self.draining = True
-        if not self.session.in_flight:
+        if not self.session.open:
             self._close_from_task("kproxy is shutting down (nothing in flight)")
 
     def _account(self) -> None:
@@ -213,7 +295,11 @@ class ClientConnection:
             if budget.exhausted and reader.at_frame_boundary:
                 # Backpressure across the whole process: no new request is read until buffers drain.
                 # A frame already begun keeps arriving (its sender must send every byte it holds,
-                # and the frame timeout bounds how long); pausing it too could wait forever.
+                # and the frame timeout bounds how long); pausing it too could wait forever. The
+                # receive buffer goes back first: idle buffers alone could fill the budget, and then
+                # nothing would ever free memory.
+                if reader.release_idle():
+                    self._account()
                 await budget.wait_for_room()
             if reader.idle_chunk_is_large and not client.readable_now():
                 # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
@@ -224,13 +310,14 @@ class ClientConnection:
                 break
             if n == 0:
                 self._account()
+                self.client_gone = True
                 return
             reader.received(n)
             while (frame := reader.next_frame()) is not None:
-                if len(session.in_flight) >= limit:
-                    # Backpressure: stop reading the client until answers make room.
+                if len(session.open) >= limit:
+                    # Backpressure: stop reading the client until answers (written ones) make room.
                     self._room = trio.Event()
-                    while len(session.in_flight) >= limit:
+                    while len(session.open) >= limit:
                         await self._room.wait()
                         self._room = trio.Event()
                 await self._execute(session.client_frame(frame))
@@ -238,27 +325,38 @@ class ClientConnection:
                     break
             self._account()
         # Draining: the requests already taken are answered; then the connection ends.
-        while session.in_flight:
+        while session.open:
             self._room = trio.Event()
             await self._room.wait()
         raise ConnectionClosed("kproxy is shutting down (answered what was in flight)")
 
-    async def _execute(self, actions: list) -> None:
-        """Carry out the session's actions in order; the same for both pumps."""
+    async def _execute(self, actions: list, *, flush: bool = True) -> None:
+        """Carry out the session's actions in order; the same for every task. Answers are queued at
+        once, in the session's order, before anything here can wait; ``flush=False`` leaves them
+        queued for the caller to write together with more (one vectored send for several)."""
+        writer = self.writer
         for a in actions:
             kind = type(a)
-            if kind is ToUpstream:
-                await self._to_upstream(a)
-            elif kind is ToClient:
-                await self._to_client(a.buffers)
-                if a.done:
+            if kind is ToClient:
+                if a.buffers:
+                    writer.put(a.buffers, a.done)
+                elif a.done:
                     self._complete(a.done, trio.current_time())
-            elif kind is Hold:
-                await self._hold(a.seconds)
-            elif kind is Listen:
+                continue
+            if kind is Listen:
                 problem = self.router.open_ports(a.ports)
                 if problem is not None:
                     raise ConnectionClosed(problem)
+                continue
+            if kind is ToUpstream:
+                # Not waiting for answers still being written: the queue keeps their order anyway.
+                await self._to_upstream(a)
+                continue
+            if writer.pending:
+                # Earlier answers go out before kproxy waits on anything else.
+                await writer.flush()
+            if kind is Hold:
+                await self._hold(a.seconds)
             elif kind is Close:
                 if a.undecodable is not None and self.stats is not None:
                     self.stats.decode_errors[a.undecodable] += 1
@@ -269,6 +367,8 @@ class ClientConnection:
                 await self._ask(a)
             else:  # pragma: no cover - a new action type without an executor branch is a bug
                 raise AssertionError(f"no executor for {a!r}")
+        if flush and writer.pending:
+            await writer.flush()
 
     async def _hold(self, seconds: float) -> None:
         # The watchdog does not count a wait kproxy imposes as the client being slow or idle.
@@ -278,33 +378,43 @@ class ClientConnection:
         finally:
             self._holding = False
 
-    async def _to_client(self, buffers: list) -> None:
-        if not buffers:
-            return
-        # Both pumps write to the client; the lock keeps their frames whole. Uncontended (almost
-        # always) it is taken without a trip through the scheduler.
-        lock = self._client_lock
+    async def _to_upstream(self, action: ToUpstream) -> None:
+        # Several tasks write to the broker (the client pump; the upstream pump resuming a request
+        # whose question it read the answer to; the watchdog through a lost connection): one at a
+        # time, first come first served, which is the session's order. Uncontended (almost always)
+        # the lock is taken without a trip through the scheduler.
+        lock = self._upstream_lock
         if lock.locked():
             await lock.acquire()
         else:
             lock.acquire_nowait()
         try:
-            await self.client.send(buffers)
+            failed = await self._send_upstream(action)
         finally:
             lock.release()
+        if failed is not None:
+            # Handled with the lock free: the session may resume a request that must be sent now.
+            # Nothing runs between the release and the session hearing of the loss (no await).
+            reason, connecting = failed
+            await self._upstream_lost(reason)
+            entry = action.entry
+            if connecting and entry is not None and entry.outcome == NO_RESPONSE:
+                # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
+                raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection")
 
-    async def _to_upstream(self, action: ToUpstream) -> None:
+    async def _send_upstream(self, action: ToUpstream) -> tuple[str, bool] | None:
+        """Send one action's bytes (connecting first if need be); (why, while connecting) on failure."""
+        entry = action.entry
+        if entry is not None and entry.reply is not None:
+            # Already answered: the broker connection was lost while kproxy held this request (a
+            # throttle, a delay) and the client was told to retry. Sending it now would run it twice.
+            return None
         if self.upstream is None:
             try:
                 await self._connect_upstream()
             except (OSError, trio.TooSlowError) as e:
-                await self._upstream_lost(f"cannot connect: {e or 'timed out'}")
-                if action.entry is not None and action.entry.outcome == NO_RESPONSE:
-                    # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
-                    raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection") from e
-                return
+                return f"cannot connect: {e or 'timed out'}", True
         assert self.upstream is not None
-        entry = action.entry
         if entry is not None:
             # Stamped before the send: while it waits for the socket, the other pump may already
             # read the answer, and the broker's time must never come out negative.
@@ -315,10 +425,10 @@ class ClientConnection:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             if entry is not None:
                 entry.forwarded_at = entry.broker = None
-            await self._upstream_lost(f"send failed: {e!r}")
-            return
+            return f"send failed: {e!r}", False
         if entry is not None and entry.outcome == NO_RESPONSE:
             self._complete((entry,), trio.current_time())
+        return None
 
     async def _ask(self, action: Ask) -> None:
         """Send a filter's question and wait, not reading the client, until the session has settled
@@ -365,6 +475,7 @@ class ClientConnection:
         self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
 
     async def _upstream_lost(self, reason: str) -> None:
+        """The broker connection ended: the session answers what waited on it."""
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
@@ -393,10 +504,14 @@ class ClientConnection:
                     raise ConnectionError("broker closed the connection")
                 reader.received(n)
                 while (frame := reader.next_frame()) is not None:
-                    await self._execute(session.upstream_frame(frame))
+                    # Answers queue up across the frames of one read and go out in one write.
+                    await self._execute(session.upstream_frame(frame), flush=False)
                     self._settled()
                     if self.unrouted is not None and not session.in_flight:
+                        await self.writer.flush()    # what is owed goes out before a reconnect
                         self._check_route()
+                if self.writer.pending:
+                    await self.writer.flush()
                 self._account()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             if isinstance(e, FrameError) and self.stats is not None:
@@ -405,11 +520,9 @@ class ClientConnection:
                 try:
                     await self._upstream_lost(str(e) or repr(e))
                 except ConnectionClosed as closed:
-                    self._close_from_task(str(closed))
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e2:
-                    self._close_from_task(f"client connection error: {e2!r}")
+                    self._closed(closed)
         except ConnectionClosed as e:
-            self._close_from_task(str(e))
+            self._closed(e)
         finally:
             self._readers.remove(reader)
             self._account()
@@ -426,6 +539,12 @@ class ClientConnection:
             raise ConnectionClosed(f"learned that this address is node {route.node_id}; "
                                    "closing so the client reconnects to it")
 
+    def _closed(self, e: ConnectionClosed) -> None:
+        """Another task than the client pump ended the connection with ``e``."""
+        if isinstance(e, ClientGone):
+            self.client_gone = True
+        self._close_from_task(str(e))
+
     def _close_from_task(self, reason: str) -> None:
         self._close_reason = reason
         self.client.close()
@@ -436,10 +555,13 @@ class ClientConnection:
 
     def _overdue(self, now: float) -> str | None:
         for entry in self.session.in_flight:
-            if entry.reply is None and entry.upstream_correlation_id is not None:
-                if now - entry.started > allowed_seconds(entry, self.settings.request_timeout_s):
+            # Timed from when it was written to the broker: a request kproxy itself holds (a
+            # throttle, a delay) is not the broker being slow.
+            sent = entry.forwarded_at
+            if entry.reply is None and entry.upstream_correlation_id is not None and sent is not None:
+                if now - sent > allowed_seconds(entry, self.settings.request_timeout_s):
                     return api_name(entry.api_key)
-                return None  # answers come in order: only the oldest can be the first overdue
+                return None  # answers come in order: only the oldest sent can be the first overdue
         return None
 
     async def _watchdog(self, period: float) -> None:
@@ -462,7 +584,7 @@ class ClientConnection:
                     try:
                         await self._upstream_lost(f"no {late} response within the request timeout")
                     except ConnectionClosed as e:
-                        self._close_from_task(str(e))
+                        self._closed(e)
                         return
                     continue
             unauth = s.unauthenticated_timeout_s
@@ -483,7 +605,7 @@ class ClientConnection:
                     self._close_from_task(f"a request frame did not arrive whole within "
                                           f"{s.frame_timeout_s:g}s (limits.frame_timeout_s)")
                     return
-            if session.requests != seen_requests or session.in_flight:
+            if session.requests != seen_requests or session.open:
                 seen_requests, quiet_since = session.requests, now
             elif s.idle_timeout_s > 0 and now - quiet_since > s.idle_timeout_s:
                 self._close_from_task(f"no request for {s.idle_timeout_s:g}s (limits.idle_timeout_s)")

@@ -8,7 +8,6 @@ from the traffic itself into small bounded maps.
 
 from __future__ import annotations
 
-import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -19,8 +18,9 @@ from kproxy.protocol.records import LegacyMessage, iter_batches
 from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.session import InFlight
+from kproxy.proxy.topics import TopicNames
 
-PRODUCE, FETCH, METADATA = 0, 1, 3
+PRODUCE, FETCH = 0, 1
 # Requests that name the group a client belongs to (JoinGroup, SyncGroup, Heartbeat, OffsetCommit,
 # OffsetFetch, ConsumerGroupHeartbeat, ShareGroupHeartbeat): a later Fetch by the same client on any
 # connection is attributed to that group.
@@ -52,34 +52,30 @@ class BoundedMap:
 
 
 class Learned:
-    """Names learned from traffic, shared by every connection: topic ids (Metadata answers) and
-    the group each client joined (by client address and client id)."""
+    """Names learned from traffic, shared by every connection: topic ids (the process's one
+    ``TopicNames`` table, which the sessions fill with the broker's names) and the group each client
+    joined (by client address and client id)."""
 
-    def __init__(self, cap: int = 100_000, learn_topics: bool = True) -> None:
-        self.topic_names = BoundedMap(cap)
+    def __init__(self, cap: int = 100_000, learn_topics: bool = True,
+                 topic_names: TopicNames | None = None) -> None:
+        self.topic_names = topic_names if topic_names is not None else TopicNames()
         self.groups = BoundedMap(cap)
         self.learn_topics = learn_topics
+        if learn_topics:
+            self.topic_names.want(lambda: True)
 
     def topic(self, topic_id: Any) -> str | None:
         return self.topic_names.get(topic_id)
 
     def observe(self, entry: InFlight, ctx: ConnectionContext) -> None:
         key = entry.api_key
-        if key == METADATA and entry.response is not None and self.learn_topics:
-            for t in entry.response.body.topics:
-                tid = getattr(t, "topic_id", None)
-                if t.name and tid is not None and tid != _ZERO_UUID:
-                    self.topic_names.put(tid, t.name)
-        elif key in GROUP_MEMBER_APIS and entry.request is not None:
+        if key in GROUP_MEMBER_APIS and entry.request is not None:
             groups = collect(entry.request.body, key, entry.api_version, "request", "group")
             if groups:
                 self.groups.put(_client_key(ctx), groups[0])
 
     def group_of(self, ctx: ConnectionContext) -> str | None:
         return self.groups.get(_client_key(ctx))
-
-
-_ZERO_UUID = uuid.UUID(int=0)
 
 
 def _client_key(ctx: ConnectionContext) -> tuple[str | None, str | None]:

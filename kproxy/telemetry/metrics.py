@@ -178,7 +178,8 @@ class Metrics(Collector):
                        {(a,): c.requests for a, c in apis})
         outcomes = {(a, o): n for a, c in apis for o, n in c.outcomes.items()}
         yield _counter("kproxy_request_outcomes", "Requests completed, by API and outcome (forwarded, local, "
-                       "no_response, upstream_lost, passthrough).", ["api", "outcome"], outcomes)
+                       "no_response, upstream_lost, passthrough, client_gone, closed).", ["api", "outcome"],
+                       outcomes)
         by_direction = {}
         for a, c in apis:
             by_direction[(a, "request")] = c.request_bytes

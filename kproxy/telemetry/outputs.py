@@ -18,6 +18,7 @@ from kproxy.config import ConfigError, ProxyConfig
 from kproxy.protocol.messages import apis
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.session import InFlight
+from kproxy.proxy.topics import TopicNames
 from kproxy.telemetry.exchange import Exchange, Learned
 from kproxy.telemetry.metrics import Metrics, tracing_families, traffic_log_families
 from kproxy.telemetry.spans import SpanExporter, Tracing
@@ -30,7 +31,7 @@ class Telemetry:
     """Metrics (when the admin listener is on), the traffic log and spans, as ``config`` asks."""
 
     def __init__(self, config: ProxyConfig, *, span_exporter: SpanExporter | None = None,
-                 env: Mapping[str, str] = os.environ) -> None:
+                 env: Mapping[str, str] = os.environ, topic_names: TopicNames | None = None) -> None:
         self.metrics = Metrics(config.metrics) if config.admin.listen is not None else None
         tl = config.traffic_log
         self.traffic_log = TrafficLogWriter(tl) if tl.dir is not None else None
@@ -39,7 +40,7 @@ class Telemetry:
         # topic of it (milliseconds on a cluster of 100,000 partitions): only when something names
         # topics of Produce and Fetch v13+ (the traffic log, spans, per-topic metrics).
         self.learned = Learned(learn_topics=tl.dir is not None or tr.enabled or (
-            self.metrics is not None and config.metrics.topic_labels))
+            self.metrics is not None and config.metrics.topic_labels), topic_names=topic_names)
         try:
             self.tracing = (Tracing(tr, config.limits.max_decompressed_batch_bytes, span_exporter, env)
                             if tr.enabled else None)

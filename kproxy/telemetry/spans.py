@@ -250,10 +250,14 @@ class Tracing:
             child.set_attribute("messaging.system", "kafka")
             child.set_attribute("messaging.operation.name", x.api)
             answered = e.answered_at if e.answered_at is not None else (e.finished_at or e.forwarded_at)
-            if e.answered_at is None and e.outcome != "no_response":
+            if e.answered_at is None and e.outcome not in ("no_response", "client_gone"):
                 child.set_status(Status(StatusCode.ERROR, e.outcome))
             child.end(int(answered * 1e9) + epoch_ns)
-        if error is not None or e.outcome == "upstream_lost":
+        if e.outcome in ("client_gone", "closed"):
+            # Not kproxy's error nor the broker's (client_gone: a consumer closing in a long poll is
+            # normal): the status stays unset, and an event says why the answer was never written.
+            span.add_event(f"kproxy.{e.outcome}", timestamp=int(end * 1e9) + epoch_ns)
+        elif error is not None or e.outcome == "upstream_lost":
             span.set_status(Status(StatusCode.ERROR, error or e.outcome))
         span.end(int(end * 1e9) + epoch_ns)
         self.spans += 1

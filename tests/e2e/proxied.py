@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from kproxy.config import config_from_args
-from kproxy.protocol.messages import Request, Response, api_name
+from kproxy.protocol.messages import Response, api_name
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.tansu import free_port
@@ -28,7 +28,7 @@ class ResponseTap(Filter):
         self.seen: list[tuple[str, int, dict[str, Any]]] = []
         self._lock = threading.Lock()
 
-    def on_response(self, ctx: ConnectionContext, request: Request, response: Response) -> float:
+    def on_response(self, ctx: ConnectionContext, exchange, response: Response) -> float:
         with self._lock:
             self.seen.append(
                 (

@@ -370,7 +370,8 @@ class _Broken(Filter):
     name = "broken"
     request_api_keys = frozenset({3})
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> None:
+    def on_request(self, ctx: ConnectionContext, exchange) -> None:
+        request = exchange.request
         if request.client_id == "crash":
             raise RuntimeError("filter bug")
         return None

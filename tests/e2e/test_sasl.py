@@ -49,7 +49,8 @@ class PrincipalRecorder(Filter):
         self.seen: list[tuple[int, int, str | None, bool]] = []
         self._lock = threading.Lock()
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> None:
+    def on_request(self, ctx: ConnectionContext, exchange) -> None:
+        request = exchange.request
         with self._lock:
             self.seen.append((ctx.connection_id, request.api_key, ctx.principal, ctx.authenticated))
 

@@ -45,7 +45,8 @@ class Identities(Filter):
         self.at_close: list[str | None] = []
         self._lock = threading.Lock()
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> None:
+    def on_request(self, ctx: ConnectionContext, exchange) -> None:
+        request = exchange.request
         with self._lock:
             self.seen.append((request.api_key, ctx.principal, ctx.authenticated))
 

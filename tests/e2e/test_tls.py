@@ -89,7 +89,8 @@ class ContextRecorder(Filter):
         self.seen: list[tuple[int, int, str, str | None, str | None]] = []
         self._lock = threading.Lock()
 
-    def on_request(self, ctx: ConnectionContext, request: Request) -> None:
+    def on_request(self, ctx: ConnectionContext, exchange) -> None:
+        request = exchange.request
         with self._lock:
             self.seen.append((ctx.connection_id, request.api_key, ctx.listener, ctx.tls_subject, ctx.principal))
 

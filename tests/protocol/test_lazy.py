@@ -22,6 +22,7 @@ from kproxy.protocol.errors import DecodeError
 from kproxy.protocol.messages import Response, body_class, decode_response, encode_response, response_codecs
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext
+from kproxy.proxy.session import InFlight
 
 from .test_fuzz import mutated
 from .variants import LAZY, outcome, require_accelerator
@@ -175,7 +176,7 @@ def test_reading_every_topic_name_leaves_the_partitions_as_bytes(impl):
 def test_the_address_rewriter_does_not_decode_the_topics(impl):
     resp = decode_response(FRAME, METADATA, 12)
     AddressRewriter(AddressMap("kproxy.local", 30000, 64, node_id_base=0)).on_response(
-        ConnectionContext(1), None, resp)  # type: ignore[arg-type]  # Metadata needs no request
+        ConnectionContext(1), InFlight(1, METADATA, 12, 0.0), resp)
     assert [(b.host, b.port) for b in resp.body.brokers] == [("kproxy.local", 30000 + i) for i in range(1, 11)]
     assert isinstance(resp.body.topics, LazyArray) and not resp.body.topics.decoded
 

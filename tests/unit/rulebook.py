@@ -8,11 +8,12 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from kproxy.policy.engine import FixedRules, PolicyFilter, TopicIds
+from kproxy.policy.engine import FixedRules, PolicyFilter
 from kproxy.policy.loader import load_rules
 from kproxy.policy.model import RuleSet
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.session import Session
+from kproxy.proxy.topics import TopicNames
 
 _files = itertools.count()
 
@@ -28,7 +29,7 @@ def rule_set(directory: Path, text: str, chaos: bool = False) -> RuleSet:
 
 
 def policy_filter(directory: Path, text: str, chaos: bool = False, seed: int = 1,
-                  topic_ids: TopicIds | None = None) -> PolicyFilter:
+                  topic_ids: TopicNames | None = None) -> PolicyFilter:
     return PolicyFilter(FixedRules.of(rule_set(directory, text, chaos)), random.Random(seed), topic_ids)
 
 
@@ -44,4 +45,6 @@ def session(*filters: Any, connection_id: int = 1, address: str = "10.1.2.3", li
             tls_subject: str | None = None) -> Session:
     ctx = ConnectionContext(connection_id, client_address=(address, 40000), listener=listener, clock=Clock(),
                             tls_subject=tls_subject)
-    return Session(ctx, FilterChain(filters))
+    # As the server does: the sessions fill the table of topic names the policy filter reads.
+    names = next((f.topic_ids for f in filters if isinstance(f, PolicyFilter)), None)
+    return Session(ctx, FilterChain(filters), topic_names=names)

@@ -24,7 +24,7 @@ from kproxy.proxy.addresses import (
     endpoint_sites,
 )
 from kproxy.proxy.filters import ConnectionContext, FilterChain
-from kproxy.proxy.session import Listen, Session, ToClient
+from kproxy.proxy.session import InFlight, Listen, Session, ToClient
 
 from ..protocol.strategies import message_strategy
 
@@ -295,7 +295,7 @@ def test_streams_group_user_endpoints_are_left_alone():
     rewriter = AddressRewriter(make_map())
     assert STREAMS_GROUP_DESCRIBE not in rewriter.response_api_keys
     resp = Response.build(STREAMS_GROUP_DESCRIBE, 0, 1, body)
-    rewriter.on_response(ConnectionContext(1), None, resp)  # even if called, nothing to rewrite
+    rewriter.on_response(ConnectionContext(1), InFlight(1, resp.api_key, resp.api_version, 0.0), resp)  # even if called, nothing to rewrite
     got, m = round_trip(STREAMS_GROUP_DESCRIBE, 0, body)
     endpoint = got.groups[0].members[0].user_endpoint
     assert (endpoint.host, endpoint.port) == ("app-1.internal", 8080)
@@ -356,7 +356,7 @@ def test_no_upstream_host_survives_rewriting(api_key, version):
         m = AddressMap(PROXY, 2000, 60000)
         resp = Response.build(api_key, version, 1, body)
         upstream = {h for h, _ in hosts(body, msg.root, version, [])} - {""}
-        assert AddressRewriter(m).on_response(ConnectionContext(1), None, resp) == 0.0
+        assert AddressRewriter(m).on_response(ConnectionContext(1), InFlight(1, resp.api_key, resp.api_version, 0.0), resp) == 0.0
         # Still a valid response (ports fit their field), and nothing upstream is left in it.
         frame = b"".join(encode_response_frame(resp))[4:]
         back = decode_response(frame, api_key, version)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kproxy.policy import model as M
-from kproxy.policy.engine import FixedRules, PolicyFilter, TopicIds, pattern_fields
+from kproxy.policy.engine import FixedRules, PolicyFilter, pattern_fields
 from kproxy.policy.loader import RuleError, load_rules
 from kproxy.policy.store import RuleStore
 from kproxy.protocol import entities
@@ -29,6 +29,7 @@ from kproxy.protocol.records import build_batch
 from kproxy.protocol.schema import RESOURCE_KINDS, StructSpec, resource_type_field
 from kproxy.proxy.replies import error_response
 from kproxy.proxy.session import Ask, Close, Hold, ToClient, ToUpstream
+from kproxy.proxy.topics import TopicNames
 
 from .rulebook import policy_filter, session, write_rules
 from .test_session import answered, forwarded, request_frame, response_frame
@@ -117,7 +118,7 @@ def test_an_acks_0_produce_with_a_refused_topic_closes_like_a_broker(tmp_path):
 
 @pytest.mark.parametrize("version", [12, 13])
 def test_fetch_reads_the_allowed_topic_and_fails_only_the_refused_one(tmp_path, version):
-    ids = TopicIds()
+    ids = TopicNames()
     ids.learn([body_class(METADATA, "response").MetadataResponseTopic(name=n, topic_id=i)
                for n, i in (("orders", ID_A), ("secret-x", ID_B))])
     s = session(policy_filter(tmp_path, DENY_SECRETS, topic_ids=ids))
@@ -411,7 +412,7 @@ def metadata_by_id_answer(known: dict[uuid.UUID, str], asked):
 
 
 def test_an_unknown_topic_id_is_asked_about_before_deciding(tmp_path):
-    ids = TopicIds()
+    ids = TopicNames()
     ids.learn([body_class(METADATA, "response").MetadataResponseTopic(name="orders", topic_id=ID_A)])
     s = session(policy_filter(tmp_path, DENY_SECRETS, topic_ids=ids))
     acts = send(s, FETCH, 13, fetch_by_id(ID_A, ID_B, ID_C))
@@ -432,7 +433,7 @@ def test_an_unknown_topic_id_is_asked_about_before_deciding(tmp_path):
 
 
 def test_a_known_topic_id_needs_no_question(tmp_path):
-    ids = TopicIds()
+    ids = TopicNames()
     s = session(policy_filter(tmp_path, DENY_SECRETS, topic_ids=ids))
     # Learned from a Metadata answer passing through.
     roundtrip(s, METADATA, 12, metadata(["orders"]), answer=metadata_answer(["orders"]))
@@ -471,7 +472,7 @@ def _produce_by_id(*ids):
 
 
 def test_a_tenant_cannot_reach_another_namespace_by_topic_id(tmp_path):
-    ids = TopicIds()
+    ids = TopicNames()
     ids.learn([body_class(METADATA, "response").MetadataResponseTopic(name=n, topic_id=i)
                for n, i in (("tenant-a.mine", ID_A), ("tenant-b.theirs", ID_B))])
     s = session(policy_filter(tmp_path, TENANTS, topic_ids=ids))
@@ -482,7 +483,7 @@ def test_a_tenant_cannot_reach_another_namespace_by_topic_id(tmp_path):
 
 
 def test_the_id_map_is_bounded():
-    ids = TopicIds(limit=3)
+    ids = TopicNames(limit=3)
     cls = body_class(METADATA, "response").MetadataResponseTopic
     ids.learn([cls(name=f"t{n}", topic_id=uuid.UUID(int=n + 1)) for n in range(5)])
     assert len(ids) == 3 and ids.get(uuid.UUID(int=1)) is None and ids.get(uuid.UUID(int=5)) == "t4"
@@ -656,3 +657,24 @@ def test_responses_without_pending_work_are_left_alone(tmp_path):
     body = metadata_answer(["a"])
     _, resp = roundtrip(s, METADATA, 12, metadata(["a"]), answer=body)
     assert resp.body == Response.build(METADATA, 12, 7, body).body
+
+
+def test_telemetry_names_a_tenants_topic_the_same_by_name_and_by_id(tmp_path):
+    """One table of topic names: the policy and telemetry both see the broker's name (with the tenant's
+    prefix), whether the client named the topic (Produce v9) or gave its id (Produce v13)."""
+    from kproxy.telemetry.exchange import Exchange, Learned
+
+    ids = TopicNames()
+    learned = Learned(topic_names=ids)
+    s = session(policy_filter(tmp_path, TENANTS, topic_ids=ids))
+    # A Metadata answer passing through teaches the id of tenant-a.orders (the broker's name) ...
+    roundtrip(s, METADATA, 12, metadata(["orders"]), client_id="team-a-1",
+              answer=metadata_answer(["tenant-a.orders"]), correlation_id=1)
+    oid = uuid.uuid5(uuid.NAMESPACE_DNS, "tenant-a.orders")
+    assert ids.get(oid) == "tenant-a.orders"
+    names = []
+    for version, body in ((9, produce(["orders"])), (13, _produce_by_id(oid))):
+        acts = send(s, PRODUCE, version, body, client_id="team-a-1", correlation_id=version)
+        done = broker_answers(s, forwarded(acts[-1]))[-1].done[0]
+        names.append(Exchange(done, s.ctx, learned).topics)
+    assert names == [["tenant-a.orders"], ["tenant-a.orders"]]

@@ -359,10 +359,10 @@ class Busy(Filter):
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
         ctx.clock.now += self.seconds
 
-    def on_response(self, ctx, request, response):
+    def on_response(self, ctx, exchange, response):
         ctx.clock.now += self.seconds
         return 0.0
 

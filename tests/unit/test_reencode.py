@@ -66,7 +66,8 @@ class RenameClient(Filter):
     name = "rename"
     request_api_keys = ALL
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
+        request = exchange.request
         request.client_id = "renamed"
         return None
 
@@ -97,7 +98,7 @@ class AskFirst(Filter):
     name = "ask-first"
     request_api_keys = frozenset({API_VERSIONS})
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
         return AskBroker(Request.build(3, 12, 0, "kproxy", metadata_request()), lambda answer: None)
 
 

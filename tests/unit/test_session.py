@@ -6,6 +6,8 @@ import struct
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kproxy.protocol.messages import (
     Request,
@@ -18,7 +20,16 @@ from kproxy.protocol.messages import (
     supported_versions,
 )
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond
-from kproxy.proxy.session import Ask, Close, Hold, Session, ToClient, ToUpstream, sasl_user
+from kproxy.proxy.session import (
+    Ask,
+    Close,
+    Hold,
+    Session,
+    ToClient,
+    ToUpstream,
+    future_produce_acks,
+    sasl_user,
+)
 
 PRODUCE, FETCH, METADATA, HEARTBEAT, OFFSET_COMMIT = 0, 1, 3, 12, 8
 SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 17, 18, 36
@@ -119,7 +130,8 @@ class Refuse(Filter):
         self.delay = delay
         self.seen: list[int] = []
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
+        request = exchange.request
         self.seen.append(request.api_key)
         verdict = Respond(self.error_code, error_message="refused by kproxy")
         return Delay(self.delay, verdict) if self.delay is not None else verdict
@@ -275,7 +287,7 @@ def test_respond_with_a_body_is_sent_as_is():
     class Answer(Filter):
         request_api_keys = frozenset({METADATA})
 
-        def on_request(self, ctx, request):
+        def on_request(self, ctx, exchange):
             return Respond(body=metadata_response([(9, "local", 1)]))
 
     s = make_session(Answer())
@@ -296,7 +308,7 @@ def test_delay_holds_before_forwarding():
     class Slow(Filter):
         request_api_keys = frozenset({METADATA})
 
-        def on_request(self, ctx, request):
+        def on_request(self, ctx, exchange):
             return Delay(0.5)
 
     s = make_session(Slow())
@@ -323,7 +335,7 @@ class Throttle(Filter):
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def on_response(self, ctx, request, response):
+    def on_response(self, ctx, exchange, response):
         return self.seconds
 
 
@@ -382,7 +394,7 @@ def test_a_throttle_verdict_forwards_the_request_and_mutes_the_connection():
     class Mute(Filter):
         request_api_keys = frozenset({PRODUCE})
 
-        def on_request(self, ctx, request):
+        def on_request(self, ctx, exchange):
             return ThrottleVerdict(0.75)
 
     s = make_session(Mute())
@@ -398,12 +410,12 @@ def test_handling_time_counts_the_session_work_on_a_request_and_its_answer():
         request_api_keys = response_api_keys = frozenset({METADATA})
         seen: list[float] = []
 
-        def on_request(self, ctx, request):
+        def on_request(self, ctx, exchange):
             ctx.clock.now += 0.003
 
-        def on_response(self, ctx, request, response):
+        def on_response(self, ctx, exchange, response):
             ctx.clock.now += 0.002
-            self.seen.append(ctx.exchange.handling_s)
+            self.seen.append(exchange.handling_s)
             return 0.0
 
     clock = Clock(100.0)
@@ -795,7 +807,7 @@ class SeesPrincipal(Filter):
     def __init__(self) -> None:
         self.seen: list[tuple[str | None, bool]] = []
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
         self.seen.append((ctx.principal, ctx.authenticated))
         return None
 
@@ -892,12 +904,12 @@ class Raises(Filter):
         self.name = f"raises-in-{hook}"
         self.hook = hook
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
         if self.hook == "on_request":
             raise RuntimeError("boom")
         return None
 
-    def on_response(self, ctx, request, response):
+    def on_response(self, ctx, exchange, response):
         if self.hook == "on_response":
             raise RuntimeError("boom")
         return 0.0
@@ -969,15 +981,14 @@ def test_filters_can_note_decisions_on_the_entry():
     class Tags(Filter):
         request_api_keys = frozenset({METADATA})
 
-        def on_request(self, ctx, request):
-            ctx.exchange.note("rule", "allow-all")
+        def on_request(self, ctx, exchange):
+            exchange.note("rule", "allow-all")
             return None
 
     s = make_session(Tags())
     up = forwarded(s.client_frame(request_frame(METADATA, 12, 1, metadata_request()))[0])
     out = s.upstream_frame(memoryview(response_frame(METADATA, 12, up.correlation_id, metadata_response())))
     assert out[0].done[0].notes == {"rule": "allow-all"}
-    assert s.ctx.exchange is None
 
 
 # -- a filter asks the broker before deciding (AskBroker)
@@ -993,12 +1004,12 @@ class Asker(Filter):
     def __init__(self) -> None:
         self.answers: list = []
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
         question = Request.build(METADATA, 12, 0, "kproxy", metadata_request(()))
 
         def then(answer):
             self.answers.append(answer)
-            assert ctx.exchange is not None and ctx.exchange.api_key == HEARTBEAT
+            assert exchange.api_key == HEARTBEAT
             if answer is None or not answer.body.brokers:
                 return Respond(TOPIC_AUTHORIZATION_FAILED)
             return None
@@ -1016,7 +1027,8 @@ def test_a_question_goes_to_the_broker_and_the_request_waits_for_its_answer():
         request_api_keys = frozenset({HEARTBEAT})
         seen: list[int] = []
 
-        def on_request(self, ctx, request):
+        def on_request(self, ctx, exchange):
+            request = exchange.request
             self.seen.append(request.api_key)
 
     asker, after = Asker(), After()
@@ -1092,11 +1104,12 @@ class Prefix(Filter):
     name = "prefix"
     request_api_keys = response_api_keys = frozenset({PRODUCE})
 
-    def on_request(self, ctx, request):
+    def on_request(self, ctx, exchange):
+        request = exchange.request
         for t in request.body.topic_data:
             t.name = "p." + t.name
 
-    def on_response(self, ctx, request, response):
+    def on_response(self, ctx, exchange, response):
         for t in response.body.responses:
             t.name = t.name.removeprefix("p.")
         return 0.0
@@ -1129,7 +1142,7 @@ def test_the_decompression_limit_reaches_filters_through_the_context():
     class Reads(Filter):
         request_api_keys = frozenset({METADATA})
 
-        def on_request(self, ctx, request):
+        def on_request(self, ctx, exchange):
             seen.append(ctx.max_decompressed_batch_bytes)
 
     server = ProxyServer(cfg, [Reads()])
@@ -1137,3 +1150,80 @@ def test_the_decompression_limit_reaches_filters_through_the_context():
     ctx.clock = Clock()                      # outside trio: the test's clock, not trio's
     Session(ctx, server.chain).client_frame(request_frame(METADATA, 12, 1, metadata_request()))
     assert seen == [12345]
+
+
+@pytest.mark.parametrize("frame", [
+    b"\x00\x00\x00\x0d\x00\x00\x00\x01" + b"\x00\x00" + b"\xff" * 6,   # header tagged-field count too long
+    b"\x00\x00\x00\x0d\x00\x00\x00\x01" + b"\x00\x00\x00" + b"\xff\xff\xff\xff\xff\xff",  # txn id length
+    b"\x00\x00\x00\x0d\x00\x00\x00\x01\x00",                               # cut inside the client id
+])
+def test_future_produce_acks_of_a_short_or_garbled_frame_is_unknown_not_an_error(frame):
+    assert future_produce_acks(memoryview(frame)) is None
+
+
+# -- every request read completes exactly once
+
+
+_EVENT = st.one_of(
+    st.just("forwarded"), st.just("local"), st.just("acks0"), st.just("refused_acks0"),
+    st.tuples(st.just("answer"), st.integers(0, 7)), st.just("lost"), st.just("gone"),
+)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.lists(_EVENT, max_size=40))
+def test_every_request_read_completes_exactly_once(events):
+    """Random requests, broker answers, lost broker connections and a client that goes away, driven
+    through the session as the executor drives it: each request read is completed once, no more."""
+    s = make_session(Refuse({HEARTBEAT}))
+    completed: list = []
+    closed = False
+
+    def run(actions) -> None:
+        nonlocal closed
+        for a in actions:
+            done = a.done if isinstance(a, ToClient | Close) else (
+                (a.entry,) if isinstance(a, ToUpstream) and a.entry is not None and a.entry.outcome == "no_response"
+                else ())
+            for e in done:
+                completed.append(e)
+                s.finish(e)
+            if isinstance(a, Close):
+                closed = True
+                return
+
+    cid = 0
+    for ev in events:
+        if closed:
+            break
+        if ev == "forwarded":
+            cid += 1
+            run(s.client_frame(request_frame(METADATA, 12, cid, metadata_request())))
+        elif ev == "local":
+            cid += 1
+            run(s.client_frame(request_frame(HEARTBEAT, 4, cid, heartbeat_request())))
+        elif ev in ("acks0", "refused_acks0"):
+            cid += 1
+            body = produce_request(acks=0)
+            api = PRODUCE
+            if ev == "refused_acks0":   # refused by a filter: the connection closes after what is owed
+                s.chain = FilterChain([Refuse({HEARTBEAT, PRODUCE})])
+            run(s.client_frame(request_frame(api, 9, cid, body)))
+            s.chain = FilterChain([Refuse({HEARTBEAT})])
+        elif ev == "lost":
+            run(s.upstream_lost("gone"))
+        elif ev == "gone":
+            break
+        else:
+            waiting = sorted(s._by_upstream)
+            if waiting:
+                up = waiting[ev[1] % len(waiting)]
+                run(s.upstream_frame(memoryview(response_frame(METADATA, 12, up, metadata_response()))))
+    # The connection ends (the client left, or kproxy closed it): the rest complete now.
+    left = s.abandon("client_gone")
+    for e in left:
+        completed.append(e)
+        s.finish(e)
+    assert len(completed) == s.requests
+    assert len({id(e) for e in completed}) == len(completed)
+    assert not s.open

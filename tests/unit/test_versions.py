@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kproxy.protocol.messages import Request, Response, body_class, supported_versions
 from kproxy.proxy.filters import ConnectionContext, FilterChain
+from kproxy.proxy.session import InFlight
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 
 API_VERSIONS = 18
@@ -44,7 +45,7 @@ def test_narrower_filter_on_a_response():
         (3, 0, hi + 5), (18, 0, 99), (32000, 0, 3)))
     resp = Response.build(API_VERSIONS, 3, 1, body)
     req = Request.build(API_VERSIONS, 3, 1, "app", body_class(API_VERSIONS, "request")())
-    assert narrower.on_response(ConnectionContext(1), req, resp) == 0.0
+    assert narrower.on_response(ConnectionContext(1), InFlight(1, API_VERSIONS, 3, 0.0, req), resp) == 0.0
     assert ranges(resp.body.api_keys) == [(3, lo, hi), (18, supported[18][0], supported[18][1])]
 
 

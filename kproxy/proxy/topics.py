@@ -1,0 +1,65 @@
+"""The process's one table of topic names by topic id, learned from the broker's own answers.
+
+Since KIP-516 requests and answers may name a topic by id only (Fetch v13+, Produce v13+, Metadata by
+id). Policy rules judge names and telemetry labels names, so both read this one table, filled by the
+session from Metadata (v10+) and DescribeTopicPartitions answers before any filter changes them: the
+names are the broker's, a tenant's prefix included. Pure and bounded; no I/O.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kproxy.protocol.messages import Request, body_class, supported_versions
+from kproxy.protocol.primitives import ZERO_UUID
+
+METADATA = 3
+
+
+class TopicNames:
+    """Topic id -> the broker's topic name. Past ``limit`` ids the least recently learned are forgotten.
+
+    Reading every topic of a Metadata answer costs milliseconds on a cluster of 100,000 partitions,
+    so the table learns only while something wants it: each reader registers a predicate with
+    ``want`` (the policy while its rules name topics, telemetry while an output labels topics).
+    """
+
+    def __init__(self, limit: int = 200_000) -> None:
+        self.limit = limit
+        self._names: dict[uuid.UUID, str] = {}
+        self._wants: list[Callable[[], bool]] = []
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def want(self, predicate: Callable[[], bool]) -> None:
+        """Learn while ``predicate()`` is true (checked on each answer that could teach names)."""
+        self._wants.append(predicate)
+
+    @property
+    def learning(self) -> bool:
+        return any(w() for w in self._wants)
+
+    def get(self, topic_id: Any) -> str | None:
+        return self._names.get(topic_id)
+
+    def learn(self, topics: Iterable[Any]) -> None:
+        """From the ``topics`` array of a Metadata (v10+) or DescribeTopicPartitions response."""
+        names = self._names
+        for t in topics:
+            tid, name = getattr(t, "topic_id", None), t.name
+            if name and tid is not None and tid != ZERO_UUID and names.get(tid) != name:
+                names.pop(tid, None)
+                names[tid] = name
+        while len(names) > self.limit:
+            del names[next(iter(names))]
+
+    def question(self, ids: Iterable[uuid.UUID]) -> Request:
+        """A Metadata request naming ``ids`` (v12, the first version brokers answer by id)."""
+        version = min(12, supported_versions()[METADATA][1])
+        cls: Any = body_class(METADATA, "request")
+        body = cls(topics=[cls.MetadataRequestTopic(topic_id=i, name=None) for i in ids],
+                   allow_auto_topic_creation=False)
+        return Request.build(METADATA, version, 0, "kproxy", body)
