@@ -118,8 +118,9 @@ def test_client_gone_with_requests_in_flight_leaks_nothing(proxy: ProxyThread, b
         return [c for c in proxy.server.connections if c.session.ctx.client_id == "wire"]
 
     deadline = time.monotonic() + 15
-    while proxy.call(lambda: sum(len(c.session.in_flight) for c in ours())) < 20:
-        assert time.monotonic() < deadline, "the long polls never reached kproxy"
+    while not proxy.call(lambda: len(ours()) == 20 and all(c.upstream is not None and c.session.in_flight
+                                                           for c in ours())):
+        assert time.monotonic() < deadline, "the long polls never reached the broker"
         time.sleep(0.02)
     # kproxy's own sockets for these connections, both sides: what must be closed afterwards. (Not
     # the test process's descriptor count: the broker, clients and threads of other tests move it.)

@@ -324,7 +324,11 @@ def test_broker_connection_lost_after_sasl_closes_the_client(gate: SaslGate, pro
 def admin_proxy(gate: SaslGate) -> Iterator[tuple[ProxyThread, str, int]]:
     """kproxy with an admin listener and deterministic broker ports (listening from the start, not
     mapped to a broker until discovery or a client's Metadata says where each one is)."""
-    port, broker_port, _, admin = free_ports(4)
+    from tests.e2e.proxied import free_port_block
+
+    port = free_port_block(3)            # the bootstrap port, then the two broker ports
+    broker_port = port + 1
+    (admin,) = free_ports(1)
     cfg = parse_config(f"""\
 listen: "127.0.0.1:{port}"
 upstream:
