@@ -1,4 +1,4 @@
-"""kproxy's command line: ``kproxy run | check | demo | decode | report``, parsed in this one place.
+"""kproxy's command line: ``kproxy run | check | demo | decode | report | top``, parsed in this one place.
 
 Each sub-command's work lives in the module that owns it; this file only parses arguments and
 imports that module lazily, so ``kproxy decode`` never pays for trio or the server.
@@ -9,22 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
-
-def package_version() -> str:
-    """The installed package's version (from its metadata, so it matches what pip reports)."""
-    try:
-        return metadata.version("kproxy")
-    except metadata.PackageNotFoundError:
-        from kproxy import __version__
-
-        return f"{__version__} (not installed)"
+from kproxy import __version__
 
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kproxy", description="A transparent Kafka wire-protocol proxy.")
-    p.add_argument("--version", action="version", version=f"kproxy {package_version()}")
+    p.add_argument("--version", action="version", version=f"kproxy {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the proxy")
@@ -53,8 +44,15 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="check policy rule files (or directories) on their own; repeatable")
     check.add_argument("--chaos", action="store_true", help="with --rules: check as if chaos were enabled")
 
-    demo = sub.add_parser("demo", help="embedded broker + kproxy + a real client, then a summary")
-    demo.add_argument("--records", type=int, default=1000, help="records to produce and consume")
+    demo = sub.add_parser("demo", help="the product tour on an embedded broker: a tenant, a refused topic, a "
+                          "quota, metrics, the traffic log and the fleet report")
+    demo.add_argument("--plain", action="store_true", help="only records through kproxy and back, and a table "
+                      "of the APIs kproxy saw")
+    demo.add_argument("--records", type=int, default=1000, help="records to produce and consume (--plain)")
+    demo.add_argument("--no-report", action="store_true", help="leave out kproxy report (which needs Java 17+ "
+                      "and the analytics extra)")
+    demo.add_argument("--out", help="directory for the rule file, traffic log and report (default: a new "
+                      "temporary directory)")
 
     dec = sub.add_parser("decode", help="decode a Kafka frame given as hex or raw bytes")
     dec.add_argument("file", nargs="?", default="-", help="file with hex or raw bytes; - for stdin")
@@ -79,6 +77,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
                      "every executor can write")
+    top = sub.add_parser("top", help="live view of a running kproxy's traffic, from its admin listener")
+    top.add_argument("--admin", required=True, metavar="HOST:PORT", help="the admin listener (admin.listen)")
+    top.add_argument("--once", action="store_true", help="print one plain-text snapshot (rates from two "
+                     "scrapes a second apart) and exit")
     return p
 
 
@@ -116,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return run_report(args)
+    if args.command == "top":
+        from kproxy.ops.top import run as run_top
+
+        return run_top(args.admin, args.once)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

@@ -1,4 +1,4 @@
-"""``kproxy demo``: an embedded tansu broker, kproxy in front of it, and kafka-python talking only to kproxy.
+"""``kproxy demo --plain``: an embedded tansu broker, kproxy in front of it, and kafka-python talking only to kproxy.
 
 It creates a topic, produces keyed records with acks=all, reads them back with a consumer group, checks
 every record, and prints what ran where and what kproxy saw per API. It is a tour and a smoke test, not
@@ -256,12 +256,17 @@ def _quiet_logging() -> Iterator[None]:
 
 
 def run_demo(args: Any) -> int:
+    """``kproxy demo``: the product tour (``kproxy.tour``), or with ``--plain`` the round trip below."""
     n = int(args.records)
     if n < 1:
         print("kproxy demo: --records must be at least 1", file=sys.stderr)
         return 2
     with _quiet_logging():
         try:
+            if not getattr(args, "plain", False):
+                from kproxy.tour import run_tour
+
+                return run_tour(getattr(args, "out", None), report=not getattr(args, "no_report", False))
             return _run(n)
         except DemoError as e:
             print(f"kproxy demo: FAILED: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from kproxy.analytics.source import ReportError
@@ -45,10 +45,57 @@ def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
         rules = load_rules([str(rules_path)])
     except RuleError as e:
         raise ReportError(f"--rules: {e}") from None
+    check_executors(requests.sparkSession)
     tables = _policy(requests, rules)
     if rules.quotas:
         tables["dry_run_throttled"] = _quotas(requests, rules)
     return tables
+
+
+def check_executors(spark: SparkSession) -> None:
+    """One task on one executor first: can its Python import the same kproxy as the driver's? Without
+    this, an executor lacking kproxy fails the dry run deep inside a pandas function, in a long Py4J
+    traceback. Raises ReportError with one line that says what to install where."""
+    import sys
+
+    from kproxy import __version__
+
+    driver_python = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+    # Nested, so cloudpickle ships it by value: it must not need kproxy to be unpickled.
+    def probe(_: Any) -> tuple[str, str, str, str]:
+        import socket as _socket
+        import sys as _sys
+
+        python = f"{_sys.version_info.major}.{_sys.version_info.minor}"
+        try:
+            import kproxy as _kproxy
+        except ImportError as e:
+            return _socket.gethostname(), python, "", str(e)
+        return _socket.gethostname(), python, _kproxy.__version__, ""
+
+    install = (f"install kproxy {__version__} there (pip install 'kproxy=={__version__}') in the Python "
+               "the executors run, or point them at an environment that has it (spark.pyspark.python)")
+    try:
+        host, python, version, error = spark.sparkContext.parallelize([0], 1).map(probe).collect()[0]
+    except Exception as e:
+        text = str(e)
+        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
+            raise ReportError(f"--rules runs kproxy's rule engine on the Spark executors, and their Python is "
+                              f"not the driver's {driver_python}: give the executors Python {driver_python} with "
+                              f"kproxy {__version__} (spark.pyspark.python)") from None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        first = next((line for line in lines if "Error" in line), lines[0] if lines else type(e).__name__)
+        raise ReportError(f"--rules: a test task on an executor failed ({first[:300]}); "
+                          f"the executors need Python {driver_python} and kproxy {__version__}") from None
+    if error:
+        raise ReportError(f"--rules runs kproxy's rule engine on the Spark executors, and executor {host} "
+                          f"cannot import kproxy ({error}): {install}")
+    if python != driver_python:
+        raise ReportError(f"--rules: executor {host} runs Python {python}, the driver {driver_python}: give the "
+                          f"executors Python {driver_python} (spark.pyspark.python)")
+    if version != __version__:
+        raise ReportError(f"--rules: executor {host} has kproxy {version}, the driver {__version__}: {install}")
 
 
 def _policy(requests: DataFrame, rules: Any) -> dict[str, DataFrame]:

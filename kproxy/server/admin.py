@@ -1,4 +1,4 @@
-"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config and /rules.
+"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules and /clients.
 
 HTTP/1.1 comes from h11 (sans-I/O); this module moves its bytes over trio in the proxy's own event
 loop, so /livez answering proves the loop is alive. It only reads the server's state: nothing here
@@ -41,6 +41,7 @@ class AdminView(Protocol):
 
     config: ProxyConfig
     rule_store: Any
+    clients: Any        # kproxy.server.clients.ClientTable
 
     def readiness(self) -> tuple[bool, str]: ...
 
@@ -194,7 +195,10 @@ class AdminServer:
             return 200, "application/json", _json(public_config(view.config))
         if path == "/rules":
             return 200, "application/json", _json(rules_view(view.rule_store))
-        return 404, "text/plain; charset=utf-8", b"not found; try /metrics, /livez, /readyz, /config or /rules\n"
+        if path == "/clients":
+            return 200, "application/json", _json(view.clients.view())
+        return 404, "text/plain; charset=utf-8", (b"not found; try /metrics, /livez, /readyz, /config, /rules "
+                                                 b"or /clients\n")
 
 
 def _json(data: Any) -> bytes:

@@ -44,6 +44,8 @@ from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
 from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
+from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
+from kproxy.server.clients import ClientRecord, ClientTable
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
@@ -89,7 +91,7 @@ class ProxyServer:
 
     def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *,
                  span_exporter: SpanExporter | None = None, worker: tuple[int, int] | None = None,
-                 admin_listen: HostPort | None = None) -> None:
+                 admin_listen: HostPort | None = None, certificates: CertificateExpiry | None = None) -> None:
         """Raises RuleError (a ConfigError) when the configured rule files do not load."""
         self.config = config
         # (index, count) when this is one of several worker processes sharing the ports (SO_REUSEPORT);
@@ -98,6 +100,9 @@ class ProxyServer:
         self.workers = worker[1] if worker is not None else 1
         self.admin_listen = admin_listen or config.admin.listen
         self.stats = ProxyStats()
+        # Live and recently closed connections, for /clients and `kproxy top`.
+        self.clients = ClientTable()
+        self.certificates = certificates if certificates is not None else CERTIFICATES
         # The one table of topic names by id, for the rules and telemetry alike (the broker's names).
         self.topic_names = TopicNames()
         self.telemetry = Telemetry(config, span_exporter=span_exporter, topic_names=self.topic_names)
@@ -123,6 +128,7 @@ class ProxyServer:
             client_context(config.upstream.tls) if config.upstream.tls.enabled else None)
         # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
         self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls)
+        self._observe_certificates()
         self.address_map = AddressMap(
             config.advertised_host, config.broker_port_start, exposure.broker_port_count,
             node_id_base=exposure.node_id_base,
@@ -192,6 +198,17 @@ class ProxyServer:
             return False, "not ready: no bootstrap server has answered yet"
         return True, "ready"
 
+    def _observe_certificates(self) -> None:
+        """Record the expiry of every certificate file the TLS contexts above just loaded."""
+        files = []
+        if self.config.tls.enabled:
+            files += [self.config.tls.cert_file, self.config.tls.ca_file]
+        if self.config.upstream.tls.enabled:
+            files += [self.config.upstream.tls.cert_file, self.config.upstream.tls.ca_file]
+        for path in files:
+            if path:
+                self.certificates.observe(path)
+
     def _add_metric_readers(self, m: Metrics) -> None:
         stats = self.stats
 
@@ -210,6 +227,8 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
+        m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
+        m.add_reader(self.certificates.families)
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
@@ -225,8 +244,9 @@ class ProxyServer:
             if lag > self.loop_lag_max:
                 self.loop_lag_max = lag
 
-    def _completed_with_telemetry(self, ctx: ConnectionContext, entry: InFlight) -> None:
+    def _completed_with_telemetry(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:
         self.stats.record(entry)
+        record.completed(entry.request_bytes, entry.response_bytes)
         try:
             self.telemetry.completed(entry, ctx)
         except Exception as e:
@@ -309,7 +329,7 @@ class ProxyServer:
                 if admin_listener is not None:
                     self.admin = admin.AdminServer(self, admin_listener)
                     nursery.start_soon(self.admin.serve)
-                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules",
+                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules /clients",
                              _hostport(*self.admin.address))
                 nursery.start_soon(self._accept_loop, boot, None)
                 if self.metrics is not None:
@@ -419,8 +439,9 @@ class ProxyServer:
             ctx.listener = f"{route.role}-{route.node_id}"
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=self.topic_names)
-        complete = (functools.partial(self._completed_with_telemetry, ctx) if self.telemetry.active
-                    else self._completed)
+        record = self.clients.opened(ctx)
+        complete = functools.partial(self._completed_with_telemetry if self.telemetry.active
+                                     else self._completed, ctx, record)
         conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
                                 budget=self.budget, route_key=(port, name), stats=self.stats)
         if route is None and (port is not None or (self.sni and name is not None
@@ -437,6 +458,7 @@ class ProxyServer:
             await conn.run()
         finally:
             self.connections.discard(conn)
+            self.clients.closed(record)
             self.stats.connections_open -= 1
 
     def reload_rules(self, reason: str) -> bool:
@@ -451,8 +473,9 @@ class ProxyServer:
         return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
                                  max_decompressed_batch_bytes=self.config.limits.max_decompressed_batch_bytes)
 
-    def _completed(self, entry: InFlight) -> None:
+    def _completed(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:
         self.stats.record(entry)
+        record.completed(entry.request_bytes, entry.response_bytes)
 
     def _sni_bootstrap_prefix(self) -> str:
         sni = self.config.exposure.sni

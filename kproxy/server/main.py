@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from kproxy.cli import package_version
+from kproxy import __version__
 from kproxy.config import (
     ConfigError,
     HostPort,
@@ -26,7 +26,7 @@ from kproxy.config import (
 )
 from kproxy.logs import configure_logging
 from kproxy.policy.loader import load_rules
-from kproxy.protocol.compiler import codec_implementation
+from kproxy.protocol.compiler import accelerator_warning, codec_implementation
 from kproxy.server.app import ListenError, ProxyServer, listen_error, serve_until_signal
 from kproxy.server.workers import WORKER_ADMIN_ENV, Supervisor, worker_identity
 
@@ -45,6 +45,13 @@ _QUICK_OPTIONS = (
 )
 
 
+def _log_start(cfg: ProxyConfig) -> None:
+    log.info("kproxy %s: %s", __version__, describe_config(cfg, codec_implementation()))
+    missing = accelerator_warning()
+    if missing:
+        log.warning("%s", missing)
+
+
 def run_from_args(args: Any) -> int:
     """Run the proxy as ``args`` (from ``kproxy run``) say; 2 on a settings mistake, 0 after a drain."""
     try:
@@ -55,7 +62,7 @@ def run_from_args(args: Any) -> int:
     worker = worker_identity()
     configure_logging(cfg.log_level, cfg.log_format, process=f"worker {worker[0]}" if worker else None)
     if worker is None and effective_workers(cfg) > 1:
-        log.info("kproxy %s: %s", package_version(), describe_config(cfg, codec_implementation()))
+        _log_start(cfg)
         if cfg.rules:
             # Checked once here, so rule files that do not load stop the start instead of every
             # worker failing and being restarted.
@@ -67,7 +74,7 @@ def run_from_args(args: Any) -> int:
         argv = getattr(args, "argv", None) or sys.argv[1:]
         return trio.run(Supervisor(cfg, argv).run)
     if worker is None or worker[0] == 0:
-        log.info("kproxy %s: %s", package_version(), describe_config(cfg, codec_implementation()))
+        _log_start(cfg)
     private_admin = os.environ.get(WORKER_ADMIN_ENV) if worker else None
     try:
         server = ProxyServer(cfg, worker=worker,

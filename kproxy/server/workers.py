@@ -11,6 +11,7 @@ divided among the workers as among replicas.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ import trio
 
 from kproxy.config import ProxyConfig, effective_workers
 from kproxy.server import admin
+from kproxy.server.clients import MAX_LISTED
 
 log = logging.getLogger("kproxy.supervisor")
 
@@ -31,6 +33,18 @@ WORKER_ADMIN_ENV = "KPROXY_WORKER_ADMIN"    # host:port of this worker's private
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 PROBE_BUDGET_S = 1.5        # all workers asked at once, for /readyz
 SCRAPE_BUDGET_S = 5.0       # for /metrics, /config and /rules
+# Gauges that are states or times, not amounts: the workers' values are not added up. The earliest
+# certificate expiry and "ready only if every worker is" (min); the latest rule load, the longest lag,
+# "a reload failing in any worker", and the rule count every worker has (max).
+MERGED_BY = {
+    "kproxy_tls_certificate_expiry_timestamp_seconds": min,
+    "kproxy_ready": min,
+    "kproxy_event_loop_lag_max_seconds": max,
+    "kproxy_rules": max,
+    "kproxy_rules_generation": max,
+    "kproxy_rules_loaded_timestamp_seconds": max,
+    "kproxy_rules_reload_failing": max,
+}
 
 
 def worker_identity(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
@@ -89,7 +103,7 @@ class Supervisor:
                 listener = admin.bind(self.config.admin.listen)
                 merged = SupervisorAdmin(self, listener)
                 nursery.start_soon(merged.serve)
-                log.info("admin listener on %s: merged /metrics of %d workers, /livez /readyz /config /rules",
+                log.info("admin listener on %s: merged /metrics and /clients of %d workers, /livez /readyz /config /rules",
                          self.config.admin.listen, self.count)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 async for signum in signals:
@@ -164,6 +178,17 @@ class SupervisorAdmin(admin.AdminServer):
                      "# TYPE kproxy_worker_restarts_total counter\n"
                      f"kproxy_worker_restarts_total {sum(w.restarts for w in workers)}\n").encode()
             return 200, admin.PROMETHEUS_TEXT, merge_expositions(texts) + extra
+        if path == "/clients":
+            views = []
+            for w, (status, _, body) in zip(workers, answers, strict=True):
+                if status == 200:
+                    try:
+                        views.append((w.index, json.loads(body)))
+                    except ValueError:
+                        log.warning("worker %d answered /clients with something that is not JSON", w.index)
+            if not views:
+                return 503, "text/plain; charset=utf-8", b"no worker answered\n"
+            return 200, "application/json", (json.dumps(merge_clients(views), indent=2) + "\n").encode()
         if path == "/readyz":
             not_ready = [f"worker {w.index}: {body.decode(errors='replace').strip() or status}"
                          for w, (status, _, body) in zip(workers, answers, strict=True) if status != 200]
@@ -219,10 +244,11 @@ async def _fetch(address: str | None, target: str, timeout: float) -> tuple[int,
     return status, ctype, body
 
 
-# Gauges whose workers' values add up to the process group's (each worker holds its own share);
-# every other gauge is the same fact in each worker, or a worst case, and merges as the largest value
-# (the rules in force, their generation and load time, the longest loop lag). A new gauge that is a
-# per-process amount must be listed here, or the supervisor reports one worker's worth.
+# Gauges whose workers' values add up to the process group's (each worker holds its own share).
+# Every other gauge is a state, a time or a worst case: MERGED_BY says min or max, and one in neither
+# table merges as the largest value, never a multiple. A new gauge that is a per-process amount must
+# be listed here, or the supervisor reports one worker's worth (tests/unit/test_workers.py checks
+# that every gauge a worker exposes is in one of the two tables).
 ADDITIVE_GAUGES = frozenset({
     "kproxy_connections_open", "kproxy_requests_in_flight", "kproxy_buffered_bytes", "kproxy_buffer_budget_bytes",
 })
@@ -231,8 +257,8 @@ ADDITIVE_GAUGES = frozenset({
 def merge_expositions(texts: Sequence[bytes]) -> bytes:
     """Prometheus text expositions of several workers as one, by metric type: counters, histograms
     and summaries are added up per sample (``*_created`` timestamps take the earliest); gauges in
-    ``ADDITIVE_GAUGES`` are added up, other gauges take the largest value. Families keep their
-    HELP and TYPE lines and the order they first appeared in."""
+    ``ADDITIVE_GAUGES`` are added up, those in ``MERGED_BY`` take its min or max, any other gauge
+    the largest value. Families keep their HELP and TYPE lines and the order they first appeared in."""
     families: dict[str, tuple[list[str], dict[str, float]]] = {}
     types: dict[str, str] = {}
     for text in texts:
@@ -253,9 +279,12 @@ def merge_expositions(texts: Sequence[bytes]) -> bytes:
             key, _, value = line.rpartition(" ")
             _, samples = families.setdefault(family, ([], {}))
             number = float(value)
+            name = key.split("{", 1)[0]
             if key not in samples:
                 samples[key] = number
-            elif key.split("{", 1)[0].endswith("_created"):
+            elif name in MERGED_BY:
+                samples[key] = MERGED_BY[name](samples[key], number)
+            elif name.endswith("_created"):
                 samples[key] = min(samples[key], number)
             elif types.get(family) == "gauge" and family not in ADDITIVE_GAUGES:
                 samples[key] = max(samples[key], number)
@@ -266,6 +295,24 @@ def merge_expositions(texts: Sequence[bytes]) -> bytes:
         out.extend(meta)
         out.extend(f"{key} {_number(v)}" for key, v in samples.items())
     return ("\n".join(out) + "\n").encode()
+
+
+def merge_clients(views: Sequence[tuple[int, dict]], limit: int = MAX_LISTED) -> dict:
+    """The /clients answers of several workers as one; every row says its ``worker`` (connection
+    numbers are per worker), and the merged lists keep the same bound and order as one worker's."""
+    live: list[dict] = []
+    recent: list[dict] = []
+    omitted = 0
+    for index, view in views:
+        live += [{**row, "worker": index} for row in view.get("connections", [])]
+        recent += [{**row, "worker": index} for row in view.get("recent", [])]
+        omitted += int(view.get("omitted", 0))
+    live.sort(key=lambda r: r.get("request_bytes", 0) + r.get("response_bytes", 0), reverse=True)
+    recent.sort(key=lambda r: r.get("closed_at") or 0, reverse=True)
+    omitted += max(0, len(live) - limit) + max(0, len(recent) - limit)
+    return {"time": max(float(v.get("time", 0)) for _, v in views),
+            "live": sum(int(v.get("live", 0)) for _, v in views),
+            "connections": live[:limit], "recent": recent[:limit], "omitted": omitted}
 
 
 def _number(v: float) -> str:

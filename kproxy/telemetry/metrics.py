@@ -52,7 +52,7 @@ class Histogram:
 
 
 class ApiCounters:
-    __slots__ = ("broker", "duration", "outcomes", "request_bytes", "requests", "response_bytes")
+    __slots__ = ("added", "broker", "duration", "outcomes", "request_bytes", "requests", "response_bytes")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -60,6 +60,7 @@ class ApiCounters:
         self.response_bytes = 0
         self.duration = Histogram()
         self.broker = Histogram()
+        self.added = Histogram()
         self.outcomes: dict[str, int] = {}
 
 
@@ -127,7 +128,11 @@ class Metrics(Collector):
         end = e.finished_at if e.finished_at is not None else e.started
         c.duration.observe(end - e.started)
         if e.forwarded_at is not None and e.answered_at is not None:
-            c.broker.observe(e.answered_at - e.forwarded_at)
+            broker = e.answered_at - e.forwarded_at
+            c.broker.observe(broker)
+            # What the proxy itself cost this request (queueing, decoding, filters, writing): the
+            # figure an alert on kproxy's latency wants, apart from the broker's long polls.
+            c.added.observe(max(0.0, end - e.started - broker))
         c.outcomes[e.outcome] = c.outcomes.get(e.outcome, 0) + 1
         if e.api_key in (PRODUCE, FETCH):
             self._records(x)
@@ -190,6 +195,8 @@ class Metrics(Collector):
             ("kproxy_request_duration_seconds", "Request read until answer written to the client.", "duration"),
             ("kproxy_broker_duration_seconds", "Request written to the broker until its response was read.",
              "broker"),
+            ("kproxy_added_duration_seconds", "Time kproxy added to a request the broker answered: the "
+             "request's duration minus the broker's.", "added"),
         ):
             h = HistogramMetricFamily(name, doc, labels=["api"])
             for a, c in apis:
@@ -269,6 +276,9 @@ def rule_families(store: Any) -> list[Metric]:
         out.append(GaugeMetricFamily("kproxy_rules", "Rules in force.", value=getattr(store, "rule_count", 0)))
         out.append(GaugeMetricFamily("kproxy_rules_generation", "Generation of the rule sets in force "
                                      "(one more per successful load).", value=getattr(store, "generation", 0)))
+        out.append(GaugeMetricFamily("kproxy_rules_reload_failing", "1 while the last rule reload was "
+                                     "refused (the rules loaded before stay in force), else 0.",
+                                     value=1 if getattr(store, "last_error", None) else 0))
         loaded = epoch_seconds(getattr(store, "loaded_at", None))
         if loaded is not None:
             out.append(GaugeMetricFamily("kproxy_rules_loaded_timestamp_seconds", "When the rules in force "
@@ -306,6 +316,12 @@ def reencode_families(check: Any) -> list[Metric]:
 
 def tracing_families(tracing: Any) -> list[Metric]:
     return [CounterMetricFamily("kproxy_spans", "Request spans handed to the exporter.", value=tracing.spans)]
+
+
+def readiness_families(ready: bool) -> list[Metric]:
+    """/readyz as a number, for alerts: 1 when ready, 0 when not (draining, or no broker answered)."""
+    return [GaugeMetricFamily("kproxy_ready", "1 when /readyz answers ready: listeners bound, the "
+                              "cluster's brokers learned, not draining.", value=1 if ready else 0)]
 
 
 def loop_lag_families(lag: Histogram, longest: float) -> list[Metric]:

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from kproxy import __version__
 from kproxy.config import TracingConfig
 from kproxy.protocol.errors import DecodeError
 from kproxy.protocol.records import V2_HEADER_SIZE, Compression, RecordBatch, iter_batches
@@ -216,9 +217,7 @@ class Tracing:
         self.exporter = exporter
         if exporter is not None:
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
-        from kproxy.cli import package_version
-
-        self.tracer = self.provider.get_tracer("kproxy", package_version())
+        self.tracer = self.provider.get_tracer("kproxy", __version__)
         self.spans = 0
 
     def describe(self, env: Mapping[str, str] = os.environ) -> str:

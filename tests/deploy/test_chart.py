@@ -78,6 +78,10 @@ def test_renders_lints_and_validates(ci_file: str, kube_version: str) -> None:
     ({"config": {"log_format": "xml"}}, "log_format"),
     # What the chart sets itself cannot be set again through config.
     ({"config": {"listen": "0.0.0.0:1"}}, "listen"),
+    ({"metrics": {"prometheusRule": {"enabled": "yes"}}}, "enabled"),
+    ({"metrics": {"prometheusRule": {"runbookBaseUrl": "docs.example.com"}}}, "runbookBaseUrl"),
+    ({"metrics": {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}}}, "grafana_dashboard"),
+    ({"metrics": {"grafanaDashboard": {"folder": "Kafka"}}}, "folder"),
     ({"rules": {"files": {"policy.json": {}}}}, "policy.json"),
 ])
 def test_schema_rejects_wrong_values(bad: dict[str, Any], where: str) -> None:
@@ -310,3 +314,63 @@ def test_inconsistent_values_fail_with_the_reason(bad: Obj, message: str) -> Non
     with pytest.raises(HelmError, match=re.escape(message)):
         render_chart(bad)
 
+
+
+# -- monitoring: the alert rules and the Grafana dashboard, off by default
+
+RULES_FILE = CHART_DIR.parents[1] / "deploy" / "monitoring" / "prometheus-rules.yaml"
+DASHBOARD_FILE = CHART_DIR.parents[1] / "deploy" / "monitoring" / "grafana" / "kproxy.json"
+
+
+def test_monitoring_objects_are_off_by_default() -> None:
+    for mode in ("gateway", "sidecar"):
+        objects = chart_objects(render_chart({"mode": mode}))
+        assert by_kind(objects, "PrometheusRule") == []
+        assert [o for o in by_kind(objects, "ConfigMap") if "grafana_dashboard" in o["metadata"]["labels"]] == []
+
+
+def test_prometheus_rule_renders_the_alert_rules_file() -> None:
+    values = ci_values()["gateway-values.yaml"]
+    source = yaml.safe_load(RULES_FILE.read_text())
+    rule = one(chart_objects(render_chart(values)), "PrometheusRule")
+    assert rule["metadata"]["name"] == "kp-kproxy" and rule["metadata"]["labels"]["release"] == "prometheus"
+    # With runbookBaseUrl, every runbook link points into the published page, the rest is the file's.
+    base = values["metrics"]["prometheusRule"]["runbookBaseUrl"]
+    links = [r["annotations"].pop("runbook_url") for g in rule["spec"]["groups"] for r in g["rules"]]
+    expected = [r["annotations"].pop("runbook_url").replace("docs/operations.md", base)
+                for g in source["groups"] for r in g["rules"]]
+    assert links == expected and all(link.startswith(f"{base}#kproxy") for link in links)
+    assert rule["spec"] == source
+    plain = merged(values, {"metrics": {"prometheusRule": {"runbookBaseUrl": ""}}})
+    assert one(chart_objects(render_chart(plain)), "PrometheusRule")["spec"] == yaml.safe_load(RULES_FILE.read_text())
+
+
+def test_grafana_dashboard_config_map_carries_the_dashboard() -> None:
+    import json
+
+    values = ci_values()["gateway-values.yaml"]
+    cm = one(chart_objects(render_chart(values)), "ConfigMap", "kp-kproxy-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Kafka"}
+    assert json.loads(cm["data"]["kproxy.json"]) == json.loads(DASHBOARD_FILE.read_text())
+    # A ConfigMap holds at most 1 MiB.
+    assert len(cm["data"]["kproxy.json"]) < 512 * 1024
+    elsewhere = merged(values, {"metrics": {"grafanaDashboard": {"namespace": "monitoring"}}})
+    assert one(chart_objects(render_chart(elsewhere)), "ConfigMap", "kp-kproxy-dashboard")["metadata"]["namespace"] == \
+        "monitoring"
+
+
+def test_the_down_alert_matches_the_jobs_the_monitors_scrape_under() -> None:
+    # The Prometheus Operator names a ServiceMonitor's job after the Service, a PodMonitor's after itself.
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    down = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "KproxyDown")
+    job = re.fullmatch(r'up\{job=~"(.*)"\} == 0', down["expr"].strip())
+    assert job is not None
+    objects = chart_objects(render_chart(ci_values()["gateway-values.yaml"]))
+    selector = one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    (service,) = [s for s in by_kind(objects, "Service")
+                  if all(s["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+    monitoring = CHART_DIR.parents[1] / "deploy" / "monitoring"
+    podmonitor = yaml.safe_load((monitoring / "sidecar" / "podmonitor.yaml").read_text())
+    for name in (service["metadata"]["name"], f"{NAMESPACE}/{podmonitor['metadata']['name']}", "kproxy-admin"):
+        assert re.fullmatch(job.group(1), name), name

@@ -40,8 +40,11 @@ def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def check_monitor(monitor: Obj, objects: list[Obj]) -> None:
     """A ServiceMonitor selects a Service with the port it scrapes; a PodMonitor selects pods whose
-    containers have that port. Both scrape /metrics."""
+    containers have that port. Both scrape /metrics. A PrometheusRule has the CRD's shape."""
     spec = monitor["spec"]
+    if monitor["kind"] == "PrometheusRule":
+        check_rule_groups(spec)
+        return
     selector = spec["selector"]["matchLabels"]
     if monitor["kind"] == "ServiceMonitor":
         services = [s for s in by_kind(objects, "Service") if _labels_match(selector, s["metadata"].get("labels", {}))]
@@ -62,6 +65,21 @@ def check_monitor(monitor: Obj, objects: list[Obj]) -> None:
                 assert endpoint["port"] in names, (endpoint, names)
     else:
         raise AssertionError(f"no check for {monitor['kind']}")
+
+
+def check_rule_groups(spec: Obj) -> None:
+    """The shape the Prometheus Operator's PrometheusRule CRD requires (promtool checks the rules themselves,
+    in tests/monitoring): named groups of rules, each an alert or a record with an expression."""
+    assert set(spec) == {"groups"} and spec["groups"], spec
+    names = [g["name"] for g in spec["groups"]]
+    assert len(names) == len(set(names)), names
+    for group in spec["groups"]:
+        assert set(group) <= {"name", "interval", "rules", "limit", "partial_response_strategy"}, group
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"}, rule
+            assert ("alert" in rule) != ("record" in rule) and isinstance(rule["expr"], str | int), rule
+            for key in ("labels", "annotations"):
+                assert all(isinstance(v, str) for v in rule.get(key, {}).values()), rule
 
 
 def kproxy_containers(objects: list[Obj]) -> list[tuple[Obj, Obj]]:

@@ -1,4 +1,6 @@
-"""``kproxy demo`` end to end: its own tansu broker, kproxy, kafka-python, and a summary that says so.
+"""``kproxy demo`` end to end: its own tansu broker, kproxy, kafka-python, and output that says what
+happened. The product tour (a tenant, a refused topic, a throttled producer, /metrics, the traffic
+log, then the fleet report), and the plain round trip behind ``--plain``.
 
 The demo starts everything itself (no session broker fixture), so this also proves it works on a
 machine with nothing running.
@@ -6,7 +8,9 @@ machine with nothing running.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +27,7 @@ def _count(output: str, api: str) -> int:
 
 
 def test_demo_round_trips_records_through_kproxy(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--records", "200"])
+    code = main(["demo", "--plain", "--records", "200"])
 
     out, err = capsys.readouterr()
     assert code == 0, f"demo failed:\n{out}\n{err}"
@@ -32,3 +36,50 @@ def test_demo_round_trips_records_through_kproxy(capsys: pytest.CaptureFixture[s
     assert _count(out, "Fetch") > 0
     assert "(kproxy's, not the broker's)" in out
     assert "FAILED" not in out + err
+
+
+def _tour(capsys: pytest.CaptureFixture[str], out_dir: Path, *extra: str) -> str:
+    code = main(["demo", "--out", str(out_dir), *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, f"demo failed:\n{out}\n{err}"
+    assert "tour check: FAILED" not in out and "kproxy demo: FAILED" not in err
+    return out
+
+
+def test_the_tour_shows_a_tenant_a_refusal_a_quota_metrics_and_the_traffic_log(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = _tour(capsys, tmp_path, "--no-report")
+    assert re.search(r"topics the client sees +orders\n", out), out
+    assert re.search(r"topics the broker holds +(\S+, )*tenant-a\.orders(,|\n)", out), out
+    assert "producing to 'secret-keys': TopicAuthorizationFailedError" in out
+    throttle = re.search(r"kafka-python reports throttle-time-max (\d+) ms", out)
+    assert throttle is not None and int(throttle.group(1)) > 0, out
+    assert re.search(r'kproxy_throttle_seconds_total\{rule="bulk-loader"\} [0-9.]+', out), out
+    assert 'kproxy_denied_requests_total{rule="no-secrets"} 1.0' in out
+    refused = json.loads(out.split("the refused request: ", 1)[1].splitlines()[0])
+    assert refused == {"client_id": "tenant-a-shop", "api": "metadata", "rule": "no-secrets", "action": "deny",
+                       "error": "TOPIC_AUTHORIZATION_FAILED"}
+    logged = [p for p in (tmp_path / "traffic").rglob("*.jsonl*") if not p.name.endswith(".part")]
+    assert logged and f"traffic log: {tmp_path / 'traffic'}" in out
+    assert "skipped: left out (--no-report)" in out
+    assert "tour check: PASSED" in out
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_the_tour_ends_with_the_fleet_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = _tour(capsys, tmp_path)
+    html = tmp_path / "report" / "report.html"
+    assert f"report.html: {html}" in out and html.is_file()
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["produced_records"] >= 500   # the quota step's records, at least
+
+
+def test_the_getting_started_page_shows_the_tours_rule_file() -> None:
+    import yaml
+
+    from kproxy.tour import RULES
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "getting-started.md").read_text()
+    block = page.split("The rule file it uses, to copy from:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block) == yaml.safe_load(RULES)

@@ -307,3 +307,17 @@ def test_the_native_program_is_checked_before_it_runs():
         accel.skip(prog, 1, b"", 0, 0, 1, None, 0)
     with pytest.raises(TypeError):
         accel.skip("not a program", 0, b"", 0, 0, 1, None, 0)
+
+
+def test_a_missing_accelerator_is_a_warning_that_says_what_and_what_it_costs(monkeypatch):
+    monkeypatch.setattr(compiler, "_native", False)
+    if compiler.accelerator_available():
+        assert compiler.accelerator_warning() is None
+    monkeypatch.setattr(compiler, "_accel", None)
+    monkeypatch.setattr(compiler, "_accel_status", "not built")
+    said = compiler.accelerator_warning()
+    assert said is not None and "circular" not in said
+    assert "no kproxy.protocol._accel extension" in said and "without a C compiler" in said
+    assert "100,000-partition Metadata" in said and "apt-get install gcc python3-dev" in said
+    monkeypatch.setattr(compiler, "_accel_status", "not loaded (undefined symbol: x)")
+    assert "is not loaded (undefined symbol: x)" in (compiler.accelerator_warning() or "")

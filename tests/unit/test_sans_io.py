@@ -172,6 +172,41 @@ def test_checker_allows_look_alike_names(tmp_path):
     assert violations([mod], tmp_path) == []
 
 
+# --------------------------------------------------------------------------------------------------
+# The command line is the top layer: it imports everything, nothing imports it back (not even lazily,
+# inside a function), so the version, the config and the server never depend on argument parsing.
+
+COMMAND_LINE = frozenset({"kproxy.cli", "kproxy.__main__"})
+
+
+def command_line_imports(root: Path, top: str = "kproxy") -> list[str]:
+    """``module imports kproxy.cli (line N)`` for every module under ``root/top`` below the command line."""
+    bad = []
+    for path in sorted(root.joinpath(top).rglob("*.py")):
+        name = module_name(path, root)
+        if name in COMMAND_LINE:
+            continue
+        for imported, line in imported_names(path, root):
+            if imported == f"{top}.cli" or imported.startswith(f"{top}.cli."):
+                bad.append(f"{name} imports {top}.cli (line {line})")
+    return sorted(set(bad))
+
+
+def test_no_module_below_the_command_line_imports_it():
+    assert command_line_imports(KPROXY_DIR.parent) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["from kproxy.cli import main\n", "def f():\n    from kproxy import cli\n", "import kproxy.cli\n",
+     "from ..cli import main\n"],
+)
+def test_command_line_check_catches_imports_back(tmp_path, source):
+    write(tmp_path, "kproxy.__init__", "")
+    write(tmp_path, "kproxy.cli", "from kproxy.server.main import run\n")
+    write(tmp_path, "kproxy.server.__init__", "")
+    write(tmp_path, "kproxy.server.main", source)
+    assert command_line_imports(tmp_path) == [f"kproxy.server.main imports kproxy.cli (line {source.count(chr(10))})"]
 
 def test_config_sits_above_the_protocol_and_needs_only_its_errors():
     # Configuration is loaded by `kproxy check` and every command; generating codecs is not its job.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kproxy.config import ConfigError, effective_workers, parse_config
-from kproxy.server.workers import ADDITIVE_GAUGES, fetch_all, merge_expositions, worker_identity
+from kproxy.server.workers import ADDITIVE_GAUGES, MERGED_BY, fetch_all, merge_expositions, worker_identity
 
 BASE = 'listen: "127.0.0.1:9092"\nupstream: {bootstrap_servers: "kafka:9092"}\n'
 
@@ -116,8 +116,11 @@ def samples_of(text: bytes) -> dict[str, float]:
 
 
 def test_every_gauge_a_worker_exposes_has_a_merge_chosen_for_it(tmp_path):
-    # A new gauge must be listed as additive (an amount each worker holds) or here; else this fails.
-    assert gauges_of(worker_exposition(tmp_path)) == ADDITIVE_GAUGES | NOT_ADDITIVE
+    # A new gauge must be listed as additive (an amount each worker holds) or in MERGED_BY.
+    gauges = gauges_of(worker_exposition(tmp_path))
+    assert set(MERGED_BY) >= NOT_ADDITIVE
+    assert gauges - ADDITIVE_GAUGES - set(MERGED_BY) == set()
+    assert gauges >= NOT_ADDITIVE | {"kproxy_connections_open", "kproxy_requests_in_flight"}
 
 
 def test_three_workers_merge_into_three_times_the_amounts_and_one_of_each_fact(tmp_path):
@@ -171,3 +174,19 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
+
+
+def test_state_and_time_gauges_are_not_added_up():
+    def worker(ready: int, expiry: float, failing: int, generation: int) -> bytes:
+        return (f"# TYPE kproxy_ready gauge\nkproxy_ready {ready}\n"
+                f"# TYPE kproxy_tls_certificate_expiry_timestamp_seconds gauge\n"
+                f'kproxy_tls_certificate_expiry_timestamp_seconds{{file="/tls.crt"}} {expiry}\n'
+                f"# TYPE kproxy_rules_reload_failing gauge\nkproxy_rules_reload_failing {failing}\n"
+                f"# TYPE kproxy_rules_generation gauge\nkproxy_rules_generation {generation}\n"
+                f"# TYPE kproxy_buffered_bytes gauge\nkproxy_buffered_bytes 10\n").encode()
+
+    merged = merge_expositions([worker(1, 1.9e9, 0, 3), worker(0, 1.8e9, 1, 2)]).decode().splitlines()
+    assert "kproxy_ready 0" in merged                    # ready only when every worker is
+    assert 'kproxy_tls_certificate_expiry_timestamp_seconds{file="/tls.crt"} 1800000000' in merged
+    assert "kproxy_rules_reload_failing 1" in merged and "kproxy_rules_generation 3" in merged
+    assert "kproxy_buffered_bytes 20" in merged          # an amount: added up

@@ -1,0 +1,257 @@
+"""kproxy's Grafana dashboard, built with grafana-foundation-sdk and written as JSON:
+``python -m kproxy.ops.dashboard --out deploy/monitoring/grafana/kproxy.json`` (``make monitoring``
+writes it and the Helm chart's copy). The checked-in file must equal what this prints
+(tests/monitoring checks it).
+
+Every query is filtered by the dashboard's variables (``$namespace``, ``$pod`` and, where requests
+have an API, ``$api``); the namespace and pod labels are those the Prometheus Operator adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders.common import (
+    ReduceDataOptions,
+    StackingConfig,
+    VizLegendOptions,
+    VizTooltipOptions,
+)
+from grafana_foundation_sdk.builders.dashboard import (
+    Dashboard,
+    DatasourceVariable,
+    QueryVariable,
+    Row,
+    ThresholdsConfig,
+)
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import (
+    BigValueColorMode,
+    BigValueGraphMode,
+    LegendDisplayMode,
+    LegendPlacement,
+    SortOrder,
+    StackingMode,
+    TooltipDisplayMode,
+)
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DataSourceRef,
+    Threshold,
+    ThresholdsMode,
+    VariableRefresh,
+    VariableSort,
+)
+
+UID = "kproxy-overview"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+# Every series of one kproxy deployment; ``API`` adds the API filter for per-request families.
+SEL = 'namespace=~"$namespace", pod=~"$pod"'
+API = f'{SEL}, api=~"$api"'
+RATE = "$__rate_interval"
+
+
+def query(expr: str, legend: str, ref: str = "A") -> prometheus.Dataquery:
+    return prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DATASOURCE)
+
+
+def series(title: str, description: str, unit: str, *targets: tuple[str, str], width: int = 12,
+           stacked: bool = False) -> timeseries.Panel:
+    panel = (timeseries.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
+             .height(8).span(width).fill_opacity(10).line_width(1).min(0)
+             .legend(VizLegendOptions().display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
+                     .show_legend(True))
+             .tooltip(VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING)))
+    for i, (expr, legend) in enumerate(targets):
+        panel = panel.with_target(query(expr, legend, chr(ord("A") + i)))
+    if stacked:
+        panel = panel.stacking(StackingConfig().mode(StackingMode.NORMAL))
+    return panel
+
+
+def single(title: str, description: str, unit: str, expr: str, legend: str, *, red_below: float | None = None,
+           red_above: float | None = None, width: int = 6) -> stat.Panel:
+    if red_below is not None:
+        steps = [Threshold(color="red", value=None), Threshold(color="green", value=red_below)]
+    else:
+        steps = [Threshold(color="green", value=None), Threshold(color="red", value=red_above)]
+    return (stat.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
+            .height(8).span(width).with_target(query(expr, legend))
+            .graph_mode(BigValueGraphMode.NONE).color_mode(BigValueColorMode.BACKGROUND)
+            .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+            .thresholds(ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(steps)))
+
+
+def quantile(q: float, family: str, by: str, selector: str = API) -> str:
+    return f"histogram_quantile({q}, sum by ({by}le) (rate({family}_bucket{{{selector}}}[{RATE}])))"
+
+
+def variable(name: str, label: str, expr: str) -> QueryVariable:
+    return (QueryVariable(name).label(label).query(expr).datasource(DATASOURCE)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(".*"))
+
+
+def build() -> dict[str, Any]:
+    """The dashboard as the JSON data Grafana imports."""
+    d = (Dashboard("kproxy").uid(UID).tags(["kafka", "kproxy"]).editable()
+         .description("kproxy, the Kafka wire-protocol proxy: traffic, latency, errors, denials and "
+                      "throttles, connections and buffers, the event loop, the traffic log and rule reloads.")
+         .refresh("30s").time("now-3h", "now").timezone("browser").tooltip(DashboardCursorSync.CROSSHAIR)
+         .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
+         .with_variable(variable("namespace", "Namespace", "label_values(kproxy_requests_total, namespace)"))
+         .with_variable(variable("pod", "Pod", 'label_values(kproxy_requests_total{namespace=~"$namespace"}, pod)'))
+         .with_variable(variable("api", "API", f"label_values(kproxy_requests_total{{{SEL}}}, api)")))
+
+    d = d.with_row(Row("Traffic"))
+    d = d.with_panel(series(
+        "Requests per second by API", "Requests completed per second, by Kafka API.", "reqps",
+        (f"sum by (api) (rate(kproxy_requests_total{{{API}}}[{RATE}]))", "{{api}}")))
+    d = d.with_panel(series(
+        "Bytes per second, in and out", "Bytes of requests from clients (request) and of responses to "
+        "them (response), size prefixes included.", "Bps",
+        (f"sum by (direction) (rate(kproxy_client_bytes_total{{{API}}}[{RATE}]))", "{{direction}}")))
+    d = d.with_panel(series(
+        "Records per second", "Records produced (acknowledged, or written with acks=0) and fetched, "
+        "from batch headers.", "rps",
+        (f"sum by (direction) (rate(kproxy_records_total{{{SEL}}}[{RATE}]))", "{{direction}}"), width=8))
+    d = d.with_panel(series(
+        "Top clients by requests", "The ten busiest client ids. Needs metrics.client_labels: true "
+        "(empty otherwise; kproxy top and /clients show client ids without it).", "reqps",
+        (f"topk(10, sum by (client_id) (rate(kproxy_by_client_requests_total{{{API}}}[{RATE}])))",
+         "{{client_id}}"), width=8))
+    d = d.with_panel(series(
+        "Top clients by bytes", "The ten client ids moving the most bytes (requests and responses). Needs "
+        "metrics.client_labels: true.", "Bps",
+        (f"topk(10, sum by (client_id) (rate(kproxy_by_client_request_bytes_total{{{API}}}[{RATE}]))"
+         f" + sum by (client_id) (rate(kproxy_by_client_response_bytes_total{{{API}}}[{RATE}])))",
+         "{{client_id}}"), width=8))
+    d = d.with_panel(series(
+        "Top topics by records", "The ten busiest topics by records produced and fetched. Needs "
+        "metrics.topic_labels: true.", "rps",
+        (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_records_total{{{SEL}}}[{RATE}])))",
+         "{{topic}} {{direction}}")))
+    d = d.with_panel(series(
+        "Top topics by bytes", "The ten topics with the most record bytes produced and fetched (batch "
+        "sizes). Needs metrics.topic_labels: true.", "Bps",
+        (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_bytes_total{{{SEL}}}[{RATE}])))",
+         "{{topic}} {{direction}}")))
+
+    d = d.with_row(Row("Latency"))
+    d = d.with_panel(series(
+        "Request latency p50 and p99 by API", "Request read until its answer was written to the client. "
+        "Fetch includes the broker's long poll (fetch.max.wait.ms).", "s",
+        (quantile(0.99, "kproxy_request_duration_seconds", "api, "), "p99 {{api}}"),
+        (quantile(0.5, "kproxy_request_duration_seconds", "api, "), "p50 {{api}}")))
+    d = d.with_panel(series(
+        "Broker time against kproxy's own time (p99)", "The broker's time (request written until its "
+        "response read) and the time kproxy added to the same requests (the rest).", "s",
+        (quantile(0.99, "kproxy_broker_duration_seconds", ""), "broker p99"),
+        (quantile(0.99, "kproxy_added_duration_seconds", ""), "kproxy p99"),
+        (quantile(0.5, "kproxy_added_duration_seconds", ""), "kproxy p50")))
+
+    d = d.with_row(Row("Errors, denials and throttles"))
+    d = d.with_panel(series(
+        "Requests not answered by the broker, by outcome", "Outcomes other than forwarded: local "
+        "(kproxy answered), no_response (acks=0), upstream_lost, client_gone (the client left first), closed "
+        "(kproxy closed the connection first), passthrough.", "reqps",
+        (f'sum by (outcome) (rate(kproxy_request_outcomes_total{{{API}, outcome!="forwarded"}}[{RATE}]))',
+         "{{outcome}}"), width=8))
+    d = d.with_panel(series(
+        "Error ratio", "Requests that ended without an answer because the broker connection was lost or "
+        "timed out (upstream_lost) or kproxy closed the connection (closed), over all requests; and frames "
+        "that could not be decoded, per second.", "percentunit",
+        (f'sum(rate(kproxy_request_outcomes_total{{{API}, outcome=~"upstream_lost|closed"}}[{RATE}])) / '
+         f"sum(rate(kproxy_requests_total{{{API}}}[{RATE}]))", "error ratio"),
+        (f"sum by (direction) (rate(kproxy_decode_errors_total{{{SEL}}}[{RATE}]))",
+         "decode errors/s ({{direction}})"),
+        (f"sum by (broker) (rate(kproxy_upstream_connect_failures_total{{{SEL}}}[{RATE}]))",
+         "connect failures/s {{broker}}"), width=8))
+    d = d.with_panel(series(
+        "Denials per rule", "Requests refused by a policy rule, per second, by rule.", "reqps",
+        (f"sum by (rule) (rate(kproxy_denied_requests_total{{{SEL}}}[{RATE}]))", "{{rule}}"), width=8))
+    d = d.with_panel(series(
+        "Throttle time per quota", "Throttle time told to clients per second of wall time, by the quota "
+        "rule that decided it (broker: the broker's own). 1 means one client throttled all the time.", "s",
+        (f"sum by (rule) (rate(kproxy_throttle_seconds_total{{{SEL}}}[{RATE}]))", "{{rule}}"), width=24))
+
+    d = d.with_row(Row("Connections and buffers"))
+    d = d.with_panel(series(
+        "Open connections by listener", "Client connections open now (bootstrap, broker-N, controller-N).",
+        "short", (f"sum by (listener) (kproxy_connections_open{{{SEL}}})", "{{listener}}"), width=8,
+        stacked=True))
+    d = d.with_panel(series(
+        "New connections per second", "Client connections accepted per second, by listener.", "cps",
+        (f"sum by (listener) (rate(kproxy_connections_opened_total{{{SEL}}}[{RATE}]))", "{{listener}}"),
+        width=8))
+    d = d.with_panel(series(
+        "Buffer budget", "Bytes held in frame buffers against the process budget "
+        "(limits.max_buffered_bytes_total), and reads that waited for it.", "bytes",
+        (f"sum by (pod) (kproxy_buffered_bytes{{{SEL}}})", "held {{pod}}"),
+        (f"sum by (pod) (kproxy_buffer_budget_bytes{{{SEL}}})", "budget {{pod}}"),
+        (f"sum by (pod) (rate(kproxy_buffer_budget_pauses_total{{{SEL}}}[{RATE}]))", "pauses/s {{pod}}"),
+        width=8))
+    d = d.with_panel(single(
+        "Pods ready", "Pods whose /readyz says ready (kproxy_ready).", "short",
+        f"sum(kproxy_ready{{{SEL}}})", "ready", red_below=1))
+    d = d.with_panel(single(
+        "Earliest certificate expiry", "Days until the first certificate kproxy loaded expires "
+        "(tls.* and upstream.tls.* files).", "d",
+        f"min(kproxy_tls_certificate_expiry_timestamp_seconds{{{SEL}}} - time()) / 86400", "days",
+        red_below=14))
+    d = d.with_panel(series(
+        "Certificate expiry by file", "Days until each certificate file expires.", "d",
+        (f"min by (file) (kproxy_tls_certificate_expiry_timestamp_seconds{{{SEL}}} - time()) / 86400",
+         "{{file}}")))
+
+    d = d.with_row(Row("Event loop, traffic log and rules"))
+    d = d.with_panel(series(
+        "Event loop lag", "How late a 5 ms timer fired: how long other work held the loop (every "
+        "connection of the pod waited that long).", "s",
+        (quantile(0.99, "kproxy_event_loop_lag_seconds", "pod, ", SEL), "p99 {{pod}}"),
+        (f"max by (pod) (kproxy_event_loop_lag_max_seconds{{{SEL}}})", "max since start {{pod}}"), width=8))
+    d = d.with_panel(series(
+        "Traffic log lines", "Lines written and dropped per second (a drop loses an audit record: "
+        "queue full or write errors).", "short",
+        (f"sum(rate(kproxy_traffic_log_lines_written_total{{{SEL}}}[{RATE}]))", "written/s"),
+        (f"sum(rate(kproxy_traffic_log_lines_dropped_total{{{SEL}}}[{RATE}]))", "dropped/s"), width=8))
+    d = d.with_panel(series(
+        "Rule reloads", "Rule reloads by outcome (failed: the old rules stayed in force) and the "
+        "generation of the rules in force.", "short",
+        (f"sum by (outcome) (increase(kproxy_rule_reloads_total{{{SEL}}}[{RATE}]))", "reloads {{outcome}}"),
+        (f"max by (pod) (kproxy_rules_generation{{{SEL}}})", "generation {{pod}}"), width=8))
+
+    built = d.build()
+    # Grafana keys panel state (links, edits, alerts) by id: number them in order, rows included.
+    for number, panel in enumerate(built.panels or [], start=1):
+        panel.id_val = number
+    data: dict[str, Any] = json.loads(json.dumps(built, cls=JSONEncoder))
+    return data
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kproxy.ops.dashboard", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", action="append", type=Path, help="write the dashboard JSON here (repeatable); "
+                   "default: standard output")
+    args = p.parse_args(argv)
+    text = render()
+    if not args.out:
+        sys.stdout.write(text)
+    for path in args.out or ():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

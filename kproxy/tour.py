@@ -1,0 +1,264 @@
+"""``kproxy demo``: the product tour on an embedded tansu broker, with kafka-python knowing only kproxy.
+
+A rule file gives one client a tenant namespace (it sees ``orders``, the broker holds
+``tenant-a.orders``), refuses a topic with the Kafka error a broker with ACLs would send, and holds a
+producer to a quota whose throttle the client itself reports; then ``/metrics``, the traffic log and,
+where Java and PySpark are installed, ``kproxy report`` over that log. ``kproxy demo --plain`` is the
+smaller round trip of ``kproxy.demo``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kproxy.config import config_from_args
+from kproxy.demo import BROKER_PORT_COUNT, CLIENT_TIMEOUT_MS, _embedded_broker, _free_port_run, _import_kafka
+from kproxy.server.embedded import ProxyThread
+from kproxy.tansu import HOST, free_port
+
+TENANT_CLIENT = "tenant-a-shop"
+TENANT_PREFIX = "tenant-a."
+TOPIC = "orders"
+DENIED_TOPIC = "secret-keys"
+QUOTA_CLIENT = "bulk-loader"
+QUOTA_BYTES_PER_S = 100 * 1024
+QUOTA_RECORDS = 500                 # of 1 KiB: five seconds' worth at the quota, one of them burst
+RECORD = b"x" * 1024
+STEP_TIMEOUT_S = 30.0
+REPORT_TIMEOUT_S = 600.0
+# Metric series worth showing, by prefix (the labels follow).
+SHOWN_METRICS = ('kproxy_requests_total{api="produce"}', 'kproxy_denied_requests_total{',
+                 'kproxy_throttle_seconds_total{', 'kproxy_records_total{')
+
+RULES = f"""\
+# The demo's rules: read top to bottom, the first rule that matches a request (or a topic) decides.
+rules:
+  - name: no-secrets
+    match: {{topic: "secret-*"}}
+    action: deny
+  - name: tenant-a
+    match: {{client_id: "tenant-a-*"}}
+    action: rewrite
+    rewrite: {{topic_prefix: "{TENANT_PREFIX}", group_prefix: "{TENANT_PREFIX}"}}
+quotas:
+  - name: bulk-loader
+    match: {{client_id: "{QUOTA_CLIENT}"}}
+    per: client_id
+    produce_bytes_per_s: {QUOTA_BYTES_PER_S}
+"""
+
+
+@dataclass
+class TourResult:
+    """What each step found, for the summary and for the tests."""
+
+    client_topics: list[str] = field(default_factory=list)
+    broker_topics: list[str] = field(default_factory=list)
+    denied_error: str = ""
+    quota_bytes: int = 0
+    quota_s: float = 0.0
+    client_throttle_ms: float = 0.0
+    metrics: list[str] = field(default_factory=list)
+    log_files: list[Path] = field(default_factory=list)
+    log_lines: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _tenant_step(kafka: Any, proxied: str, broker: str, result: TourResult) -> None:
+    admin = kafka.KafkaAdminClient(bootstrap_servers=proxied, client_id=TENANT_CLIENT,
+                                   request_timeout_ms=CLIENT_TIMEOUT_MS)
+    try:
+        admin.create_topics([kafka.admin.NewTopic(TOPIC, 1, 1)])
+        result.client_topics = sorted(admin.list_topics())
+    finally:
+        admin.close()
+    producer = kafka.KafkaProducer(bootstrap_servers=proxied, client_id=TENANT_CLIENT, acks="all",
+                                   request_timeout_ms=CLIENT_TIMEOUT_MS, max_block_ms=int(STEP_TIMEOUT_S * 1000))
+    try:
+        for i in range(20):
+            producer.send(TOPIC, key=b"order-%d" % i, value=b'{"order": %d}' % i)
+        producer.flush(timeout=STEP_TIMEOUT_S)
+        # kafka-python logs the refusal at ERROR before raising it; the exception is what the tour shows.
+        kafka_log = logging.getLogger("kafka")
+        level, kafka_log.level = kafka_log.level, logging.CRITICAL
+        try:
+            producer.send(DENIED_TOPIC, value=b"hunter2").get(timeout=STEP_TIMEOUT_S)
+        except kafka.errors.KafkaError as e:
+            result.denied_error = type(e).__name__
+        finally:
+            kafka_log.setLevel(level)
+    finally:
+        producer.close(timeout=5)
+    # Straight to the broker, past kproxy: what the cluster really holds.
+    direct = kafka.KafkaAdminClient(bootstrap_servers=broker, request_timeout_ms=CLIENT_TIMEOUT_MS)
+    try:
+        result.broker_topics = sorted(direct.list_topics())
+    finally:
+        direct.close()
+
+
+def _quota_step(kafka: Any, proxied: str, result: TourResult) -> None:
+    topic = f"{QUOTA_CLIENT}-load"
+    producer = kafka.KafkaProducer(bootstrap_servers=proxied, client_id=QUOTA_CLIENT, acks=1, linger_ms=5,
+                                   batch_size=16384, request_timeout_ms=CLIENT_TIMEOUT_MS,
+                                   max_block_ms=int(STEP_TIMEOUT_S * 1000))
+    try:
+        producer.send(topic, value=b"warm-up").get(timeout=STEP_TIMEOUT_S)   # creates the topic
+        started = time.perf_counter()
+        for _ in range(QUOTA_RECORDS):
+            producer.send(topic, value=RECORD)
+        producer.flush(timeout=STEP_TIMEOUT_S)
+        result.quota_s = time.perf_counter() - started
+        result.quota_bytes = QUOTA_RECORDS * len(RECORD)
+        for group in producer.metrics().values():
+            for name, value in group.items():
+                if name == "throttle-time-max" and isinstance(value, (int, float)) and value == value:
+                    result.client_throttle_ms = max(result.client_throttle_ms, float(value))
+    finally:
+        producer.close(timeout=5)
+
+
+def _scrape(admin_url: str) -> list[str]:
+    with urllib.request.urlopen(f"{admin_url}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return [line for line in text.splitlines() if line.startswith(SHOWN_METRICS) and not line.endswith(" 0.0")]
+
+
+def _read_log(directory: Path, result: TourResult) -> None:
+    import gzip
+
+    result.log_files = sorted(p for p in directory.rglob("*.jsonl*") if not p.name.endswith(".part"))
+    for path in result.log_files:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as lines:
+            result.log_lines += [json.loads(line) for line in lines if line.strip()]
+
+
+def _report_available() -> str | None:
+    """None when ``kproxy report`` can run here, else what is missing."""
+    if importlib.util.find_spec("pyspark") is None:
+        return "PySpark is not installed (pip install 'kproxy[analytics]')"
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        return "no Java runtime (Java 17 or newer; Debian: apt-get install openjdk-17-jre-headless)"
+    return None
+
+
+def _run_report(log_dir: Path, out: Path) -> tuple[bool, list[str]]:
+    """``kproxy report`` in its own process (its JVM goes with it); success and its last lines."""
+    done = subprocess.run([sys.executable, "-m", "kproxy", "report", str(log_dir), "--out", str(out),
+                           "--master", "local[2]"], capture_output=True, text=True, timeout=REPORT_TIMEOUT_S)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    return done.returncode == 0 and (out / "report.html").is_file(), lines[-6:]
+
+
+def _line_of(result: TourResult, **want: Any) -> dict[str, Any] | None:
+    return next((line for line in result.log_lines if all(line.get(k) == v for k, v in want.items())), None)
+
+
+def run_tour(out_dir: str | None, report: bool) -> int:
+    wall = time.perf_counter()
+    kafka = _import_kafka()
+    work = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="kproxy-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rules_file, log_dir = work / "rules.yaml", work / "traffic"
+    rules_file.write_text(RULES)
+    print("kproxy demo: what kproxy is for, on an embedded tansu broker (kproxy demo --plain: records only)\n",
+          flush=True)
+    result = TourResult()
+    with _embedded_broker() as broker:
+        listen = _free_port_run(1 + BROKER_PORT_COUNT)
+        admin_port = free_port(HOST)
+        config = config_from_args(
+            broker, f"{HOST}:{listen}", log_level="WARNING", rules=[str(rules_file)],
+            exposure={"advertised_host": HOST, "broker_port_count": BROKER_PORT_COUNT},
+            admin={"listen": f"{HOST}:{admin_port}"}, traffic_log={"dir": str(log_dir)})
+        admin_url = f"http://{HOST}:{admin_port}"
+        with ProxyThread(config) as proxy:
+            print(f"  tansu broker   {broker}  (embedded, memory storage)")
+            print(f"  kproxy         {proxy.bootstrap}, admin {admin_url}")
+            print(f"  rules          {rules_file}\n", flush=True)
+            _tenant_step(kafka, proxy.bootstrap, broker, result)
+            print("1. A tenant on a shared cluster (rule 'tenant-a': client ids tenant-a-*)")
+            print(f"   {TENANT_CLIENT} created topic '{TOPIC}' and produced 20 records to it")
+            print(f"   topics the client sees     {', '.join(result.client_topics) or 'none'}")
+            print(f"   topics the broker holds    {', '.join(result.broker_topics) or 'none'}\n")
+            print("2. A refused topic (rule 'no-secrets': topics secret-*)")
+            print(f"   {TENANT_CLIENT} producing to '{DENIED_TOPIC}': "
+                  f"{result.denied_error or 'NOT refused'} (TOPIC_AUTHORIZATION_FAILED, as from a broker's ACLs)\n",
+                  flush=True)
+            _quota_step(kafka, proxy.bootstrap, result)
+            rate = result.quota_bytes / result.quota_s / 1024 if result.quota_s else 0.0
+            print(f"3. A producer held to its quota (quota 'bulk-loader': {QUOTA_BYTES_PER_S // 1024} KiB/s)")
+            print(f"   {QUOTA_CLIENT} sent {result.quota_bytes // 1024} KiB in {result.quota_s:.1f} s "
+                  f"({rate:.0f} KiB/s; a 1 s burst is allowed)")
+            print(f"   kafka-python reports throttle-time-max {result.client_throttle_ms:.0f} ms "
+                  "(the throttle_time_ms kproxy put in its Produce answers)\n", flush=True)
+            result.metrics = _scrape(admin_url)
+        # Leaving the block drains kproxy, which finishes the traffic log's files.
+    _read_log(log_dir, result)
+    print(f"4. What kproxy recorded\n   {admin_url}/metrics (while it ran):")
+    print("\n".join(f"     {line}" for line in result.metrics))
+    denied = _line_of(result, rule="no-secrets")
+    files = len(result.log_files)
+    print(f"   traffic log: {log_dir}  ({len(result.log_lines)} lines in {files} file{'s' if files != 1 else ''})")
+    if denied is not None:
+        shown = {k: denied.get(k) for k in ("client_id", "api", "rule", "action", "error")}
+        print(f"   the refused request: {json.dumps(shown)}")
+    print()
+
+    report_html = None
+    print("5. The fleet report over that traffic log (kproxy report, PySpark)")
+    missing = None if report else "left out (--no-report)"
+    missing = missing or _report_available()
+    if missing:
+        print(f"   skipped: {missing}")
+    else:
+        print("   running kproxy report (Spark starts in about 10 s) ...", flush=True)
+        ok, tail = _run_report(log_dir, work / "report")
+        if ok:
+            report_html = work / "report" / "report.html"
+            print(f"   report.html: {report_html}")
+        else:
+            print("   kproxy report FAILED:\n" + "\n".join(f"     {line}" for line in tail))
+
+    problems = _problems(result)
+    if report and not missing and report_html is None:
+        problems.append("kproxy report did not write report.html")
+    print()
+    if problems:
+        print(f"tour check: FAILED: {'; '.join(problems)}")
+        print(f"kproxy demo: FAILED: {'; '.join(problems)}", file=sys.stderr)
+        return 1
+    print("tour check: PASSED: tenant namespace, refused topic, throttled producer, metrics and traffic log")
+    print(f"done in {time.perf_counter() - wall:.1f} s; files in {work}")
+    return 0
+
+
+def _problems(result: TourResult) -> list[str]:
+    problems = []
+    if TOPIC not in result.client_topics or any(t.startswith(TENANT_PREFIX) for t in result.client_topics):
+        problems.append(f"the tenant saw {result.client_topics}, not '{TOPIC}' without its prefix")
+    if TENANT_PREFIX + TOPIC not in result.broker_topics:
+        problems.append(f"the broker holds {result.broker_topics}, not '{TENANT_PREFIX}{TOPIC}'")
+    if result.denied_error != "TopicAuthorizationFailedError":
+        problems.append(f"'{DENIED_TOPIC}' was not refused with TOPIC_AUTHORIZATION_FAILED "
+                        f"({result.denied_error or 'it was written'})")
+    if result.client_throttle_ms <= 0:
+        problems.append("the quota's producer reported no throttle")
+    if not any(line.startswith("kproxy_throttle_seconds_total") for line in result.metrics):
+        problems.append("/metrics shows no throttle")
+    if _line_of(result, rule="no-secrets") is None:
+        problems.append("the traffic log has no line for the refused request")
+    return problems
+
