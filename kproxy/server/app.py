@@ -620,6 +620,8 @@ async def serve_until_signal(server: ProxyServer) -> None:
         if server.worker is not None:
             nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            # From here on a signal is kproxy's to handle (before, SIGHUP's default would end it).
+            log.info("signals: SIGTERM or SIGINT drains, SIGHUP reloads the rule files")
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:

@@ -44,14 +44,13 @@ def kproxy_process(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Pope
             proc.wait()
 
 
-def connect_when_up(address: str, proc: subprocess.Popen[bytes], timeout: float = 15) -> Wire:
+def connect_when_up(address: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 15) -> Wire:
+    """A connection to kproxy once it handles signals (the port listens a little earlier)."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Wire(address)
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "kproxy did not start"
-            time.sleep(0.1)
+    while "signals: SIGTERM or SIGINT drains" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, f"kproxy did not start: {log.read_text()}"
+        time.sleep(0.05)
+    return Wire(address)
 
 
 def in_flight(admin: str) -> float:
@@ -90,7 +89,7 @@ def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broke
     confluent_create_topic(broker.bootstrap, topic)
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
                         "--admin", admin) as (proc, log):
-        idle = connect_when_up(f"127.0.0.1:{port}", proc)
+        idle = connect_when_up(f"127.0.0.1:{port}", proc, log)
         assert idle.metadata(1).correlation_id == 1          # a consumer between polls
         busy = Wire(f"127.0.0.1:{port}")
         long_poll(busy, topic, 42, max_wait_ms=3000)
@@ -120,7 +119,7 @@ def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> N
     confluent_create_topic(broker.bootstrap, topic)
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
                         "--admin", admin) as (proc, log):
-        w = connect_when_up(f"127.0.0.1:{port}", proc)
+        w = connect_when_up(f"127.0.0.1:{port}", proc, log)
         long_poll(w, topic, 7, max_wait_ms=20_000)            # would hold the drain for its timeout
         wait_for(lambda: in_flight(admin) == 1, "the long poll never reached kproxy")
         proc.send_signal(signal.SIGINT)
@@ -137,7 +136,7 @@ def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> N
 def test_sighup_is_logged_and_the_proxy_keeps_serving(broker: TansuBroker, tmp_path: Path) -> None:
     port = free_port_block()
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}") as (proc, log):
-        w = connect_when_up(f"127.0.0.1:{port}", proc)
+        w = connect_when_up(f"127.0.0.1:{port}", proc, log)
         assert w.metadata(1).correlation_id == 1
         proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 5
