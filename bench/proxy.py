@@ -3,7 +3,8 @@
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
 (also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
 ``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--rules`` adds kproxy with the example
-multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS).
+multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS; ``--sasl`` kproxy
+logging in to the brokers by SCRAM, see SASL).
 
 One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
@@ -69,7 +70,13 @@ QUOTAS = {
                            "    match: {client_id: kproxy-bench}\n    produce_bytes_per_s: 1.0e12\n"
                            "    fetch_bytes_per_s: 1.0e12\n    requests_per_s: 1.0e9\n"},
 }
-ALL_TARGETS = (*TARGETS, *TELEMETRY, TENANT, *QUOTAS)
+# kproxy with SASL origination (upstream.sasl, SCRAM-SHA-512) against kproxy without it, both in front
+# of the tests' SASL gate (tests/e2e/sasl_gate.py, which verifies the SCRAM login for real) and a
+# second tansu that advertises the gate: the gate's relay is the same for both, so the ratio is what
+# logging in costs. Origination adds nothing per request; the login is once per broker connection.
+SASL = ("kp-gate", "kp-sasl")
+SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
+ALL_TARGETS = (*TARGETS, *TELEMETRY, TENANT, *QUOTAS, *SASL)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -382,6 +389,33 @@ class Bench:
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
+        self.admins: dict[str, AdminClient] = {}
+        if set(SASL) & set(self.args.targets):
+            self._start_gate()
+
+    def _start_gate(self) -> None:
+        sys.path.insert(0, str(REPO))
+        from tests.e2e.sasl_gate import SaslGate, free_ports
+
+        (gate_port,) = free_ports(1)
+        launcher = Tansu(port=free_port(), advertised=(HOST, gate_port))
+        broker = Child("tansu broker (gate)", launcher.argv(), self.workdir / "broker-gate.log")
+        self.children.append(broker)
+        broker.start([launcher.port])
+        gate = SaslGate((HOST, launcher.port), {SASL_USER: SASL_PASSWORD}, port=gate_port).start()
+        gate.require_sasl = False        # kp-gate does not log in; kp-sasl does, and is verified
+        self.gate = gate
+        password = self.workdir / "password"
+        password.write_text(SASL_PASSWORD)
+        for name in SASL:
+            if name not in self.args.targets:
+                continue
+            options: dict = {"upstream": gate.bootstrap}
+            if name == "kp-sasl":
+                options["sasl"] = (f"{{mechanism: SCRAM-SHA-512, username: {SASL_USER}, "
+                                   f"password_file: \"{password}\"}}")
+            self._start_kproxy(launcher.port, name, options)
+            self.admins[name] = AdminClient({"bootstrap.servers": f"{HOST}:{self.ports[name]}"})
 
     def _start_kproxy(self, bp: int, name: str = "kproxy", telemetry: dict | None = None,
                       extra: list[str] | None = None) -> None:
@@ -405,7 +439,9 @@ class Bench:
         self.proxies[name] = kproxy
 
     def _config_file(self, name: str, telemetry: dict, bp: int, kp: int) -> Path:
-        lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{HOST}:{bp}"}}', "log_level: WARNING"]
+        upstream = telemetry.get("upstream", f"{HOST}:{bp}")
+        sasl = f", sasl: {telemetry['sasl']}" if "sasl" in telemetry else ""
+        lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{upstream}"{sasl}}}', "log_level: WARNING"]
         if "rules" in telemetry:
             rules = self.workdir / f"{name}-rules.yaml"
             rules.write_text(telemetry["rules"])
@@ -438,6 +474,7 @@ class Bench:
     def stop(self) -> None:
         # The admin client keeps a broker connection; drop it first so it does not log the shutdown.
         self.__dict__.pop("admin", None)
+        self.__dict__.pop("admins", None)
         gc.collect()
         for child in reversed(self.children):
             # SIGINT lets a cProfile'd kproxy drain and write its profile; SIGTERM for the rest.
@@ -446,6 +483,9 @@ class Bench:
                 child.stop(sig)
         if self.otlp is not None:
             self.otlp.stop()
+        gate = self.__dict__.pop("gate", None)
+        if gate is not None:
+            gate.close()
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -458,7 +498,8 @@ class Bench:
         # A tenant's topic is created directly under the name the broker holds for it.
         held = TENANT_PREFIX + topic if target == TENANT else topic
         client_id = TENANT_CLIENT_ID if target == TENANT else "kproxy-bench"
-        create_topic(self.admin, held)
+        admin = self.admins.get(target, self.admin)
+        create_topic(admin, held)
         proxy = self.proxies.get(target)
         try:
             results = []
@@ -470,7 +511,7 @@ class Bench:
                 results.append(RunResult(dt, cpu))
             return results[0], results[1]
         finally:
-            delete_topic(self.admin, held)
+            delete_topic(admin, held)
 
     def throughput(self, rounds: int, ns: dict[int, int]) -> dict[tuple[str, int, str], list[RunResult]]:
         out: dict[tuple[str, int, str], list[RunResult]] = {}
@@ -534,7 +575,7 @@ def fmt_ratio(a: float, b: float) -> str:
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
           *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
-          ("kp-quotas", "kp-rules"))
+          ("kp-quotas", "kp-rules"), ("kp-sasl", "kp-gate"))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -640,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--quotas", action="store_true",
                     help=f"add {', '.join(QUOTAS)} (and kproxy, which they are compared with)")
+    ap.add_argument("--sasl", action="store_true",
+                    help=f"add {', '.join(SASL)}: kproxy through a SASL gate, logging in by SCRAM or not")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--small-clients", type=int, default=200,
                     help="connections in the many-small-requests part (default 200; 0 skips it)")
@@ -655,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"kproxy", TENANT}
     if args.quotas:
         wanted |= {"kproxy", *QUOTAS}
+    if args.sasl:
+        wanted |= set(SASL)
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
     args.targets = tuple(t for t in ALL_TARGETS if t in wanted)

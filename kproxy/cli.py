@@ -44,6 +44,16 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="check policy rule files (or directories) on their own; repeatable")
     check.add_argument("--chaos", action="store_true", help="with --rules: check as if chaos were enabled")
 
+    users = sub.add_parser("users", help="manage the users file kproxy authenticates clients against")
+    users_sub = users.add_subparsers(dest="users_command", required=True, metavar="ACTION")
+    add = users_sub.add_parser("add", help="add a user (or replace its password) as SCRAM keys; the password "
+                               "comes from --password-file, a prompt, or the first line of stdin")
+    add.add_argument("name", help="the user name (the principal is User:NAME)")
+    add.add_argument("--users-file", required=True, help="the users file (sasl.users_file); created if missing")
+    add.add_argument("--mechanism", help="SCRAM-SHA-256 or SCRAM-SHA-512 (default: both)")
+    add.add_argument("--password-file", help="read the password from the first line of this file")
+    add.add_argument("--iterations", type=int, default=4096, help="PBKDF2 iterations (default 4096, the minimum)")
+
     demo = sub.add_parser("demo", help="the product tour on an embedded broker: a tenant, a refused topic, a "
                           "quota, metrics, the traffic log and the fleet report")
     demo.add_argument("--plain", action="store_true", help="only records through kproxy and back, and a table "
@@ -106,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             status = max(status, check_rules_files(args.rules, args.chaos))
         return status
+    if args.command == "users":
+        from kproxy.userfile import run_users_add
+
+        return run_users_add(args.name, args.users_file, args.mechanism, args.password_file, args.iterations)
     if args.command == "demo":
         from kproxy.demo import run_demo
 
@@ -189,6 +203,10 @@ def check_config_file(path: str) -> int:
 
     try:
         cfg = load_config(path)
+        if cfg.sasl is not None and cfg.sasl.users_file is not None:
+            from kproxy.userfile import load_users_file
+
+            load_users_file(cfg.sasl.users_file)
         rules = ""
         if cfg.rules:
             from kproxy.policy.loader import describe_rules, load_rules

@@ -93,6 +93,8 @@ def _scalar_types(tp: Any) -> tuple[Any, ...]:
 
 # Converters run again on every attrs.evolve, so each must leave its own output unchanged.
 def _upper(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_upper(v) for v in value)
     return value.upper() if isinstance(value, str) else value
 
 
@@ -135,6 +137,9 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
             return None
         (tp,) = (a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is tuple:
+        if rules.get("words"):
+            ok = isinstance(value, tuple) and all(isinstance(w, str) and w.strip() for w in value)
+            return None if ok else f"expected a list of names, got {value!r}"
         if typing.get_args(tp)[0] is str:
             return _paths_problem(value)
         return _host_ports_problem(value)
@@ -250,12 +255,90 @@ class TlsClientSide:
         _check_files(self)
 
 
+SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+_LOOPBACK: Final = re.compile(r"^(localhost|127(\.\d{1,3}){3}|\[::1\]|::1)$", re.IGNORECASE)
+
+
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be an identity provider's address: https only, http on loopback only
+    (a token or key set fetched in clear from elsewhere could be swapped by anyone on the path)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        return f"{url!r} is not a URL"
+    if parts.scheme not in ("https", "http") or not host:
+        return f"{url!r} is not an https:// URL"
+    if parts.scheme == "http" and not _LOOPBACK.match(host if ":" not in host else f"[{host}]"):
+        return f"http:// is allowed only for a loopback address; use https:// for {host}"
+    if parts.username or parts.password:
+        return "put credentials in client_secret or client_secret_file, not in the URL"
+    return None
+
+
+def _one_secret(section: Any, value: str, file: str, what: str) -> None:
+    given = [n for n in (value, file) if getattr(section, n) is not None]
+    if len(given) != 1:
+        problem = (f"give {what} as {value} (from ${{VAR}}) or {file}, not both" if given
+                   else f"needs {what}: {value} (from ${{VAR}}) or {file}")
+        raise SettingError(_path_of(section, given[-1] if given else value), problem)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class UpstreamOAuth:
+    """OAUTHBEARER origination: kproxy gets its own token by client credentials (RFC 6749 4.4)."""
+
+    token_endpoint_url: str = _setting()
+    client_id: str = _setting()
+    client_secret: str | None = None
+    client_secret_file: str | None = _setting(None, file=True)
+    scope: str | None = None
+    # SASL extensions sent with the token (KIP-342), such as logicalCluster on Confluent Cloud.
+    extensions: dict[str, str] = attrs.field(factory=dict, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        problem = _url_problem(self.token_endpoint_url)
+        if problem is not None:
+            raise SettingError(_path_of(self, "token_endpoint_url"), problem)
+        _one_secret(self, "client_secret", "client_secret_file", "the client secret")
+        for key, value in self.extensions.items():
+            if not re.fullmatch(r"[A-Za-z]+", key) or key == "auth" or not isinstance(value, str):
+                raise SettingError((*_path_of(self, "extensions"), key),
+                                   "an extension name is letters only (not 'auth'), its value a string")
+        _check_files(self)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class UpstreamSasl:
+    """Origination: every broker connection kproxy opens logs in as kproxy, before any request."""
+
+    mechanism: str = _setting(case="upper", choices=SASL_MECHANISMS)
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = _setting(None, file=True)
+    oauth: UpstreamOAuth | None = None      # read only with OAUTHBEARER
+
+    def __attrs_post_init__(self) -> None:
+        if self.mechanism == "OAUTHBEARER":
+            if self.oauth is None:
+                raise SettingError(_path_of(self, "mechanism"), "OAUTHBEARER needs upstream.sasl.oauth "
+                                                                "(token_endpoint_url, client_id, client secret)")
+            return
+        if not self.username:
+            raise SettingError(_path_of(self, "username"), f"{self.mechanism} needs a username")
+        _one_secret(self, "password", "password_file", "a password")
+        _check_files(self)
+
+
 @attrs.frozen(field_transformer=_with_checks)
 class UpstreamConfig:
     """The real cluster: where to bootstrap, how to reach it, how long to wait for it."""
 
     bootstrap_servers: tuple[HostPort, ...]
     tls: TlsClientSide = TlsClientSide()
+    sasl: UpstreamSasl | None = None
     connect_timeout_s: float = _setting(10.0, above=0)
     # A request with no response after this gets a retriable error sent back to the client.
     request_timeout_s: float = _setting(30.0, above=0)
@@ -308,6 +391,58 @@ class TlsServerSide:
                 if getattr(self, name) is None:
                     raise SettingError(_path_of(self, "enabled"), f"TLS termination needs tls.{name}")
             _check_files(self)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class SaslOAuth:
+    """How client tokens (OAUTHBEARER) are checked: signed by a key of ``jwks_url``, for this issuer
+    and audience; the principal is ``User:<principal_claim>``."""
+
+    jwks_url: str = _setting()
+    issuer: str = _setting()
+    audience: str = _setting()
+    principal_claim: str = "sub"
+    # The key set is fetched again this often, and at once (at most every 10 s) for an unknown kid.
+    jwks_refresh_s: float = _setting(3600.0, min=10)
+    leeway_s: float = _setting(30.0, min=0, max=600)
+
+    def __attrs_post_init__(self) -> None:
+        problem = _url_problem(self.jwks_url)
+        if problem is not None:
+            raise SettingError(_path_of(self, "jwks_url"), problem)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class SaslConfig:
+    """Termination: kproxy authenticates clients itself; nothing reaches a broker before that."""
+
+    mechanisms: tuple[str, ...] = _setting(words=True, case="upper")
+    users_file: str | None = _setting(None, file=True)
+    # KIP-368: clients re-authenticate within this (or their token's remaining life); 0: never.
+    max_session_s: float = _setting(3600.0, min=0)
+    # Every failed login is answered this long after it began, whatever failed.
+    failed_login_delay_s: float = _setting(0.5, min=0, max=10)
+    # Failed logins allowed per source address per minute; then its logins are refused. 0: no limit.
+    max_failed_logins_per_minute: int = _setting(10, min=0)
+    oauth: SaslOAuth | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.mechanisms:
+            raise SettingError(_path_of(self, "mechanisms"), f"list at least one of {', '.join(SASL_MECHANISMS)}")
+        for i, mechanism in enumerate(self.mechanisms):
+            if mechanism not in SASL_MECHANISMS:
+                raise SettingError((*_path_of(self, "mechanisms"), i),
+                                   f"must be one of {', '.join(SASL_MECHANISMS)}; got {mechanism!r}"
+                                   f"{_did_you_mean(mechanism, SASL_MECHANISMS)}")
+            if mechanism in self.mechanisms[:i]:
+                raise SettingError((*_path_of(self, "mechanisms"), i), f"lists {mechanism} twice")
+        if any(m != "OAUTHBEARER" for m in self.mechanisms) and self.users_file is None:
+            raise SettingError(_path_of(self, "mechanisms"), "PLAIN and SCRAM check clients against sasl.users_file "
+                                                             "(write it with `kproxy users add`)")
+        if "OAUTHBEARER" in self.mechanisms and self.oauth is None:
+            raise SettingError(_path_of(self, "mechanisms"), "OAUTHBEARER needs sasl.oauth (jwks_url, issuer, "
+                                                             "audience)")
+        _check_files(self)
 
 
 @attrs.frozen(field_transformer=_with_checks)
@@ -410,6 +545,7 @@ class ProxyConfig:
     mode: str = _setting("gateway", choices=("gateway", "sidecar"))
     exposure: ExposureConfig = ExposureConfig()
     tls: TlsServerSide = TlsServerSide()
+    sasl: SaslConfig | None = None
     limits: LimitsConfig = LimitsConfig()
     passthrough_unknown_versions: bool = False
     # Policy rule files, or directories of them (every *.yaml), relative to the config file.
@@ -609,6 +745,8 @@ def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
         f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        f"client SASL {'terminated: ' + ', '.join(cfg.sasl.mechanisms) if cfg.sasl else 'relayed'}",
+        f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}",
         f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
         f"admin {cfg.admin.listen or 'off'}",
         f"traffic log {cfg.traffic_log.dir or 'off'}",
@@ -782,6 +920,8 @@ class _Builder:
         if tp is HostPort:
             return self.host_port(node, path)
         if origin is tuple:
+            if rules.get("words"):
+                return self.words(node, path, rules)
             if typing.get_args(tp)[0] is str:
                 return self.paths(node, path)
             return self.host_ports(node, path)
@@ -852,6 +992,19 @@ class _Builder:
             if not os.path.exists(value):
                 self.fail(at, f"not found: {value}", item)
             out.append(value)
+        return tuple(out)
+
+    def words(self, node: Node, path: _Path, rules: Mapping[str, Any]) -> tuple[str, ...]:
+        """A list of names (or one comma-separated string), such as SASL mechanisms."""
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        out = []
+        for i, item in enumerate(items):
+            at = (*path, i) if isinstance(node, SequenceNode) else path
+            if not (isinstance(item, ScalarNode) and item.tag == _STR_TAG):
+                self.fail(at, f"expected a name, got {_describe(item)}", item)
+            out += [w.strip() for w in item.value.split(",") if w.strip()]
+        if rules.get("case") == "upper":
+            out = [w.upper() for w in out]
         return tuple(out)
 
     def host_ports(self, node: Node, path: _Path) -> tuple[HostPort, ...]:

@@ -39,6 +39,7 @@ from kproxy.protocol.primitives import ShortBuffer, read_uvarint
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond, Throttle
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
+from kproxy.proxy.sasl import FrontAnswer, SaslFront
 from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.session")
@@ -299,8 +300,10 @@ class Session:
 
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
                  passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
-                 topic_names: TopicNames | None = None) -> None:
+                 topic_names: TopicNames | None = None, front: SaslFront | None = None) -> None:
         self.ctx = ctx
+        # kproxy's own SASL handling (termination or origination); None: the client's SASL is relayed.
+        self.front = front
         self.chain = chain
         self.topic_names = topic_names       # the process's topic id -> name table, learned here
         # Every request read and not yet done (``finish``): what ``abandon`` ends when the
@@ -321,6 +324,10 @@ class Session:
         self._sasl_handshake_ok = False
         self.sasl_in_progress = False
         self.sasl_started_at = 0.0           # when the current SASL exchange began (session clock)
+        if front is not None and front.termination is not None:
+            # Until the client logs in, the unauthenticated timeout runs from the connection's start.
+            self.sasl_in_progress = True
+            self.sasl_started_at = ctx.clock()
         self.requests = 0
         self.closed = False
         # A request whose filter asked the broker something; the client is not read meanwhile.
@@ -341,6 +348,9 @@ class Session:
             # ``throttled_for`` says so; a request read before the throttle began waits here.
             actions.append(Hold(self._throttle_until - now))
             self._throttle_until = 0.0
+        front = self.front
+        if front is not None and front.raw_expected:
+            return actions + self._front_raw(front.raw_token(frame, now))
         if len(frame) < 8:
             if self._raw_sasl:
                 return actions + self._raw_sasl_token(frame)
@@ -362,10 +372,18 @@ class Session:
             # nothing about the broker's verdict: only the broker's answers to the tokens do.
             self._raw_sasl = False
         self.requests += 1
-        self._observe_request(req)
         entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4,
                          seq=self.requests)
         self.open.add(entry)
+        if front is not None:
+            answer = front.request(req, now)
+            if answer is not None:
+                if api_key == API_VERSIONS:
+                    self._observe_request(req)
+                if front.termination is not None and self.sasl_in_progress and self.ctx.authenticated:
+                    self.sasl_in_progress = False
+                return actions + self._front_answer(entry, req, answer)
+        self._observe_request(req)
         # The received bytes and their re-encoding, when the transparency check found them different.
         original = self._recheck(req, frame) if self.reencode is not None else None
         try:
@@ -584,6 +602,33 @@ class Session:
         ctx.authenticated = False
         ctx.sasl_user = None
 
+    def _front_answer(self, entry: InFlight, req: Request, answer: FrontAnswer) -> list[Action]:
+        """Answer a request kproxy's SASL front handled: in order, after ``hold_s``, maybe closing."""
+        entry.outcome = LOCAL
+        out: list[Action] = [Hold(answer.hold_s)] if answer.hold_s > 0 else []
+        if answer.body is not None:
+            resp = Response.build(req.api_key, req.api_version, entry.client_correlation_id, answer.body)
+            entry.response = resp
+            entry.reply = encode_response_frame(resp)
+        else:
+            entry.reply = []
+        if answer.close is not None:
+            entry.close_after = answer.close
+        elif answer.body is None:
+            entry.close_after = f"{api_name(req.api_key)} cannot be answered"
+        self.in_flight.append(entry)
+        return out + self._flush()
+
+    def _front_raw(self, answer: FrontAnswer) -> list[Action]:
+        # An unframed token (SaslHandshake v0) comes before any request is forwarded, so nothing is
+        # owed to the client ahead of its answer.
+        out: list[Action] = [Hold(answer.hold_s)] if answer.hold_s > 0 else []
+        if answer.close is not None:
+            return [*out, Close(answer.close)]
+        if self.ctx.authenticated:
+            self.sasl_in_progress = False
+        return [*out, ToClient(_size_prefixed(answer.raw or b""))]
+
     def _unsupported(self, frame: memoryview, api_key: int, api_version: int, correlation_id: int,
                      err: Exception, now: float) -> list[Action]:
         if api_key == API_VERSIONS:
@@ -606,6 +651,10 @@ class Session:
         if not self.passthrough:
             return [Close(f"cannot decode {err}; set passthrough_unknown_versions to forward such "
                           "frames opaquely")]
+        front = self.front
+        if front is not None and front.termination is not None and not self.ctx.authenticated:
+            # Forwarded opaquely it would reach the broker before the client logged in.
+            return [Close(f"cannot decode {err} before SASL authentication")]
         # Opaque passthrough: only the correlation id (bytes 4..8 of the header) is touched.
         upstream_id = self._take_correlation_id()
         patched = bytearray(frame)
@@ -796,7 +845,8 @@ class Session:
         self._raw_sasl = False
         # After SASL a new broker connection would be unauthenticated, and only the client can
         # authenticate again: end the client connection, as the broker's own loss would.
-        authenticated = self.ctx.authenticated
+        # With kproxy's own SASL front the client logged in to kproxy, which logs in again itself.
+        authenticated = self.ctx.authenticated and self.front is None
         if authenticated and not self.in_flight and self.asking is None:
             return [Close(f"broker connection lost after SASL authentication ({reason})")]
         for entry in waiting:

@@ -29,8 +29,9 @@ REQUEST_TIMEOUT_S = 10.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 REDACTED = "<redacted>"
 INTERNAL_ERROR = b"internal error while answering; see kproxy's log\n"
-# Setting names that hold a secret, or may one day (none does today): their values never leave.
-_SECRET_NAME = re.compile(r"pass(word|phrase)?|secret|token|credential|private|sasl|api_?key|hmac|salt",
+# Setting names that hold a secret, or may: their values never leave (upstream.sasl.password,
+# client_secret; SASL extensions may carry account ids; token URLs may carry credentials).
+_SECRET_NAME = re.compile(r"pass(word|phrase)?|secret|token|credential|private|api_?key|hmac|salt|extensions",
                           re.IGNORECASE)
 # Paths to key files are fine to show; the keys themselves are not in the config.
 _PATH_SUFFIX = ("_file", "_path", "_dir")

@@ -27,12 +27,9 @@ from kproxy.policy.engine import PolicyFilter
 from kproxy.policy.loader import describe_rules
 from kproxy.policy.store import RuleStore
 from kproxy.protocol.errors import KProxyError
-from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import (
     Request,
     body_class,
-    decode_response,
-    encode_request_frame,
     supported_versions,
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
@@ -47,13 +44,14 @@ from kproxy.server.budget import BufferBudget
 from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.identity import IdentityService
+from kproxy.server.origination import Roundtrip, direct_roundtrip
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import (
     PlainTransport,
     SniNames,
     TlsTransport,
-    Transport,
     client_context,
     format_subject,
     server_context,
@@ -100,6 +98,8 @@ class ProxyServer:
         self.workers = worker[1] if worker is not None else 1
         self.admin_listen = admin_listen or config.admin.listen
         self.stats = ProxyStats()
+        # SASL termination and origination (sasl, upstream.sasl); raises ConfigError for a bad users file.
+        self.identity = IdentityService(config)
         # Live and recently closed connections, for /clients and `kproxy top`.
         self.clients = ClientTable()
         self.certificates = certificates if certificates is not None else CERTIFICATES
@@ -172,6 +172,7 @@ class ProxyServer:
             upstream_server_hostname=upstream.tls.server_hostname,
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
+            originator=self.identity.originator,
         )
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
         # How late the event loop runs a short timer (see _watch_loop_lag).
@@ -229,6 +230,8 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
         m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
         m.add_reader(self.certificates.families)
+        if self.identity.active:
+            m.add_reader(lambda: metric_families.identity_families(self.identity))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
@@ -331,6 +334,7 @@ class ProxyServer:
                     nursery.start_soon(self.admin.serve)
                     log.info("admin listener on %s: /metrics /livez /readyz /config /rules /clients",
                              _hostport(*self.admin.address))
+                await self.identity.run(nursery)
                 nursery.start_soon(self._accept_loop, boot, None)
                 if self.metrics is not None:
                     nursery.start_soon(self._watch_loop_lag)
@@ -437,13 +441,16 @@ class ProxyServer:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
         if route is not None:
             ctx.listener = f"{route.role}-{route.node_id}"
+        front = self.identity.front(ctx)
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
-                          reencode=self.reencode, topic_names=self.topic_names)
+                          reencode=self.reencode, topic_names=self.topic_names, front=front)
+        prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
+                   if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)
         complete = functools.partial(self._completed_with_telemetry if self.telemetry.active
                                      else self._completed, ctx, record)
         conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
-                                budget=self.budget, route_key=(port, name), stats=self.stats)
+                                budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
@@ -538,8 +545,11 @@ class ProxyServer:
                 log.warning("discovery: cannot reach %s: %s", hp, e or "timed out")
                 continue
             try:
+                roundtrip = direct_roundtrip(t, cfg.request_timeout_s, self.config.limits.max_frame_size)
                 with trio.fail_after(cfg.request_timeout_s):
-                    await self._discover_on(t)
+                    if self.identity.originator is not None:
+                        await self.identity.originator.login(roundtrip, str(hp))
+                    await self._discover_on(roundtrip)
                 if not self.discovered:
                     self.discovered = True
                 return True
@@ -555,22 +565,13 @@ class ProxyServer:
                 t.close()
         return False
 
-    async def _discover_on(self, t: Transport) -> None:
-        reader = FrameReader(self.config.limits.max_frame_size)
-
-        async def roundtrip(req: Request) -> Any:
-            await t.send(encode_request_frame(req))
-            while (frame := reader.next_frame()) is None:
-                n = await t.recv_into(reader.recv_buffer())
-                if n == 0:
-                    raise OSError("broker closed the connection")
-                reader.received(n)
-            return decode_response(frame, req.api_key, req.api_version)
-
+    async def _discover_on(self, roundtrip: Roundtrip) -> None:
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))
         if not self.bootstrap_answered:
             self.bootstrap_answered = True
             log.info("a bootstrap server answered: ready")
+        # Kept for terminating connections, which answer ApiVersions themselves before any login.
+        self.identity.broker_versions = [(e.api_key, e.min_version, e.max_version) for e in av.body.api_keys]
         ranges = {e.api_key: e for e in narrow_api_keys(av.body.api_keys, supported_versions())}
         meta = ranges.get(3)
         if meta is None:

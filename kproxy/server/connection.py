@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable
-from typing import Protocol
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -25,7 +26,7 @@ from kproxy.logs import safe
 from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
-from kproxy.protocol.messages import api_name
+from kproxy.protocol.messages import api_name, decode_response, encode_request_frame
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.session import (
     CLIENT_GONE,
@@ -41,10 +42,19 @@ from kproxy.proxy.session import (
     ToUpstream,
 )
 from kproxy.server.budget import BufferBudget
+from kproxy.server.origination import Originator, direct_roundtrip
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import Transport, connect
 
 log = logging.getLogger("kproxy.server")
+
+_I32 = struct.Struct(">i")
+# KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
+# client picks 85-95%), leaving time for the exchange before the broker would close the connection.
+REAUTH_AT = 0.85
+# The largest frame a client may send before it has logged in to kproxy: a SaslAuthenticate with a
+# 128 KiB token fits; a stranger cannot make kproxy hold more than this.
+PRE_LOGIN_FRAME_CAP = 256 * 1024
 
 
 class ConnectionClosed(Exception):
@@ -128,6 +138,8 @@ class ConnectionSettings:
     upstream_tls: ssl.SSLContext | None = None
     upstream_server_hostname: str | None = None
     frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
+    # upstream.sasl: every broker connection logs in as kproxy before any request goes on it.
+    originator: Originator | None = attrs.field(default=None, eq=False)
 
     @property
     def watchdog_period(self) -> float | None:
@@ -154,7 +166,8 @@ class ClientConnection:
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
-                 route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None) -> None:
+                 route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
+                 prepare: Callable[[memoryview], Awaitable[None]] | None = None) -> None:
         self.settings = settings
         self.router = router
         self.client = client
@@ -186,6 +199,17 @@ class ClientConnection:
         self._held = 0                              # bytes this connection counts in the budget
         self._answered: trio.Event | None = None    # set when a filter's question is settled
         self._holding = False                       # the client pump waits out a throttle or delay
+        # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
+        self.prepare = prepare
+        self._reauth_at: float | None = None        # when kproxy logs in to the broker again (KIP-368)
+        self._session_end: float | None = None      # when the broker's session ends
+        self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
+        self._login_ids: set[int] = set()
+        front = session.front
+        self._pre_login = front is not None and front.termination is not None
+        if self._pre_login:
+            self.client_reader.max_frame_size = min(settings.frame_cap, PRE_LOGIN_FRAME_CAP)
+            self.client_reader.limit_name = "the frame limit before SASL login (256 KiB)"
 
     # -- completion
 
@@ -320,7 +344,16 @@ class ClientConnection:
                     while len(session.open) >= limit:
                         await self._room.wait()
                         self._room = trio.Event()
+                if self.prepare is not None:
+                    await self.prepare(frame)
+                reauth_at = self._reauth_at
+                if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
+                    await self._renew_upstream_session()
                 await self._execute(session.client_frame(frame))
+                if self._pre_login and session.ctx.authenticated:
+                    self._pre_login = False
+                    reader.max_frame_size = self.settings.frame_cap
+                    reader.limit_name = self.settings.frame_cap_setting
                 if self.draining:
                     break
             self._account()
@@ -470,15 +503,88 @@ class ClientConnection:
                     self.stats.upstream_failed(host, port)
         else:
             raise last or OSError("no upstream")
+        originator = s.originator
+        if originator is not None:
+            where = f"{self.connected_to[0]}:{self.connected_to[1]}"
+            try:
+                lifetime = await originator.login(direct_roundtrip(self.upstream, s.request_timeout_s), where)
+            except BaseException:
+                self.upstream.close()
+                self.upstream = None
+                raise
+            self._schedule_reauth(lifetime)
         self._upstream_generation += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
+
+    def _schedule_reauth(self, lifetime_ms: int) -> None:
+        now = trio.current_time()
+        self._reauth_at = now + REAUTH_AT * lifetime_ms / 1000 if lifetime_ms > 0 else None
+        self._session_end = now + lifetime_ms / 1000 if lifetime_ms > 0 else None
+
+    async def _renew_upstream_session(self) -> None:
+        end = self._session_end
+        if end is not None and trio.current_time() >= end - 0.1 and not self.session.awaiting_upstream:
+            # Idle past the session's end: a broker closes an expired connection at its next request,
+            # re-authentication included (KIP-368), so open a fresh one, which logs in anew.
+            log.debug("connection %d: the broker session ended while idle; reconnecting",
+                      self.session.ctx.connection_id)
+            async with self._upstream_lock:
+                upstream, self.upstream = self.upstream, None
+                self._reauth_at = self._session_end = None
+                if upstream is not None:
+                    upstream.close()
+            return
+        await self._reauthenticate_upstream()
+
+    async def _reauthenticate_upstream(self) -> None:
+        """KIP-368 on the broker side: log in again on the live connection. Called from the client
+        pump between two client requests, holding the broker write lock, so no request goes out
+        during the exchange; answers to requests sent before it still reach the client (the broker
+        answers in order), and kproxy takes the answers to its own login from the upstream pump
+        (which never waits for this lock while a client request is being read: questions are
+        settled before the client pump reads on)."""
+        originator = self.settings.originator
+        assert originator is not None
+        send, receive = trio.open_memory_channel[bytes](4)
+        timeout = self.settings.request_timeout_s
+        where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
+        failed: str | None = None
+        async with self._upstream_lock:
+            upstream = self.upstream
+            if upstream is None:
+                return          # lost meanwhile: the next request reconnects and logs in anew
+
+            async def roundtrip(req: Any) -> Any:
+                self._login_ids.add(req.correlation_id)
+                with trio.fail_after(timeout):
+                    await upstream.send(encode_request_frame(req))
+                    frame = await receive.receive()
+                self._login_ids.discard(req.correlation_id)
+                return decode_response(frame, req.api_key, req.api_version)
+
+            self._login_answers = send
+            try:
+                lifetime = await originator.login(roundtrip, where)
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                failed = f"re-authentication failed: {e or 'timed out'}"
+            finally:
+                self._login_answers = None
+                self._login_ids.clear()
+        if failed is not None:
+            # With the lock free: the session may resume a request that must be sent at once.
+            self._reauth_at = None
+            await self._upstream_lost(failed)
+            return
+        log.info("connection %d: re-authenticated kproxy to %s (KIP-368)", self.session.ctx.connection_id, where)
+        self._schedule_reauth(lifetime)
 
     async def _upstream_lost(self, reason: str) -> None:
         """The broker connection ended: the session answers what waited on it."""
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
+        self._reauth_at = self._session_end = None
         where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
         BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
                             self.session.ctx.connection_id, where, reason)
@@ -504,6 +610,10 @@ class ClientConnection:
                     raise ConnectionError("broker closed the connection")
                 reader.received(n)
                 while (frame := reader.next_frame()) is not None:
+                    if self._login_answers is not None and _I32.unpack_from(frame, 0)[0] in self._login_ids:
+                        # An answer to kproxy's own re-authentication: never the client's business.
+                        self._login_answers.send_nowait(bytes(frame))
+                        continue
                     # Answers queue up across the frames of one read and go out in one write.
                     await self._execute(session.upstream_frame(frame), flush=False)
                     self._settled()

@@ -253,6 +253,23 @@ def discovery_families(attempts: int) -> list[Metric]:
                                 "shared by every connection that needs one).", value=attempts)]
 
 
+def identity_families(identity: Any) -> list[Metric]:
+    """SASL logins kproxy judged (termination) and made (origination)."""
+    out = [_counter("kproxy_sasl_logins", "Client SASL logins kproxy judged, by mechanism and outcome (ok, "
+                    "reauthenticated, failed, refused, rate_limited).", ["mechanism", "outcome"],
+                    dict(identity.logins))]
+    originator = identity.originator
+    if originator is not None:
+        out.append(_counter("kproxy_upstream_sasl_logins", "Logins kproxy made to brokers as itself, by outcome.",
+                            ["outcome"], {("ok",): originator.logins, ("failed",): originator.failures}))
+    jwks = identity.jwks
+    if jwks is not None:
+        out.append(_counter("kproxy_jwks_fetches", "JWKS fetches, by outcome.", ["outcome"],
+                            {("ok",): jwks.fetches_ok, ("failed",): jwks.fetches_failed}))
+        out.append(GaugeMetricFamily("kproxy_jwks_keys", "Signing keys held from the JWKS.", value=len(jwks.keys)))
+    return out
+
+
 def budget_families(budget: Any) -> list[Metric]:
     out = [
         GaugeMetricFamily("kproxy_buffered_bytes", "Bytes held in frame buffers, all connections.",

@@ -21,6 +21,7 @@ from helm_python.chart import Chart, lint
 from helm_python.errors import HelmError
 
 from kproxy.config import HostPort, ProxyConfig
+from kproxy.userfile import add_user
 from tests.deploy.pod import lay_out
 from tests.deploy.render import (
     CHART_DIR,
@@ -182,7 +183,11 @@ def _secrets(tmp_path: Path) -> dict[str, dict[str, bytes]]:
     cert = ca.issue_cert("*.kafka.example.com", "kp-kproxy.kafka.svc", "bootstrap.kafka.example.com")
     tls = {"tls.crt": cert.cert_chain_pems[0].bytes(), "tls.key": cert.private_key_pem.bytes(),
            "ca.crt": ca.cert_pem.bytes()}
-    return {"kproxy-tls": tls, "kafka-example-com-wildcard": tls, "kafka-cluster-ca-cert": {"ca.crt": ca.cert_pem.bytes()}}
+    users = tmp_path / "users.yaml"
+    add_user(str(users), "alice", "alice-password")
+    credentials = {"password": b"svc-password\n", "users.yaml": users.read_bytes()}
+    return {"kproxy-tls": tls, "kafka-example-com-wildcard": tls, "kafka-cluster-ca-cert": {"ca.crt": ca.cert_pem.bytes()},
+            "kafka-credentials": credentials}
 
 
 # Stand-ins for the ConfigMaps ci/existing-configmaps-values.yaml names.
@@ -314,6 +319,33 @@ def test_inconsistent_values_fail_with_the_reason(bad: Obj, message: str) -> Non
     with pytest.raises(HelmError, match=re.escape(message)):
         render_chart(bad)
 
+
+
+def test_sasl_secrets_come_from_an_existing_secret_as_files() -> None:
+    objects = chart_objects(render_chart(ci_values()["sasl-values.yaml"]))
+    spec = one(objects, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "kproxy-secret")
+    assert volume["secret"] == {"secretName": "kafka-credentials", "defaultMode": 0o400}
+    (container,) = spec["containers"]
+    assert {"name": "kproxy-secret", "mountPath": "/etc/kproxy/secret", "readOnly": True} in container["volumeMounts"]
+    config = _config_of(objects)
+    assert config["upstream"]["sasl"]["password_file"].startswith("/etc/kproxy/secret/")
+    assert "password" not in config["upstream"]["sasl"]
+    assert not by_kind(objects, "Secret")          # the chart makes no Secret of its own
+
+
+@pytest.mark.parametrize("sasl", [
+    {"mechanism": "PLAIN", "username": "svc", "password": "hunter2"},
+    {"mechanism": "OAUTHBEARER", "oauth": {"token_endpoint_url": "https://idp/t", "client_id": "k",
+                                           "client_secret": "s3cret"}},
+])
+def test_a_secret_written_in_values_is_refused(sasl: Obj) -> None:
+    with pytest.raises(HelmError, match=r"password|secret"):
+        render_chart({"config": {"upstream": {"bootstrap_servers": ["kafka:9092"], "sasl": sasl}}})
+    # A ${VAR} reference (filled from env: valueFrom a Secret) is fine.
+    sasl_ref = {**sasl, "password": "${KAFKA_PASSWORD}"} if "password" in sasl else {
+        **sasl, "oauth": {**sasl["oauth"], "client_secret": "${CLIENT_SECRET}"}}
+    render_chart({"config": {"upstream": {"bootstrap_servers": ["kafka:9092"], "sasl": sasl_ref}}})
 
 
 # -- monitoring: the alert rules and the Grafana dashboard, off by default

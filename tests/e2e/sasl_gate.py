@@ -3,9 +3,13 @@
 tansu 0.6 can enforce SCRAM (``--authentication``) but its users live in the storage engine, and the
 only engine built into the shipped binary without an outside service is ``memory://``: its first user
 cannot be created once authentication is on (``tansu user create`` gets an early EOF, NotAuthenticated).
-So the gate plays the broker's SASL part (KIP-43 / KIP-152 / KIP-368): it answers SaslHandshake v1 and
-SaslAuthenticate itself (PLAIN, and SCRAM-SHA-256/512 per RFC 5802 and RFC 7677), closes the
-connection on any other request before authentication, and relays frames to tansu afterwards. tansu
+So the gate plays the broker's SASL part (KIP-43 / KIP-152 / KIP-368), standing in for Apache Kafka's
+SASL listener: it answers SaslHandshake v1 and SaslAuthenticate itself (PLAIN; SCRAM-SHA-256/512 per
+RFC 5802 and RFC 7677, verified for real from stored keys, independently of kproxy's own SCRAM code;
+OAUTHBEARER per RFC 7628 and KIP-255, with the JWT checked against a JWKS by PyJWT for signature,
+issuer, audience and expiry), closes the connection on any other request before authentication, and
+relays frames to tansu afterwards. With ``require_sasl`` off it is an open listener that only counts
+what it relays (a broker without SASL, for kproxy's termination tests). tansu
 is started with its advertised listener pointing at the gate, so every address a client learns leads
 back through it. Threads and blocking sockets only; it never logs a token or a password.
 """
@@ -94,6 +98,38 @@ class PlainServer:
                 authzid and authzid != user):
             raise AuthFailed("Authentication failed: Invalid username or password")
         self.user, self.done = user, True
+        return b""
+
+
+class BearerServer:
+    """OAUTHBEARER (RFC 7628) as Kafka's OAuthBearerValidatorCallbackHandler checks it: a signed JWT
+    whose key is in the JWKS, with the expected issuer and audience, not expired; ``sub`` is the user."""
+
+    def __init__(self, jwks: Any, issuer: str, audience: str) -> None:
+        self.jwks = jwks            # a callable returning the JWKS document
+        self.issuer = issuer
+        self.audience = audience
+        self.user: str | None = None
+        self.done = False
+
+    def step(self, token: bytes) -> bytes:
+        import jwt
+
+        text = token.decode("ascii", "replace")
+        fields = dict(kv.partition("=")[::2] for kv in text.split("\x01")[1:] if kv)
+        auth = fields.get("auth", "")
+        if not auth.startswith("Bearer "):
+            raise AuthFailed('{"status":"invalid_request"}')
+        raw = auth[len("Bearer "):]
+        try:
+            kid = jwt.get_unverified_header(raw).get("kid")
+            keys = {k["kid"]: k for k in self.jwks()["keys"]}
+            key = jwt.PyJWK(keys[kid])
+            claims = jwt.decode(raw, key.key, algorithms=["RS256"], audience=self.audience, issuer=self.issuer,
+                                options={"require": ["exp", "sub"]})
+        except (jwt.PyJWTError, KeyError):
+            raise AuthFailed('{"status":"invalid_token"}') from None
+        self.user, self.done = claims["sub"], True
         return b""
 
 
@@ -197,10 +233,13 @@ class SaslGate:
 
     def __init__(self, upstream: tuple[str, int] | None, users: dict[str, str], *,
                  mechanisms: Iterable[str] = MECHANISMS, session_lifetime_ms: int = 0,
-                 port: int | None = None) -> None:
+                 port: int | None = None, bearer: tuple[Any, str, str] | None = None) -> None:
         self.upstream = upstream
         self.passwords = dict(users)
-        self.mechanisms = tuple(mechanisms)
+        self.bearer = bearer        # (jwks callable, issuer, audience) for OAUTHBEARER
+        self.mechanisms = tuple(mechanisms) + (("OAUTHBEARER",) if bearer is not None else ())
+        self.require_sasl = True
+        self.accepted = 0
         self.scram = {mech: {u: ScramCredential.create(h, p) for u, p in users.items()}
                       for mech, h in SCRAM_HASHES.items()}
         self.session_lifetime_ms = session_lifetime_ms
@@ -267,6 +306,7 @@ class SaslGate:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            self.accepted += 1
             threading.Thread(target=self._serve, args=(client, next(self._ids)), daemon=True).start()
 
     def _track(self, sock: socket.socket) -> None:
@@ -300,7 +340,7 @@ class GateConnection:
         self.user: str | None = None
         self.expires_at: float | None = None
         self.mechanism: str | None = None
-        self.server: PlainServer | ScramServer | None = None
+        self.server: PlainServer | ScramServer | BearerServer | None = None
 
     def run(self) -> None:
         pump = threading.Thread(target=self._upstream_pump, daemon=True)
@@ -335,14 +375,16 @@ class GateConnection:
     def _client_frame(self, frame: bytes) -> bool:
         """Handle one request; False ends the connection."""
         api_key, _version, correlation_id = _HHI.unpack_from(frame, 0)
+        if self.expires_at is not None and time.monotonic() > self.expires_at:
+            # KIP-368: once the session has ended, any request closes the connection, even one that
+            # would start re-authentication (Kafka's Processor checks expiry before reading it).
+            self.gate.expired.append(self.cid)
+            return False
         if api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE):
             return self._sasl(frame)
-        if self.user is None and api_key != API_VERSIONS:
+        if self.user is None and api_key != API_VERSIONS and self.gate.require_sasl:
             # A broker that requires SASL only takes ApiVersions and the SASL requests before it.
             self.gate.refused.append((self.cid, api_key))
-            return False
-        if self.expires_at is not None and time.monotonic() > self.expires_at:
-            self.gate.expired.append(self.cid)   # KIP-368: the session ran out without re-authentication
             return False
         expects_answer = not (api_key == PRODUCE and decode_request(frame).body.acks == 0)
         if expects_answer:
@@ -374,8 +416,13 @@ class GateConnection:
             ok = mechanism in self.gate.mechanisms
             if ok:
                 self.mechanism = mechanism
-                self.server = (PlainServer(self.gate.passwords) if mechanism == "PLAIN"
-                               else ScramServer(mechanism, self.gate.scram[mechanism]))
+                if mechanism == "PLAIN":
+                    self.server = PlainServer(self.gate.passwords)
+                elif mechanism == "OAUTHBEARER":
+                    assert self.gate.bearer is not None
+                    self.server = BearerServer(*self.gate.bearer)
+                else:
+                    self.server = ScramServer(mechanism, self.gate.scram[mechanism])
             self._answer(key, version, correlation_id, body_cls(
                 error_code=0 if ok else UNSUPPORTED_SASL_MECHANISM, mechanisms=list(self.gate.mechanisms)))
             return True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import textwrap
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -538,8 +540,8 @@ def _setting_paths(cls: type, prefix: str = "") -> set[str]:
             continue
         out.add(f"{prefix}{field.name}")
         inner = field.type
-        if inner == SniConfig | None:
-            inner = SniConfig
+        if typing.get_origin(inner) is types.UnionType:
+            (inner,) = (a for a in typing.get_args(inner) if a is not type(None))
         if attrs.has(inner) and inner is not HostPort:
             out |= _setting_paths(inner, f"{prefix}{field.name}.")
     return out

@@ -355,7 +355,8 @@ class WithSecrets:
 
 
 def test_public_config_leaves_secrets_out() -> None:
-    assert admin.public_config(WithSecrets()) == {"user": "svc", "password": "<redacted>", "sasl": "<redacted>",
+    assert admin.public_config(WithSecrets()) == {"user": "svc", "password": "<redacted>",
+                                                  "sasl": {"token": "<redacted>", "mechanism": "PLAIN"},
                                                   "key_file": "/etc/kproxy/tls.key"}
     cfg = config_from_args("kafka:9092", "127.0.0.1:9092", admin={"listen": "127.0.0.1:9644"})
     shown = admin.public_config(cfg)

@@ -92,6 +92,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.enabled needs tls.secretName: a Secret with tls.crt and tls.key" }}
 {{- end }}
+{{- $sasl := dig "upstream" "sasl" dict .Values.config | default dict }}
+{{- if or (and $sasl.password (not (contains "${" $sasl.password))) (and (dig "oauth" "client_secret" "" $sasl) (not (contains "${" (dig "oauth" "client_secret" "" $sasl)))) }}
+{{- fail "config.upstream.sasl: a password or client secret never goes in values; put it in a Secret, set auth.existingSecret and use password_file / client_secret_file under /etc/kproxy/secret" }}
+{{- end }}
 {{- if and (eq .Values.mode "sidecar") (include "kproxy.sni" .) }}
 {{- fail "a sidecar is reached on localhost: exposure.mode sni is for the gateway" }}
 {{- end }}
@@ -229,6 +233,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       mountPath: /etc/kproxy/tls
       readOnly: true
     {{- end }}
+    {{- if $v.auth.existingSecret }}
+    - name: kproxy-secret
+      mountPath: /etc/kproxy/secret
+      readOnly: true
+    {{- end }}
     - name: kproxy-tmp
       mountPath: /tmp
     {{- with (dig "traffic_log" "dir" "" $v.config) }}
@@ -253,6 +262,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: kproxy-tls
   secret:
     secretName: {{ .Values.tls.secretName }}
+{{- end }}
+{{- if .Values.auth.existingSecret }}
+- name: kproxy-secret
+  secret:
+    secretName: {{ .Values.auth.existingSecret }}
+    defaultMode: 0400
 {{- end }}
 - name: kproxy-tmp
   emptyDir:

@@ -1,0 +1,207 @@
+"""What the session does with SASL when kproxy handles identity itself, sans-I/O.
+
+With termination (``sasl`` in the config) kproxy answers ApiVersions, SaslHandshake and
+SaslAuthenticate, and nothing else from the client is forwarded until it has logged in. With
+origination only (``upstream.sasl``), a client's own SASL is refused: kproxy holds the cluster's
+credentials and never relays a login. Failures are answered after a fixed delay, then the
+connection closes, as a Kafka broker does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Final
+
+import attrs
+
+from kproxy.identity.termination import (
+    ILLEGAL_SASL_STATE,
+    SASL_AUTHENTICATION_FAILED,
+    UNSUPPORTED_SASL_MECHANISM,
+    FailedLogins,
+    Outcome,
+    SaslState,
+    SaslTermination,
+)
+from kproxy.logs import safe
+from kproxy.protocol.messages import Request, api_name, body_class, supported_versions
+from kproxy.proxy.filters import ConnectionContext
+from kproxy.proxy.replies import error_response
+
+log = logging.getLogger("kproxy.identity")
+
+SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 17, 18, 36
+UNSUPPORTED_VERSION: Final = 35
+# APIs that manage credentials of the brokers' own SASL, which a terminating kproxy does not hold:
+# the delegation-token APIs (38-41) and Describe/AlterUserScramCredentials (50, 51).
+HIDDEN_APIS: Final = frozenset({38, 39, 40, 41, 50, 51})
+ORIGINATING_REFUSAL: Final = ("kproxy holds the cluster's credentials and logs in to the brokers itself; "
+                              "connect without SASL")
+
+VersionRanges = list[tuple[int, int, int]]     # (api key, min version, max version)
+
+
+@attrs.frozen
+class FrontAnswer:
+    """The session's answer to a request the front handled: a response ``body``, or ``raw`` bytes
+    for an unframed v0 token; then close when ``close`` is set; ``hold_s`` before it is sent."""
+
+    body: Any = None
+    raw: bytes | None = None
+    close: str | None = None
+    hold_s: float = 0.0
+
+
+class SaslFront:
+    """One client connection's SASL, when kproxy terminates it or originates its own."""
+
+    def __init__(self, ctx: ConnectionContext, termination: SaslTermination | None, *,
+                 broker_versions: Callable[[], VersionRanges | None] = lambda: None,
+                 failed_logins: FailedLogins | None = None, failure_delay_s: float = 0.5,
+                 on_login: Callable[[str, str], None] | None = None) -> None:
+        self.ctx = ctx
+        self.termination = termination
+        self.broker_versions = broker_versions
+        self.failed_logins = failed_logins
+        self.failure_delay_s = failure_delay_s
+        self.on_login = on_login              # (mechanism, outcome) for metrics
+
+    @property
+    def raw_expected(self) -> bool:
+        """SaslHandshake v0 was accepted: the next frame is an unframed token, not a request."""
+        t = self.termination
+        return t is not None and t.raw and t.state is SaslState.REQUIRING_AUTHENTICATE
+
+    def request(self, req: Request, started: float) -> FrontAnswer | None:
+        """The answer to ``req``, or None when it goes on to the filters and the broker."""
+        key = req.api_key
+        t = self.termination
+        if t is None:
+            if key == SASL_HANDSHAKE:
+                log.info("connection %d: refused the client's SASL handshake (%s): %s", self.ctx.connection_id,
+                         safe(req.body.mechanism), ORIGINATING_REFUSAL)
+                return FrontAnswer(self._body(req, error_code=UNSUPPORTED_SASL_MECHANISM, mechanisms=[]),
+                                   close="client tried SASL, but kproxy originates the cluster's SASL itself")
+            if key == SASL_AUTHENTICATE:
+                return FrontAnswer(self._body(req, error_code=ILLEGAL_SASL_STATE, error_message=ORIGINATING_REFUSAL,
+                                              auth_bytes=b""),
+                                   close="client tried SASL, but kproxy originates the cluster's SASL itself")
+            return None
+        if t.authenticated and t.expired(self.ctx.clock()):
+            # As a broker does (KIP-368): once the session has ended, any request closes the
+            # connection, one that would start re-authentication too.
+            return FrontAnswer(close="SASL session expired without re-authentication (KIP-368)")
+        if key == API_VERSIONS:
+            return FrontAnswer(self._api_versions(req))
+        if key == SASL_HANDSHAKE:
+            return self._handshake(req, t, started)
+        if key == SASL_AUTHENTICATE:
+            o, close, hold = self._authenticate(bytes(req.body.auth_bytes), t, started)
+            extra = {"session_lifetime_ms": o.session_lifetime_ms} if req.api_version >= 1 else {}
+            return FrontAnswer(self._body(req, error_code=o.error_code, error_message=o.error_message,
+                                          auth_bytes=o.auth_bytes, **extra), close=close, hold_s=hold)
+        if not t.authenticated:
+            return FrontAnswer(close=f"{api_name(key)} before SASL authentication (only ApiVersions, "
+                                     "SaslHandshake and SaslAuthenticate are answered until then)")
+        if key in HIDDEN_APIS:
+            return FrontAnswer(self._error_body(req))
+        return None
+
+    def raw_token(self, frame: memoryview | bytes, started: float) -> FrontAnswer:
+        """An unframed token after SaslHandshake v0: answered unframed; a failure just closes (Kafka)."""
+        t = self.termination
+        assert t is not None
+        o, close, hold = self._authenticate(bytes(frame), t, started)
+        if close is not None:
+            return FrontAnswer(close=close, hold_s=hold)
+        return FrontAnswer(raw=o.auth_bytes)
+
+    # -- the exchange
+
+    def _handshake(self, req: Request, t: SaslTermination, started: float) -> FrontAnswer:
+        mechanism = req.body.mechanism
+        code = t.handshake(mechanism, req.api_version)
+        body = self._body(req, error_code=code, mechanisms=list(t.settings.mechanisms))
+        if code == 0:
+            self.ctx.sasl_mechanism = mechanism
+            return FrontAnswer(body)
+        self._count(str(mechanism), "refused")
+        reason = (f"SASL handshake for {safe(mechanism)} refused (error {code}; offered: "
+                  f"{', '.join(t.settings.mechanisms)})")
+        return FrontAnswer(body, close=reason, hold_s=self._hold(started))
+
+    def _authenticate(self, message: bytes, t: SaslTermination, started: float) -> tuple[Outcome, str | None, float]:
+        ctx = self.ctx
+        address = ctx.client_address[0] if ctx.client_address else "?"
+        limiter = self.failed_logins
+        mechanism = t.mechanism or "?"
+        if limiter is not None and not t.reauthenticating and limiter.blocked(address, started):
+            t.state = SaslState.FAILED
+            self._count(mechanism, "rate_limited")
+            o = Outcome(error_code=SASL_AUTHENTICATION_FAILED,
+                        error_message="Authentication failed: too many failed logins from this address; "
+                                      "try again later")
+            log.info("connection %d from %s: SASL login refused: too many failed logins from this address",
+                     ctx.connection_id, safe(address))
+            return o, "too many failed logins from this address", self._hold(started)
+        o = t.authenticate(message)
+        if o.failed:
+            if limiter is not None:
+                limiter.failed(address, started)
+            self._count(mechanism, "failed")
+            log.info("connection %d from %s: SASL login failed (%s): %s", ctx.connection_id, safe(address),
+                     safe(mechanism), safe(o.reason or o.error_message, 300))
+            return o, f"SASL authentication failed ({mechanism})", self._hold(started)
+        if o.done:
+            again = ctx.authenticated
+            ctx.authenticated = True
+            ctx.sasl_user = t.user
+            ctx.sasl_mechanism = mechanism
+            self._count(mechanism, "reauthenticated" if again else "ok")
+            lifetime = f"; session {o.session_lifetime_ms / 1000:g}s" if o.session_lifetime_ms else ""
+            log.info("connection %d %s as %s (%s, verified by kproxy%s)", ctx.connection_id,
+                     "re-authenticated" if again else "authenticated", safe(ctx.principal), safe(mechanism),
+                     lifetime)
+        return o, None, 0.0
+
+    def _hold(self, started: float) -> float:
+        # Measured from when the request arrived, so how long checking took never shows.
+        return max(0.0, self.failure_delay_s - (self.ctx.clock() - started))
+
+    def _count(self, mechanism: str, outcome: str) -> None:
+        if self.on_login is not None:
+            self.on_login(mechanism, outcome)
+
+    # -- answers
+
+    @staticmethod
+    def _body(req: Request, **fields: Any) -> Any:
+        return body_class(req.api_key, "response")(**fields)
+
+    def _api_versions(self, req: Request) -> Any:
+        """ApiVersions from what the brokers offer (learned at discovery), narrowed to what kproxy
+        decodes, without the APIs of credentials kproxy does not hold."""
+        ours = supported_versions()
+        ranges = self.broker_versions()
+        if ranges is None:
+            ranges = [(k, lo, hi) for k, (lo, hi) in ours.items()]
+        offered: dict[int, tuple[int, int]] = {}
+        for key, lo, hi in ranges:
+            mine = ours.get(key)
+            if mine is None or key in HIDDEN_APIS:
+                continue
+            lo, hi = max(lo, mine[0]), min(hi, mine[1])
+            if lo <= hi:
+                offered[key] = (lo, hi)
+        # kproxy answers the SASL requests itself, whatever the brokers offer.
+        for key in (SASL_HANDSHAKE, SASL_AUTHENTICATE, API_VERSIONS):
+            offered[key] = ours[key]
+        cls: Any = body_class(API_VERSIONS, "response")
+        return cls(error_code=0, api_keys=[cls.ApiVersion(api_key=k, min_version=lo, max_version=hi)
+                                           for k, (lo, hi) in sorted(offered.items())])
+
+    def _error_body(self, req: Request) -> Any:
+        resp = error_response(req, UNSUPPORTED_VERSION, "kproxy terminates SASL and does not manage the "
+                                                        "brokers' SASL credentials")
+        return resp.body if resp is not None else None

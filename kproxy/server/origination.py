@@ -1,0 +1,148 @@
+"""SASL origination: kproxy logs in to a broker as itself (PLAIN, SCRAM-SHA-256/512, OAUTHBEARER)
+before any client request goes on the connection, and again before the broker's session ends
+(KIP-368).
+
+The exchange is written once over a ``roundtrip`` (send a request, get its response): on a fresh
+connection it reads the socket directly; on a live one the connection's upstream pump hands kproxy
+the answers to its own correlation ids, while the client's answers keep flowing to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from scramp import ScramClient, ScramException
+
+from kproxy.config import UpstreamSasl
+from kproxy.identity.tokens import bearer_message
+from kproxy.logs import safe
+from kproxy.protocol.errors import KProxyError
+from kproxy.protocol.framing import FrameReader
+from kproxy.protocol.messages import Request, Response, body_class, decode_response, encode_request_frame
+from kproxy.server.oauth import ClientCredentials, OAuthError
+from kproxy.server.transport import Transport
+
+log = logging.getLogger("kproxy.origination")
+
+SASL_HANDSHAKE, SASL_AUTHENTICATE = 17, 36
+# kproxy's own login requests use correlation ids from here; a client's never reach them while
+# a login is under way on its connection (the session's ids start at 0 and re-authentication is
+# short), and the pump tells them apart by this set, not by range.
+LOGIN_CORRELATION_BASE = 0x7FFF0000
+LOGIN_FRAME_CAP = 1 << 20
+
+Roundtrip = Callable[[Request], Awaitable[Response]]
+
+
+class OriginationError(OSError):
+    """The broker refused kproxy's login, or the login could not be made; an OSError so callers
+    treat it as a connection that could not be had."""
+
+
+def _read_secret(value: str | None, file: str | None) -> str:
+    if value is not None:
+        return value
+    assert file is not None
+    # Read at each login, so a rotated Secret mounted as a file is picked up without a restart.
+    with open(file, encoding="utf-8") as f:
+        return f.readline().rstrip("\r\n")
+
+
+class Originator:
+    """kproxy's credentials for the cluster, and the login exchange that uses them."""
+
+    def __init__(self, cfg: UpstreamSasl, *, client_id: str = "kproxy",
+                 tokens: ClientCredentials | None = None) -> None:
+        self.cfg = cfg
+        self.client_id = client_id
+        self.mechanism = cfg.mechanism
+        oauth = cfg.oauth
+        if tokens is None and oauth is not None:
+            tokens = ClientCredentials(oauth.token_endpoint_url, oauth.client_id,
+                                       lambda: _read_secret(oauth.client_secret, oauth.client_secret_file),
+                                       oauth.scope)
+        self.tokens = tokens
+        self.logins = 0
+        self.failures = 0
+        self._ids = iter(range(LOGIN_CORRELATION_BASE, 1 << 31))
+
+    def next_correlation_id(self) -> int:
+        cid = next(self._ids, None)
+        if cid is None:
+            self._ids = iter(range(LOGIN_CORRELATION_BASE, 1 << 31))
+            cid = next(self._ids)
+        return cid
+
+    async def login(self, roundtrip: Roundtrip, where: str) -> int:
+        """Log in over ``roundtrip``; the broker's session_lifetime_ms (0: no limit).
+        OriginationError when refused."""
+        try:
+            lifetime = await self._exchange(roundtrip)
+        except (ScramException, OAuthError, KProxyError, OSError) as e:
+            self.failures += 1
+            if isinstance(e, OriginationError):
+                raise
+            raise OriginationError(f"SASL {self.mechanism} login to {where} failed: {type(e).__name__}: "
+                                   f"{safe(str(e), 200)}") from None
+        self.logins += 1
+        log.debug("logged in to %s as kproxy (%s, session %s)", where, self.mechanism,
+                  f"{lifetime} ms" if lifetime else "unlimited")
+        return lifetime
+
+    def _request(self, api_key: int, version: int, **fields: Any) -> Request:
+        return Request.build(api_key, version, self.next_correlation_id(), self.client_id,
+                             body_class(api_key, "request")(**fields))
+
+    async def _exchange(self, roundtrip: Roundtrip) -> int:
+        mech = self.mechanism
+        hs = await roundtrip(self._request(SASL_HANDSHAKE, 1, mechanism=mech))
+        if hs.body.error_code != 0:
+            raise OriginationError(f"the broker does not offer {mech} (it offers "
+                                   f"{', '.join(map(safe, hs.body.mechanisms)) or 'none'}; error {hs.body.error_code})")
+
+        async def step(auth_bytes: bytes) -> tuple[bytes, int]:
+            resp = await roundtrip(self._request(SASL_AUTHENTICATE, 1, auth_bytes=auth_bytes))
+            b = resp.body
+            if b.error_code != 0:
+                raise OriginationError(f"the broker refused kproxy's {mech} login (error {b.error_code}: "
+                                       f"{safe(b.error_message or '', 200)})")
+            return bytes(b.auth_bytes), int(b.session_lifetime_ms or 0)
+
+        cfg = self.cfg
+        if mech == "PLAIN":
+            password = _read_secret(cfg.password, cfg.password_file)
+            _, lifetime = await step(b"\x00" + (cfg.username or "").encode() + b"\x00" + password.encode())
+            return lifetime
+        if mech == "OAUTHBEARER":
+            assert self.tokens is not None and cfg.oauth is not None
+            token = await self.tokens.token()
+            _, lifetime = await step(bearer_message(token, cfg.oauth.extensions))
+            return lifetime
+        client = ScramClient([mech], cfg.username or "", _read_secret(cfg.password, cfg.password_file))
+        server_first, _ = await step(client.get_client_first().encode())
+        client.set_server_first(server_first.decode("utf-8", "replace"))
+        server_final, lifetime = await step(client.get_client_final().encode())
+        # The broker proves it knows the stored key too (mutual authentication, RFC 5802).
+        client.set_server_final(server_final.decode("utf-8", "replace"))
+        return lifetime
+
+
+def direct_roundtrip(transport: Transport, timeout: float, frame_cap: int = LOGIN_FRAME_CAP) -> Roundtrip:
+    """A roundtrip that reads the answer straight from ``transport`` (nothing else reads it yet):
+    kproxy's login on a new broker connection, and discovery."""
+    reader = FrameReader(frame_cap)
+
+    async def roundtrip(req: Request) -> Response:
+        with trio.fail_after(timeout):
+            await transport.send(encode_request_frame(req))
+            while (frame := reader.next_frame()) is None:
+                n = await transport.recv_into(reader.recv_buffer())
+                if n == 0:
+                    raise OriginationError("the broker closed the connection")
+                reader.received(n)
+        return decode_response(frame, req.api_key, req.api_version)
+
+    return roundtrip

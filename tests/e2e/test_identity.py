@@ -1,0 +1,516 @@
+"""kproxy handling identity itself, with real clients: SASL termination (SCRAM against its users file,
+OAUTHBEARER against a JWKS), origination (kproxy logs in to the brokers as a service account by
+SCRAM or by an OAuth client-credentials token), both at once, and KIP-368 re-authentication on both
+sides under a steady producer.
+
+The broker is tansu behind ``sasl_gate.SaslGate``: an open listener for the termination tests
+(a cluster without SASL, which counts what reaches it) and an enforcing one for origination (the
+stand-in for Apache Kafka's SASL listener; see that module). ``oidc.OidcProvider`` is the identity
+provider: a JWKS and a client-credentials token endpoint on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kproxy.config import parse_config
+from kproxy.server.embedded import ProxyThread
+from kproxy.userfile import add_user
+from tests.e2e.oidc import OidcProvider
+from tests.e2e.sasl_gate import (
+    SaslGate,
+    confluent_roundtrip,
+    expected_pairs,
+    free_ports,
+    kafka_python_roundtrip,
+)
+from tests.e2e.tansu import Tansu, unique_name
+from tests.e2e.test_sasl import PrincipalRecorder, kproxy_text
+
+pytestmark = pytest.mark.e2e
+
+ALICE, ALICE_PASSWORD = "alice", "alice-Pw-7c1e"
+SERVICE, SERVICE_PASSWORD = "svc-kproxy", "svc-Pw-d41f"
+ORDERS_SECRET, KPROXY_SECRET = "orders-secret-5e2a", "kproxy-secret-0b9d"
+WRONG = "not-the-password-3f"
+
+
+@pytest.fixture(scope="module")
+def oidc() -> Iterator[OidcProvider]:
+    with OidcProvider({"orders": ORDERS_SECRET, "kproxy": KPROXY_SECRET, "stranger": "s"}) as provider:
+        provider.audiences["stranger"] = "billing"      # its tokens are for another audience
+        yield provider
+
+
+@pytest.fixture(scope="module")
+def gate(tansu_binary: str, tmp_path_factory: pytest.TempPathFactory, oidc: OidcProvider) -> Iterator[SaslGate]:
+    g = SaslGate(None, {SERVICE: SERVICE_PASSWORD}, bearer=(oidc.jwks, oidc.issuer, "kafka"))
+    log = tmp_path_factory.mktemp("tansu-identity") / "broker.log"
+    with Tansu(tansu_binary, advertised=g.address, log_path=log) as tansu:
+        g.upstream = (tansu.host, tansu.port)
+        with g:
+            yield g
+    assert g.errors == []
+
+
+@pytest.fixture
+def users_file(tmp_path: Path) -> Path:
+    path = tmp_path / "users.yaml"
+    add_user(str(path), ALICE, ALICE_PASSWORD)
+    assert ALICE_PASSWORD not in path.read_text()
+    return path
+
+
+@pytest.fixture
+def recorder() -> PrincipalRecorder:
+    return PrincipalRecorder()
+
+
+@pytest.fixture
+def kproxy_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO)
+    return caplog
+
+
+def start_proxy(gate: SaslGate, recorder: PrincipalRecorder, *, upstream_sasl: str = "", sasl: str = "",
+                extra: str = "") -> ProxyThread:
+    port, broker_port = free_ports(2)
+    cfg = parse_config(f"""\
+listen: "127.0.0.1:{port}"
+upstream:
+  bootstrap_servers: ["{gate.bootstrap}"]
+{upstream_sasl}
+exposure:
+  advertised_host: 127.0.0.1
+  broker_port_start: {broker_port}
+  broker_port_count: 1
+{sasl}
+{extra}
+""")
+    return ProxyThread(cfg, [recorder]).start()
+
+
+def termination(users_file: Path, oidc: OidcProvider, max_session_s: float = 3600) -> str:
+    return f"""\
+sasl:
+  mechanisms: [SCRAM-SHA-512, SCRAM-SHA-256, PLAIN, OAUTHBEARER]
+  users_file: {users_file}
+  max_session_s: {max_session_s}
+  failed_login_delay_s: 0.2
+  oauth:
+    jwks_url: {oidc.jwks_url}
+    issuer: {oidc.issuer}
+    audience: kafka
+"""
+
+
+def origination_scram(password_file: Path, mechanism: str = "SCRAM-SHA-512") -> str:
+    return f"""\
+  sasl:
+    mechanism: {mechanism}
+    username: {SERVICE}
+    password_file: {password_file}
+"""
+
+
+def librdkafka(bootstrap: str, mechanism: str = "SCRAM-SHA-512", password: str = ALICE_PASSWORD,
+               **extra: Any) -> dict[str, Any]:
+    return {"bootstrap.servers": bootstrap, "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": mechanism,
+            "sasl.username": ALICE, "sasl.password": password, "log_level": 0, **extra}
+
+
+def librdkafka_oidc(bootstrap: str, oidc: OidcProvider, client_id: str = "orders", secret: str = ORDERS_SECRET,
+                    **extra: Any) -> dict[str, Any]:
+    return {"bootstrap.servers": bootstrap, "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "OAUTHBEARER",
+            "sasl.oauthbearer.method": "oidc", "sasl.oauthbearer.client.id": client_id,
+            "sasl.oauthbearer.client.secret": secret, "sasl.oauthbearer.token.endpoint.url": oidc.token_url,
+            "sasl.oauthbearer.scope": "kafka", "log_level": 0, **extra}
+
+
+def principals(recorder: PrincipalRecorder) -> set[str | None]:
+    return {p for _, _, p, _ in recorder.snapshot()}
+
+
+def aiokafka_roundtrip(bootstrap: str, topic: str, n: int = 10, **security: Any) -> list[tuple[bytes, bytes]]:
+    import aiokafka
+
+    async def main() -> list[tuple[bytes, bytes]]:
+        producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", **security)
+        await producer.start()
+        try:
+            for key, value in expected_pairs(n):
+                await producer.send_and_wait(topic, value=value, key=key, partition=0)
+        finally:
+            await producer.stop()
+        consumer = aiokafka.AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, **security)
+        await consumer.start()
+        try:
+            tp = aiokafka.TopicPartition(topic, 0)
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            seen: list[tuple[bytes, bytes]] = []
+            while len(seen) < n:
+                batch = await consumer.getmany(tp, timeout_ms=1000)
+                seen += [(m.key, m.value) for m in batch.get(tp, [])]
+            return seen
+        finally:
+            await consumer.stop()
+
+    async def bounded() -> list[tuple[bytes, bytes]]:
+        return await asyncio.wait_for(main(), 30)
+
+    return asyncio.run(bounded())
+
+
+def wait_for_auth_error(settings: dict[str, Any], seconds: float = 10) -> list[Any]:
+    """Start a librdkafka producer that must fail to authenticate; its errors once one says so."""
+    import confluent_kafka
+
+    errors: list[Any] = []
+    failed = threading.Event()
+
+    def on_error(err: Any) -> None:
+        errors.append(err)
+        if err.code() == confluent_kafka.KafkaError._AUTHENTICATION:
+            failed.set()
+
+    producer = confluent_kafka.Producer({**settings, "error_cb": on_error, "reconnect.backoff.ms": 1000})
+    deadline = time.monotonic() + seconds
+    while not failed.is_set() and time.monotonic() < deadline:
+        producer.poll(0.1)
+    del producer
+    assert failed.is_set(), errors
+    return errors
+
+
+# -- termination: clients log in to kproxy; the cluster has no SASL
+
+
+@pytest.mark.parametrize("client", ["confluent", "kafka-python", "aiokafka", "confluent-plain"])
+def test_clients_log_in_to_kproxy_by_scram(client: str, gate: SaslGate, users_file: Path, oidc: OidcProvider,
+                                           recorder: PrincipalRecorder, kproxy_log: pytest.LogCaptureFixture) -> None:
+    gate.require_sasl = False
+    before = len(gate.authentications)
+    topic = unique_name(f"term-{client}")
+    logs = users_file.parent / "traffic"
+    extra = f"traffic_log: {{dir: {logs}, compression: none}}" if client == "confluent" else ""
+    with start_proxy(gate, recorder, sasl=termination(users_file, oidc), extra=extra) as proxy:
+        if client == "confluent":
+            got = confluent_roundtrip(librdkafka(proxy.bootstrap), topic)
+        elif client == "confluent-plain":
+            got = confluent_roundtrip(librdkafka(proxy.bootstrap, "PLAIN"), topic)
+        elif client == "kafka-python":
+            got = kafka_python_roundtrip({"bootstrap_servers": proxy.bootstrap, "security_protocol": "SASL_PLAINTEXT",
+                                         "sasl_mechanism": "SCRAM-SHA-256", "sasl_plain_username": ALICE,
+                                         "sasl_plain_password": ALICE_PASSWORD, "request_timeout_ms": 20000}, topic)
+        else:
+            got = aiokafka_roundtrip(proxy.bootstrap, topic, security_protocol="SASL_PLAINTEXT",
+                                     sasl_mechanism="SCRAM-SHA-512", sasl_plain_username=ALICE,
+                                     sasl_plain_password=ALICE_PASSWORD)
+    assert got == expected_pairs()
+    # Every request the filters saw (none before the login) was alice's; the broker saw no SASL at all.
+    assert principals(recorder) == {f"User:{ALICE}"}
+    assert gate.authentications[before:] == [] and gate.tokens == []
+    text = kproxy_text(kproxy_log)
+    assert "authenticated as User:alice" in text and "verified by kproxy" in text
+    assert ALICE_PASSWORD not in text
+    if extra:
+        # The traffic log names the verified principal on every request that reached the broker.
+        lines = [json.loads(line) for f in logs.rglob("*.jsonl*") for line in f.read_text().splitlines()]
+        produced = [r for r in lines if r.get("api") == "produce"]
+        assert produced and all(r["principal"] == f"User:{ALICE}" for r in produced)
+
+
+def test_wrong_password_is_refused_and_reaches_no_broker(gate: SaslGate, users_file: Path, oidc: OidcProvider,
+                                                         recorder: PrincipalRecorder,
+                                                         kproxy_log: pytest.LogCaptureFixture) -> None:
+    gate.require_sasl = False
+    with start_proxy(gate, recorder, sasl=termination(users_file, oidc)) as proxy:
+        accepted, forwarded = gate.accepted, len(gate.forwarded)
+        errors = wait_for_auth_error(librdkafka(proxy.bootstrap, password=WRONG))
+        # kafka-python too, with PLAIN (checked against the same SCRAM keys).
+        import kafka
+        import kafka.errors
+
+        with pytest.raises(kafka.errors.KafkaTimeoutError):
+            kafka.KafkaConsumer(bootstrap_servers=proxy.bootstrap, security_protocol="SASL_PLAINTEXT",
+                                sasl_mechanism="PLAIN", sasl_plain_username=ALICE, sasl_plain_password=WRONG,
+                                bootstrap_timeout_ms=2000)
+        assert gate.accepted == accepted and len(gate.forwarded) == forwarded   # the broker saw nothing
+    assert any("Authentication failed" in e.str() for e in errors)
+    assert recorder.snapshot() == []
+    text = kproxy_text(kproxy_log)
+    assert "SASL login failed (SCRAM-SHA-512)" in text and "SASL login failed (PLAIN)" in text
+    assert WRONG not in text and "authenticated as" not in text
+
+
+def test_clients_log_in_to_kproxy_by_oauth(gate: SaslGate, users_file: Path, oidc: OidcProvider,
+                                           recorder: PrincipalRecorder,
+                                           kproxy_log: pytest.LogCaptureFixture) -> None:
+    """confluent-kafka fetches its own token (OIDC client credentials); kafka-python and aiokafka hand
+    one in. The provider rotates its signing key after the first: kproxy fetches the JWKS again for
+    the new kid."""
+    from kafka.net.sasl.oauth import AbstractTokenProvider
+
+    gate.require_sasl = False
+    with start_proxy(gate, recorder, sasl=termination(users_file, oidc)) as proxy:
+        got = confluent_roundtrip(librdkafka_oidc(proxy.bootstrap, oidc), unique_name("oauth-c"))
+        assert got == expected_pairs()
+        fetched = oidc.jwks_requests
+        oidc.signing_kid = oidc.add_key("k-rotated")
+
+        class Tokens(AbstractTokenProvider):
+            def token(self) -> str:
+                return oidc.token("inventory")
+
+        got = kafka_python_roundtrip({"bootstrap_servers": proxy.bootstrap, "security_protocol": "SASL_PLAINTEXT",
+                                      "sasl_mechanism": "OAUTHBEARER", "sasl_oauth_token_provider": Tokens(),
+                                      "request_timeout_ms": 20000}, unique_name("oauth-kp"))
+        assert got == expected_pairs()
+        assert oidc.jwks_requests > fetched
+
+        import aiokafka.abc
+
+        class AsyncTokens(aiokafka.abc.AbstractTokenProvider):
+            async def token(self) -> str:
+                return oidc.token("shipping")
+
+        got = aiokafka_roundtrip(proxy.bootstrap, unique_name("oauth-ak"), security_protocol="SASL_PLAINTEXT",
+                                 sasl_mechanism="OAUTHBEARER", sasl_oauth_token_provider=AsyncTokens())
+        assert got == expected_pairs()
+    assert principals(recorder) == {"User:orders", "User:inventory", "User:shipping"}
+    assert "unknown kid k-rotated" in kproxy_text(kproxy_log)
+
+
+def test_bad_tokens_are_refused_and_reach_no_broker(gate: SaslGate, users_file: Path, oidc: OidcProvider,
+                                                    recorder: PrincipalRecorder,
+                                                    kproxy_log: pytest.LogCaptureFixture) -> None:
+    gate.require_sasl = False
+    with start_proxy(gate, recorder, sasl=termination(users_file, oidc)) as proxy:
+        accepted, forwarded = gate.accepted, len(gate.forwarded)
+        errors = wait_for_auth_error(librdkafka_oidc(proxy.bootstrap, oidc, "stranger", "s"))
+        assert gate.accepted == accepted and len(gate.forwarded) == forwarded
+    assert any("invalid_token" in e.str() for e in errors), [e.str() for e in errors]
+    assert recorder.snapshot() == []
+    assert "token refused: wrong audience" in kproxy_text(kproxy_log)
+
+
+# -- origination: kproxy logs in to an enforcing broker as its service account
+
+
+def test_kproxy_originates_scram_for_clients_without_credentials(
+        gate: SaslGate, tmp_path: Path, recorder: PrincipalRecorder, kproxy_log: pytest.LogCaptureFixture) -> None:
+    gate.require_sasl = True
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD + "\n")
+    before = len(gate.authentications)
+    with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret)) as proxy:
+        got = confluent_roundtrip({"bootstrap.servers": proxy.bootstrap, "log_level": 0}, unique_name("orig"))
+        assert got == expected_pairs()
+        # A client that brings its own SASL is told kproxy holds the credentials; nothing is relayed.
+        wait_for_auth_error(librdkafka(proxy.bootstrap))
+    done = gate.authentications[before:]
+    assert done and all(a.ok and a.user == SERVICE and a.mechanism == "SCRAM-SHA-512" for a in done)
+    assert ALICE_PASSWORD.encode() not in b"".join(gate.tokens)
+    assert gate.refused == [] or all(c for c, _ in gate.refused)
+    text = kproxy_text(kproxy_log)
+    assert "kproxy holds the cluster's credentials" in text
+    assert SERVICE_PASSWORD not in text
+
+
+def test_kproxy_originates_oauthbearer_with_a_client_credentials_token(
+        gate: SaslGate, oidc: OidcProvider, tmp_path: Path, recorder: PrincipalRecorder,
+        kproxy_log: pytest.LogCaptureFixture) -> None:
+    gate.require_sasl = True
+    secret = tmp_path / "client-secret"
+    secret.write_text(KPROXY_SECRET)
+    before, asked = len(gate.authentications), len(oidc.token_requests)
+    upstream_sasl = f"""\
+  sasl:
+    mechanism: OAUTHBEARER
+    oauth:
+      token_endpoint_url: {oidc.token_url}
+      client_id: kproxy
+      client_secret_file: {secret}
+      scope: kafka
+"""
+    with start_proxy(gate, recorder, upstream_sasl=upstream_sasl) as proxy:
+        got = kafka_python_roundtrip({"bootstrap_servers": proxy.bootstrap, "request_timeout_ms": 20000},
+                                     unique_name("orig-oauth"))
+    assert got == expected_pairs()
+    done = gate.authentications[before:]
+    assert done and all(a.ok and a.user == "kproxy" and a.mechanism == "OAUTHBEARER" for a in done)
+    # One token, reused by every broker connection until it nears its expiry.
+    assert oidc.token_requests[asked:] == [("kproxy", "kafka")]
+    assert KPROXY_SECRET not in kproxy_text(kproxy_log)
+
+
+# -- both at once, with KIP-368 on both sides
+
+
+def test_reauthentication_on_both_sides_loses_no_record(gate: SaslGate, users_file: Path, oidc: OidcProvider,
+                                                         tmp_path: Path, recorder: PrincipalRecorder,
+                                                         kproxy_log: pytest.LogCaptureFixture) -> None:
+    """Clients log in to kproxy by SCRAM with 2 s sessions; kproxy logs in to the broker as its
+    service account, which grants 2 s sessions too. A producer keeps sending for 7 s: both sides
+    re-authenticate on their live connections, and every record arrives once, in order."""
+    import confluent_kafka
+
+    gate.require_sasl = True
+    gate.session_lifetime_ms = 2000
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD)
+    before = len(gate.authentications)
+    topic = unique_name("reauth-both")
+    try:
+        with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret, "SCRAM-SHA-256"),
+                         sasl=termination(users_file, oidc, max_session_s=2)) as proxy:
+            settings = librdkafka(proxy.bootstrap)
+            producer = confluent_kafka.Producer({**settings, "acks": "all", "linger.ms": 5})
+            delivered: list[Any] = []
+            sent = 0
+            deadline = time.monotonic() + 7
+            while time.monotonic() < deadline:
+                producer.produce(topic, value=b"%06d" % sent, partition=0,
+                                 on_delivery=lambda err, msg: delivered.append(err))
+                sent += 1
+                producer.poll(0.02)
+            assert producer.flush(20) == 0
+            consumer = confluent_kafka.Consumer({**settings, "group.id": "unused", "enable.auto.commit": False})
+            try:
+                consumer.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
+                values: list[bytes] = []
+                end = time.monotonic() + 20
+                while len(values) < sent and time.monotonic() < end:
+                    m = consumer.poll(0.2)
+                    if m is not None and not m.error():
+                        values.append(m.value() or b"")
+            finally:
+                consumer.close()
+    finally:
+        gate.session_lifetime_ms = 0
+    assert len(delivered) == sent and all(err is None for err in delivered)
+    assert values == [b"%06d" % i for i in range(sent)]
+    upstream = gate.authentications[before:]
+    assert all(a.ok and a.user == SERVICE for a in upstream)
+    assert any(a.reauthentication for a in upstream), upstream   # kproxy re-authenticated to the broker
+    assert gate.expired == []                                      # and never let a session lapse
+    text = kproxy_text(kproxy_log)
+    assert "re-authenticated as User:alice" in text                # the client re-authenticated to kproxy
+    assert "re-authenticated kproxy to" in text
+    assert principals(recorder) == {f"User:{ALICE}"}
+
+
+def test_before_login_a_request_or_a_big_frame_closes_the_connection(gate: SaslGate, users_file: Path,
+                                                                     oidc: OidcProvider,
+                                                                     recorder: PrincipalRecorder) -> None:
+    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+
+    gate.require_sasl = False
+    with start_proxy(gate, recorder, sasl=termination(users_file, oidc)) as proxy:
+        accepted, forwarded = gate.accepted, len(gate.forwarded)
+        host, port = proxy.bootstrap.rsplit(":", 1)
+        metadata = Request.build(3, 12, 1, "probe", body_class(3, "request")(topics=None))
+        for payload in (b"".join(bytes(b) for b in encode_request_frame(metadata)),
+                        struct.pack(">i", 1 << 20) + b"\x00" * 65536):    # 1 MiB claimed before login
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                try:
+                    sock.sendall(payload)
+                    got = sock.recv(4096)
+                except ConnectionResetError:     # closed with unread bytes pending: a reset
+                    got = b""
+                assert got == b""                    # closed, not answered
+        assert gate.accepted == accepted and len(gate.forwarded) == forwarded
+    assert recorder.snapshot() == []
+
+
+def test_an_idle_broker_session_that_ran_out_is_replaced_not_used(gate: SaslGate, tmp_path: Path,
+                                                                   recorder: PrincipalRecorder,
+                                                                   kproxy_log: pytest.LogCaptureFixture) -> None:
+    """A connection idle past the broker's session lifetime would be closed at its next request
+    (KIP-368); kproxy opens a fresh, freshly logged-in one instead and the client notices nothing."""
+    import confluent_kafka
+
+    gate.require_sasl = True
+    gate.session_lifetime_ms = 600
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD)
+    topic = unique_name("idle-expiry")
+    try:
+        with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret)) as proxy:
+            producer = confluent_kafka.Producer({"bootstrap.servers": proxy.bootstrap, "log_level": 0,
+                                                 "connections.max.idle.ms": 0})
+            delivered: list[Any] = []
+            producer.produce(topic, value=b"before", on_delivery=lambda err, msg: delivered.append(err))
+            assert producer.flush(20) == 0
+            logins = len([a for a in gate.authentications if a.ok])
+            # The scenario is time passing: the broker session (0.6 s) runs out while nothing is sent.
+            time.sleep(1.0)
+            producer.produce(topic, value=b"after", on_delivery=lambda err, msg: delivered.append(err))
+            assert producer.flush(20) == 0
+            del producer
+    finally:
+        gate.session_lifetime_ms = 0
+    assert delivered == [None, None]
+    assert gate.expired == []                           # no request ever went on an expired session
+    assert len([a for a in gate.authentications if a.ok]) > logins
+    assert "lost the connection" not in kproxy_text(kproxy_log)
+
+
+@pytest.fixture(scope="module")
+def sasl_ssl(tansu_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, SaslGate, Path]]:
+    """A SASL_SSL listener: TLS (a relay with a trustme certificate) in front of the SASL gate in
+    front of tansu, which advertises the TLS address."""
+    import ssl
+
+    import trustme
+
+    from tests.e2e.test_tls import TlsRelay
+
+    d = tmp_path_factory.mktemp("sasl-ssl")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(ctx)
+    g = SaslGate(None, {SERVICE: SERVICE_PASSWORD})
+    with TlsRelay(ctx) as relay, Tansu(tansu_binary, advertised=relay.address, log_path=d / "broker.log") as tansu:
+        g.upstream = (tansu.host, tansu.port)
+        relay.target = g.address
+        with g:
+            yield relay, g, d / "ca.pem"
+    assert g.errors == []
+
+
+def test_kproxy_originates_sasl_ssl(sasl_ssl: tuple[Any, SaslGate, Path], tmp_path: Path,
+                                    recorder: PrincipalRecorder) -> None:
+    relay, tls_gate, ca = sasl_ssl
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD)
+    port, broker_port = free_ports(2)
+    cfg = parse_config(f"""\
+listen: "127.0.0.1:{port}"
+upstream:
+  bootstrap_servers: ["{relay.address[0]}:{relay.address[1]}"]
+  tls: {{enabled: true, ca_file: {ca}}}
+{origination_scram(secret)}
+exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker_port_count: 1}}
+""")
+    tls_connections = len(relay.peer_subjects)
+    with ProxyThread(cfg, [recorder]) as proxy:
+        got = confluent_roundtrip({"bootstrap.servers": proxy.bootstrap, "log_level": 0}, unique_name("sasl-ssl"))
+    assert got == expected_pairs()
+    assert len(relay.peer_subjects) > tls_connections and relay.handshake_errors == []
+    done = tls_gate.authentications
+    assert done and all(a.ok and a.user == SERVICE for a in done)
+    assert tls_gate.tokens and not any(SERVICE_PASSWORD.encode() in t for t in tls_gate.tokens)  # SCRAM never sends it

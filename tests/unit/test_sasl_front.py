@@ -1,0 +1,214 @@
+"""The session with kproxy's SASL front, sans-I/O: before a client logs in only ApiVersions and SASL are
+answered and nothing goes upstream; failures are held to a fixed delay then close; raw v0 tokens;
+credential APIs hidden; KIP-368 expiry; origination refuses a client's own SASL."""
+
+from __future__ import annotations
+
+import pytest
+from scramp import ScramClient
+
+from kproxy.identity.termination import FailedLogins, SaslTermination, TerminationSettings
+from kproxy.identity.users import UserBook, new_credential
+from kproxy.protocol.messages import body_class
+from kproxy.proxy.filters import ConnectionContext, FilterChain
+from kproxy.proxy.sasl import HIDDEN_APIS, SaslFront
+from kproxy.proxy.session import Close, Hold, Session, ToClient, ToUpstream
+from tests.unit.test_session import (
+    API_VERSIONS,
+    METADATA,
+    PRODUCE,
+    SASL_AUTHENTICATE,
+    SASL_HANDSHAKE,
+    Clock,
+    answered,
+    kinds,
+    metadata_request,
+    produce_request,
+    request_frame,
+)
+
+USERS = UserBook({"alice": {m: new_credential(m, "pw") for m in ("SCRAM-SHA-256", "SCRAM-SHA-512")}})
+BROKER = [(0, 0, 11), (3, 0, 12), (18, 0, 4), (38, 0, 3), (50, 0, 0), (51, 0, 0)]
+
+
+def session(*, terminate: bool = True, clock: Clock | None = None, max_session_s: float = 3600,
+            limiter: FailedLogins | None = None, broker=BROKER) -> Session:
+    clock = clock or Clock()
+    ctx = ConnectionContext(1, client_address=("10.1.2.3", 5555), clock=clock)
+    termination = None
+    if terminate:
+        settings = TerminationSettings(("SCRAM-SHA-256", "PLAIN"), USERS, max_session_s=max_session_s,
+                                       failure_delay_s=0.5)
+        termination = SaslTermination(settings, clock=clock, wall_clock=lambda: 1.7e9)
+    front = SaslFront(ctx, termination, broker_versions=lambda: broker, failed_logins=limiter, failure_delay_s=0.5)
+    return Session(ctx, FilterChain([]), front=front)
+
+
+def handshake(s: Session, mechanism: str = "PLAIN", version: int = 1, cid: int = 1):
+    body = body_class(SASL_HANDSHAKE, "request")(mechanism=mechanism)
+    return s.client_frame(request_frame(SASL_HANDSHAKE, version, cid, body))
+
+
+def authenticate(s: Session, token: bytes, version: int = 2, cid: int = 2):
+    body = body_class(SASL_AUTHENTICATE, "request")(auth_bytes=token)
+    return s.client_frame(request_frame(SASL_AUTHENTICATE, version, cid, body))
+
+
+def metadata(s: Session, cid: int = 9):
+    return s.client_frame(request_frame(METADATA, 12, cid, metadata_request()))
+
+
+def test_api_versions_is_answered_locally_without_credential_apis() -> None:
+    s = session()
+    (reply,) = s.client_frame(request_frame(API_VERSIONS, 3, 1, body_class(API_VERSIONS, "request")(
+        client_software_name="app", client_software_version="1")))
+    keys = {e.api_key: (e.min_version, e.max_version) for e in answered(reply, API_VERSIONS, 3).body.api_keys}
+    assert keys[3] == (0, 12) and keys[SASL_HANDSHAKE] and keys[SASL_AUTHENTICATE]
+    assert not set(keys) & HIDDEN_APIS
+    assert s.ctx.client_software_name == "app"
+
+
+def test_nothing_goes_upstream_before_login() -> None:
+    s = session()
+    actions = metadata(s)
+    assert kinds(actions) == [Close] and "before SASL authentication" in actions[0].reason
+
+
+def test_plain_login_then_requests_flow_as_the_user() -> None:
+    s = session()
+    assert s.sasl_in_progress          # the unauthenticated timeout runs from the start
+    hs = answered(handshake(s)[0], SASL_HANDSHAKE, 1).body
+    assert hs.error_code == 0 and hs.mechanisms == ["SCRAM-SHA-256", "PLAIN"]
+    auth = answered(authenticate(s, b"\x00alice\x00pw")[0], SASL_AUTHENTICATE, 2).body
+    assert auth.error_code == 0 and auth.session_lifetime_ms == 3_600_000
+    assert s.ctx.principal == "User:alice" and not s.sasl_in_progress
+    assert kinds(metadata(s)) == [ToUpstream]
+
+
+def test_scram_login_over_the_session() -> None:
+    s = session()
+    handshake(s, "SCRAM-SHA-256")
+    client = ScramClient(["SCRAM-SHA-256"], "alice", "pw")
+    first = answered(authenticate(s, client.get_client_first().encode())[0], SASL_AUTHENTICATE, 2).body
+    client.set_server_first(bytes(first.auth_bytes).decode())
+    final = answered(authenticate(s, client.get_client_final().encode(), cid=3)[0], SASL_AUTHENTICATE, 2).body
+    client.set_server_final(bytes(final.auth_bytes).decode())
+    assert final.error_code == 0 and s.ctx.principal == "User:alice"
+
+
+def test_a_failed_login_is_held_to_the_fixed_delay_then_closes() -> None:
+    s = session()
+    handshake(s)
+    actions = authenticate(s, b"\x00alice\x00wrong")
+    assert kinds(actions) == [Hold, ToClient, Close]
+    assert actions[0].seconds == pytest.approx(0.5, abs=0.05)
+    body = answered(actions[1], SASL_AUTHENTICATE, 2).body
+    assert body.error_code == 58 and body.error_message == "Authentication failed: invalid credentials"
+    assert s.ctx.principal is None and not s.ctx.authenticated
+
+
+def test_an_unoffered_mechanism_is_refused_and_closes() -> None:
+    s = session()
+    actions = handshake(s, "OAUTHBEARER")
+    assert kinds(actions) == [Hold, ToClient, Close]
+    assert answered(actions[1], SASL_HANDSHAKE, 1).body.error_code == 33
+
+
+def test_failed_logins_are_rate_limited_per_address() -> None:
+    limiter = FailedLogins(per_minute=2)
+    for _ in range(2):
+        s = session(limiter=limiter)
+        handshake(s)
+        authenticate(s, b"\x00alice\x00wrong")
+    s = session(limiter=limiter)
+    handshake(s)
+    actions = authenticate(s, b"\x00alice\x00pw")          # the right password, but too many failures
+    assert kinds(actions) == [Hold, ToClient, Close]
+    assert "too many failed logins" in answered(actions[1], SASL_AUTHENTICATE, 2).body.error_message
+    assert not s.ctx.authenticated
+
+
+def test_v0_handshake_then_raw_tokens() -> None:
+    s = session()
+    assert answered(handshake(s, "PLAIN", version=0)[0], SASL_HANDSHAKE, 0).body.error_code == 0
+    (reply,) = s.client_frame(memoryview(b"\x00alice\x00pw"))
+    assert isinstance(reply, ToClient) and b"".join(bytes(b) for b in reply.buffers) == b"\x00\x00\x00\x00"
+    assert s.ctx.principal == "User:alice"
+    assert kinds(metadata(s)) == [ToUpstream]
+
+
+def test_v0_raw_token_failure_closes_without_an_answer() -> None:
+    s = session()
+    handshake(s, "PLAIN", version=0)
+    actions = s.client_frame(memoryview(b"\x00alice\x00nope"))
+    assert kinds(actions) == [Hold, Close]
+
+
+def test_credential_apis_are_refused_after_login() -> None:
+    s = session()
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    body = body_class(50, "request")(users=[])
+    (reply,) = s.client_frame(request_frame(50, 0, 5, body))
+    assert answered(reply, 50, 0).body.error_code == 35
+
+
+def test_session_expiry_closes_at_the_next_request_and_reauthentication_extends_it() -> None:
+    clock = Clock(100.0)
+    s = session(clock=clock, max_session_s=10)
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    clock.now = 109.0
+    handshake(s, cid=5)
+    assert answered(authenticate(s, b"\x00alice\x00pw", cid=6)[0], SASL_AUTHENTICATE, 2).body.error_code == 0
+    clock.now = 118.9
+    assert not s.front.termination.expired(clock())          # renewed at 109 until 119
+    clock.now = 119.5
+    actions = metadata(s, cid=10)
+    assert kinds(actions) == [Close] and "KIP-368" in actions[0].reason
+
+
+def test_broker_loss_after_a_kproxy_login_does_not_close_the_client() -> None:
+    s = session()
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    s.client_frame(request_frame(PRODUCE, 9, 7, produce_request()))
+    actions = s.upstream_lost("reset")
+    assert Close not in kinds(actions)                       # answered with a retriable error instead
+    assert answered(actions[0], PRODUCE, 9).body.responses[0].partition_responses[0].error_code != 0
+
+
+def test_origination_refuses_a_clients_own_sasl() -> None:
+    s = session(terminate=False)
+    actions = handshake(s, "SCRAM-SHA-512")
+    assert kinds(actions) == [ToClient, Close]
+    body = answered(actions[0], SASL_HANDSHAKE, 1).body
+    assert body.error_code == 33 and body.mechanisms == []
+    s = session(terminate=False)
+    actions = authenticate(s, b"x")
+    assert "kproxy holds the cluster's credentials" in answered(actions[0], SASL_AUTHENTICATE, 2).body.error_message
+    s = session(terminate=False)
+    assert kinds(metadata(s)) == [ToUpstream]                # no SASL: requests flow (kproxy logs in upstream)
+
+
+def test_reauthentication_after_the_session_ended_is_too_late() -> None:
+    clock = Clock(100.0)
+    s = session(clock=clock, max_session_s=10)
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    clock.now = 110.5
+    actions = handshake(s, cid=5)
+    assert kinds(actions) == [Close] and "KIP-368" in actions[0].reason
+
+
+def test_passthrough_of_undecodable_versions_waits_for_the_login() -> None:
+    """passthrough_unknown_versions forwards frames kproxy cannot decode, but never before login."""
+    s = session()
+    s.passthrough = True
+    frame = bytearray(request_frame(METADATA, 12, 3, metadata_request()))
+    frame[2:4] = (99).to_bytes(2, "big")             # a Metadata version from the future
+    actions = s.client_frame(memoryview(bytes(frame)))
+    assert kinds(actions) == [Close] and "before SASL authentication" in actions[0].reason
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    assert kinds(s.client_frame(memoryview(bytes(frame)))) == [ToUpstream]
