@@ -36,7 +36,8 @@ def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
 
     Returns ``dry_run_decisions`` (per rule and action: how many requests it decided),
     ``dry_run_denied`` (who would have been refused, by which rule, with which error, how often, and
-    when first and last) and, when the file has quotas, ``dry_run_throttled`` (per quota and budget
+    when first and last), when the file has validate rules ``dry_run_record_rules`` (what each would
+    have judged, and refused where the log can tell), and, when the file has quotas, ``dry_run_throttled`` (per quota and budget
     key: requests counted, how many would have been throttled, and by how much).
     """
     from kproxy.policy.loader import RuleError, load_rules
@@ -47,6 +48,8 @@ def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
         raise ReportError(f"--rules: {e}") from None
     check_executors(requests.sparkSession)
     tables = _policy(requests, rules)
+    if any(r.action == "validate" for r in rules.rules):
+        tables["dry_run_record_rules"] = _record_rules(requests, rules)
     if rules.quotas:
         tables["dry_run_throttled"] = _quotas(requests, rules)
     return tables
@@ -193,6 +196,85 @@ def _scalar(value: Any, array: bool = False) -> Any:
         return None if pd.isna(value) else value
     except (TypeError, ValueError):
         return value
+
+
+# Per validate rule and produced partition it reaches: ``refused`` 1 when the log proves a record
+# breaks the rule, ``cannot_judge`` the checks the log has nothing for (null when none).
+_RECORDS = ("ts timestamp, rule string, client_id string, topic string, records bigint, refused int, "
+            "cannot_judge string")
+# The traffic log holds batch sizes and record counts, never keys, values or headers.
+NOT_LOGGED = "keys, values and headers are not in the traffic log"
+
+
+def _record_rules(requests: DataFrame, rules: Any) -> DataFrame:
+    """Per validate rule, client and topic: the partitions and records it would have judged, how many
+    partitions it would certainly have refused, and which of its checks cannot be dry-run."""
+    judged = requests.where(F.col("api") == "produce").select(*_INPUT).mapInPandas(
+        _judge_records(rules), schema=_RECORDS)
+    return (judged.groupBy("rule", "client_id", "topic")
+            .agg(F.count(F.lit(1)).alias("partitions"), F.sum("records").alias("records"),
+                 F.sum("refused").alias("refused_partitions"),
+                 F.first("cannot_judge", ignorenulls=True).alias("cannot_judge"),
+                 F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
+            .orderBy(F.desc("refused_partitions"), F.desc("partitions")))
+
+
+def unjudgeable_checks(v: Any) -> list[str]:
+    """The checks of a Validate that need record contents (all but max_record_bytes)."""
+    out = []
+    if v.value is not None:
+        out.append(f"value {v.value.kind}")
+    if not v.allow_null:
+        out.append("allow_null: false")
+    if v.key_required:
+        out.append("key required")
+    if v.key is not None:
+        out.append(f"key {v.key.kind}")
+    if v.required_headers:
+        out.append("headers required")
+    return out
+
+
+def certainly_too_large(max_record_bytes: int | None, api_version: int, compression: Any, size: int,
+                        records: int) -> bool:
+    """Whether a produced partition must hold a record over ``max_record_bytes``: from v3 a Produce
+    partition is one batch (61 header bytes, then its records), and when it is uncompressed its
+    records' average size is a lower bound of the largest."""
+    if max_record_bytes is None or api_version < 3 or compression not in ("none", None) or records <= 0:
+        return False
+    return (size - 61) / records > max_record_bytes
+
+
+def _judge_records(rules: Any) -> Any:
+    def judge(batches: Iterator[Any]) -> Iterator[Any]:
+        import pandas as pd
+
+        from kproxy.policy.engine import Facts, decide
+
+        validators = {r.name: r.params for r in rules.rules if r.action == "validate"}
+        for batch in batches:
+            out = []
+            for row in batch.itertuples(index=False):
+                facts = _facts(row, Facts)
+                if facts is None or _scalar(row.partitions, array=True) is None:
+                    continue
+                reach = {t: [n for n in names if n in validators] for t, names in decide(rules, facts).record_rules}
+                for p in row.partitions:
+                    topic = p.get("topic")
+                    for name in reach.get(topic) or ():
+                        v = validators[name]
+                        records = int(_scalar(p.get("records")) or 0)
+                        refused = certainly_too_large(v.max_record_bytes, facts.api_version, p.get("compression"),
+                                                      int(_scalar(p.get("bytes")) or 0), records)
+                        unknown = unjudgeable_checks(v)
+                        if v.max_record_bytes is not None and not refused and p.get("compression") not in (
+                                "none", None):
+                            unknown.append("max_record_bytes of compressed batches")
+                        out.append((row.ts, name, row.client_id, topic, records, int(refused),
+                                    f"{', '.join(unknown)}: {NOT_LOGGED}" if unknown else None))
+            yield pd.DataFrame(out, columns=_columns(_RECORDS))
+
+    return judge
 
 
 # t: when the response completed (seconds); spent: kproxy's own time on the request (seconds).

@@ -149,6 +149,7 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
         got["errors"] = t.write("errors", TB.errors_table(requests), small=True)
         got["partition_errors"] = t.write("partition_errors", TB.partition_errors_table(requests), small=True)
         got["denials"] = t.write("denials", TB.denials_table(requests), small=True)
+        got["record_refusals"] = t.write("record_refusals", TB.record_refusals_table(requests), small=True)
         got["throttles"] = t.write("throttles", TB.throttles_table(requests), small=True)
         got["incidents_per_minute"] = t.write("incidents_per_minute", TB.incidents_per_minute(rpm), small=True)
     with progress.stage(STAGES[6]):
@@ -261,6 +262,15 @@ def _series(df: DataFrame, bucket: int, values: dict[str, Any]) -> tuple[list[dt
 
 # ---- the HTML page -------------------------------------------------------------------------------
 
+DRY_RUN_NOTES = {
+    "dry_run_record_rules": "The traffic log holds record counts and batch sizes, never record keys, values or "
+                            "headers, so value and key checks (json, json_schema, avro_schema_registry, key: "
+                            "required, allow_null, headers) cannot be dry-run: this table shows what each validate "
+                            "rule would have judged, and refuses only where the log proves it (max_record_bytes, "
+                            "for uncompressed batches whose average record is already too large).",
+}
+
+
 def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], counts: dict[str, int],
           recpm: DataFrame, quota_path: Path, quotas_shown: int) -> str:
     bucket = _bucket_seconds(s["first_ts"], s["last_ts"])
@@ -270,7 +280,8 @@ def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], cou
                 _quotas(got, quota_path, opts.quota_per, quotas_shown), _e2e(got, counts)]
     for name in got:
         if name.startswith("dry_run_"):
-            sections.append(R.Section("Dry run: " + name, name, parts=[
+            intro = DRY_RUN_NOTES.get(name, "")
+            sections.append(R.Section("Dry run: " + name, name, intro, parts=[
                 R.table(rows(got[name], 200), [(c, c, R.fmt_text) for c in got[name].columns],
                         counts[name], f"tables/{name}")]))
     window = f"{s['first_ts'] or R.DASH} to {s['last_ts'] or R.DASH} UTC"
@@ -380,6 +391,10 @@ def _incidents(got: dict[str, DataFrame], counts: dict[str, int], bucket: int, p
         ("denials", "Denials", [("rule", "rule", R.fmt_text), ("api", "api", R.fmt_text),
                                 ("client_id", "client id", R.fmt_text), ("principal", "principal", R.fmt_text),
                                 ("requests", "requests", R.fmt_int), ("last_seen", "last seen", R.fmt_text)]),
+        ("record_refusals", "Records refused by validate rules", [
+            ("rule", "rule", R.fmt_text), ("client_id", "client id", R.fmt_text), ("topic", "topic", R.fmt_text),
+            ("batches", "batches", R.fmt_int), ("records", "bad records", R.fmt_int),
+            ("last_seen", "last seen", R.fmt_text)]),
         ("throttles", "Throttles", [("source", "by", R.fmt_text), ("quota_rule", "quota", R.fmt_text),
                                     ("quota_key", "key", R.fmt_text), ("client_id", "client id", R.fmt_text),
                                     ("api", "api", R.fmt_text), ("requests", "requests", R.fmt_int),
@@ -387,7 +402,7 @@ def _incidents(got: dict[str, DataFrame], counts: dict[str, int], bucket: int, p
                                     ("throttle_ms_max", "max", R.fmt_ms)]),
     ):
         df = got[name]
-        order = "partitions" if name == "partition_errors" else "requests"
+        order = {"partition_errors": "partitions", "record_refusals": "batches"}.get(name, "requests")
         sec.parts.append(f"<h3>{title}</h3>" + R.table(rows(df.orderBy(F.desc(order)), TOP), cols, counts[name],
                                                        f"tables/{name}"))
     return sec

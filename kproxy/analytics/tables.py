@@ -60,7 +60,7 @@ def requests_table(lines: DataFrame) -> DataFrame:
         (F.col("duration_ms") - F.coalesce("broker_ms", F.lit(0.0))).alias("kproxy_ms"),
         F.coalesce("throttle_ms", F.lit(0)).alias("throttle_ms"),
         "max_wait_ms", F.coalesce("error_code", F.lit(0)).alias("error_code"), "error", "partition_errors",
-        "rule", "action",
+        "rule", "action", "records_refused",
         F.col("quota.rule").alias("quota_rule"), F.col("quota.key").alias("quota_key"),
         F.col("quota.throttle_ms").alias("quota_throttle_ms"),
         "group", "transactional_id", "acks", "topics", "partitions",
@@ -204,6 +204,16 @@ def partition_errors_table(requests: DataFrame) -> DataFrame:
 def denials_table(requests: DataFrame) -> DataFrame:
     return requests.where(F.col("action") == "deny").groupBy("rule", "api", "client_id", "principal").agg(
         F.count(F.lit(1)).alias("requests"), F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
+
+
+def record_refusals_table(requests: DataFrame) -> DataFrame:
+    """Per client, topic and validate rule: the partition batches refused with INVALID_RECORD and the
+    records at fault in them."""
+    refused = requests.where(F.size("records_refused") > 0).select(
+        "ts", "client_id", F.explode("records_refused").alias("r"))
+    return refused.groupBy("client_id", F.col("r.topic").alias("topic"), F.col("r.rule").alias("rule")).agg(
+        F.count(F.lit(1)).alias("batches"), F.sum("r.records").alias("records"),
+        F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
 
 
 def throttles_table(requests: DataFrame) -> DataFrame:

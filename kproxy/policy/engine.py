@@ -25,19 +25,23 @@ from kproxy.policy.model import (
     COMPRESSIONS,
     DECIDING,
     MAX_LATENCY_S,
+    RECORD_ACTIONS,
     Cap,
     Chaos,
     Deny,
+    Headers,
     Log,
     Require,
     Rewrite,
     Rule,
     RuleSet,
 )
+from kproxy.policy.record_rules import Verdict, header_edit, rewrite_records, traceparent, validate_records
 from kproxy.protocol import entities
 from kproxy.protocol.errors import (
     CLUSTER_AUTHORIZATION_FAILED,
     GROUP_AUTHORIZATION_FAILED,
+    INVALID_RECORD,
     INVALID_REQUIRED_ACKS,
     POLICY_VIOLATION,
     TOPIC_AUTHORIZATION_FAILED,
@@ -119,6 +123,7 @@ class Decision:
     rule that decided it (None: the default). A request refused as a whole has ``error``. Topics
     refused on their own, while the rest goes through, are in ``refused``. ``effects`` names the
     cap, chaos and log rules that apply (chaos and log may then still skip it, by their rate).
+    ``record_rules`` names, per topic of a Produce, the validate and headers rules its records meet.
     """
 
     action: str
@@ -127,6 +132,7 @@ class Decision:
     refused: tuple[Refusal, ...] = ()
     rewrite: Rewrite | None = None
     effects: tuple[str, ...] = ()
+    record_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,13 +256,16 @@ class _Outcome:
     topic_rules: dict[str, Rule | None]
     effects: tuple[Rule, ...]
     refusable: tuple[str, ...] = ()
+    # Per topic, the validate and headers rules its produced records meet, in order.
+    record_rules: dict[str, tuple[Rule, ...]] = attrs.field(factory=dict)
 
 
 def _can_apply(rule: Rule, api_key: int, kinds: frozenset[str] | None) -> bool:
     """Whether ``rule`` can ever match a request of this API, whose requests carry ``kinds`` of
     names (None: not known, so anything can). Rules that cannot are left out of the plan."""
     m = rule.match
-    if (m.acks is not None or m.compression is not None or rule.action == "require") and api_key != PRODUCE:
+    if (m.acks is not None or m.compression is not None or rule.action == "require"
+            or rule.action in RECORD_ACTIONS) and api_key != PRODUCE:
         return False        # acks and produced batches exist in Produce only
     if kinds is None:
         return True
@@ -270,8 +279,8 @@ def _can_apply(rule: Rule, api_key: int, kinds: frozenset[str] | None) -> bool:
 class _Plan:
     """The rules that can apply to one api version on one kind of connection, in order."""
 
-    __slots__ = ("_deciders", "_default_deny", "_effects", "_outcomes", "has_ids", "idle", "request_positions",
-                 "rules", "static", "topic_rules")
+    __slots__ = ("_deciders", "_default_deny", "_effects", "_outcomes", "has_ids", "idle", "records",
+                 "request_positions", "rules", "static", "topic_rules")
 
     def __init__(self, rules: tuple[Rule, ...], api_key: int, version: int, default_deny: bool = False) -> None:
         try:
@@ -289,10 +298,11 @@ class _Plan:
             if r.action == "require" or any(getattr(r.match, s) is not None for s in _REQUEST_SELECTORS))
         self._deciders = tuple(p for p, r in enumerate(rules) if r.action in DECIDING or r.action == "require")
         self._effects = tuple(p for p, r in enumerate(rules) if r.action in _EFFECTS)
+        self.records = tuple(p for p, r in enumerate(rules) if r.action in RECORD_ACTIONS)
         self._outcomes: dict[tuple[tuple[int, ...], tuple[str, ...]], _Outcome] = {}
         self.has_ids = kinds is not None and "topic_id" in kinds
         # Without topic or request selectors every request of this kind goes the same way.
-        self.static = None if self.topic_rules or self.request_positions else self.outcome((), ())
+        self.static = None if self.topic_rules or self.request_positions or self.records else self.outcome((), ())
 
     def inactive(self, req: _Req) -> tuple[int, ...]:
         """Positions of the rules that take no part for this request: a request selector does not
@@ -344,7 +354,17 @@ class _Plan:
         deciding = {t: rules[at] if at < n else None for t, at in decided_at.items()}
         refusable = tuple(t for t, r in deciding.items()
                           if (r is None and self._default_deny) or (r is not None and r.action in ("deny", "require")))
-        return _Outcome(rules[request_at] if request_at < n else None, deciding, tuple(effects), refusable)
+        # Like cap, a record rule reaches a topic when it comes before the rule deciding that topic.
+        record_rules = {}
+        if self.records:
+            for t in topics:
+                reach = tuple(r for p in self.records
+                              if p not in inactive and p < decided_at[t]
+                              and ((sel := (r := rules[p]).match.topic) is None or sel(t)))
+                if reach:
+                    record_rules[t] = reach
+        return _Outcome(rules[request_at] if request_at < n else None, deciding, tuple(effects), refusable,
+                        record_rules)
 
 
 ConnectionKey = tuple[str | None, str | None, str | None, str | None, str | None, str | None]
@@ -381,7 +401,7 @@ class Policy:
         # Topic ids need names when a rule looks at topics or a tenant's namespace must be kept.
         self.uses_topic_names = any(
             r.match.topic is not None or (isinstance(r.params, Rewrite) and r.params.topic_prefix)
-            for r in rule_set.rules) or self.default_deny
+            or r.action in RECORD_ACTIONS for r in rule_set.rules) or self.default_deny
 
     def view(self, key: ConnectionKey) -> _View:
         """The rules for a connection (client id, principal, source address, listener, client
@@ -452,6 +472,7 @@ def decide(rules: RuleSet | Policy, facts: Facts) -> Decision:
     topics = tuple(dict.fromkeys(facts.topics))
     outcome = plan.outcome(inactive, topics)
     effects = tuple(r.name for r in outcome.effects)
+    records = tuple((t, tuple(r.name for r in rs)) for t, rs in outcome.record_rules.items())
     top = outcome.request_rule
     rewrite = top.params if top is not None and isinstance(top.params, Rewrite) else None
     refused = []
@@ -469,7 +490,9 @@ def decide(rules: RuleSet | Policy, facts: Facts) -> Decision:
         if error is not None:
             return Decision("deny", name, error, (), None, effects)
     action = "rewrite" if rewrite is not None else "allow"
-    return Decision(action, name, None, tuple(refused), rewrite, effects)
+    gone = {r.topic for r in refused}
+    return Decision(action, name, None, tuple(refused), rewrite, effects,
+                    tuple((t, names) for t, names in records if t not in gone))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -565,10 +588,10 @@ class PolicyFilter(Filter):
         # Names are needed when a rule looks at topics, or when the default refuses them all.
         defaulted = top is None and policy.default_deny
         names: list[str] = []
-        if plan.topic_rules or defaulted:
+        if plan.topic_rules or defaulted or plan.records:
             names = list(dict.fromkeys(entities.collect(body, key, version, "request", "topic")))
         id_names: dict[uuid.UUID, str | None] = {}
-        if plan.has_ids and (plan.topic_rules or tenant or defaulted):
+        if plan.has_ids and (plan.topic_rules or tenant or defaulted or plan.records):
             ids = [i for i in dict.fromkeys(entities.collect(body, key, version, "request", "topic_id"))
                    if i != ZERO_UUID]
             unknown = [i for i in ids if self.topic_ids.get(i) is None]
@@ -640,6 +663,12 @@ class PolicyFilter(Filter):
                 exchange.note("action", "chaos")
             return Delay(delay, Respond(error_code=chaos_error)) if delay else Respond(error_code=chaos_error)
 
+        if outcome.record_rules:
+            # Records are judged under the client's own names, before a tenant prefix goes on.
+            answered = self._record_rules(ctx, exchange, req, outcome, id_names, pending)
+            if answered is not None:
+                return Delay(delay, answered) if delay else answered
+
         if rewrite is not None:
             refusal = _tenant_refusal(req)
             if refusal is not None:
@@ -661,6 +690,95 @@ class PolicyFilter(Filter):
             # Read back when the answer comes; gone with the request if another filter answers it.
             exchange.keep(self, pending)
         return Delay(delay, None) if delay else None
+
+    def _record_rules(self, ctx: ConnectionContext, exchange: Any, req: Request, outcome: _Outcome,
+                      id_names: Mapping[uuid.UUID, str | None], pending: _Pending) -> Respond | None:
+        """Validate and stamp the records of each topic its record rules reach. Partitions with a
+        record that breaks a validate rule leave the request; kproxy answers for them with
+        INVALID_RECORD (in ``pending.parts``, or at once when nothing is left to forward)."""
+        body, version = req.body, req.api_version
+        cap = ctx.max_decompressed_batch_bytes
+        refused: list[tuple[Any, Any, Rule, Verdict]] = []
+        edits: dict[tuple[Rule, ...], Any] = {}
+        trace: tuple[int, int] | None = None
+        rebuilt = 0
+        for t in body.topic_data:
+            name = t.name if version < 13 else id_names.get(t.topic_id)
+            rules = outcome.record_rules.get(name) if name is not None else None
+            if not rules:
+                continue
+            validators = [r for r in rules if r.action == "validate"]
+            stampers = tuple(r for r in rules if r.action == "headers")
+            kept = []
+            for part in t.partition_data:
+                records = part.records
+                if not records:
+                    kept.append(part)
+                    continue
+                bad = None
+                for rule in validators:
+                    verdict = validate_records(rule, records, cap)
+                    if verdict is not None:
+                        bad = (rule, verdict)
+                        break
+                if bad is not None:
+                    refused.append((t, part, *bad))
+                    continue
+                kept.append(part)
+                if not stampers:
+                    continue
+                edit = edits.get(stampers)
+                if edit is None:
+                    if trace is None and any(isinstance(r.params, Headers) and r.params.traceparent for r in stampers):
+                        # The produce span's ids, chosen now so records can name it; telemetry
+                        # creates the span with them once the request is complete.
+                        trace = (self.rng.getrandbits(128) or 1, self.rng.getrandbits(64) or 1)
+                    edit = edits[stampers] = header_edit(stampers, ctx.client_id, ctx.principal,
+                                                         traceparent(*trace) if trace is not None else None)
+                try:
+                    new, n = rewrite_records(records, edit, cap)
+                except RecordsError as e:
+                    # The broker judges a batch kproxy cannot read (CORRUPT_MESSAGE); kproxy leaves it be.
+                    log.debug("connection %d: rule %r left a batch of %s[%d] as it was: %s", ctx.connection_id,
+                              stampers[0].name, safe(name), part.index, e)
+                    continue
+                if new is not None:
+                    part.records = new
+                    rebuilt += n
+            if len(kept) != len(t.partition_data):
+                t.partition_data = kept
+        if exchange is not None and rebuilt:
+            # Changed on purpose: the transparency check and telemetry must not take it for a fault.
+            exchange.note("rewritten_batches", rebuilt)
+            if trace is not None:
+                exchange.note("trace_context", trace)
+        if not refused:
+            return None
+        first_topic, first_part, first_rule, first_verdict = refused[0]
+        if exchange is not None:
+            exchange.note("records_refused", [
+                {"rule": rule.name, "topic": t.name if version < 13 else id_names.get(t.topic_id),
+                 "partition": part.index, "records": v.broken}
+                for t, part, rule, v in refused])
+            if not (exchange.notes or {}).get("rule"):
+                exchange.note("rule", first_rule.name)
+                exchange.note("action", "validate")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("connection %d: rule %r refused the batch of %s[%d] (%s): %s", ctx.connection_id,
+                      first_rule.name, safe(first_topic.name if version < 13 else str(first_topic.topic_id)),
+                      first_part.index, error_name(INVALID_RECORD), first_verdict.message)
+        if body.acks == 0:
+            # No answer can carry per-partition errors; refused as a whole, the connection closes.
+            return Respond(error_code=INVALID_RECORD)
+        answer = _invalid_record_answer(version, refused)
+        body.topic_data = [t for t in body.topic_data if t.partition_data]
+        if not body.topic_data:
+            for part in pending.parts:
+                merge_response(PRODUCE, version, answer, part)
+            pending.parts = []
+            return Respond(body=answer)
+        pending.parts.append(answer)
+        return None
 
     def _answered(self, ctx: ConnectionContext, exchange: Any, req: Request, answer: Response | None
                   ) -> RequestVerdict:
@@ -868,6 +986,26 @@ def _split(req: Request, refused: Mapping[str, tuple[Rule | None, int]],
     entities.filter_elements(req.body, key, version, "request", "topic", lambda t: t not in refused)
     entities.filter_elements(req.body, key, version, "request", "topic_id", lambda i: i not in refused_ids)
     return parts
+
+
+def _invalid_record_answer(version: int, refused: list[tuple[Any, Any, Rule, Verdict]]) -> Any:
+    """kproxy's Produce answer for partitions refused by validate rules: INVALID_RECORD with the
+    records at fault (``record_errors`` and ``error_message`` exist from v8; older versions carry
+    the error code alone, as a broker's answer would)."""
+    cls: Any = body_class(PRODUCE, "response")
+    topics: dict[int, Any] = {}
+    for t, part, _, verdict in refused:
+        entry = topics.get(id(t))
+        if entry is None:
+            entry = topics[id(t)] = (cls.TopicProduceResponse(name=t.name, partition_responses=[]) if version < 13
+                                     else cls.TopicProduceResponse(topic_id=t.topic_id, partition_responses=[]))
+        entry.partition_responses.append(cls.PartitionProduceResponse(
+            index=part.index, error_code=INVALID_RECORD, base_offset=-1, log_append_time_ms=-1,
+            log_start_offset=-1,
+            record_errors=[cls.BatchIndexAndErrorMessage(batch_index=e.batch_index, batch_index_error_message=e.message)
+                           for e in verdict.errors],
+            error_message=verdict.message))
+    return cls(responses=list(topics.values()))
 
 
 def _cap(req: Request, cap: Cap) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import glob
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ _LOG_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _STR_TAG = "tag:yaml.org,2002:str"
 _QUOTA_NUMBERS = frozenset({*M.QUOTA_LIMITS, "burst_s"})
+_TEMPLATE = re.compile(r"\$\{([^}]*)\}")
 _EXPONENT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
 
 
@@ -406,7 +408,7 @@ class _File:
             if other in raw and other != action:
                 self.fail(path, f"'{other}:' settings do nothing in a rule whose action is {action}; "
                                 f"remove them", at=(*path, other))
-        if action in ("rewrite", "require", "cap", "chaos") and action not in raw:
+        if action in ("rewrite", "require", "cap", "chaos", "validate", "headers") and action not in raw:
             self.fail(path, f"action {action} needs '{action}:' settings")
         match = self._match(raw.get("match") or {}, (*path, "match"))
         params = self._params(action, raw.get(action), (*path, action))
@@ -414,6 +416,9 @@ class _File:
             self.fail((*path, "match", "topic"), "a rewrite rule cannot select topics: it sets the "
                                                  "namespace of whole requests; select clients instead "
                                                  "(client_id, principal, source, listener)", key=True)
+        if action in M.RECORD_ACTIONS and match is not None and match.api is not None and not match.api(0):
+            self.fail((*path, "match", "api"), f"a {action} rule acts on produced records: its api selector "
+                                               "must include produce", key=True)
         if len(self.problems) > before or match is None:
             return None
         return M.Rule(raw["name"], match, action, params, self._where(path))
@@ -459,9 +464,70 @@ class _File:
                                             "NOT_LEADER_OR_FOLLOWER, REQUEST_TIMED_OUT or NETWORK_EXCEPTION")
             return M.Chaos(raw.get("rate", 1.0), self._latency(raw.get("latency_ms"), (*path, "latency_ms")),
                            error)
+        if action == "validate":
+            return self._validate(raw, path)
+        if action == "headers":
+            for name, value in (raw.get("set") or {}).items():
+                for m in _TEMPLATE.finditer(value):
+                    if m.group(1) not in M.HEADER_VARIABLES:
+                        self.fail((*path, "set", name), f"unknown variable ${{{m.group(1)}}} (use "
+                                  + ", ".join(f"${{{v}}}" for v in M.HEADER_VARIABLES) + ")")
+            return M.Headers(tuple((str(k), str(v)) for k, v in (raw.get("set") or {}).items()),
+                             raw.get("traceparent") == "inject")
         if action == "log":
             return M.Log(_LOG_LEVELS[raw.get("level", "INFO")], raw.get("sample", 1.0))
         return None
+
+    def _validate(self, raw: dict[str, Any], path: Path) -> M.Validate:
+        keys = raw.get("key")
+        keys = keys if isinstance(keys, list) else [keys] if keys is not None else []
+        key_required = "required" in keys
+        key_checks = [k for k in keys if k != "required"]
+        if len(key_checks) > 1:
+            self.fail((*path, "key"), "give at most one check of the key's bytes (and required)")
+        return M.Validate(
+            value=self._value_check(raw.get("value"), (*path, "value")),
+            key=self._value_check(key_checks[0], (*path, "key")) if key_checks else None,
+            key_required=key_required,
+            max_record_bytes=raw.get("max_record_bytes"),
+            required_headers=tuple((raw.get("headers") or {}).get("required") or ()),
+            allow_null=raw.get("allow_null", True),
+        )
+
+    def _value_check(self, raw: Any, path: Path) -> M.ValueCheck | None:
+        if raw is None:
+            return None
+        if raw == "json":
+            return M.ValueCheck("json")
+        if raw == "avro_schema_registry":
+            return M.ValueCheck("avro_schema_registry")
+        if "avro_schema_registry" in raw:
+            ids = (raw["avro_schema_registry"] or {}).get("allowed_ids")
+            return M.ValueCheck("avro_schema_registry", allowed_ids=frozenset(ids) if ids else None)
+        at = (*path, "json_schema")
+        given = raw["json_schema"]
+        # Relative to the rule file, so a rules directory (a ConfigMap) carries its schemas along.
+        file = given if os.path.isabs(given) else os.path.join(os.path.dirname(self.file), given)
+        try:
+            with open(file, encoding="utf-8") as f:
+                schema = json.load(f)
+        except OSError as e:
+            self.fail(at, f"cannot read the JSON Schema {file}: {e.strerror or e}")
+            return None
+        except (ValueError, UnicodeDecodeError) as e:
+            self.fail(at, f"{file} is not JSON: {e}")
+            return None
+        if not isinstance(schema, dict | bool):
+            self.fail(at, f"{file} is not a JSON Schema (a JSON object)")
+            return None
+        cls = jsonschema.validators.validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except jsonschema.SchemaError as e:
+            where = "/".join(str(p) for p in e.absolute_path) or "the top level"
+            self.fail(at, f"{file} is not a valid JSON Schema (at {where}: {e.message})")
+            return None
+        return M.ValueCheck("json_schema", file, cls(schema))
 
     def _error(self, name: str | None, path: Path) -> int | None:
         if name is None:

@@ -93,7 +93,12 @@ def api_group_keys(group: str) -> frozenset[int]:
 
 ACKS = {"all": -1, "-1": -1, "0": 0, "1": 1}
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")   # the codec ids 0-4 of a batch header
-ACTIONS = ("allow", "deny", "rewrite", "require", "cap", "chaos", "log")
+ACTIONS = ("allow", "deny", "rewrite", "require", "cap", "chaos", "log", "validate", "headers")
+# Actions on the records a producer writes (Produce only): validate refuses a partition's batch when a
+# record breaks it; headers changes the records and lets the evaluation go on.
+RECORD_ACTIONS = frozenset({"validate", "headers"})
+# What a headers rule's values may name, filled in per connection.
+HEADER_VARIABLES = ("client_id", "principal", "rule")
 # Actions that decide what they match; the others act and let the evaluation go on (require decides
 # only when the request breaks it).
 DECIDING = frozenset({"allow", "deny", "rewrite"})
@@ -372,7 +377,44 @@ class Log:
     sample: float = 1.0
 
 
-Params = Deny | Rewrite | Require | Cap | Chaos | Log | None
+@attrs.frozen(slots=True)
+class ValueCheck:
+    """A check of a record's key or value bytes: ``json`` (well-formed UTF-8 JSON), ``json_schema``
+    (JSON that a schema file accepts; ``validator`` is the compiled schema) or
+    ``avro_schema_registry`` (Confluent's wire format: magic byte 0, a 4-byte schema id in
+    ``allowed_ids`` when given)."""
+
+    kind: str
+    schema_path: str | None = None
+    validator: Any = attrs.field(default=None, eq=False, repr=False)
+    allowed_ids: frozenset[int] | None = None
+
+
+@attrs.frozen(slots=True)
+class Validate:
+    """What every record of a produced batch must satisfy; a batch with one record that does not is
+    refused whole (INVALID_RECORD). Null values (tombstones) skip the value check unless
+    ``allow_null`` is false."""
+
+    value: ValueCheck | None = None
+    key: ValueCheck | None = None
+    key_required: bool = False
+    max_record_bytes: int | None = None
+    required_headers: tuple[str, ...] = ()
+    allow_null: bool = True
+
+
+@attrs.frozen(slots=True)
+class Headers:
+    """Headers put on every produced record: ``set`` (name, template) pairs, whose values may hold
+    ``${client_id}``, ``${principal}`` and ``${rule}``; ``traceparent`` adds W3C trace context
+    (kproxy's produce span) to records that carry none."""
+
+    set: tuple[tuple[str, str], ...] = ()
+    traceparent: bool = False
+
+
+Params = Deny | Rewrite | Require | Cap | Chaos | Log | Validate | Headers | None
 
 
 @attrs.frozen(slots=True)

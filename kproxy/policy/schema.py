@@ -113,6 +113,24 @@ def rules_schema() -> dict[str, Any]:
          "properties": {"mean": {"type": "number", "exclusiveMinimum": 0, "maximum": most}},
          "description": f"exponential with this mean; a draw above {most} ms is cut to {most} ms"},
     ], "description": f"milliseconds, at most {most} (chaos latency is bounded)"}
+    schema_file = {"type": "object", "additionalProperties": False, "required": ["json_schema"],
+                   "properties": {"json_schema": {"type": "string", "minLength": 1,
+                                                  "description": "a JSON Schema file, relative to this rule file"}}}
+    registry = {"type": "object", "additionalProperties": False, "required": ["avro_schema_registry"],
+                "properties": {"avro_schema_registry": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"allowed_ids": {"type": "array", "minItems": 1,
+                                                   "items": {"type": "integer", "minimum": 0},
+                                                   "description": "the schema ids records may name"}}}}}
+    value_check = {"anyOf": [
+        _enum("value check", ["json", "avro_schema_registry"],
+              "json: well-formed UTF-8 JSON; avro_schema_registry: Confluent's wire format (magic byte 0 "
+              "and a 4-byte schema id)"),
+        schema_file, registry]}
+    key_check = {"anyOf": [
+        _enum("key check", ["required", "json", "avro_schema_registry"],
+              "required: not null; json, avro_schema_registry: as for values"),
+        schema_file, registry]}
     params = {
         "deny": {"type": "object", "additionalProperties": False,
                  "properties": {"error": _error_name()},
@@ -142,6 +160,34 @@ def rules_schema() -> dict[str, Any]:
                      "description": "the share of matching requests affected (default 1)"},
             "latency_ms": latency,
             "error": _error_name(),
+        }},
+        "validate": {"type": "object", "additionalProperties": False, "minProperties": 1,
+                     "description": "checks every record of a produced batch must pass; a batch with a record "
+                                    "that does not is refused whole with INVALID_RECORD",
+                     "properties": {
+            "value": value_check,
+            "key": {"anyOf": [key_check, {"type": "array", "items": key_check, "minItems": 1}],
+                    "description": "required (not null), and/or a check of non-null keys"},
+            "max_record_bytes": _ints("the largest record, as its bytes in the uncompressed batch (key, value, "
+                                      "headers and their framing)", 1),
+            "headers": {"type": "object", "additionalProperties": False, "required": ["required"],
+                        "properties": {"required": {"type": "array", "minItems": 1,
+                                                    "items": {"type": "string", "minLength": 1},
+                                                    "description": "header names every record must carry"}}},
+            "allow_null": {"type": "boolean", "description": "null values (tombstones) pass the value check "
+                                                            "(default true)"},
+        }},
+        "headers": {"type": "object", "additionalProperties": False, "minProperties": 1,
+                    "description": "headers put on every produced record (the batch is re-encoded with its own "
+                                   "compression)",
+                    "properties": {
+            "set": {"type": "object", "minProperties": 1,
+                    "additionalProperties": {"type": "string",
+                                             "description": "the value; ${client_id}, ${principal} and ${rule} "
+                                                            "are filled in"},
+                    "description": "header name -> value, added or replacing headers of that name"},
+            "traceparent": _enum("traceparent", ["inject"], "inject: a W3C traceparent naming kproxy's produce "
+                                                            "span on every record that has none"),
         }},
         "log": {"type": "object", "additionalProperties": False, "properties": {
             "level": _enum("log level", list(LOG_LEVELS)),

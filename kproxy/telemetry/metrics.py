@@ -105,6 +105,7 @@ class Metrics(Collector):
         self.records = {"produced": 0, "fetched": 0}
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
+        self.records_refused: dict[str, int] = {}
         self.clients = Capped(self.cfg.label_cap) if self.cfg.client_labels else None
         self.topics = Capped(self.cfg.label_cap) if self.cfg.topic_labels else None
         self._readers: list[Reader] = []
@@ -141,6 +142,9 @@ class Metrics(Collector):
             if notes.get("action") == "deny":
                 rule = str(notes.get("rule") or "default")
                 self.denied[rule] = self.denied.get(rule, 0) + 1
+            for refusal in notes.get("records_refused") or ():
+                rule = str(refusal.get("rule"))
+                self.records_refused[rule] = self.records_refused.get(rule, 0) + 1
             quota = notes.get("quota")
             if isinstance(quota, dict) and quota.get("throttle_ms"):
                 rule = str(quota.get("rule") or "quota")
@@ -211,6 +215,8 @@ class Metrics(Collector):
                        {(k,): v for k, v in self.throttle_seconds.items()})
         yield _counter("kproxy_denied_requests", "Requests refused by a policy rule, by rule.", ["rule"],
                        {(k,): v for k, v in self.denied.items()})
+        yield _counter("kproxy_records_refused", "Partition batches refused by a validate rule (INVALID_RECORD), "
+                       "by rule.", ["rule"], {(k,): v for k, v in self.records_refused.items()})
         if self.clients is not None:
             for kind, doc in (("requests", "Requests"), ("request_bytes", "Request bytes"),
                               ("response_bytes", "Response bytes")):

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
@@ -168,6 +169,28 @@ def record_links(x: Exchange, mode: str, max_decompressed: int) -> list[Link]:
     return links
 
 
+class ChosenIds(IdGenerator):
+    """Random ids, except for the next span when its ids were chosen before it is created: a headers
+    rule puts the produce span's trace context into records at request time, and the span, built
+    once the request is complete, must carry those very ids. Used from the event loop only."""
+
+    def __init__(self) -> None:
+        self._random = RandomIdGenerator()
+        self._trace_id: int | None = None
+        self._span_id: int | None = None
+
+    def choose(self, trace_id: int, span_id: int) -> None:
+        self._trace_id, self._span_id = trace_id, span_id
+
+    def generate_trace_id(self) -> int:
+        chosen, self._trace_id = self._trace_id, None
+        return chosen if chosen is not None else self._random.generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        chosen, self._span_id = self._span_id, None
+        return chosen if chosen is not None else self._random.generate_span_id()
+
+
 def default_exporter(cfg: TracingConfig, env: Mapping[str, str] = os.environ) -> SpanExporter | None:
     """The exporter the config and the OTEL_* variables ask for; None for "none"."""
     kind = cfg.exporter or (env.get("OTEL_TRACES_EXPORTER") or "otlp").strip().lower()
@@ -210,8 +233,10 @@ class Tracing:
         env_sampler = "OTEL_TRACES_SAMPLER" in env
         self.ratio = 1.0 if env_sampler else cfg.sample_ratio
         self._random = random.Random(seed).random
+        self.ids = ChosenIds()
         self.provider = TracerProvider(sampler=None if env_sampler else ALWAYS_ON, resource=_resource(env),
-                                       shutdown_on_exit=False, span_limits=SpanLimits(max_links=MAX_LINKS))
+                                       shutdown_on_exit=False, span_limits=SpanLimits(max_links=MAX_LINKS),
+                                       id_generator=self.ids)
         if exporter is None:
             exporter = default_exporter(cfg, env)
         self.exporter = exporter
@@ -230,13 +255,18 @@ class Tracing:
 
     def emit(self, x: Exchange, epoch_ns: int) -> None:
         """Build and end the spans of one completed request; ``epoch_ns`` converts its clock."""
-        if self.ratio < 1.0 and self._random() >= self.ratio:
-            return
         e = x.entry
+        chosen = (e.notes or {}).get("trace_context")
+        # Records name a span whose ids were chosen at request time: it is always exported, or the
+        # consumers' traces would point at a span nobody has.
+        if chosen is None and self.ratio < 1.0 and self._random() >= self.ratio:
+            return
         name = span_name(x)
         links = record_links(x, self.cfg.link_record_traces, self.max_decompressed) \
             if self.cfg.link_record_traces != "off" and e.api_key in (PRODUCE, FETCH) else ()
         end = e.finished_at if e.finished_at is not None else e.started
+        if chosen is not None:
+            self.ids.choose(*chosen)
         span = self.tracer.start_span(name, kind=SpanKind.SERVER, attributes=span_attributes(x), links=links,
                                       start_time=int(e.started * 1e9) + epoch_ns)
         error = x.error

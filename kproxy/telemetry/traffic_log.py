@@ -97,6 +97,7 @@ def traffic_line(x: Exchange, epoch_offset: float, proxy: str | None = None) -> 
         "rule": notes.get("rule"),
         "action": notes.get("action"),
         "quota": _quota(notes.get("quota")),
+        "records_refused": _records_refused(notes.get("records_refused")),
         "group": x.group,
         "transactional_id": x.transactional_id,
         "topics": x.topics,
@@ -106,6 +107,13 @@ def traffic_line(x: Exchange, epoch_offset: float, proxy: str | None = None) -> 
         line["max_wait_ms"] = x.max_wait_ms
         line["partitions"] = [p.as_dict() for p in x.partitions]
     return line
+
+
+def _records_refused(refused: Any) -> list[dict[str, Any]] | None:
+    if not refused:
+        return None
+    return [{"rule": str(r.get("rule")), "topic": r.get("topic"), "partition": int(r.get("partition", -1)),
+             "records": int(r.get("records", 0))} for r in refused]
 
 
 def _quota(q: Any) -> dict[str, Any] | None:

@@ -62,6 +62,17 @@ def planted_lines() -> list[dict[str, Any]]:
                                partitions=[{"topic": "e2e-planted", "partition": 0, "records": 26, "bytes": 2600,
                                             "first_offset": 95, "last_offset": 120, "first_timestamp": None,
                                             "max_timestamp": None, "compression": "none", "error_code": 0}]))
+    # A validate rule refused two batches of a producer writing bad JSON (3 bad records each).
+    for i in range(2):
+        ts = START + dt.timedelta(minutes=50, seconds=i)
+        lines.append(base_line(ts, "bad-json-producer", "produce", 9, acks=-1, topics=["orders-planted"],
+                               rule="orders-json", action="validate", error="INVALID_RECORD",
+                               partition_errors={"INVALID_RECORD": 1},
+                               records_refused=[{"rule": "orders-json", "topic": "orders-planted", "partition": 0,
+                                                 "records": 3}],
+                               partitions=[{"topic": "orders-planted", "partition": 0, "records": 5, "bytes": 400,
+                                            "first_offset": None, "last_offset": None, "first_timestamp": None,
+                                            "max_timestamp": None, "compression": "none", "error_code": 87}]))
     return sorted(lines, key=lambda line: line["ts"])
 
 
@@ -69,6 +80,14 @@ def planted_lines() -> list[dict[str, Any]]:
 # producer's 100 Produce requests all name only "steady", and pctl-client made 1001 ListOffsets.
 CANDIDATE_RULES = """\
 rules:
+  - name: planted-small-records
+    match: {topic: e2e-planted, api: produce}
+    action: validate
+    validate: {max_record_bytes: 50}
+  - name: planted-json
+    match: {topic: e2e-planted, api: produce}
+    action: validate
+    validate: {value: json}
   - name: no-steady-topic
     match: {topic: steady}
     action: deny
@@ -412,6 +431,26 @@ def test_the_rule_dry_run_names_who_would_be_refused(spark: Any, report: Path) -
     decisions = {(r["rule"], r["action"]): r["requests"] for r in table(spark, report, "dry_run_decisions")}
     assert sum(decisions.values()) == summary(report)["requests"]
     assert "Dry run" in (report / "report.html").read_text()
+
+
+def test_validation_refusals_per_client_topic_and_rule(spark: Any, report: Path) -> None:
+    got = [(r["client_id"], r["topic"], r["rule"], r["batches"], r["records"])
+           for r in table(spark, report, "record_refusals")]
+    assert got == [("bad-json-producer", "orders-planted", "orders-json", 2, 6)]
+    assert "Records refused by validate rules" in (report / "report.html").read_text()
+
+
+def test_the_record_rule_dry_run_refuses_only_what_the_log_proves(spark: Any, report: Path) -> None:
+    got = {r["rule"]: r for r in table(spark, report, "dry_run_record_rules")}
+    assert set(got) == {"planted-small-records", "planted-json"}
+    small, json_rule = got["planted-small-records"], got["planted-json"]
+    # 10 records in 1000 bytes: the average record (93.9 bytes) is over 50, so one certainly is.
+    assert (small["client_id"], small["topic"], small["partitions"], small["records"]) == (
+        "planted-producer", "e2e-planted", 1, 10)
+    assert small["refused_partitions"] == 1 and small["cannot_judge"] is None
+    assert json_rule["refused_partitions"] == 0
+    assert json_rule["cannot_judge"] == "value json: keys, values and headers are not in the traffic log"
+    assert "cannot be dry-run" in (report / "report.html").read_text()
 
 
 def test_a_broken_candidate_rules_file_is_refused_with_its_line(spark: Any, tmp_path: Path,

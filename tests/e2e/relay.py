@@ -14,8 +14,10 @@ import threading
 
 
 class Relay:
-    def __init__(self, target: tuple[str, int], port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, target: tuple[str, int], port: int, host: str = "127.0.0.1", record: bool = False) -> None:
         self.target = target
+        # With ``record``: every byte sent towards the target, per connection in accept order.
+        self.sent: list[bytearray] | None = [] if record else None
         self.address = (host, port)
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -62,19 +64,26 @@ class Relay:
                 client.close()
                 continue
             upstream.settimeout(None)   # the timeout was for connecting; idle connections stay up
+            tap = None
             with self._lock:
                 self._conns |= {client, upstream}
                 self.connections_accepted += 1
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=pipe, args=(a, b, self.hung), daemon=True).start()
+                if self.sent is not None:
+                    tap = bytearray()
+                    self.sent.append(tap)
+            for a, b, t in ((client, upstream, tap), (upstream, client, None)):
+                threading.Thread(target=pipe, args=(a, b, self.hung, t), daemon=True).start()
 
 
-def pipe(src: socket.socket, dst: socket.socket, hung: threading.Event | None = None) -> None:
-    """Copy ``src`` to ``dst`` until either ends (bytes are swallowed while ``hung`` is set), then
-    shut both down so the other direction ends too."""
+def pipe(src: socket.socket, dst: socket.socket, hung: threading.Event | None = None,
+         tap: bytearray | None = None) -> None:
+    """Copy ``src`` to ``dst`` until either ends (bytes are swallowed while ``hung`` is set; ``tap``
+    keeps a copy of what was sent), then shut both down so the other direction ends too."""
     try:
         while data := src.recv(262144):
             if hung is None or not hung.is_set():
+                if tap is not None:
+                    tap += data
                 dst.sendall(data)
     except OSError:
         pass

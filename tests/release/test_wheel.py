@@ -102,6 +102,8 @@ def test_kproxy_check_accepts_each_example_rule_file(venv: Path, rules: Path, tm
 def test_kproxy_check_of_the_example_config_names_the_native_codec(venv: Path, tmp_path: Path):
     copy = tmp_path / "kproxy.yaml"
     copy.write_bytes((REPO / "kproxy.example.yaml").read_bytes())
+    # ... and the users file its `sasl` section names, relative to itself.
+    (tmp_path / "users.example.yaml").write_bytes((REPO / "users.example.yaml").read_bytes())
     (tmp_path / "rules").mkdir()
     for rules in RULE_FILES:  # the example names rules/allow-all.yaml, relative to itself
         (tmp_path / "rules" / rules.name).write_bytes(rules.read_bytes())

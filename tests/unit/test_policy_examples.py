@@ -33,7 +33,7 @@ def example(name: str, chaos: bool = False):
 
 def test_every_example_is_exercised_here():
     exercised = {"allow-all.yaml", "multi-tenant.yaml", "read-only-consumers.yaml", "admin-lockdown.yaml",
-                 "producer-standards.yaml", "chaos.yaml",
+                 "producer-standards.yaml", "chaos.yaml", "record-rules.yaml",
                  "quotas.yaml"}     # exercised in test_quota.py
     assert {p.name for p in RULES.glob("*.yaml")} == exercised
 
@@ -126,3 +126,42 @@ def test_chaos_drills_touch_only_the_clients_under_test():
     for cid in range(50):
         assert isinstance(send(calm, PRODUCE, 9, produce(["t"]), client_id="drill-7", correlation_id=cid)[0],
                           ToUpstream)
+
+
+def test_record_rules():
+    from kproxy.protocol.errors import INVALID_RECORD
+    from kproxy.protocol.records import build_batch, iter_batches
+
+    from .test_session import answered
+
+    rules = example("record-rules.yaml")
+    s = session(PolicyFilter(FixedRules.of(rules)))
+    order = b'{"order_id": "o-1", "amount": 12.5, "currency": "EUR"}'
+    avro = b"\x00\x00\x00\x00\x2a" + b"avro"
+    cases = {
+        ("orders-eu", 0): ([(b"o-1", order), (b"o-2", None)], 0),                   # a delete passes
+        ("orders-eu", 1): ([(b"o-1", b'{"order_id": "o-1", "amount": -1, "currency": "EUR"}')], INVALID_RECORD),
+        ("orders-eu", 2): ([(None, order)], INVALID_RECORD),                         # no key
+        ("orders-eu", 3): ([(b"o-1", b'{"order_id": "o-1", "amount": 1, "currency": "EUR", "pad": "'
+                                     + b"x" * 70_000 + b'"}')], INVALID_RECORD),
+        ("payments-x", 0): ([(None, avro)], 0),
+        ("payments-x", 1): ([(None, b"\x00\x00\x00\x00\x07avro")], INVALID_RECORD),  # schema 7
+        ("audit", 0): ([(None, b"anything")], 0),
+    }
+    cls = body_class(PRODUCE, "request")
+    topics: dict[str, list] = {}
+    for (t, p), (rows, _) in cases.items():
+        topics.setdefault(t, []).append(cls.PartitionProduceData(index=p, records=build_batch(rows)))
+    body = cls(acks=-1, timeout_ms=1000, topic_data=[cls.TopicProduceData(name=t, partition_data=ps)
+                                                     for t, ps in topics.items()])
+    acts = send(s, PRODUCE, 9, body, client_id="checkout")
+    up = forwarded(acts[-1])
+    sent = {(t.name, p.index): p.records for t in up.body.topic_data for p in t.partition_data}
+    assert set(sent) == {k for k, (_, error) in cases.items() if error == 0}
+    for (topic, _), records in sent.items():
+        (batch,) = iter_batches(records, verify_crc=True)
+        names = [[h.key for h in r.headers] for r in batch.records()]
+        assert all(n == (["x-producer", "traceparent"] if topic != "audit" else []) for n in names)
+    back = answered(broker_answers(s, up)[-1], PRODUCE, 9)
+    got = {(t.name, p.index): p.error_code for t in back.body.responses for p in t.partition_responses}
+    assert got == {k: error for k, (_, error) in cases.items()}
