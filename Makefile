@@ -13,8 +13,10 @@ $(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c
 	touch $@
 
 # From Debian, installed when missing and we may use apt: kcat for the end-to-end tests, promtool
-# (package prometheus; no service starts) to lint /metrics, and a Java runtime (17 or newer) for
-# PySpark, which `kproxy report` and its tests run on. Otherwise the tests that need them fail saying so.
+# (package prometheus; no service starts) to lint /metrics, haproxy (the load balancer in front of
+# kproxy in the PROXY protocol tests, which run their own in the foreground), and a Java runtime
+# (17 or newer) for PySpark, which `kproxy report` and its tests run on. Otherwise the tests that
+# need them fail saying so.
 system-deps:
 	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
 	if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then \
@@ -33,6 +35,11 @@ system-deps:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      prometheus) >/dev/null || echo "warning: could not install promtool (Debian package prometheus)"; \
 	  else echo "warning: promtool missing and apt-get unavailable"; fi; }
+	@command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      haproxy) >/dev/null || echo "warning: could not install haproxy"; \
+	  else echo "warning: haproxy missing and apt-get unavailable"; fi; }
 
 demo: $(VENV)/.installed
 	$(BIN)/kproxy demo

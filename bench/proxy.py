@@ -3,8 +3,9 @@
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
 (also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
 ``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--rules`` adds kproxy with the example
-multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS; ``--sasl`` kproxy
-logging in to the brokers by SCRAM, see SASL).
+multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS; ``--fleet`` the same
+quota with fleet coordination on, see FLEET; ``--sasl`` kproxy logging in to the brokers by SCRAM, see
+SASL).
 
 One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
@@ -70,13 +71,17 @@ QUOTAS = {
                            "    match: {client_id: kproxy-bench}\n    produce_bytes_per_s: 1.0e12\n"
                            "    fetch_bytes_per_s: 1.0e12\n    requests_per_s: 1.0e9\n"},
 }
+# The same never-triggering quota with fleet coordination on (--fleet): kp-fleet/kp-quotas is what
+# coordination costs the data path (target at least 0.97x).
+FLEET = {"kp-fleet": {**QUOTAS["kp-quotas"], "coordination": "{fleet: bench, topic: __kproxy_bench_quotas}",
+                      "admin": True}}
 # kproxy with SASL origination (upstream.sasl, SCRAM-SHA-512) against kproxy without it, both in front
 # of the tests' SASL gate (tests/e2e/sasl_gate.py, which verifies the SCRAM login for real) and a
 # second tansu that advertises the gate: the gate's relay is the same for both, so the ratio is what
 # logging in costs. Origination adds nothing per request; the login is once per broker connection.
 SASL = ("kp-gate", "kp-sasl")
 SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
-ALL_TARGETS = (*TARGETS, *TELEMETRY, TENANT, *QUOTAS, *SASL)
+ALL_TARGETS = (*TARGETS, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -122,8 +127,10 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] | None = None
+    started: float = 0.0
 
     def start(self, ready_ports: list[int], timeout: float = 20.0) -> None:
+        self.started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=self.env)
@@ -367,6 +374,7 @@ class Bench:
     otlp: OtlpSink | None = None
     ports: dict[str, int] = field(default_factory=dict)
     proxies: dict[str, Child] = field(default_factory=dict)
+    admin_ports: dict[str, int] = field(default_factory=dict)
 
     def start(self) -> None:
         launcher = Tansu(port=free_port())          # kproxy's launcher gives the command line
@@ -381,7 +389,7 @@ class Bench:
 
         if "kproxy" in self.args.targets:
             self._start_kproxy(bp)
-        for name, options in {**TELEMETRY, **QUOTAS}.items():
+        for name, options in {**TELEMETRY, **QUOTAS, **FLEET}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if TENANT in self.args.targets:
@@ -446,8 +454,11 @@ class Bench:
             rules = self.workdir / f"{name}-rules.yaml"
             rules.write_text(telemetry["rules"])
             lines.append(f'rules: ["{rules}"]')
+        if "coordination" in telemetry:
+            lines.append(f"quota: {{coordination: {telemetry['coordination']}}}")
         if telemetry.get("admin"):
-            lines.append(f'admin: {{listen: "{HOST}:{free_port()}"}}')
+            self.admin_ports[name] = free_port()
+            lines.append(f'admin: {{listen: "{HOST}:{self.admin_ports[name]}"}}')
         if telemetry.get("traffic_log"):
             lines.append(f'traffic_log: {{dir: "{self.workdir / name}-traffic"}}')
         if "tracing" in telemetry:
@@ -486,6 +497,24 @@ class Bench:
         gate = self.__dict__.pop("gate", None)
         if gate is not None:
             gate.close()
+
+    def coordination_figures(self) -> str:
+        """kp-fleet's coordination traffic over its whole life, from its /metrics."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{HOST}:{self.admin_ports['kp-fleet']}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        got = {}
+        for line in text.splitlines():
+            if line.startswith("kproxy_quota_coordination_") and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                got[name] = float(value)
+        seconds = time.monotonic() - self.proxies["kp-fleet"].started
+        out = got.get('kproxy_quota_coordination_bytes_total{direction="out"}', 0.0)
+        into = got.get('kproxy_quota_coordination_bytes_total{direction="in"}', 0.0)
+        return (f"kp-fleet coordination: up={got.get('kproxy_quota_coordination_up')}, "
+                f"{out / seconds / 1000:.2f} KB/s out and {into / seconds / 1000:.2f} KB/s in over {seconds:.0f} s "
+                f"(one budget active)")
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -575,7 +604,7 @@ def fmt_ratio(a: float, b: float) -> str:
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
           *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
-          ("kp-quotas", "kp-rules"), ("kp-sasl", "kp-gate"))
+          ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -681,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--quotas", action="store_true",
                     help=f"add {', '.join(QUOTAS)} (and kproxy, which they are compared with)")
+    ap.add_argument("--fleet", action="store_true",
+                    help=f"add {', '.join(FLEET)} (and kp-quotas, which it is compared with)")
     ap.add_argument("--sasl", action="store_true",
                     help=f"add {', '.join(SASL)}: kproxy through a SASL gate, logging in by SCRAM or not")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
@@ -698,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"kproxy", TENANT}
     if args.quotas:
         wanted |= {"kproxy", *QUOTAS}
+    if args.fleet:
+        wanted |= {"kp-quotas", *FLEET}
     if args.sasl:
         wanted |= set(SASL)
     if wanted - set(ALL_TARGETS):
@@ -725,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
             small = (bench.small_requests(rounds, args.small_clients, 2.0 if args.quick else args.small_seconds)
                      if args.small_clients else None)
             bench.check_alive()
+            fleet = bench.coordination_figures() if "kp-fleet" in args.targets else None
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
@@ -736,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{load_before} before, {_load()} after")
     if tp:
         report_throughput(ns, tp, args.targets)
+    if fleet:
+        print()
+        print(fleet)
     if lat:
         print()
         report_latency(lat, args.targets)

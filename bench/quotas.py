@@ -1,6 +1,7 @@
 """What a quota that never triggers adds to a request: a session with the quota filter against one without.
 
-Run from the repository root:  ``.venv/bin/python bench/quotas.py [--rounds N] [--quick]``
+Run from the repository root:  ``.venv/bin/python bench/quotas.py [--rounds N] [--quick] [--coordinated]``
+(``--coordinated``: the same quota kept for a fleet, a share per budget, against it kept per process)
 
 Each case sends one request frame into a sans-I/O ``Session`` and its broker answer back (decode,
 filters, encode both ways), as ``bench/rules.py`` does. Both sides run the filters a server with a
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--pairs", type=int, default=15, help="alternating batches per case and round")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, short measurements")
+    ap.add_argument("--coordinated", action="store_true",
+                    help="compare the quota kept for a fleet (a share per budget) with the same quota kept per process")
     args = ap.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
 
@@ -84,9 +87,14 @@ def main(argv: list[str] | None = None) -> int:
                                      ("produce 1 MiB batch", big_produce_pair(), PRODUCE, 9),
                                      ("fetch 10 topics x 100 B", fetch_pair(""), 1, 12),
                                      ("metadata", metadata_pair(), METADATA, 12)):
-        quota = QuotaFilter(rules)
-        cases[name] = (runner([PolicyFilter(empty)], pair, api, version),
-                       runner([PolicyFilter(rules), quota], pair, api, version), quota)
+        if args.coordinated:
+            # What fleet coordination adds per request: each budget's own share (set between intervals).
+            quota = QuotaFilter(rules, share=0.5, coordinated=True)
+            base = runner([PolicyFilter(rules), QuotaFilter(rules, share=0.5)], pair, api, version)
+        else:
+            quota = QuotaFilter(rules)
+            base = runner([PolicyFilter(empty)], pair, api, version)
+        cases[name] = (base, runner([PolicyFilter(rules), quota], pair, api, version), quota)
 
     pairs, n = (5, 20) if args.quick else (args.pairs, 100)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
@@ -99,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         # Charged, never throttled: the quota really ran.
         assert len(quota.budgets) == 1 and quoted.session.throttled_for(time.perf_counter()) == 0.0, name
 
-    header = (f"bench/quotas.py: {rounds} rounds x {pairs} pairs of {n} requests; CPU us per request "
+    what = "quota per process -> coordinated" if args.coordinated else "no quota -> quota"
+    header = (f"bench/quotas.py ({what}): {rounds} rounds x {pairs} pairs of {n} requests; CPU us per request "
               "(request in + answer out, sans-I/O), medians")
     lines = [header, f"{'case':28} {'without':>9} {'with':>9} {'added':>9} {'kept':>7}"]
     for name, figures in results.items():

@@ -83,6 +83,15 @@ def _build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--until", help="time to stop before, same forms as --since")
     rep.add_argument("--master", help="Spark master URL (default local[*], or what spark-submit set)")
     rep.add_argument("--rules", help="candidate rules file to dry-run against the recorded traffic")
+    rep.add_argument("--fleet-quotas", action="store_true",
+                     help="quota dry run as fleet quotas enforce it: each budget key summed over every instance's "
+                     "traffic before the whole limit applies (default: each instance on its own)")
+    rep.add_argument("--quota-replicas", type=int, default=1, metavar="N",
+                     help="without --fleet-quotas: each instance is judged with 1/N of each limit (default 1)")
+    rep.add_argument("--coordination-dump", metavar="FILE",
+                     help="a dump of the fleet quota coordination topic, one record a line: key, value and timestamp "
+                     "(ms), tab-separated, as kcat -C -e -t TOPIC -f with %%k, %%s and %%T writes it; gives per "
+                     "budget key the instances that reported it and their peak rate and demand summed")
     rep.add_argument("--quota-per", choices=("client_id", "principal"), default="client_id",
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "

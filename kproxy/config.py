@@ -7,6 +7,7 @@ hints. This module reads the config file, checks that the TLS files it names exi
 cgroup memory limit; it must not open sockets, load certificates or start tasks.
 """
 
+import contextlib
 import difflib
 import math
 import os
@@ -141,7 +142,7 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
             ok = isinstance(value, tuple) and all(isinstance(w, str) and w.strip() for w in value)
             return None if ok else f"expected a list of names, got {value!r}"
         if typing.get_args(tp)[0] is str:
-            return _paths_problem(value)
+            return _strings_problem(value) if rules.get("text") else _paths_problem(value)
         return _host_ports_problem(value)
     if typing.get_origin(tp) is dict:
         # dict[str, float] is the only mapping setting; its section checks the keys and values.
@@ -173,6 +174,12 @@ def _paths_problem(value: Any) -> str | None:
         return f"expected a list of file or directory names, got {value!r}"
     if any(not p.strip() for p in value):
         return "an empty file name"
+    return None
+
+
+def _strings_problem(value: Any) -> str | None:
+    if not (isinstance(value, tuple) and all(isinstance(p, str) for p in value)):
+        return f"expected a list of strings, got {value!r}"
     return None
 
 
@@ -370,6 +377,28 @@ class ExposureConfig:
 
 
 @attrs.frozen(field_transformer=_with_checks)
+class PrincipalConfig:
+    """How a verified client certificate becomes the principal: Kafka's ``ssl.principal.mapping.rules``
+    over its RFC 2253 subject, or (``san_uri``) its URI SAN, a SPIFFE ID."""
+
+    mapping_rules: tuple[str, ...] = _setting(("DEFAULT",), text=True)
+    san_uri: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        from kproxy.identity.principal import MappingRuleError, parse_rules
+
+        if not self.mapping_rules:
+            raise SettingError(_path_of(self, "mapping_rules"), "needs at least one rule (DEFAULT keeps the subject)")
+        try:
+            parse_rules(self.mapping_rules)
+        except MappingRuleError as e:
+            raise SettingError((*_path_of(self, "mapping_rules"), e.index), str(e)) from None
+        if self.san_uri and self.mapping_rules != ("DEFAULT",):
+            raise SettingError(_path_of(self, "san_uri"), "takes the URI SAN as it is; remove mapping_rules, "
+                                                          "or set san_uri: false to map the subject")
+
+
+@attrs.frozen(field_transformer=_with_checks)
 class TlsServerSide:
     """TLS from clients to kproxy (termination); mTLS when ``require_client_cert``."""
 
@@ -378,8 +407,12 @@ class TlsServerSide:
     key_file: str | None = _setting(None, file=True)
     ca_file: str | None = _setting(None, file=True)
     require_client_cert: bool = False
+    principal: PrincipalConfig = PrincipalConfig()
 
     def __attrs_post_init__(self) -> None:
+        if self.principal != PrincipalConfig() and self.ca_file is None:
+            raise SettingError(_path_of(self, "principal"), "maps client certificates, which need tls.ca_file "
+                                                            "(the CA that signs them)")
         if self.require_client_cert:
             if not self.enabled:
                 raise SettingError(_path_of(self, "require_client_cert"), "needs tls.enabled: true")
@@ -391,6 +424,30 @@ class TlsServerSide:
                 if getattr(self, name) is None:
                     raise SettingError(_path_of(self, "enabled"), f"TLS termination needs tls.{name}")
             _check_files(self)
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class ProxyProtocolConfig:
+    """The HAProxy PROXY protocol header on the client listeners, from load balancers in ``trusted``."""
+
+    mode: str = _setting("off", case="lower", choices=("off", "optional", "required"), off=True)
+    trusted: tuple[str, ...] = _setting((), text=True)    # CIDRs of the peers that may send one
+    timeout_s: float = _setting(10.0, above=0)             # to receive the whole header
+
+    def __attrs_post_init__(self) -> None:
+        import ipaddress
+
+        for i, cidr in enumerate(self.trusted):
+            try:
+                ipaddress.ip_network(cidr, strict=True)
+            except ValueError as e:
+                hint = ""
+                with contextlib.suppress(ValueError):
+                    hint = f" (did you mean {str(ipaddress.ip_network(cidr, strict=False))!r}?)"
+                raise SettingError((*_path_of(self, "trusted"), i), f"{cidr!r} is not a CIDR: {e}{hint}") from None
+        if self.mode != "off" and not self.trusted:
+            raise SettingError(_path_of(self, "mode"), "needs proxy_protocol.trusted, the CIDRs of the load "
+                                                       "balancers allowed to send the header")
 
 
 @attrs.frozen(field_transformer=_with_checks)
@@ -527,13 +584,57 @@ class TracingConfig:
     exporter: str | None = _setting(None, case="lower", choices=("otlp", "console", "none"))
 
 
+_TOPIC_NAME: Final = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+
+
+@attrs.frozen(field_transformer=_with_checks)
+class CoordinationConfig:
+    """Fleet-wide quotas (docs/fleet-quotas.md): every process of ``fleet`` reports its use of each
+    budget to ``topic`` every ``publish_interval_ms`` and enforces its demand-weighted share of the
+    whole limit; peers silent for ``stale_after_s`` are ignored, and without fresh coordination a
+    process falls back to the static share (limit / (quota_replicas x workers))."""
+
+    fleet: str = _setting()
+    # false keeps the section written but off (charts template it in and switch it with one flag).
+    enabled: bool = True
+    topic: str = _setting("__kproxy_quotas")
+    publish_interval_ms: int = _setting(500, min=50, max=60000)
+    stale_after_s: float = _setting(5.0, above=0, max=3600)
+    # Used when kproxy creates the topic (an existing one is used as it is).
+    partitions: int = _setting(1, min=1, max=1000)
+    replication_factor: int = _setting(-1, min=-1, max=32)     # -1: the broker's default
+    retention_ms: int = _setting(300000, min=1000)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.fleet.strip() or "/" in self.fleet or len(self.fleet) > 200:
+            raise SettingError(_path_of(self, "fleet"), f"{self.fleet!r} is not a fleet name (1 to 200 characters, "
+                                                        f"no '/')")
+        if not _TOPIC_NAME.fullmatch(self.topic) or self.topic in (".", ".."):
+            raise SettingError(_path_of(self, "topic"), f"{self.topic!r} is not a Kafka topic name "
+                                                        f"(letters, digits, '.', '_', '-'; at most 249)")
+        if self.replication_factor == 0:
+            raise SettingError(_path_of(self, "replication_factor"), "must be -1 (the broker's default) or at least 1")
+        if self.stale_after_s * 1000 < 2 * self.publish_interval_ms:
+            raise SettingError(_path_of(self, "stale_after_s"),
+                               f"must be at least two publish intervals ({2 * self.publish_interval_ms / 1000:g}s), "
+                               f"got {self.stale_after_s:g}: every record would be stale before the next is read")
+
+
 @attrs.frozen(field_transformer=_with_checks)
 class QuotaConfig:
     """How client quotas measure rates (Kafka's quota.window.num and quota.window.size.seconds):
-    ``samples`` sliding samples of ``window_s`` seconds each."""
+    ``samples`` sliding samples of ``window_s`` seconds each; ``coordination`` shares every quota
+    across a fleet of kproxy processes (off when None)."""
 
     samples: int = _setting(11, min=1, max=3600)
     window_s: float = _setting(1.0, above=0, max=3600)
+    coordination: CoordinationConfig | None = None
+
+    @property
+    def coordinated(self) -> CoordinationConfig | None:
+        """The coordination settings when fleet quotas are on, else None."""
+        c = self.coordination
+        return c if c is not None and c.enabled else None
 
 
 @attrs.frozen(field_transformer=_with_checks)
@@ -545,6 +646,7 @@ class ProxyConfig:
     mode: str = _setting("gateway", choices=("gateway", "sidecar"))
     exposure: ExposureConfig = ExposureConfig()
     tls: TlsServerSide = TlsServerSide()
+    proxy_protocol: ProxyProtocolConfig = ProxyProtocolConfig()
     sasl: SaslConfig | None = None
     limits: LimitsConfig = LimitsConfig()
     passthrough_unknown_versions: bool = False
@@ -581,6 +683,11 @@ class ProxyConfig:
         if self.workers != 1 and self.exposure.mode != "sni" and self.exposure.node_id_base is None:
             raise SettingError(("workers",), "more than one worker needs broker ports every worker agrees on: "
                                              "set exposure.node_id_base (or use exposure.mode: sni)")
+        if (self.proxy_protocol.mode == "optional" and not self.tls.enabled
+                and self.limits.max_frame_size >= _PROXY_V2_AS_FRAME_SIZE):
+            raise SettingError(("limits", "max_frame_size"), "with proxy_protocol.mode: optional, frames must stay "
+                                                             f"under {_PROXY_V2_AS_FRAME_SIZE} bytes, or a frame's "
+                                                             "size could read as a PROXY v2 signature")
         admin = self.admin.listen
         if admin is not None and _may_share(admin.host, self.listen.host):
             taken = {self.listen.port}
@@ -606,6 +713,11 @@ class ProxyConfig:
         """The first per-broker port (port_per_broker mode)."""
         start = self.exposure.broker_port_start
         return self.listen.port + 1 if start is None else start
+
+
+# The first four bytes of a PROXY v2 signature (\r\n\r\n) read as a Kafka frame size; "PROXY"
+# reads larger still. Frames below this cannot be mistaken for a header.
+_PROXY_V2_AS_FRAME_SIZE: Final = 0x0D0A0D0A
 
 
 def _check_exposure(cfg: ProxyConfig) -> None:
@@ -745,6 +857,7 @@ def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
         f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        *_identity_summary(cfg),
         f"client SASL {'terminated: ' + ', '.join(cfg.sasl.mechanisms) if cfg.sasl else 'relayed'}",
         f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}",
         f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
@@ -759,7 +872,23 @@ def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
         if cfg.quota_replicas > 1:
             parts.append(f"quotas split over {cfg.quota_replicas} replicas")
+        coord = cfg.quota.coordinated
+        if coord is not None:
+            parts.append(f"quotas shared by fleet {coord.fleet!r} through topic {coord.topic}")
     return "; ".join(parts)
+
+
+def _identity_summary(cfg: ProxyConfig) -> list[str]:
+    out = []
+    principal = cfg.tls.principal
+    if principal.san_uri:
+        out.append("mTLS principal from the URI SAN (SPIFFE ID)")
+    elif principal.mapping_rules != ("DEFAULT",):
+        out.append(f"mTLS principal by {len(principal.mapping_rules)} mapping rules")
+    pp = cfg.proxy_protocol
+    if pp.mode != "off":
+        out.append(f"PROXY protocol {pp.mode} from {', '.join(pp.trusted)}")
+    return out
 
 
 def _on_off(flag: bool) -> str:
@@ -819,6 +948,7 @@ def _yaml_error(e: yaml.MarkedYAMLError, file: str | None) -> ConfigError:
 _NULL_TAG: Final = "tag:yaml.org,2002:null"
 _STR_TAG: Final = "tag:yaml.org,2002:str"
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+_BOOL_TAG: Final = "tag:yaml.org,2002:bool"
 
 # "$$" is a literal "$"; "${NAME}" and "${NAME:-default}" are references (a default may hold "$$"
 # but no reference); any other "${" is a mistake.
@@ -908,6 +1038,11 @@ class _Builder:
             self.fail(e.path, e.problem)
 
     def value(self, tp: Any, node: Node, path: _Path, rules: Mapping[str, Any]) -> Any:
+        if rules.get("off") and isinstance(node, ScalarNode) and node.tag == _BOOL_TAG:
+            # YAML 1.1 reads a bare off/no/false as a boolean; for a mode that is the word "off".
+            if node.value.lower() in ("off", "no", "false"):
+                return "off"
+            self.fail(path, f"expected one of {', '.join(rules.get('choices', ()))}, got {node.value}", node)
         if rules.get("auto") and isinstance(node, ScalarNode) and node.tag == _STR_TAG:
             if node.value == "auto":
                 return 0    # an int setting that also takes "auto" (workers): 0 stands for it
@@ -923,7 +1058,7 @@ class _Builder:
             if rules.get("words"):
                 return self.words(node, path, rules)
             if typing.get_args(tp)[0] is str:
-                return self.paths(node, path)
+                return self.strings(node, path) if rules.get("text") else self.paths(node, path)
             return self.host_ports(node, path)
         if origin is dict:
             return self.mapping(typing.get_args(tp)[1], node, path)
@@ -977,6 +1112,22 @@ class _Builder:
             return HostPort.parse(node.value)
         except ValueError as e:
             self.fail(path, str(e), node)
+
+    def strings(self, node: Node, path: _Path) -> tuple[str, ...]:
+        """A list of strings (or one), each item's line remembered so an error can point at it."""
+        if _is_null(node):
+            return ()
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        out = []
+        for i, item in enumerate(items):
+            at = (*path, i) if isinstance(node, SequenceNode) else path
+            line = _line(item)
+            if line is not None:
+                self.lines[at] = line
+            if not (isinstance(item, ScalarNode) and item.tag == _STR_TAG):
+                self.fail(at, f"expected a string (quote it), got {_describe(item)}", item)
+            out.append(item.value)
+        return tuple(out)
 
     def paths(self, node: Node, path: _Path) -> tuple[str, ...]:
         """A list of file or directory names (or one), each relative to the config file, each existing."""

@@ -5,8 +5,10 @@ file:line message ``kproxy check`` prints), then shipped to the executors, where
 ``kproxy.policy.decide`` judges every recorded request, and each quota's requests are charged, in
 time order per budget key, with the accounting ``kproxy.quota`` uses, inside vectorised pandas
 functions (``mapInPandas``, ``applyInPandas``): the one place the report runs Python per row. Spark
-aggregates what comes out. The log is judged as one kproxy process would see it (share 1, Kafka's
-default 11 samples of 1 s).
+aggregates what comes out. Quotas are judged with Kafka's default 11 samples of 1 s, either per
+kproxy instance (the lines' ``proxy``) with the static share ``1 / quota_replicas`` each, or, in fleet
+mode, with every instance's traffic on a budget key summed before the whole limit applies, as fleet
+quotas (``quota.coordination``) enforce it.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ _OUTPUT = ("ts timestamp, rule string, action string, error string, client_id st
 # rule: "default" when no rule decided; action: allow, deny, rewrite, or "refuse topics" when partial.
 
 
-def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
+def dry_run(requests: DataFrame, rules_path: Path, fleet: bool = False, replicas: int = 1) -> dict[str, DataFrame]:
     """Applies the rules file (or directory) at ``rules_path`` to ``requests`` (the report's table).
 
     Returns ``dry_run_decisions`` (per rule and action: how many requests it decided),
     ``dry_run_denied`` (who would have been refused, by which rule, with which error, how often, and
     when first and last), when the file has validate rules ``dry_run_record_rules`` (what each would
-    have judged, and refused where the log can tell), and, when the file has quotas, ``dry_run_throttled`` (per quota and budget
-    key: requests counted, how many would have been throttled, and by how much).
+    have judged, and refused where the log can tell), and, when the file has quotas,
+    ``dry_run_throttled`` (per quota and budget key: requests counted, how many would have been
+    throttled, and by how much; per instance with a ``1 / replicas`` share of each limit, or with
+    ``fleet`` summed over the instances, ``instance`` then ``*``).
     """
     from kproxy.policy.loader import RuleError, load_rules
 
@@ -51,7 +55,7 @@ def dry_run(requests: DataFrame, rules_path: Path) -> dict[str, DataFrame]:
     if any(r.action == "validate" for r in rules.rules):
         tables["dry_run_record_rules"] = _record_rules(requests, rules)
     if rules.quotas:
-        tables["dry_run_throttled"] = _quotas(requests, rules)
+        tables["dry_run_throttled"] = _quotas(requests, rules, fleet, 1.0 / replicas)
     return tables
 
 
@@ -278,21 +282,23 @@ def _judge_records(rules: Any) -> Any:
 
 
 # t: when the response completed (seconds); spent: kproxy's own time on the request (seconds).
-_CHARGES = "quota string, key string, t double, produced bigint, fetched bigint, spent double"
+# instance: the kproxy that counted it, or "*" when the fleet's instances share one budget.
+_CHARGES = "quota string, key string, instance string, t double, produced bigint, fetched bigint, spent double"
 
-_THROTTLED = ("quota string, key string, requests bigint, throttled bigint, throttle_ms_total bigint, "
-              "throttle_ms_p99 bigint, throttle_ms_max bigint")
+_THROTTLED = ("quota string, key string, instance string, requests bigint, throttled bigint, "
+              "throttle_ms_total bigint, throttle_ms_p99 bigint, throttle_ms_max bigint")
 
 
-def _quotas(requests: DataFrame, rules: Any) -> DataFrame:
-    """Per quota and budget key, what the quota would have done to the recorded requests."""
+def _quotas(requests: DataFrame, rules: Any, fleet: bool, share: float) -> DataFrame:
+    """Per quota and budget key (and instance, unless ``fleet``), what the quota would have done."""
     charges = requests.select(*_INPUT, "done_ts", "proxy", "conn", "kproxy_ms").mapInPandas(
-        _charges(rules), schema=_CHARGES)
-    return (charges.groupBy("quota", "key").applyInPandas(_replay(rules), schema=_THROTTLED)
+        _charges(rules, fleet), schema=_CHARGES)
+    return (charges.groupBy("quota", "key", "instance")
+            .applyInPandas(_replay(rules, 1.0 if fleet else share), schema=_THROTTLED)
             .orderBy(F.desc("throttle_ms_total"), F.desc("requests")))
 
 
-def _charges(rules: Any) -> Any:
+def _charges(rules: Any, fleet: bool) -> Any:
     """Each recorded request, once per quota that would have counted it, with what it is charged."""
 
     def charges(batches: Iterator[Any]) -> Iterator[Any]:
@@ -317,6 +323,7 @@ def _charges(rules: Any) -> Any:
                     produced, fetched = (moved, 0) if row.api == "produce" else (0, moved) if row.api == "fetch" \
                         else (0, 0)
                 connection = f"{_scalar(row.proxy) or ''}/{_scalar(row.conn)}"
+                instance = "*" if fleet else _scalar(row.proxy) or "?"
                 for q in quotas:
                     if not (q.rule.match.holds_for_connection(
                             facts.client_id, facts.principal, facts.source, facts.listener,
@@ -325,13 +332,14 @@ def _charges(rules: Any) -> Any:
                         continue
                     key = key_of(q.rule.per, facts.client_id, facts.principal, facts.source, connection)
                     spent = (_scalar(row.kproxy_ms) or 0.0) / 1000.0
-                    out.append((q.rule.name, key, pd.Timestamp(done).timestamp(), produced, fetched, spent))
+                    out.append((q.rule.name, key, instance, pd.Timestamp(done).timestamp(), produced, fetched,
+                                spent))
             yield pd.DataFrame(out, columns=_columns(_CHARGES))
 
     return charges
 
 
-def _replay(rules: Any) -> Any:
+def _replay(rules: Any, share: float) -> Any:
     """One quota's budget key: its requests charged in time order; the throttles that come of it."""
 
     def replay(group: Any) -> Any:
@@ -339,14 +347,14 @@ def _replay(rules: Any) -> Any:
 
         from kproxy.quota.engine import quotas_of, replay_throttles
 
-        name, key = group["quota"].iloc[0], group["key"].iloc[0]
-        q = next(q for q in quotas_of(rules) if q.rule.name == name)
+        name, key, instance = group["quota"].iloc[0], group["key"].iloc[0], group["instance"].iloc[0]
+        q = next(q for q in quotas_of(rules, share=share) if q.rule.name == name)
         group = group.sort_values("t", kind="stable")
         ms = replay_throttles(q, zip(group["t"], group["produced"], group["fetched"], group["spent"],
                                      strict=True))
         hit = sorted(m for m in ms if m > 0)
         p99 = hit[int(0.99 * (len(hit) - 1))] if hit else 0
-        return pd.DataFrame([(name, key, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
+        return pd.DataFrame([(name, key, instance, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
                             columns=_columns(_THROTTLED))
 
     return replay
@@ -355,3 +363,53 @@ def _replay(rules: Any) -> Any:
 def _columns(ddl: str) -> list[str]:
     """The column names of a DDL schema string, in order."""
     return [part.split()[0] for part in ddl.split(",")]
+
+
+# ---- the coordination topic's history (fleet quotas)
+
+# One record as a dump holds it: kcat -C -t TOPIC -f '%k\t%s\t%T\n' (key, value, timestamp in ms).
+_DUMP_RECORDS = "fleet string, quota string, key string, instance string, rate double, demand double, at double"
+
+
+def coordination_tables(spark: Any, dump: Path) -> dict[str, DataFrame]:
+    """``coordination_budgets`` from a dump of the coordination topic: per fleet, quota and budget key,
+    the instances that reported it, and the peak per second of the rates and demands they reported
+    summed (fractions of the quota's whole limit: above 1, the fleet wanted more than the limit)."""
+    if not dump.is_file():
+        raise ReportError(f"--coordination-dump {dump}: no such file")
+    lines = spark.read.text(str(dump))
+    records = lines.mapInPandas(_decode_records, schema=_DUMP_RECORDS)
+    per_second = (records.withColumn("second", F.floor("at"))
+                  .groupBy("fleet", "quota", "key", "instance", "second")
+                  .agg(F.max("rate").alias("rate"), F.max("demand").alias("demand")))
+    summed = (per_second.groupBy("fleet", "quota", "key", "second")
+              .agg(F.sum("rate").alias("rate"), F.sum("demand").alias("demand")))
+    peaks = summed.groupBy("fleet", "quota", "key").agg(F.max("rate").alias("peak_rate"),
+                                                        F.max("demand").alias("peak_demand"))
+    seen = records.groupBy("fleet", "quota", "key").agg(
+        F.countDistinct("instance").alias("instances"), F.count(F.lit(1)).alias("records"),
+        F.min("at").cast("timestamp").alias("first_seen"), F.max("at").cast("timestamp").alias("last_seen"))
+    table = (seen.join(peaks, ["fleet", "quota", "key"]).where(F.col("quota") != "")
+             .orderBy(F.desc("peak_demand")))
+    return {"coordination_budgets": table}
+
+
+def _decode_records(batches: Iterator[Any]) -> Iterator[Any]:
+    import pandas as pd
+
+    from kproxy.quota.fleet import decode_record
+
+    for batch in batches:
+        out = []
+        for line in batch["value"]:
+            parts = line.split("\t")
+            if len(parts) != 3:
+                continue
+            try:
+                at = int(parts[2]) / 1000.0
+            except ValueError:
+                continue
+            r = decode_record(parts[0].encode(), parts[1].encode(), at)
+            if r is not None:
+                out.append((r.fleet, r.quota, r.key, r.instance, r.rate, r.demand, r.at))
+        yield pd.DataFrame(out, columns=_columns(_DUMP_RECORDS))

@@ -25,7 +25,7 @@ from pyspark.sql import types as T
 
 from kproxy.analytics import render as R
 from kproxy.analytics import tables as TB
-from kproxy.analytics.dry_run import dry_run
+from kproxy.analytics.dry_run import coordination_tables, dry_run
 from kproxy.analytics.quota_file import write_quota_file
 from kproxy.analytics.removed_versions import REMOVED_IN
 from kproxy.analytics.session import apply_runtime_settings, build_session
@@ -45,6 +45,9 @@ class ReportOptions:
     rules: Path | None = None
     quota_per: str = "client_id"
     tables_uri: str | None = None
+    fleet_quotas: bool = False          # the quota dry run sums each budget key over the instances
+    quota_replicas: int = 1             # otherwise each instance is judged with 1/this of each limit
+    coordination_dump: Path | None = None
 
     @property
     def tables(self) -> str:
@@ -106,8 +109,10 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
         raise ReportError(f"--since {opts.since.isoformat()} is not before --until {opts.until.isoformat()}")
     if opts.rules is not None and not opts.rules.is_file():
         raise ReportError(f"--rules {opts.rules}: no such file")
+    if opts.quota_replicas < 1:
+        raise ReportError(f"--quota-replicas {opts.quota_replicas}: must be at least 1")
     opts.out.mkdir(parents=True, exist_ok=True)
-    progress = progress or Progress(len(STAGES) + (1 if opts.rules else 0))
+    progress = progress or Progress(len(STAGES) + (1 if opts.rules or opts.coordination_dump else 0))
     if spark is None:
         spark = build_session(opts.master)
     else:
@@ -130,7 +135,10 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
             raise ReportError(f"no traffic log lines (*.jsonl, *.jsonl.gz) in {', '.join(opts.logs)}"
                               f"{_window_text(opts)}")
     requests = got["requests"]
-    dry_tables = dry_run(requests, opts.rules) if opts.rules is not None else {}
+    dry_tables = (dry_run(requests, opts.rules, opts.fleet_quotas, opts.quota_replicas)
+                  if opts.rules is not None else {})
+    if opts.coordination_dump is not None:
+        dry_tables.update(coordination_tables(spark, opts.coordination_dump))
 
     with progress.stage(STAGES[1]):
         partitions = t.write("partitions", TB.partitions_table(requests))
@@ -163,7 +171,7 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
         advice = [r.asDict() for r in got["quota_advice"].where(F.col("dimension") == opts.quota_per).collect()]
     with progress.stage(STAGES[8]):
         got["e2e_latency"] = t.write("e2e_latency", TB.e2e_latency_table(TB.e2e_batches(partitions)), small=True)
-    if opts.rules is not None:
+    if dry_tables:
         with progress.stage("policy dry-run"):
             for name, df in dry_tables.items():
                 got[name] = t.write(name, df, small=True)
@@ -279,9 +287,10 @@ def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], cou
                 _incidents(got, counts, bucket, per), _fleet(got, counts),
                 _quotas(got, quota_path, opts.quota_per, quotas_shown), _e2e(got, counts)]
     for name in got:
-        if name.startswith("dry_run_"):
+        if name.startswith(("dry_run_", "coordination_")):
             intro = DRY_RUN_NOTES.get(name, "")
-            sections.append(R.Section("Dry run: " + name, name, intro, parts=[
+            title = ("Dry run: " if name.startswith("dry_run_") else "Fleet quotas: ") + name
+            sections.append(R.Section(title, name, intro, parts=[
                 R.table(rows(got[name], 200), [(c, c, R.fmt_text) for c in got[name].columns],
                         counts[name], f"tables/{name}")]))
     window = f"{s['first_ts'] or R.DASH} to {s['last_ts'] or R.DASH} UTC"
@@ -509,7 +518,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             since=parse_time(args.since) if args.since else None,
             until=parse_time(args.until) if args.until else None,
             master=args.master, rules=Path(args.rules) if args.rules else None,
-            quota_per=args.quota_per, tables_uri=args.tables)
+            quota_per=args.quota_per, tables_uri=args.tables, fleet_quotas=args.fleet_quotas,
+            quota_replicas=args.quota_replicas,
+            coordination_dump=Path(args.coordination_dump) if args.coordination_dump else None)
         summary = run_report(opts)
     except ReportError as e:
         print(f"kproxy report: {e}", file=sys.stderr)

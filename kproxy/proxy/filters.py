@@ -25,8 +25,10 @@ class ConnectionContext:
     """What kproxy knows about one client connection; shared by every filter on it.
 
     ``principal`` is the identity filters act on: the SASL user once the broker has accepted the
-    authentication, else the verified mTLS client certificate's subject, else None. A user the client
-    only claims (a token the broker has not accepted yet, or refused) is never a principal.
+    authentication, else the name ``tls.principal`` maps the verified mTLS client certificate to
+    (``tls_subject``: its subject by default, or its SPIFFE ID), else None. A user the client only
+    claims (a token the broker has not accepted yet, or refused) is never a principal.
+    ``client_address`` is the socket's peer, or the client a PROXY header from a trusted peer names.
 
     ``listener`` says where the client connected, one of:
 

@@ -22,15 +22,21 @@ BudgetKey = tuple[str, str]     # (quota name, key such as "client_id=app-1")
 
 class Budget:
     """One quota's rates for one key: produce and fetch bytes, requests, and request time (in
-    percent-seconds of one thread), each created when first used."""
+    percent-seconds of one thread), each created when first used. ``share`` is the part of the
+    quota's limits this budget is held to: 1 when the quota was scaled already, a fleet share
+    (``kproxy.quota.fleet``) set by the coordinator between intervals when quotas are coordinated.
+    ``muted`` measures the seconds per second its clients were told to wait (their demand beyond
+    what was let through)."""
 
-    __slots__ = ("fetch", "last_used", "produce", "requests", "span_s", "time")
+    __slots__ = ("fetch", "last_used", "muted", "produce", "requests", "share", "span_s", "time")
 
-    def __init__(self, now: float, span_s: float) -> None:
+    def __init__(self, now: float, span_s: float, share: float = 1.0) -> None:
         self.produce: SampledRate | None = None
         self.fetch: SampledRate | None = None
         self.requests: SampledRate | None = None
         self.time: SampledRate | None = None
+        self.muted: SampledRate | None = None
+        self.share = share
         self.last_used = now
         self.span_s = span_s    # how long its samples remember: idle longer, it measures nothing
 
@@ -44,8 +50,9 @@ class Budget:
 class Budgets:
     """Every budget of one kproxy process, shared by all connections."""
 
-    def __init__(self, limit: int = 100_000) -> None:
+    def __init__(self, limit: int = 100_000, initial_share: float = 1.0) -> None:
         self.limit = limit
+        self.initial_share = initial_share      # the share a new budget starts with
         # Least recently used first: every use moves a budget to the end.
         self._budgets: OrderedDict[BudgetKey, Budget] = OrderedDict()
         self._next_sweep = min(limit, 1024)
@@ -59,7 +66,7 @@ class Budgets:
         if budget is None:
             if len(self._budgets) >= self._next_sweep:
                 self._sweep(now)
-            budget = self._budgets[key] = Budget(now, span_s)
+            budget = self._budgets[key] = Budget(now, span_s, self.initial_share)
         else:
             budget.span_s = span_s
             self._budgets.move_to_end(key)
@@ -68,6 +75,9 @@ class Budgets:
 
     def peek(self, key: BudgetKey) -> Budget | None:
         return self._budgets.get(key)
+
+    def items(self) -> Iterable[tuple[BudgetKey, Budget]]:
+        return self._budgets.items()
 
     def drop(self, keys: Iterable[BudgetKey]) -> None:
         for key in keys:

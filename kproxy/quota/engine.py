@@ -23,6 +23,7 @@ from kproxy.protocol.lazy import LazyArray
 from kproxy.protocol.messages import Request, Response, api_name
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter, RequestVerdict, Throttle
 from kproxy.quota.budgets import Budget, BudgetKey, Budgets
+from kproxy.quota.fleet import Load, demand_of
 from kproxy.quota.rate import Windows, to_ms
 
 log = logging.getLogger("kproxy.quota")
@@ -141,13 +142,49 @@ class QuotaFilter(Filter):
     response_api_keys = ALL
 
     def __init__(self, source: RuleSource, samples: int = 11, window_s: float = 1.0, share: float = 1.0,
-                 budgets: Budgets | None = None) -> None:
+                 budgets: Budgets | None = None, coordinated: bool = False) -> None:
         self.source = source
         self.samples = samples
         self.window_s = window_s
         self.share = share
         self.budgets = budgets if budgets is not None else Budgets()
+        # Coordinated (fleet quotas): the limits are kept whole and each budget carries its own share,
+        # which starts at the static one and is moved by the coordinator (kproxy.server.coordination).
+        self.coordinated = coordinated
+        if coordinated:
+            self.budgets.initial_share = share
         self._compiled: _Compiled | None = None
+
+    def _compile(self, rule_set: RuleSet) -> _Compiled:
+        compiled = self._compiled
+        if compiled is None or compiled.rule_set is not rule_set:
+            compiled = self._compiled = _Compiled(rule_set, self.samples, self.window_s,
+                                                  1.0 if self.coordinated else self.share)
+        return compiled
+
+    def loads(self, now: float) -> list[tuple[BudgetKey, Budget, Load]]:
+        """Every budget used within its quota's window, with its rate and demand as fractions of the
+        quota's whole limit (the most used of its limits): what a coordinated process reports. Walks
+        the budget table; called between intervals, never per request."""
+        rule_set = self.source.policy.rule_set
+        if not rule_set.quotas:
+            return []
+        # A per-connection budget belongs to one connection of one process: nothing to share.
+        by_name = {q.rule.name: q for q in self._compile(rule_set).quotas if q.rule.per != "connection"}
+        out = []
+        for key, budget in list(self.budgets.items()):
+            q = by_name.get(key[0])
+            if q is None or now - budget.last_used >= q.span_s:
+                continue
+            used = 0.0
+            whole = 1.0 if self.coordinated else self.share     # the compiled limits are whole x this
+            for kind in ("produce", "fetch", "requests", "time"):
+                limit, rate = getattr(q, kind), getattr(budget, kind)
+                if limit and rate is not None:
+                    used = max(used, rate.measure(now, q.windows) * whole / limit)
+            muted = budget.muted.measure(now, q.windows) if budget.muted is not None else 0.0
+            out.append((key, budget, Load(used, demand_of(used, muted))))
+        return out
 
     # -- which quotas apply
 
@@ -155,9 +192,7 @@ class QuotaFilter(Filter):
         rule_set = self.source.policy.rule_set
         if not rule_set.quotas:
             return None
-        compiled = self._compiled
-        if compiled is None or compiled.rule_set is not rule_set:
-            compiled = self._compiled = _Compiled(rule_set, self.samples, self.window_s, self.share)
+        compiled = self._compile(rule_set)
         address = ctx.client_address[0] if ctx.client_address else None
         key = (ctx.client_id, ctx.principal, address, ctx.listener, ctx.client_software_name,
                ctx.client_software_version)
@@ -208,12 +243,13 @@ class QuotaFilter(Filter):
                 continue
             budget = self.budgets.peek(key)
             rate = budget.fetch if budget is not None else None
+            bound = q.fetch * (budget.share if budget is not None else self.budgets.initial_share)
             if rate is None:
-                room = q.fetch * q.windows.min_full_windows * q.windows.window_s
+                room = bound * q.windows.min_full_windows * q.windows.window_s
             else:
-                room = rate.least_allowance(q.windows, q.fetch)
+                room = rate.least_allowance(q.windows, bound)
                 if room < wanted:
-                    room = rate.allowance(now, q.windows, q.fetch)
+                    room = rate.allowance(now, q.windows, bound)
             allowed = room if allowed is None else min(allowed, room)
         if allowed is None:
             return
@@ -319,27 +355,31 @@ def _capped(q: _Quota, key: str, connection_id: int, chosen: set[str], own: set[
 def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float) -> float:
     """Record one request against each limit of ``q``; the longest throttle in seconds."""
     w = q.windows
+    share = budget.share        # 1, or this process's fleet share (set between intervals)
     longest = 0.0
     if q.produce is not None and produced:
         rate = budget.produce or budget.new("produce")
-        longest = rate.record_and_throttle(produced, now, w, q.produce)
+        longest = rate.record_and_throttle(produced, now, w, q.produce * share)
     if q.fetch is not None and fetched:
         rate = budget.fetch or budget.new("fetch")
-        t = rate.record_and_throttle(fetched, now, w, q.fetch)
+        t = rate.record_and_throttle(fetched, now, w, q.fetch * share)
         if t > longest:
             longest = t
     if q.requests is not None:
         rate = budget.requests or budget.new("requests")
-        t = rate.record_and_throttle(1, now, w, q.requests)
+        t = rate.record_and_throttle(1, now, w, q.requests * share)
         if t > longest:
             longest = t
     if q.time is not None:
         rate = budget.time or budget.new("time")
         # Kafka records thread time as percent-seconds and throttles a request quota by at most one
         # window (ClientRequestQuotaManager's maxThrottleTimeMs).
-        t = min(rate.record_and_throttle(spent * 100, now, w, q.time), w.window_s)
+        t = min(rate.record_and_throttle(spent * 100, now, w, q.time * share), w.window_s)
         if t > longest:
             longest = t
+    if longest > 0:
+        # The wait a throttle imposes is demand the budget did not let through: fleet shares weigh it.
+        (budget.muted or budget.new("muted")).record(longest, now, w)
     return longest
 
 

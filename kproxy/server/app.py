@@ -21,7 +21,8 @@ from typing import Any
 
 import trio
 
-from kproxy.config import HostPort, ProxyConfig, effective_buffer_budget
+from kproxy.config import HostPort, ProxyConfig, TlsClientSide, TlsServerSide, effective_buffer_budget
+from kproxy.identity.principal import PrincipalMapper
 from kproxy.logs import safe
 from kproxy.policy.engine import PolicyFilter
 from kproxy.policy.loader import describe_rules
@@ -44,16 +45,20 @@ from kproxy.server.budget import BufferBudget
 from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
 from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
 from kproxy.server.origination import Roundtrip, direct_roundtrip
+from kproxy.server.proxy_protocol import ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
+from kproxy.server.tls_files import POLL_INTERVAL_S as TLS_POLL_INTERVAL_S
+from kproxy.server.tls_files import ReloadingContext, watch_tls
 from kproxy.server.transport import (
     PlainTransport,
     SniNames,
     TlsTransport,
+    Transport,
     client_context,
-    format_subject,
     server_context,
     tune,
 )
@@ -118,17 +123,27 @@ class ProxyServer:
         self._discovery_result = False
         self.discovery_ended_at: float | None = None
         self.admin: admin.AdminServer | None = None
+        self.coordinator: Coordinator | None = None     # fleet quotas (quota.coordination)
         self._telemetry_failures: set[str] = set()
         exposure = config.exposure
         self.sni = exposure.mode == "sni"
-        self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None)
-        self.client_tls: ssl.SSLContext | None = (
-            server_context(config.tls, self.sni_names if self.sni else None) if config.tls.enabled else None)
-        self.upstream_tls: ssl.SSLContext | None = (
-            client_context(config.upstream.tls) if config.upstream.tls.enabled else None)
+        self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None,
+                                  exposure.sni.bootstrap_name if exposure.sni else "bootstrap")
+        # Both sides follow their certificate files (tls_poll_interval_s; see tls_files.py), and every
+        # load, the first included, records the certificates' expiry in self.certificates.
+        self.client_tls: ReloadingContext | None = (
+            _reloading("tls", config.tls, lambda: server_context(config.tls, self.sni_names if self.sni else None),
+                       server_side=True, expiry=self.certificates) if config.tls.enabled else None)
+        self.upstream_tls: ReloadingContext | None = (
+            _reloading("upstream.tls", config.upstream.tls, lambda: client_context(config.upstream.tls),
+                       server_side=False, expiry=self.certificates) if config.upstream.tls.enabled else None)
         # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
         self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls)
-        self._observe_certificates()
+        self.tls_poll_interval_s = TLS_POLL_INTERVAL_S
+        principal = config.tls.principal
+        self.principal_mapper = PrincipalMapper.from_config(principal.mapping_rules, principal.san_uri)
+        self.proxy_protocol: ProxyProtocolGate | None = (
+            ProxyProtocolGate(config.proxy_protocol) if config.proxy_protocol.mode != "off" else None)
         self.address_map = AddressMap(
             config.advertised_host, config.broker_port_start, exposure.broker_port_count,
             node_id_base=exposure.node_id_base,
@@ -142,8 +157,13 @@ class ProxyServer:
         if self.rule_store is not None:
             builtin.append(PolicyFilter(self.rule_store, topic_ids=self.topic_names))
             # Quotas come from the same files; they count what the policy lets through.
-            builtin.append(QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
-                                       config.quota_share(self.workers)))
+            coordinated = config.quota.coordinated is not None
+            quotas = QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
+                                 config.quota_share(self.workers), coordinated=coordinated)
+            builtin.append(quotas)
+            if coordinated:
+                self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
+                                               opener=self._open_upstream)
         self.chain = FilterChain([*builtin, *filters])
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
@@ -199,17 +219,6 @@ class ProxyServer:
             return False, "not ready: no bootstrap server has answered yet"
         return True, "ready"
 
-    def _observe_certificates(self) -> None:
-        """Record the expiry of every certificate file the TLS contexts above just loaded."""
-        files = []
-        if self.config.tls.enabled:
-            files += [self.config.tls.cert_file, self.config.tls.ca_file]
-        if self.config.upstream.tls.enabled:
-            files += [self.config.upstream.tls.cert_file, self.config.upstream.tls.ca_file]
-        for path in files:
-            if path:
-                self.certificates.observe(path)
-
     def _add_metric_readers(self, m: Metrics) -> None:
         stats = self.stats
 
@@ -230,8 +239,14 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
         m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
         m.add_reader(self.certificates.families)
+        m.add_reader(lambda: metric_families.identity_edge_families(
+            [c for c in (self.client_tls, self.upstream_tls) if c is not None], self.proxy_protocol,
+            self.sni_names if self.sni else None))
         if self.identity.active:
             m.add_reader(lambda: metric_families.identity_families(self.identity))
+        if self.coordinator is not None:
+            coordinator = self.coordinator
+            m.add_reader(lambda: metric_families.coordination_families(coordinator.snapshot()))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
@@ -354,10 +369,17 @@ class ProxyServer:
                     nursery.start_soon(self._rediscover)
                 log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
                          ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
+                tls_files = [c for c in (self.client_tls, self.upstream_tls) if c is not None]
+                if tls_files:
+                    nursery.start_soon(watch_tls, tls_files, self.tls_poll_interval_s)
                 if self.rule_store is not None:
                     log.info("rules in force: %s (watching %s)", describe_rules(self.rule_store.rule_set),
                              ", ".join(self.rule_store.paths))
                     nursery.start_soon(watch_rules, self.rule_store, self.rules_poll_interval_s)
+                if self.coordinator is not None:
+                    # Background only: the data path reads each budget's share, never waits on this.
+                    nursery.start_soon(self.coordinator.run)
+                    nursery.start_soon(self.coordinator.watch)
                 task_status.started(self)
         finally:
             for s in self._listeners.values():
@@ -411,7 +433,21 @@ class ProxyServer:
                       raw: socket.socket) -> None:
         tune(sock)
         cid = next(self._ids)
-        ctx = self.new_context(cid, (addr[0], addr[1]))
+        peer = (addr[0], addr[1])
+        via = ""
+        if self.proxy_protocol is not None:
+            # Before TLS: a load balancer writes the header ahead of the client's ClientHello.
+            admission = await self.proxy_protocol.admit(raw, peer)
+            if admission.refused is not None:
+                sock.close()
+                # A balancer's TCP health check connects and closes without a byte: not worth a warning.
+                log.log(logging.DEBUG if admission.kind == "closed" else logging.WARNING,
+                        "connection %d from %s refused: %s", cid, _hostport(*peer), safe(admission.refused))
+                return
+            if admission.via is not None:
+                via = f" via {_hostport(*admission.via)}"
+            peer = admission.client
+        ctx = self.new_context(cid, peer)
         transport: PlainTransport | TlsTransport
         route: Route | None = None
         name: str | None = None
@@ -420,11 +456,17 @@ class ProxyServer:
                 stream = trio.SSLStream(trio.SocketStream(sock), self.client_tls, server_side=True)
                 with trio.fail_after(self.tls_handshake_timeout_s):
                     await stream.do_handshake()
-                name = self.sni_names.name_of(stream.context)
+                name = self.sni_names.name_of(stream)
                 transport = TlsTransport(stream, raw)
                 cert = stream.getpeercert()
                 if cert:
-                    ctx.tls_subject = format_subject(cert)
+                    # Verified by the handshake (getpeercert is empty otherwise); only then a principal.
+                    principal, why = self.principal_mapper.map(cert)
+                    if principal is None:
+                        transport.close()
+                        log.warning("connection %d from %s%s refused: %s", cid, _hostport(*peer), via, safe(why))
+                        return
+                    ctx.tls_subject = principal
                 if self.sni and name is not None:
                     route = self.address_map.route_for_name(name)
                     if route is None and not name.startswith(self._sni_bootstrap_prefix()):
@@ -433,7 +475,7 @@ class ProxyServer:
                 transport = PlainTransport(sock, raw)
         except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError) as e:
             sock.close()
-            log.info("connection %d from %s: TLS handshake failed: %s", cid, addr[0],
+            log.info("connection %d from %s%s: TLS handshake failed: %s", cid, _hostport(*peer), via,
                      "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError)
                      else safe(str(e)))
             return
@@ -456,7 +498,7 @@ class ProxyServer:
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
             # serve it through the bootstrap servers until a response teaches the route.
             conn.unrouted = (port, name)
-        log.info("connection %d from %s on %s", cid, _hostport(addr[0], addr[1]), ctx.listener)
+        log.info("connection %d from %s%s on %s", cid, _hostport(*peer), via, ctx.listener)
         self.connections.add(conn)
         self.stats.opened(ctx.listener)
         try:
@@ -474,6 +516,12 @@ class ProxyServer:
             log.info("%s: nothing to reload (no rule files are configured)", reason)
             return False
         return self.rule_store.reload(reason)
+
+    def reload_tls(self) -> None:
+        """Look at the TLS files now (SIGHUP) instead of at the next poll; unchanged files stay loaded."""
+        for ctx in (self.client_tls, self.upstream_tls):
+            if ctx is not None:
+                ctx.check()
 
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""
@@ -499,6 +547,22 @@ class ProxyServer:
         if route is None:
             log.warning("no broker known for %s; sending it to the bootstrap servers", port or safe(name))
         return route
+
+    async def _open_upstream(self, host: str, port: int) -> Transport:
+        """A broker connection opened as discovery opens one: upstream TLS with its server name, then
+        kproxy's own SASL login when upstream.sasl is set. (The fleet quota coordinator's opener; a
+        session past the broker's re-authentication deadline is closed by the broker, and the
+        coordinator opens a new one.)"""
+        up = self.config.upstream
+        t = await open_upstream(host, port, self.upstream)
+        if self.identity.originator is not None:
+            try:
+                roundtrip = direct_roundtrip(t, up.request_timeout_s, self.config.limits.max_frame_size)
+                await self.identity.originator.login(roundtrip, f"{host}:{port}")
+            except BaseException:
+                t.close()
+                raise
+        return t
 
     # -- broker discovery
 
@@ -615,7 +679,8 @@ class ProxyServer:
 
 
 async def serve_until_signal(server: ProxyServer) -> None:
-    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files."""
+    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
+    and any changed TLS files."""
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         if server.worker is not None:
@@ -627,6 +692,7 @@ async def serve_until_signal(server: ProxyServer) -> None:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
                     server.reload_rules("SIGHUP")
+                    server.reload_tls()
                     continue
                 if server.draining:
                     log.info("%s again: stopping now", name)
@@ -649,6 +715,19 @@ async def _drain_when_orphaned(server: ProxyServer, scope: trio.CancelScope, par
 async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None:
     await server.drain()
     scope.cancel()
+
+
+def _reloading(setting: str, side: TlsServerSide | TlsClientSide, build: Any, server_side: bool,
+               expiry: CertificateExpiry) -> ReloadingContext:
+    files = [f for f in (side.cert_file, side.key_file, side.ca_file) if f]
+    certificates = [f for f in (side.cert_file, side.ca_file) if f]
+
+    def observe_expiry() -> None:
+        # The expiry of what is in force now: read again after every load, never after a refused one.
+        for path in certificates:
+            expiry.observe(path)
+
+    return ReloadingContext(setting, files, build, server_side=server_side, on_loaded=observe_expiry)
 
 
 def _budget_limit(config: ProxyConfig) -> int:

@@ -223,77 +223,81 @@ def tune(sock: Any) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
-def format_subject(cert: dict) -> str | None:
-    """RFC 4514-style subject of a peer certificate dict (``CN=client,O=Acme``)."""
-    parts = []
-    for rdn in reversed(cert.get("subject", ())):
-        for key, value in rdn:
-            short = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU",
-                     "countryName": "C", "localityName": "L", "stateOrProvinceName": "ST"}.get(key, key)
-            parts.append(f"{short}={value}")
-    return ",".join(parts) or None
+class _NamedSSLObject(ssl.SSLObject):
+    """A server-side TLS object that remembers the SNI name its client asked for (and kproxy
+    accepted) as its public ``server_hostname``, which the stdlib leaves None on the server side and
+    trio's SSLStream forwards. The record lives and dies with the connection: no table to fill."""
+
+    asked_name: str | None = None
+
+    @property
+    def server_hostname(self) -> str | None:
+        return self.asked_name if self.asked_name is not None else super().server_hostname
 
 
 class SniNames:
-    """Which SNI name a finished TLS handshake asked for, through public APIs only.
+    """Which SNI names a handshake may ask for, and which one it asked.
 
-    The SNI callback switches the handshake to a context of the name's own (a copy of the server
-    context, made once per name under ``domain``); after the handshake the stream's public
-    ``context`` attribute says which one, so no private attribute of trio or ssl is read. Names
-    outside the domain, or beyond ``max_names``, keep the shared context and read as None.
+    Only the names kproxy serves pass: ``broker-<int>.<domain>``, ``controller-<int>.<domain>`` and
+    the bootstrap name. Any other name under the domain ends the handshake at the ClientHello, before
+    a certificate is sent (OpenSSL makes an ``unrecognized_name`` alert, which trio does not flush
+    before the socket closes), and leaves nothing behind; a name outside the domain (or none) is the
+    bootstrap, as before SNI routing. One loaded context serves
+    every name: the callback only records the name on the connection's own TLS object.
     """
 
-    def __init__(self, domain: str | None, max_names: int = 1024) -> None:
+    def __init__(self, domain: str | None, bootstrap_name: str = "bootstrap") -> None:
         self.suffix = f".{domain.lower().rstrip('.')}" if domain else None
-        self.max_names = max_names
-        self._contexts: dict[str, ssl.SSLContext] = {}
-        self._names: dict[int, str] = {}     # id(context) -> name
-        self._make: Any = None
+        self.bootstrap_name = bootstrap_name.lower()
+        self.refused = 0        # handshakes ended for a name kproxy does not serve
 
-    def install(self, base: ssl.SSLContext, make: Any) -> None:
-        self._make = make
+    def install(self, ctx: ssl.SSLContext) -> None:
+        ctx.sslobject_class = _NamedSSLObject
+        ctx.sni_callback = self._on_name
 
-        def switch(sslobj: Any, name: str | None, _ctx: ssl.SSLContext) -> None:
-            ctx = self.context_for(name) if name else None
-            if ctx is not None:
-                sslobj.context = ctx
+    def accepts(self, name: str) -> bool:
+        """Whether ``name`` (lower case, under the domain) is one kproxy serves."""
+        assert self.suffix is not None
+        label = name[: -len(self.suffix)]
+        if label == self.bootstrap_name:
+            return True
+        role, dash, node = label.partition("-")
+        # Node ids are non-negative int32s; "broker-007" is not how kproxy writes one.
+        return (dash == "-" and role in ("broker", "controller") and node.isascii() and node.isdigit()
+                and len(node) <= 10 and str(int(node)) == node and int(node) <= 0x7FFFFFFF)
 
-        base.sni_callback = switch
-
-    def context_for(self, name: str) -> ssl.SSLContext | None:
-        name = name.lower()
-        if self.suffix is None or not name.endswith(self.suffix) or self._make is None:
+    def _on_name(self, sslobj: Any, name: str | None, _ctx: ssl.SSLContext) -> int | None:
+        if name is None or self.suffix is None:
             return None
-        ctx = self._contexts.get(name)
-        if ctx is None:
-            if len(self._contexts) >= self.max_names:
-                return None
-            ctx = self._contexts[name] = self._make()
-            self._names[id(ctx)] = name
-        return ctx
+        name = name.lower().rstrip(".")
+        if not name.endswith(self.suffix):
+            return None
+        if not self.accepts(name):
+            self.refused += 1
+            return ssl.ALERT_DESCRIPTION_UNRECOGNIZED_NAME
+        if isinstance(sslobj, _NamedSSLObject):
+            sslobj.asked_name = name
+        return None
 
-    def known_names(self) -> list[str]:
-        return sorted(self._contexts)
-
-    def name_of(self, ctx: ssl.SSLContext) -> str | None:
-        return self._names.get(id(ctx))
+    @staticmethod
+    def name_of(stream: Any) -> str | None:
+        """The name a finished server-side handshake asked for and kproxy serves, else None."""
+        name = stream.server_hostname
+        return name if isinstance(name, str) else None
 
 
 def server_context(cfg: TlsServerSide, names: SniNames | None = None) -> ssl.SSLContext:
-    """TLS for client connections; with ``names``, each SNI name under its domain is remembered."""
-    def make() -> ssl.SSLContext:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        assert cfg.cert_file is not None
-        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        if cfg.ca_file:
-            ctx.load_verify_locations(cfg.ca_file)
-            ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_client_cert else ssl.CERT_OPTIONAL
-        return ctx
-
-    base = make()
+    """TLS for client connections, loaded from the files as they are now; with ``names``, SNI names
+    are checked and recorded on each connection."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    assert cfg.cert_file is not None
+    ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    if cfg.ca_file:
+        ctx.load_verify_locations(cfg.ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_client_cert else ssl.CERT_OPTIONAL
     if names is not None:
-        names.install(base, make)
-    return base
+        names.install(ctx)
+    return ctx
 
 
 def client_context(cfg: TlsClientSide) -> ssl.SSLContext:

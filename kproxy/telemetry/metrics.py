@@ -355,3 +355,50 @@ def loop_lag_families(lag: Histogram, longest: float) -> list[Metric]:
     h.add_metric([], lag.cumulative(), lag.sum)
     return [h, GaugeMetricFamily("kproxy_event_loop_lag_max_seconds", "The longest event loop lag seen.",
                                  value=longest)]
+
+
+def coordination_families(snap: Mapping[str, Any]) -> list[Metric]:
+    """Fleet quotas (``Coordinator.snapshot()``): whether shares follow the fleet or the static share."""
+    out: list[Metric] = [
+        GaugeMetricFamily("kproxy_quota_coordination_up", "1 while quota shares follow the fleet (an own record "
+                          "was read back from the coordination topic within stale_after_s), 0 on the static "
+                          "share.", value=1 if snap["up"] else 0),
+        CounterMetricFamily("kproxy_quota_coordination_switches", "Switches between coordinated and static "
+                            "quota shares.", value=snap["switches"]),
+        _counter("kproxy_quota_coordination_records", "Coordination records written and read.", ["direction"],
+                 {("out",): snap["published"], ("in",): snap["read"]}),
+        _counter("kproxy_quota_coordination_bytes", "Bytes sent to and received from brokers for quota "
+                 "coordination.", ["direction"], {("out",): snap["bytes_out"], ("in",): snap["bytes_in"]}),
+        GaugeMetricFamily("kproxy_quota_coordination_budgets", "Budgets reported in the last interval.",
+                          value=snap["active"]),
+        GaugeMetricFamily("kproxy_quota_coordination_peers", "Other kproxy processes of the fleet with a fresh "
+                          "record.", value=snap["peers"]),
+    ]
+    if snap["peer_age_s"] is not None:
+        out.append(GaugeMetricFamily("kproxy_quota_coordination_peer_age_seconds", "Age of the newest record "
+                                     "of another process of the fleet.", value=snap["peer_age_s"]))
+    return out
+
+
+def identity_edge_families(tls_contexts: Iterable[Any], proxy_protocol: Any, sni_names: Any) -> list[Metric]:
+    """Certificate reloads (``ReloadingContext``), PROXY header refusals and refused SNI names."""
+    reloads: dict[tuple[str, str], float] = {}
+    loaded: dict[tuple[str], float] = {}
+    for ctx in tls_contexts:
+        reloads[(ctx.setting, "ok")] = ctx.reloads_ok
+        reloads[(ctx.setting, "failed")] = ctx.reloads_failed
+        when = epoch_seconds(ctx.loaded_at)
+        if when is not None:
+            loaded[(ctx.setting,)] = when
+    out = [_counter("kproxy_tls_reloads", "Reloads of changed certificate, key and CA files, by side "
+                    "(tls, upstream.tls) and outcome.", ["setting", "outcome"], reloads),
+           _gauge("kproxy_tls_loaded_timestamp_seconds", "When the TLS files in force on each side were "
+                  "loaded (seconds since the epoch).", ["setting"], loaded)]
+    if proxy_protocol is not None:
+        refused = {(kind,): float(n) for kind, n in proxy_protocol.refused.items()}
+        out.append(_counter("kproxy_proxy_protocol_refused", "Connections closed at the PROXY header, by "
+                            "reason (untrusted, missing, malformed, timeout, closed).", ["reason"], refused))
+    if sni_names is not None and sni_names.suffix is not None:
+        out.append(CounterMetricFamily("kproxy_sni_names_refused", "TLS handshakes ended for an SNI name "
+                                       "kproxy does not serve.", value=sni_names.refused))
+    return out

@@ -48,7 +48,7 @@ CHART_OWNED = {"listen", "mode", "admin", "exposure", "tls", "tracing", "rules",
 
 def test_the_ci_files_cover_every_supported_shape() -> None:
     assert {"gateway-values.yaml", "sidecar-values.yaml", "tls-mtls-values.yaml", "sni-values.yaml",
-            "tracing-values.yaml", "quotas-values.yaml"} <= set(CI_FILES)
+            "tracing-values.yaml", "quotas-values.yaml", "nlb-proxy-protocol-values.yaml"} <= set(CI_FILES)
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
@@ -77,6 +77,8 @@ def test_renders_lints_and_validates(ci_file: str, kube_version: str) -> None:
     ({"config": {"limits": {"drain_timeout_s": "20s"}}}, "drain_timeout_s"),
     ({"config": {"limits": {"drain_timeout": 20}}}, "drain_timeout"),
     ({"config": {"log_format": "xml"}}, "log_format"),
+    ({"config": {"quota": {"coordination": {"fleet": "a/b"}}}}, "fleet"),
+    ({"config": {"quota": {"coordination": {"topic": "__kproxy_quotas"}}}}, "fleet"),
     # What the chart sets itself cannot be set again through config.
     ({"config": {"listen": "0.0.0.0:1"}}, "listen"),
     ({"metrics": {"prometheusRule": {"enabled": "yes"}}}, "enabled"),
@@ -314,6 +316,8 @@ def test_notes_tell_clients_where_to_connect() -> None:
     ({"exposure": {"mode": "sni", "sni": {"domain": "k.example"}}}, "exposure.mode sni needs tls.enabled"),
     ({"exposure": {"mode": "sni"}, "tls": {"enabled": True, "secretName": "s"}}, "needs exposure.sni.domain"),
     ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
+    ({"tls": {"enabled": True, "secretName": "s", "principal": {"san_uri": True}}},
+     "tls.principal maps client certificates: it needs tls.requireClientCert: true"),
 ])
 def test_inconsistent_values_fail_with_the_reason(bad: Obj, message: str) -> None:
     with pytest.raises(HelmError, match=re.escape(message)):

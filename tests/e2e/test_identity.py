@@ -514,3 +514,25 @@ exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker
     done = tls_gate.authentications
     assert done and all(a.ok and a.user == SERVICE for a in done)
     assert tls_gate.tokens and not any(SERVICE_PASSWORD.encode() in t for t in tls_gate.tokens)  # SCRAM never sends it
+
+
+def test_fleet_quota_coordination_logs_in_as_kproxy(gate: SaslGate, tmp_path: Path,
+                                                    recorder: PrincipalRecorder) -> None:
+    # The coordinator's own broker connections go through the same origination as every other one.
+    gate.require_sasl = True
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD + "\n")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("quotas:\n  - name: q\n    match: {client_id: x}\n    produce_bytes_per_s: 1000\n")
+    extra = (f"rules: [{rules}]\nquota:\n  coordination: {{fleet: sasl, topic: {unique_name('kproxy-quotas')}, "
+             f"publish_interval_ms: 100, stale_after_s: 1}}\n")
+    before = len(gate.authentications)
+    with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret), extra=extra) as proxy:
+        coordinator = proxy.server.coordinator
+        assert coordinator is not None
+        deadline = time.monotonic() + 20
+        while not proxy.call(lambda: coordinator.up):
+            assert time.monotonic() < deadline, coordinator.last_error
+            time.sleep(0.05)
+    done = gate.authentications[before:]
+    assert len(done) >= 2 and all(a.ok and a.user == SERVICE for a in done)   # discovery and coordination

@@ -404,18 +404,42 @@ def test_sni_routing_with_kafka_python(broker: TansuBroker, pki: Pki, monkeypatc
     assert by_listener == {f"broker-{broker.node_id}"}   # Produce went over the broker's SNI name
 
 
-def test_sni_with_mtls_refusal_leaves_no_server_name_behind(broker: TansuBroker, pki: Pki) -> None:
-    """The SNI callback sees the name before the client certificate is checked; a refused handshake
-    leaves nothing per connection behind (only the one shared context kept for that name)."""
+def test_sni_with_mtls_refusal_then_a_certificate_routes(broker: TansuBroker, pki: Pki) -> None:
+    """The SNI callback sees the name before the client certificate is checked; refused handshakes
+    leave nothing behind, and the same name then routes once a certificate is presented."""
     cfg = kproxy_config(broker.bootstrap, server_tls(pki, mtls=True), sni=True)
     with ProxyThread(cfg) as proxy:
         ctx = ssl.create_default_context(cafile=str(pki.ca))     # no client certificate
         for _ in range(3):
             _assert_refused(ctx, proxy.bootstrap, f"broker-{broker.node_id}.{DOMAIN}")
-        time.sleep(0.2)
-        assert proxy.call(proxy.server.sni_names.known_names) == [f"broker-{broker.node_id}.{DOMAIN}"]
-        # With a certificate the same name routes to the broker.
         ctx.load_cert_chain(str(pki.client_cert), str(pki.client_key))
         with ctx.wrap_socket(socket.create_connection(_split(proxy.bootstrap), timeout=10),
                              server_hostname=f"broker-{broker.node_id}.{DOMAIN}") as tls:
             assert [b.host for b in _metadata(tls, 1, None).brokers] == [f"broker-{broker.node_id}.{DOMAIN}"]
+
+
+def test_sni_junk_names_are_refused_and_brokers_stay_routable(broker: TansuBroker, pki: Pki) -> None:
+    """Issue 16 fault 7: 1,024 ClientHellos naming things kproxy does not serve are each refused at
+    the ClientHello (unrecognized_name), and a broker's name still routes to it afterwards."""
+    recorder = ContextRecorder()
+    cfg = kproxy_config(broker.bootstrap, server_tls(pki), sni=True)
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    junk = [f"junk-{i}.{DOMAIN}" if i % 4 == 0 else f"broker-{i}x.{DOMAIN}" if i % 4 == 1
+            else f"broker-0{i}.{DOMAIN}" if i % 4 == 2 else f"controller-.{DOMAIN}" for i in range(1024)]
+    with ProxyThread(cfg, [recorder]) as proxy:
+        address = _split(proxy.bootstrap)
+        for name in junk:
+            # kproxy ends the handshake before its certificate goes out (trio closes without sending
+            # the alert, so the client sees EOF).
+            with socket.create_connection(address, timeout=10) as raw, \
+                    pytest.raises((ssl.SSLError, ConnectionError)):
+                ctx.wrap_socket(raw, server_hostname=name)
+        assert proxy.call(lambda: proxy.server.sni_names.refused) == len(junk)
+        broker_name = f"broker-{broker.node_id}.{DOMAIN}"
+        with ctx.wrap_socket(socket.create_connection(address, timeout=10), server_hostname=broker_name) as tls:
+            assert [b.host for b in _metadata(tls, 1, None).brokers] == [broker_name]
+        # A name outside the domain is the bootstrap, as before SNI routing.
+        with ctx.wrap_socket(socket.create_connection(address, timeout=10), server_hostname="localhost") as tls:
+            assert [b.host for b in _metadata(tls, 2, None).brokers] == [broker_name]
+    listeners = [listener for _, key, listener, _, _ in recorder.snapshot() if key == METADATA]
+    assert listeners == [f"broker-{broker.node_id}", "bootstrap"]

@@ -109,3 +109,14 @@ def test_unknown_api_key_and_version_are_decode_errors():
     with pytest.raises(DecodeError, match="trailing"):
         decode_request(struct.pack(">hhih", 3, 0, 1, -1) + struct.pack(">i", 0) + b"x")
     assert bc is not None
+
+
+def test_a_nan_float64_means_the_same_after_a_round_trip():
+    """Found by the fuzz above: AlterClientQuotas v1 with value NaN (0x7fffffff00000000)."""
+    data = bytes.fromhex("02020b30303030c280f0908080000002017fffffff000000000000000000")
+    msg = next(m for m in MESSAGES if m.api_name == "alter_client_quotas" and m.kind == "request")
+    codec = get_codec(msg, 1)
+    expected = outcome(codec, data)
+    assert expected[0] == "ok"
+    for lazy in lazy_variants(codec):
+        assert outcome(lazy, data) == expected

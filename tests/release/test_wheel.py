@@ -6,6 +6,7 @@ A second wheel, built from the sdist with no C compiler, runs the same on the pu
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -94,6 +95,8 @@ def test_kproxy_from_the_fresh_venv_is_the_installed_one(venv: Path):
 def test_kproxy_check_accepts_each_example_rule_file(venv: Path, rules: Path, tmp_path: Path):
     copy = tmp_path / rules.name  # outside the repository, as a user's own file
     copy.write_bytes(rules.read_bytes())
+    # Record rules name JSON Schema files relative to the rule file: they go along.
+    shutil.copytree(rules.parent / "schemas", tmp_path / "schemas")
     chaos = ["--chaos"] if rules.name == "chaos.yaml" else []
     out = kproxy_cmd(venv, "check", *chaos, "--rules", str(copy)).stdout
     assert out.startswith(f"ok: {copy}:"), out
@@ -107,6 +110,7 @@ def test_kproxy_check_of_the_example_config_names_the_native_codec(venv: Path, t
     (tmp_path / "rules").mkdir()
     for rules in RULE_FILES:  # the example names rules/allow-all.yaml, relative to itself
         (tmp_path / "rules" / rules.name).write_bytes(rules.read_bytes())
+    shutil.copytree(REPO / "rules" / "schemas", tmp_path / "rules" / "schemas")
     out = kproxy_cmd(venv, "check", str(copy)).stdout
     assert "codec generated Python with the native accelerator" in out, out
 

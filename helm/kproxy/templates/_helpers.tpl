@@ -89,6 +89,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (include "kproxy.sni" .) (not .Values.exposure.sni.domain) }}
 {{- fail "exposure.mode sni needs exposure.sni.domain (brokers are broker-<node_id>.<domain>)" }}
 {{- end }}
+{{- if and .Values.tls.principal (not .Values.tls.requireClientCert) }}
+{{- fail "tls.principal maps client certificates: it needs tls.requireClientCert: true" }}
+{{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.enabled needs tls.secretName: a Secret with tls.crt and tls.key" }}
 {{- end }}
@@ -123,6 +126,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.tls.requireClientCert }}
 {{- $_ := set $tls "ca_file" "/etc/kproxy/tls/ca.crt" }}
 {{- $_ := set $tls "require_client_cert" true }}
+{{- with .Values.tls.principal }}
+{{- $_ := set $tls "principal" . }}
+{{- end }}
 {{- end }}
 {{- $_ := set $cfg "tls" $tls }}
 {{- end }}

@@ -1,0 +1,304 @@
+"""Fleet quotas without a broker, on injected clocks: the sharing rule for 1, 2, 3 and 10 instances
+with equal and unequal demand, its floor, cap and smoothing, stale and vanished peers, other fleets,
+the fallback to the static share, the record format, the share and demand in the quota engine, and
+the coordinator applying shares and logging each switch once."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kproxy.config import CoordinationConfig, QuotaConfig, config_from_args
+from kproxy.protocol.errors import ConfigError
+from kproxy.quota.fleet import FleetShares, Load, Report, decode_record, demand_of, record_key, record_value
+from kproxy.server.coordination import Coordinator
+
+from .rulebook import session
+from .test_quota import ONE_K, at, produce_once, quota_filter
+
+KEY = ("q", "client_id=app")
+STATIC = 1 / 3
+STALE = 5.0
+
+
+def shares(instance: str = "me", fleet: str = "billing") -> FleetShares:
+    return FleetShares(fleet, instance, STATIC, STALE)
+
+
+def report(instance: str, demand: float, at: float, key: tuple[str, str] = KEY, fleet: str = "billing") -> Report:
+    return Report(fleet, key[0], key[1], instance, rate=demand, demand=demand, at=at)
+
+
+def settle(fs: FleetShares, own_demand: float, peers: dict[str, float], now: float, rounds: int = 30) -> float:
+    """Run ``rounds`` intervals of 0.5 s with these demands (every instance reporting each interval)."""
+    share = 0.0
+    for i in range(rounds):
+        t = now + 0.5 * i
+        fs.observe(report("me", own_demand, t))
+        for name, d in peers.items():
+            fs.observe(report(name, d, t))
+        share = fs.share(KEY, own_demand, t)
+    return share
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10])
+def test_equal_demand_gives_each_of_n_instances_one_nth(n):
+    fs = shares()
+    assert settle(fs, 0.5, {f"p{i}": 0.5 for i in range(n - 1)}, 1000.0) == pytest.approx(1 / n, rel=1e-3)
+
+
+@pytest.mark.parametrize("own, peers, expected", [
+    (0.3, {"p1": 0.1}, 0.75),                            # 2 instances, 3:1
+    (0.1, {"p1": 0.3}, 0.25),
+    (0.6, {"p1": 0.3, "p2": 0.1}, 0.6),                  # 3 instances, 6:3:1
+    (0.2, {"p1": 0.4, "p2": 0.4}, 0.2),
+    (0.9, {f"p{i}": 0.1 for i in range(9)}, 0.5),        # 10 instances, one with half the demand
+])
+def test_unequal_demand_gives_shares_in_proportion(own, peers, expected):
+    assert settle(shares(), own, peers, 1000.0) == pytest.approx(expected, rel=1e-3)
+
+
+def test_shares_of_the_fleet_add_up_to_the_limit():
+    demands = {"a": 0.9, "b": 0.5, "c": 0.2}
+    got = {}
+    for me, d in demands.items():
+        got[me] = settle(shares(me), d, {k: v for k, v in demands.items() if k != me}, 1000.0)
+    assert sum(got.values()) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_newly_active_instance_is_not_starved_by_the_floor():
+    # Its own rate is still ramping up (measured over the whole window) while two peers are busy.
+    fs = shares()
+    share = settle(fs, 0.001, {"p1": 0.5, "p2": 0.5}, 1000.0)
+    assert share == pytest.approx(0.5 / 3, rel=1e-3)         # half of an equal split, not 0.001 / 1.001
+
+
+def test_the_cap_is_the_whole_limit_and_a_lone_instance_gets_nearly_all_of_it():
+    fs = shares()
+    assert settle(fs, 3.0, {}, 1000.0) == pytest.approx(1.0, rel=1e-3)
+    assert fs.target(KEY, 3.0, 1015.0) == 1.0
+
+
+def test_shares_move_smoothly_without_overshoot():
+    fs = shares()
+    fs.observe(report("me", 0.5, 1000.0))
+    seen = [fs.share(KEY, 0.5, 1000.0 + 0.5 * i) for i in range(8)]     # alone: from 1/3 towards 1
+    assert seen[0] == pytest.approx(STATIC + 0.5 * (1 - STATIC))
+    assert all(a < b <= 1.0 for a, b in itertools.pairwise(seen))
+    assert seen[3] > 0.9
+
+
+def test_stale_peers_are_ignored():
+    fs = shares()
+    fs.observe(report("me", 0.5, 1010.0))
+    fs.observe(report("old", 0.5, 1010.0 - STALE))      # exactly stale_after_s old: ignored
+    fs.observe(report("fresh", 0.5, 1009.0))
+    assert fs.target(KEY, 0.5, 1010.0) == pytest.approx(0.5)
+    assert [p.instance for p in fs.fresh_peers(KEY, 1010.0)] == ["fresh"]
+
+
+def test_a_peer_that_disappears_stops_counting_after_stale_after_s():
+    fs = shares()
+    assert settle(fs, 0.5, {"p1": 0.5}, 1000.0, rounds=20) == pytest.approx(0.5, rel=1e-3)
+    last_peer = 1000.0 + 0.5 * 19
+    share = 0.0
+    for i in range(1, 40):       # p1 is gone; this process goes on reporting
+        t = last_peer + 0.5 * i
+        fs.observe(report("me", 0.5, t))
+        share = fs.share(KEY, 0.5, t)
+        if t - last_peer < STALE:
+            assert share == pytest.approx(0.5, rel=1e-3)
+    assert share == pytest.approx(1.0, rel=1e-3)
+    fs.forget(last_peer + 20, [KEY])
+    assert fs.newest_peer_age(last_peer + 20) is None and fs.peer_count(last_peer + 20) == 0
+
+
+def test_only_the_newest_record_of_a_peer_counts_whatever_the_order_read():
+    fs = shares()
+    fs.observe(report("me", 0.5, 1000.0))
+    fs.observe(report("p1", 0.9, 1000.0))
+    fs.observe(report("p1", 0.1, 999.0))        # an older record read later (two partitions, a replay)
+    assert fs.target(KEY, 0.3, 1000.0) == pytest.approx(0.25)
+
+
+def test_other_fleets_do_not_count():
+    fs = shares()
+    fs.observe(report("me", 0.5, 1000.0))
+    fs.observe(report("p1", 0.5, 1000.0, fleet="other"))
+    fs.observe(report("me", 0.5, 1000.0, fleet="other"))
+    assert fs.target(KEY, 0.5, 1000.0) == 1.0
+    assert fs.peer_count(1000.0) == 0
+
+
+def test_fallback_is_the_static_share_until_an_own_record_is_read_back_fresh():
+    fs = shares()
+    fs.observe(report("p1", 0.1, 1000.0))
+    assert not fs.up(1000.0) and fs.share(KEY, 0.9, 1000.0) == STATIC    # nothing of ours read back
+    fs.observe(report("me", 0.9, 1000.0))
+    assert fs.up(1000.0) and fs.share(KEY, 0.9, 1000.0) > STATIC
+    # The topic stops answering: our last record read back ages past stale_after_s.
+    assert fs.up(1000.0 + STALE - 0.01)
+    assert not fs.up(1000.0 + STALE) and fs.share(KEY, 0.9, 1000.0 + STALE) == STATIC
+    # Back: the share starts again from the static one, smoothly.
+    fs.observe(report("me", 0.9, 1010.0))
+    assert fs.share(KEY, 0.9, 1010.0) == pytest.approx(STATIC + 0.5 * (1.0 - STATIC))
+
+
+# -- the records
+
+
+def test_records_round_trip_and_budget_keys_with_slashes_stay_whole():
+    key = record_key("billing", "per-client", "client_id=a/b%c", "host-1-ab")
+    assert key == b"billing/per-client/client_id=a%2Fb%25c/host-1-ab"
+    value = record_value(Load(0.123456, 2.5))
+    assert value == b'{"r":0.1235,"d":2.5}'
+    got = decode_record(key, value, 12.5)
+    assert got == Report("billing", "per-client", "client_id=a/b%c", "host-1-ab", 0.1235, 2.5, 12.5)
+
+
+@pytest.mark.parametrize("key, value", [
+    (None, b'{"r":1,"d":1}'),                    # no key
+    (b"a/b/c/d", None),                          # a tombstone
+    (b"a/b/c", b'{"r":1,"d":1}'),                # three parts
+    (b"a/b/c/d", b"not json"),
+    (b"a/b/c/d", b'{"r":1}'),
+    (b"a/b/c/d", b'{"r":-1,"d":1}'),
+    (b"a/b/c/d", b'{"r":1,"d":NaN}'),
+    (b"a/b/c/d", b'{"r":"x","d":1}'),
+    (b"\xff/b/c/d", b'{"r":1,"d":1}'),
+    (b"a/b/c/d", b"[" * 5000),                  # larger than any record kproxy writes
+])
+def test_anything_else_on_the_topic_is_ignored(key, value):
+    assert decode_record(key, value, 1.0) is None
+
+
+def test_demand_counts_the_time_clients_were_told_to_wait():
+    assert demand_of(0.5, 0.0) == 0.5
+    assert demand_of(0.2, 0.5) == pytest.approx(0.4)      # let through half the time: twice the demand
+    # Beyond the whole limit it is the whole limit: two clients muted nearly always, one on a bigger
+    # share than the other, want the same, and get the same from then on.
+    assert demand_of(0.2, 0.95) == demand_of(0.4, 0.97) == 1.0
+    assert demand_of(0.5, 5.0) == 1.0 and demand_of(1.2, 0.0) == 1.2
+
+
+# -- the quota engine
+
+
+def test_a_coordinated_budget_is_held_to_its_share_of_the_whole_limit(tmp_path):
+    f = quota_filter(tmp_path, ONE_K % ("client_id", 1), share=0.5)
+    f = type(f)(f.source, 11, 1.0, 0.5, coordinated=True)
+    s = session(f)
+    assert produce_once(s, 500)[0].body.throttle_time_ms == 0          # new budgets start at the static share
+    budget = f.budgets.peek(("one-k", "client_id=app"))
+    assert budget is not None and budget.share == 0.5
+    budget.share = 0.25                                                  # the coordinator moved it
+    at(s, 101.0)
+    # 750 bytes in the window against 250/s over 1 s of burst: (750 - 250) / 250 s.
+    assert produce_once(s, 250)[0].body.throttle_time_ms == 2000
+    [(key, _, load)] = f.loads(101.0)
+    assert key == ("one-k", "client_id=app")
+    assert load.rate == pytest.approx(0.75)         # 750 bytes over the 1 s measured, of the whole 1000/s
+    assert load.demand > load.rate                                      # the throttle counts as unmet demand
+
+
+def test_an_uncoordinated_filter_reports_against_the_whole_limit_too(tmp_path):
+    f = quota_filter(tmp_path, ONE_K % ("client_id", 1), share=0.5)
+    s = session(f)
+    produce_once(s, 400)
+    [(_, budget, load)] = f.loads(100.0)
+    assert budget.share == 1.0 and load.rate == pytest.approx(400 / 1.0 / 1000)
+
+
+# -- the coordinator, with no broker: what it applies and logs
+
+
+def coordinator(tmp_path: Path, clock: list[float]) -> tuple[Coordinator, object]:
+    cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092", quota_replicas=2)
+    cfg = attrs.evolve(cfg, quota=QuotaConfig(coordination=CoordinationConfig(fleet="billing")))
+    base = quota_filter(tmp_path, ONE_K % ("client_id", 1))
+    f = type(base)(base.source, 11, 1.0, cfg.quota_share(), coordinated=True)
+    c = Coordinator(cfg, f, cfg.quota_share(), instance="me", wall=lambda: clock[0], clock=lambda: clock[0])
+    return c, f
+
+
+def test_the_coordinator_sets_shares_and_logs_each_switch_once(tmp_path, caplog):
+    clock = [100.0]
+    c, f = coordinator(tmp_path, clock)
+    s = session(f)
+    produce_once(s, 300)
+    budget = f.budgets.peek(("one-k", "client_id=app"))
+    assert budget is not None and budget.share == 0.5
+    caplog.set_level(logging.INFO, "kproxy.quota.coordination")
+    c.apply()                                            # nothing read back yet: static
+    assert budget.share == 0.5 and not c.up
+    for i in range(6):
+        clock[0] = 100.0 + 0.5 * i
+        c.shares.observe(report("me", 0.3, clock[0], key=("one-k", "client_id=app")))
+        c.shares.observe(report("peer", 0.9, clock[0], key=("one-k", "client_id=app")))
+        c.apply()
+    assert c.up and budget.share < 0.5                   # a busier peer: towards 1/4
+    clock[0] += STALE                                    # nothing read back since
+    c.apply()
+    c.apply()
+    assert not c.up and budget.share == 0.5
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("coordinated through topic __kproxy_quotas" in m for m in lines) == 1
+    assert sum("falling back to the static share" in m for m in lines) == 1
+    assert c.snapshot()["switches"] == 2
+
+
+# -- settings
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({"fleet": ""}, "is not a fleet name"),
+    ({"fleet": "a/b"}, "is not a fleet name"),
+    ({"fleet": "f", "topic": "no spaces"}, "is not a Kafka topic name"),
+    ({"fleet": "f", "publish_interval_ms": 10}, "at least 50"),
+    ({"fleet": "f", "stale_after_s": 0.5}, "at least two publish intervals"),
+    ({"fleet": "f", "replication_factor": 0}, "-1 (the broker's default) or at least 1"),
+])
+def test_coordination_settings_are_checked(settings, problem):
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        CoordinationConfig(**settings)
+
+
+def test_the_contract_names_load_from_yaml_and_errors_name_file_and_line(tmp_path):
+    from kproxy.config import load_config
+
+    path = tmp_path / "kproxy.yaml"
+    path.write_text("listen: 127.0.0.1:9092\nupstream: {bootstrap_servers: [127.0.0.1:9093]}\nquota:\n"
+                    "  coordination:\n    topic: __kproxy_quotas\n    fleet: billing\n"
+                    "    publish_interval_ms: 500\n    stale_after_s: 5\n")
+    coord = load_config(path).quota.coordination
+    assert coord == CoordinationConfig(fleet="billing", topic="__kproxy_quotas", publish_interval_ms=500,
+                                       stale_after_s=5.0)
+    path.write_text(path.read_text().replace("stale_after_s: 5", "stale_after_s: 0.2"))
+    with pytest.raises(ConfigError, match=r"kproxy.yaml:8: quota.coordination.stale_after_s: must be at least"):
+        load_config(path)
+
+
+def test_per_connection_budgets_are_not_reported_to_the_fleet(tmp_path):
+    base = quota_filter(tmp_path, ONE_K % ("connection", 1))
+    f = type(base)(base.source, 11, 1.0, 0.5, coordinated=True)
+    produce_once(session(f), 300)
+    assert len(f.budgets) == 1 and f.loads(100.0) == []
+
+
+def test_only_peer_records_of_budgets_in_use_are_kept_and_writers_are_bounded():
+    fs = FleetShares("billing", "me", STATIC, STALE, max_instances=3)
+    fs.interest = {KEY}
+    fs.observe(report("me", 0.5, 1000.0))
+    for i in range(100):        # someone writes about budgets this process never uses
+        fs.observe(report("p1", 0.5, 1000.0, key=("q", f"client_id=other-{i}")))
+    assert fs.target(KEY, 0.5, 1000.0) == 1.0 and len(fs._peers) == 0
+    assert fs.peer_count(1000.0) == 1                     # p1 is alive all the same
+    for i in range(10):         # forged instance names: three are kept, the rest ignored
+        fs.observe(report(f"forged-{i}", 5.0, 1000.0))
+    assert fs.peer_count(1000.0) == 3
+    assert [p.instance for p in fs.fresh_peers(KEY, 1000.0)] == ["forged-0", "forged-1"]
+    assert fs.target(KEY, 0.5, 1000.0) == pytest.approx(0.5 / 3)      # the floor holds against them
