@@ -43,6 +43,7 @@ MERGED_BY = {
     "kproxy_rules": max,
     "kproxy_rules_generation": max,
     "kproxy_rules_loaded_timestamp_seconds": max,
+    "kproxy_tls_loaded_timestamp_seconds": max,
     "kproxy_rules_reload_failing": max,
 }
 
