@@ -2,7 +2,12 @@
 Metadata v12 answer, and how long a concurrent client's small requests stall meanwhile.
 
 Run from the repository root:  ``.venv/bin/python bench/big_metadata.py [--partitions 100000]
-[--samples 30] [--codec native|python]``
+[--samples 30] [--codec native|python] [--tls]``
+
+``--tls`` puts TLS on both sides (clients to kproxy, kproxy to the fake broker; certificates from
+trustme), as SNI mode requires: the big answer is then decrypted and encrypted again by kproxy, and
+the loop-lag and memory figures must hold there too. Every run reports kproxy's resident memory at
+the end and its peak (VmRSS, VmHWM).
 
 A small in-process fake broker (threads, blocking sockets; no Kafka broker can be filled with
 100,000 partitions here in reasonable time) answers ApiVersions, Metadata with no topics (its 50
@@ -19,6 +24,7 @@ import argparse
 import multiprocessing
 import os
 import socket
+import ssl
 import statistics
 import struct
 import subprocess
@@ -43,7 +49,6 @@ from kproxy.protocol.messages import (  # noqa: E402
     encode_response_frame,
     supported_versions,
 )
-from kproxy.tansu import broker_answers  # noqa: E402
 from tests.e2e.proxied import free_port_block  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -68,10 +73,11 @@ def _read_frame(sock: socket.socket) -> bytes | None:
 
 
 class FakeCluster:
-    """Answers ApiVersions and Metadata v12 from canned bodies; nothing else."""
+    """Answers ApiVersions and Metadata v12 from canned bodies; nothing else (over TLS with ``tls``)."""
 
-    def __init__(self, big_body: bytes) -> None:
+    def __init__(self, big_body: bytes, tls: ssl.SSLContext | None = None) -> None:
         self.big_body = big_body
+        self.tls = tls
         cls = body_class(3, "response")
         small = cls(brokers=[cls.MetadataResponseBroker(node_id=i, host=f"b-{i}.kafka-prod.internal", port=9092)
                              for i in SCALE_BROKERS], cluster_id="fake", controller_id=1, topics=[])
@@ -90,6 +96,12 @@ class FakeCluster:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self.tls is not None:
+            try:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except (OSError, ssl.SSLError):
+                conn.close()
+                return
         with conn:
             while (frame := _read_frame(conn)) is not None:
                 req = decode_request(frame, keep_trailing=True)
@@ -132,11 +144,19 @@ def round_trip(sock: socket.socket, cid: int, all_topics: bool) -> float:
     return time.perf_counter() - t0
 
 
-def small_loop(port: int, stop: Any, out: Any) -> None:
-    """In its own process: small Metadata requests in a loop on one connection until ``stop`` is set;
-    sends back every round-trip time (the longest is how long kproxy's event loop was held)."""
+def connect(port: int, ca: str | None) -> socket.socket:
+    """A client connection, over TLS trusting ``ca`` when given."""
     sock = socket.create_connection((HOST, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if ca is None:
+        return sock
+    return ssl.create_default_context(cafile=ca).wrap_socket(sock, server_hostname=HOST)
+
+
+def small_loop(port: int, stop: Any, out: Any, ca: str | None = None) -> None:
+    """In its own process: small Metadata requests in a loop on one connection until ``stop`` is set;
+    sends back every round-trip time (the longest is how long kproxy's event loop was held)."""
+    sock = connect(port, ca)
     gaps = []
     cid = 0
     while not stop.is_set():
@@ -151,10 +171,25 @@ def main() -> int:
     ap.add_argument("--partitions", type=int, choices=(10_000, 100_000), default=100_000)
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--codec", choices=("native", "python"), help="KPROXY_CODEC for kproxy (default: its own pick)")
+    ap.add_argument("--tls", action="store_true", help="TLS from the clients to kproxy and from kproxy to the broker")
     args = ap.parse_args()
     topics = args.partitions // 20
     body, _ = metadata_body(topics, 20, SCALE_BROKERS, seed=13)
-    fake = FakeCluster(body)
+    workdir = Path(tempfile.mkdtemp(prefix="kproxy-big-metadata-"))
+    ca_file: str | None = None
+    broker_tls: ssl.SSLContext | None = None
+    if args.tls:
+        import trustme
+
+        ca = trustme.CA()
+        cert = ca.issue_cert(HOST, "localhost")
+        ca_file, cert_file, key_file = str(workdir / "ca.pem"), str(workdir / "cert.pem"), str(workdir / "key.pem")
+        ca.cert_pem.write_to_path(ca_file)
+        cert.cert_chain_pems[0].write_to_path(cert_file)
+        cert.private_key_pem.write_to_path(key_file)
+        broker_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(broker_tls)
+    fake = FakeCluster(body, broker_tls)
     kp = free_port_block(64)      # the bootstrap port and one per broker after it
     log_path = Path(tempfile.gettempdir()) / f"kproxy-big-metadata-{os.getpid()}.log"
     log = open(log_path, "wb")  # noqa: SIM115 (closed in the finally below)
@@ -166,26 +201,38 @@ def main() -> int:
     # CPU when it has work: the lags measured are then kproxy's, not time it spent preempted.
     nice = os.nice(0)
     os.nice(10)
-    proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--upstream", f"{HOST}:{fake.port}",
-                             "--listen", f"{HOST}:{kp}", "--log-level", "WARNING",
-                             "--admin", f"{HOST}:{admin}"], cwd=REPO, env=env,
+    if args.tls:
+        config = workdir / "kproxy.yaml"
+        config.write_text(f"""\
+listen: "{HOST}:{kp}"
+upstream:
+  bootstrap_servers: ["{HOST}:{fake.port}"]
+  tls: {{enabled: true, ca_file: "{ca_file}"}}
+tls: {{enabled: true, cert_file: "{cert_file}", key_file: "{key_file}"}}
+admin: {{listen: "{HOST}:{admin}"}}
+log_level: WARNING
+""")
+        command = ["--config", str(config)]
+    else:
+        command = ["--upstream", f"{HOST}:{fake.port}", "--listen", f"{HOST}:{kp}", "--log-level", "WARNING",
+                   "--admin", f"{HOST}:{admin}"]
+    proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", *command], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=log, preexec_fn=lambda: os.nice(nice - os.nice(0)))
     try:
         deadline = time.monotonic() + 20
-        while not broker_answers(HOST, kp):
+        while not ready(admin):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"kproxy did not start (its log: {log_path})")
             time.sleep(0.1)
-        direct = socket.create_connection((HOST, fake.port))
-        through = socket.create_connection((HOST, kp))
+        direct = connect(fake.port, ca_file)
+        through = connect(kp, ca_file)
         for s in (direct, through):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for i in range(3):
                 round_trip(s, 1000 + i, all_topics=True)     # warm-up
         ctx = multiprocessing.get_context("fork")
         stop = ctx.Event()
         receive, send = ctx.Pipe(duplex=False)
-        loop = ctx.Process(target=small_loop, args=(kp, stop, send))
+        loop = ctx.Process(target=small_loop, args=(kp, stop, send, ca_file))
         loop.start()
         # The same client with no big answer in flight: how long gaps are on this machine anyway.
         time.sleep(3.0)
@@ -193,7 +240,7 @@ def main() -> int:
         baseline = receive.recv()
         loop.join(5)
         stop = ctx.Event()
-        loop = ctx.Process(target=small_loop, args=(kp, stop, send))
+        loop = ctx.Process(target=small_loop, args=(kp, stop, send, ca_file))
         loop.start()
         time.sleep(0.5)
         lag_before = loop_lag(admin)
@@ -205,6 +252,7 @@ def main() -> int:
         gaps = receive.recv()
         loop.join(5)
         lag_after = loop_lag(admin)
+        rss, peak_rss = memory_of(proc.pid)
     finally:
         proc.terminate()
         proc.wait(15)
@@ -212,7 +260,8 @@ def main() -> int:
         log.close()
     d50, k50 = statistics.median(times["direct"]) * 1000, statistics.median(times["kproxy"]) * 1000
     print(f"Metadata v12, {args.partitions:,} partitions ({topics:,} topics x 20, 3 replicas, 50 brokers), "
-          f"{len(body) / 1e6:.1f} MB, {args.samples} samples each, kproxy codec: {args.codec or 'default'}")
+          f"{len(body) / 1e6:.1f} MB, {args.samples} samples each, kproxy codec: {args.codec or 'default'}, "
+          f"{'TLS on both sides' if args.tls else 'plaintext'}")
     print(f"  direct p50 {d50:.1f} ms; through kproxy p50 {k50:.1f} ms; added {k50 - d50:+.1f} ms (goal <= 10 ms)")
     print(f"  a concurrent client's small requests through kproxy: p50 {statistics.median(gaps) * 1000:.2f} ms, "
           f"longest {max(gaps) * 1000:.1f} ms (goal: the event loop never held > 10 ms); with no big "
@@ -224,7 +273,26 @@ def main() -> int:
     print(f"  kproxy's own event-loop lag while it ran (a 5 ms timer, {total:,} samples): "
           f"{over.get('0.01', 0)} over 10 ms, {over.get('0.005', 0)} over 5 ms; the worst was over "
           f"{worst * 1000:g} ms")
+    print(f"  kproxy's memory: resident {rss / 1e6:.0f} MB at the end, peak {peak_rss / 1e6:.0f} MB")
     return 0
+
+
+def ready(admin: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{admin}/readyz", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def memory_of(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process, in bytes."""
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0]) * 1024
+    return values["VmRSS"], values["VmHWM"]
 
 
 def loop_lag(admin: int) -> dict[str, int]:

@@ -119,8 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         status = 0
         if args.config is not None:
-            from kproxy.config import check_config_file
-
             status = check_config_file(args.config)
         if args.rules:
             from kproxy.policy.loader import check_rules_files
@@ -203,3 +201,31 @@ def _read_input(name: str) -> bytes:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def check_config_file(path: str) -> int:
+    """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and
+    return 2. Here rather than in kproxy.config because the summary names the codec in use, and
+    configuration sits above the protocol layer and must not import its compiler."""
+    from kproxy.config import ConfigError, describe_config, load_config
+    from kproxy.protocol.compiler import codec_implementation
+
+    try:
+        cfg = load_config(path)
+        if cfg.sasl is not None and cfg.sasl.users_file is not None:
+            from kproxy.userfile import load_users_file
+
+            load_users_file(cfg.sasl.users_file)
+        rules = ""
+        if cfg.rules:
+            from kproxy.policy.loader import describe_rules, load_rules
+
+            rule_set = load_rules(cfg.rules, cfg.chaos)
+            for warning in rule_set.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+            rules = f"; rules: {describe_rules(rule_set)}"
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"ok: {path}: {describe_config(cfg, codec_implementation())}{rules}")
+    return 0

@@ -12,7 +12,6 @@ import difflib
 import math
 import os
 import re
-import sys
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -22,8 +21,23 @@ import attrs
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from kproxy.protocol.compiler import codec_implementation
-from kproxy.protocol.errors import ConfigError
+from kproxy.protocol.errors import KProxyError
+
+
+class ConfigError(KProxyError):
+    """Invalid configuration or rules; ``file`` and ``line`` point at the offending text when known.
+    It lives here, above kproxy.protocol, because only configuration (this module, the rule loader,
+    the command line) raises it."""
+
+    def __init__(self, reason: str, file: str | None = None, line: int | None = None) -> None:
+        self.reason = reason
+        self.file = file
+        self.line = line
+        loc = file or ""
+        if file and line is not None:
+            loc = f"{file}:{line}"
+        super().__init__(f"{loc}: {reason}" if loc else reason)
+
 
 _MAX_PORT: Final = 65535
 _WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::"})
@@ -829,31 +843,9 @@ def apply_overrides(cfg: ProxyConfig, **settings: object) -> ProxyConfig:
     return attrs.evolve(cfg, **given)
 
 
-def check_config_file(path: str) -> int:
-    """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and return 2."""
-    try:
-        cfg = load_config(path)
-        if cfg.sasl is not None and cfg.sasl.users_file is not None:
-            from kproxy.userfile import load_users_file
-
-            load_users_file(cfg.sasl.users_file)
-        rules = ""
-        if cfg.rules:
-            from kproxy.policy.loader import describe_rules, load_rules
-
-            rule_set = load_rules(cfg.rules, cfg.chaos)
-            for warning in rule_set.warnings:
-                print(f"warning: {warning}", file=sys.stderr)
-            rules = f"; rules: {describe_rules(rule_set)}"
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    print(f"ok: {path}: {describe_config(cfg)}{rules}")
-    return 0
-
-
-def describe_config(cfg: ProxyConfig) -> str:
-    """A one-line summary of what ``cfg`` will do, for ``kproxy check`` and the startup log."""
+def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
+    """A one-line summary of what ``cfg`` will do, for ``kproxy check`` and the startup log; ``codec``
+    names the codec in use (the caller asks kproxy.protocol: configuration does not import it)."""
     exp = cfg.exposure
     if exp.mode == "sni":
         domain = exp.sni.domain if exp.sni is not None else "?"
@@ -875,7 +867,7 @@ def describe_config(cfg: ProxyConfig) -> str:
         f"traffic log {cfg.traffic_log.dir or 'off'}",
         f"tracing {f'on at {cfg.tracing.sample_ratio:g}' if cfg.tracing.enabled else 'off'}",
         f"logs {cfg.log_level} as {cfg.log_format}",
-        f"codec {codec_implementation()}",
+        *([f"codec {codec}"] if codec else []),
         f"workers {effective_workers(cfg)}{' (auto)' if cfg.workers == 0 else ''}",
     ]
     if cfg.rules:

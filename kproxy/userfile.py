@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import yaml
 from yaml.nodes import MappingNode, Node
 
+from kproxy.config import ConfigError
 from kproxy.identity.users import (
     MIN_ITERATIONS,
     SCRAM_MECHANISMS,
@@ -24,7 +25,6 @@ from kproxy.identity.users import (
     users_from_mapping,
     users_to_mapping,
 )
-from kproxy.protocol.errors import ConfigError
 
 HEADER = ("# kproxy users: SCRAM salt, iterations, stored and server keys per user (RFC 5802), never\n"
           "# passwords. Edit with `kproxy users add NAME --users-file FILE`.\n")

@@ -24,6 +24,7 @@ from kproxy.policy.model import (
     ANONYMOUS,
     COMPRESSIONS,
     DECIDING,
+    MAX_LATENCY_S,
     RECORD_ACTIONS,
     Cap,
     Chaos,
@@ -816,15 +817,9 @@ class PolicyFilter(Filter):
                 if params.rate < 1 and self.rng.random() >= params.rate:
                     continue
                 latency = params.latency
-                seconds = 0.0
-                if latency is not None:
-                    if latency.kind == "fixed":
-                        seconds = latency.a
-                    elif latency.kind == "uniform":
-                        seconds = self.rng.uniform(latency.a, latency.b)
-                    else:
-                        seconds = self.rng.expovariate(1.0 / latency.a)
-                delay += seconds
+                seconds = latency.draw(self.rng) if latency is not None else 0.0
+                # Several chaos rules on one request add up, to the same bound as one.
+                delay = min(delay + seconds, MAX_LATENCY_S)
                 if params.error is not None and error is None:
                     error = params.error
                 what = [f"delayed by {seconds * 1000:.0f} ms"] if latency else []

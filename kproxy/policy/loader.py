@@ -25,9 +25,10 @@ import jsonschema
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from kproxy.config import ConfigError
 from kproxy.policy import model as M
 from kproxy.policy.schema import rules_schema
-from kproxy.protocol.errors import ERROR_CODES_BY_NAME, ConfigError, is_retriable
+from kproxy.protocol.errors import ERROR_CODES_BY_NAME, is_retriable
 
 Path = tuple[str | int, ...]
 

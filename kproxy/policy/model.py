@@ -339,6 +339,12 @@ class Cap:
     timeout_ms: int | None = None                 # Produce
 
 
+# The longest latency chaos injects into one request, in total: a held request must not outlive the
+# broker connection's timeouts or the client's. Rule files asking for more are refused (``kproxy
+# check``); exponential draws, unbounded by nature, are cut to it.
+MAX_LATENCY_S = 60.0
+
+
 @attrs.frozen(slots=True)
 class Latency:
     """Injected latency in seconds: ``fixed`` (a), ``uniform`` (a..b) or ``exponential`` (mean a)."""
@@ -346,6 +352,16 @@ class Latency:
     kind: str
     a: float
     b: float = 0.0
+
+    def draw(self, rng: Any) -> float:
+        """One delay from ``rng`` (a ``random.Random``), never more than ``MAX_LATENCY_S``."""
+        if self.kind == "fixed":
+            seconds = self.a
+        elif self.kind == "uniform":
+            seconds = rng.uniform(self.a, self.b)
+        else:
+            seconds = rng.expovariate(1.0 / self.a)
+        return min(seconds, MAX_LATENCY_S)
 
 
 @attrs.frozen(slots=True)

@@ -15,6 +15,7 @@ from kproxy.policy.model import (
     ANY_API,
     API_GROUPS,
     COMPRESSIONS,
+    MAX_LATENCY_S,
     QUOTA_PER,
     api_keys_by_name,
 )
@@ -101,15 +102,17 @@ def rules_schema() -> dict[str, Any]:
             "compression": _selector(codec_item, "the compression of produced record batches"),
         },
     }
+    most = int(MAX_LATENCY_S * 1000)
     latency = {"anyOf": [
-        {"type": "number", "minimum": 0, "description": "a fixed delay"},
+        {"type": "number", "minimum": 0, "maximum": most, "description": "a fixed delay"},
         {"type": "object", "additionalProperties": False, "required": ["min", "max"],
-         "properties": {"min": {"type": "number", "minimum": 0}, "max": {"type": "number", "minimum": 0}},
+         "properties": {"min": {"type": "number", "minimum": 0, "maximum": most},
+                        "max": {"type": "number", "minimum": 0, "maximum": most}},
          "description": "uniform between min and max"},
         {"type": "object", "additionalProperties": False, "required": ["mean"],
-         "properties": {"mean": {"type": "number", "exclusiveMinimum": 0}},
-         "description": "exponential with this mean"},
-    ]}
+         "properties": {"mean": {"type": "number", "exclusiveMinimum": 0, "maximum": most}},
+         "description": f"exponential with this mean; a draw above {most} ms is cut to {most} ms"},
+    ], "description": f"milliseconds, at most {most} (chaos latency is bounded)"}
     schema_file = {"type": "object", "additionalProperties": False, "required": ["json_schema"],
                    "properties": {"json_schema": {"type": "string", "minLength": 1,
                                                   "description": "a JSON Schema file, relative to this rule file"}}}

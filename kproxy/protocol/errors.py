@@ -12,11 +12,11 @@ field path where they happened. This module must not import anything that does I
     │   │   └── RecordsError       a record batch that fails its CRC, size or codec checks
     │   └── EncodeError            a message that cannot be encoded (bad value for its type)
     ├── AddressMapError            a broker that cannot be given a port (kproxy.proxy.addresses)
-    └── ConfigError                invalid configuration or rules (file, line, reason)
-        ├── SettingError           one setting breaks its rule (path); raised by the config classes (kproxy.config)
-        ├── RuleError              policy rule files that do not load: every problem with file:line:column
-        │                          and the rule's name (kproxy.policy.loader)
-        └── SchemaError            a .kschema file that does not parse (kproxy.protocol.schema)
+    ├── SchemaError                a .kschema file that does not parse (file, line, reason)
+    └── ConfigError                invalid configuration or rules (kproxy.config: the layer above)
+        ├── SettingError           one setting breaks its rule (path); raised by the config classes
+        └── RuleError              policy rule files that do not load: every problem with file:line:column
+                                   and the rule's name (kproxy.policy.loader)
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ class EncodeError(ProtocolError):
     """A message holds a value that its field's type cannot carry in the requested version."""
 
 
-class ConfigError(KProxyError):
-    """Invalid configuration; ``file`` and ``line`` point at the offending text when known."""
+class SchemaError(KProxyError):
+    """A ``.kschema`` file that does not follow FORMAT.md; ``file`` and ``line`` point at it. Raised
+    by ``kproxy.protocol.schema`` (a fault of kproxy's own files, not of a user's configuration)."""
 
     def __init__(self, reason: str, file: str | None = None, line: int | None = None) -> None:
         self.reason = reason

@@ -3,12 +3,14 @@
 A budget is one quota's measured rates for one key (a client id, a principal, ...): a reload that
 keeps the quota's name keeps its usage, and a changed limit applies from the next request. Keys
 come from what clients send, so the table is bounded: budgets idle for longer than they remember
-are dropped, and past ``limit`` the oldest go first. Pure: time is passed in.
+are dropped, and past ``limit`` the least recently used go first, so a flood of new keys cannot
+push out (and reset) the budgets in use. Pure: time is passed in.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from kproxy.quota.rate import SampledRate
@@ -51,7 +53,8 @@ class Budgets:
     def __init__(self, limit: int = 100_000, initial_share: float = 1.0) -> None:
         self.limit = limit
         self.initial_share = initial_share      # the share a new budget starts with
-        self._budgets: dict[BudgetKey, Budget] = {}
+        # Least recently used first: every use moves a budget to the end.
+        self._budgets: OrderedDict[BudgetKey, Budget] = OrderedDict()
         self._next_sweep = min(limit, 1024)
         self.evicted = 0            # budgets dropped while still remembering usage (the limit was hit)
 
@@ -66,6 +69,7 @@ class Budgets:
             budget = self._budgets[key] = Budget(now, span_s, self.initial_share)
         else:
             budget.span_s = span_s
+            self._budgets.move_to_end(key)
         budget.last_used = now
         return budget
 
@@ -84,12 +88,12 @@ class Budgets:
         for key in [k for k, b in budgets.items() if now - b.last_used >= b.span_s]:
             del budgets[key]
         if len(budgets) >= self.limit:
-            # Oldest first (dicts keep insertion order), a tenth of the table at a time so the next
-            # sweep is not due at the next new key: their usage is forgotten early.
+            # Least recently used first, a tenth of the table at a time so the next sweep is not due
+            # at the next new key: their usage is forgotten early.
             over = len(budgets) - self.limit + max(1, self.limit // 10)
-            for key in list(budgets)[:over]:
-                del budgets[key]
+            for _ in range(over):
+                budgets.popitem(last=False)
             self.evicted += over
-            log.warning("quota budgets: more keys in use than the limit of %d; the %d oldest were dropped "
-                        "with the usage they measured", self.limit, over)
+            log.warning("quota budgets: more keys in use than the limit of %d; the %d least recently used "
+                        "were dropped with the usage they measured", self.limit, over)
         self._next_sweep = min(self.limit, max(1024, 2 * len(budgets)))

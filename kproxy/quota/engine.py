@@ -31,6 +31,12 @@ log = logging.getLogger("kproxy.quota")
 PRODUCE, FETCH = 0, 1
 _LOG_OVERHEAD = struct.Struct(">qi")     # a record batch starts with its base offset and length
 _CACHE_LIMIT = 4096
+# Budget keys one connection may open from values it sends (client ids; a principal after
+# re-authentication). A client rotating its id on one connection would otherwise create budgets without
+# end and push out the busy ones; past this many, its further ids share one budget per quota with the
+# connection's own key, so it is still held to the quota.
+MAX_BUDGET_KEYS_PER_CONNECTION = 16
+_CLIENT_CHOSEN = frozenset({"client_id", "principal"})
 
 
 class RuleSource(Protocol):
@@ -105,6 +111,8 @@ class _Conn:
     by_api: dict[tuple[int, int], tuple[tuple[tuple[_Quota, BudgetKey], ...], bool]] = attrs.field(factory=dict)
     largest_batch: int = 0                      # the largest record batch fetched on this connection
     own_budgets: set[BudgetKey] = attrs.field(factory=set)    # per: connection, dropped on close
+    # The client-chosen keys (client_id=..., principal=...) this connection has used, up to the cap.
+    chosen_keys: set[str] = attrs.field(factory=set)
 
     def applied(self, request: Request) -> tuple[tuple[_Quota, BudgetKey], ...]:
         api_key, version = request.api_key, request.api_version
@@ -191,10 +199,12 @@ class QuotaFilter(Filter):
         st: _Conn | None = ctx.peek_state(self)
         if st is None or st.compiled is not compiled or st.key != key:
             # Judged again only when the quotas or what their selectors look at change.
-            quotas = tuple((q, (q.rule.name, budget_key(q.rule.per, ctx)))
-                           for q in compiled.for_connection(key))
             own = st.own_budgets if st is not None else set()
-            st = _Conn(compiled, key, quotas, largest_batch=st.largest_batch if st else 0, own_budgets=own)
+            chosen = st.chosen_keys if st is not None else set()
+            quotas = tuple((q, _capped(q, budget_key(q.rule.per, ctx), ctx.connection_id, chosen, own))
+                           for q in compiled.for_connection(key))
+            st = _Conn(compiled, key, quotas, largest_batch=st.largest_batch if st else 0, own_budgets=own,
+                       chosen_keys=chosen)
             ctx.set_state(self, st)
         return st
 
@@ -322,6 +332,24 @@ class QuotaFilter(Filter):
         st: _Conn | None = ctx.drop_state(self)
         if st is not None and st.own_budgets:
             self.budgets.drop(st.own_budgets)
+
+
+def _capped(q: _Quota, key: str, connection_id: int, chosen: set[str], own: set[BudgetKey]) -> BudgetKey:
+    """The budget ``q`` charges for ``key`` on this connection: its own, unless the connection has
+    already used ``MAX_BUDGET_KEYS_PER_CONNECTION`` client-chosen keys; then one overflow budget of
+    the connection's (dropped when it closes)."""
+    if q.rule.per not in _CLIENT_CHOSEN or key in chosen:
+        return (q.rule.name, key)
+    if len(chosen) < MAX_BUDGET_KEYS_PER_CONNECTION:
+        chosen.add(key)
+        return (q.rule.name, key)
+    overflow = (q.rule.name, f"{q.rule.per}=<more than {MAX_BUDGET_KEYS_PER_CONNECTION} on connection {connection_id}>")
+    if overflow not in own:
+        own.add(overflow)
+        log.warning("connection %d: more than %d %s values on one connection; quota %r charges the rest "
+                    "to one budget of the connection", connection_id, MAX_BUDGET_KEYS_PER_CONNECTION,
+                    q.rule.per, q.rule.name)
+    return overflow
 
 
 def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float) -> float:

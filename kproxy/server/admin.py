@@ -18,6 +18,7 @@ import h11
 import trio
 
 from kproxy.config import HostPort, ProxyConfig
+from kproxy.logs import safe
 from kproxy.protocol.errors import KProxyError
 from kproxy.telemetry.metrics import Metrics, epoch_seconds
 
@@ -27,6 +28,7 @@ MAX_REQUEST_BYTES = 16 * 1024
 REQUEST_TIMEOUT_S = 10.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 REDACTED = "<redacted>"
+INTERNAL_ERROR = b"internal error while answering; see kproxy's log\n"
 # Setting names that hold a secret, or may: their values never leave (upstream.sasl.password,
 # client_secret; SASL extensions may carry account ids; token URLs may carry credentials).
 _SECRET_NAME = re.compile(r"pass(word|phrase)?|secret|token|credential|private|api_?key|hmac|salt|extensions",
@@ -103,6 +105,7 @@ class AdminServer:
         self.view = view
         self.listener = listener
         self.requests = 0
+        self.failures = 0       # answers that failed with a bug (500) and connections it ended
 
     @property
     def address(self) -> tuple[str, int]:
@@ -120,8 +123,16 @@ class AdminServer:
                     request = await self._read_request(stream, conn)
                 if timer.cancelled_caught or request is None:
                     return
-                status, ctype, body = await self.answer(request.method.decode("ascii", "replace"),
-                                                        request.target.decode("ascii", "replace"))
+                method = request.method.decode("ascii", "replace")
+                target = request.target.decode("ascii", "replace")
+                try:
+                    status, ctype, body = await self.answer(method, target)
+                except Exception:
+                    # A bug in rendering (a metric reader, /config) fails this one answer; the
+                    # listener, and the Kafka traffic sharing its process, go on.
+                    self.failures += 1
+                    log.exception("admin: %s %s failed; answered 500", method, safe(target))
+                    status, ctype, body = 500, "text/plain; charset=utf-8", INTERNAL_ERROR
                 self.requests += 1
                 headers = [("content-type", ctype), ("content-length", str(len(body))),
                            ("cache-control", "no-store")]
@@ -136,6 +147,11 @@ class AdminServer:
             log.debug("admin: bad HTTP request: %s", e)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except Exception:
+            # Anything else is a bug here; it must end this HTTP connection only, never the server's
+            # nursery (trio.serve_listeners runs handlers in it).
+            self.failures += 1
+            log.exception("admin: connection failed")
         finally:
             await trio.aclose_forcefully(stream)
 

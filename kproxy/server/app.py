@@ -59,10 +59,10 @@ from kproxy.server.transport import (
     TlsTransport,
     Transport,
     client_context,
-    connect,
     server_context,
     tune,
 )
+from kproxy.server.upstream import UpstreamSettings, open_upstream
 from kproxy.telemetry import metrics as metric_families
 from kproxy.telemetry.metrics import Metrics
 from kproxy.telemetry.outputs import Telemetry
@@ -78,6 +78,11 @@ _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EN
 _PEER_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT,
                           errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
                           errno.ENETUNREACH, errno.ECONNRESET})
+
+
+# A discovery attempt that ended less than this long ago answers for a new one: a reconnect storm to
+# ports kproxy has not mapped yet costs one attempt, not one per connection.
+DISCOVERY_REUSE_S = 1.0
 
 
 class ListenError(KProxyError):
@@ -111,7 +116,12 @@ class ProxyServer:
         # reloads_failed, describe()); None when no rule files are configured. Read by /rules and /metrics.
         self.rule_store: RuleStore | None = RuleStore(config.rules, config.chaos) if config.rules else None
         self.rules_poll_interval_s = POLL_INTERVAL_S
-        self.discovered = False              # a bootstrap server answered discovery at least once
+        self.discovered = False              # a bootstrap server told the brokers (Metadata) at least once
+        self.bootstrap_answered = False      # a bootstrap server answered a request at least once (ready)
+        self.discovery_attempts = 0
+        self._discovery: trio.Event | None = None      # set when the attempt in progress ends
+        self._discovery_result = False
+        self.discovery_ended_at: float | None = None
         self.admin: admin.AdminServer | None = None
         self.coordinator: Coordinator | None = None     # fleet quotas (quota.coordination)
         self._telemetry_failures: set[str] = set()
@@ -127,6 +137,8 @@ class ProxyServer:
         self.upstream_tls: ReloadingContext | None = (
             _reloading("upstream.tls", config.upstream.tls, lambda: client_context(config.upstream.tls),
                        server_side=False, expiry=self.certificates) if config.upstream.tls.enabled else None)
+        # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
+        self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls)
         self.tls_poll_interval_s = TLS_POLL_INTERVAL_S
         principal = config.tls.principal
         self.principal_mapper = PrincipalMapper.from_config(principal.mapping_rules, principal.san_uri)
@@ -196,13 +208,15 @@ class ProxyServer:
         return self.telemetry.metrics
 
     def readiness(self) -> tuple[bool, str]:
-        """(ready, why): listeners bound and the cluster's brokers learned, and not draining."""
+        """(ready, why): listeners bound and one round trip to a bootstrap server done (its ApiVersions
+        answer is enough: a broker that requires SASL answers it before authentication), and not
+        draining. Learning the brokers is not required: client traffic teaches them too."""
         if self.draining:
             return False, "not ready: draining"
         if self.bootstrap_address is None:
             return False, "not ready: the listeners are not bound yet"
-        if not self.discovered:
-            return False, "not ready: no bootstrap server has answered discovery yet"
+        if not self.bootstrap_answered:
+            return False, "not ready: no bootstrap server has answered yet"
         return True, "ready"
 
     def _add_metric_readers(self, m: Metrics) -> None:
@@ -210,13 +224,16 @@ class ProxyServer:
 
         def connections() -> list:
             open_now: dict[str, int] = {}
+            in_flight = 0
             for c in self.connections:
                 listener = c.session.ctx.listener
                 open_now[listener] = open_now.get(listener, 0) + 1
+                in_flight += len(c.session.in_flight)
             return metric_families.connection_families(stats.opened_by_listener, open_now, stats.decode_errors,
-                                                       stats.upstream_connect_failures)
+                                                       stats.upstream_connect_failures, in_flight)
 
         m.add_reader(connections)
+        m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
@@ -381,8 +398,10 @@ class ProxyServer:
 
     async def _rediscover(self) -> None:
         # Until a bootstrap server answers once (readiness waits for it), try again with a backoff.
+        # Once one has answered, brokers still unknown are learned from client traffic, or by the
+        # discovery a connection to an unmapped port asks for.
         delay = 1.0
-        while not self.discovered and not self.draining:
+        while not (self.discovered or self.bootstrap_answered) and not self.draining:
             await trio.sleep(delay)
             delay = min(delay * 2, 30.0)
             await self.discover()
@@ -446,7 +465,7 @@ class ProxyServer:
                 with trio.fail_after(self.tls_handshake_timeout_s):
                     await stream.do_handshake()
                 name = self.sni_names.name_of(stream)
-                transport = TlsTransport(stream)
+                transport = TlsTransport(stream, raw)
                 cert = stream.getpeercert()
                 if cert:
                     # Verified by the handshake (getpeercert is empty otherwise); only then a principal.
@@ -544,7 +563,7 @@ class ProxyServer:
         session past the broker's re-authentication deadline is closed by the broker, and the
         coordinator opens a new one.)"""
         up = self.config.upstream
-        t = await connect(host, port, up.connect_timeout_s, self.upstream_tls, up.tls.server_hostname)
+        t = await open_upstream(host, port, self.upstream)
         if self.identity.originator is not None:
             try:
                 roundtrip = direct_roundtrip(t, up.request_timeout_s, self.config.limits.max_frame_size)
@@ -558,12 +577,43 @@ class ProxyServer:
 
     async def discover(self) -> bool:
         """Ask a bootstrap server for the brokers (ApiVersions, then Metadata with no topics) so
-        their ports are open before any client asks. Best effort: False if no broker answered."""
+        their ports are open before any client asks. Best effort: False if no broker told them.
+
+        One attempt at a time for the whole process: callers that arrive while one runs wait for it
+        and share its answer, and an attempt that ended less than ``DISCOVERY_REUSE_S`` ago answers
+        for a new one. The attempt runs in the server's nursery, so a caller that goes away (its
+        connection closed) does not cancel it for the others."""
+        running = self._discovery
+        if running is None:
+            ended = self.discovery_ended_at
+            if ended is not None and trio.current_time() - ended < DISCOVERY_REUSE_S:
+                return self._discovery_result
+            running = self._discovery = trio.Event()
+            if self._nursery is not None:
+                self._nursery.start_soon(self._discovery_attempt, running)
+            else:
+                await self._discovery_attempt(running)
+        await running.wait()
+        return self._discovery_result
+
+    async def _discovery_attempt(self, done: trio.Event) -> None:
+        self.discovery_attempts += 1
+        try:
+            self._discovery_result = await self._discover_once()
+        except Exception:
+            # A bug here must not stop the server; the next attempt may fare better.
+            log.exception("discovery failed")
+            self._discovery_result = False
+        finally:
+            self.discovery_ended_at = trio.current_time()
+            self._discovery = None
+            done.set()
+
+    async def _discover_once(self) -> bool:
         cfg = self.config.upstream
         for hp in cfg.bootstrap_servers:
             try:
-                t = await connect(hp.host, hp.port, cfg.connect_timeout_s, self.upstream_tls,
-                                  cfg.tls.server_hostname)
+                t = await open_upstream(hp.host, hp.port, self.upstream)
             except (OSError, trio.TooSlowError) as e:
                 log.warning("discovery: cannot reach %s: %s", hp, e or "timed out")
                 continue
@@ -577,13 +627,22 @@ class ProxyServer:
                     self.discovered = True
                 return True
             except (OSError, trio.TooSlowError, KProxyError, trio.BrokenResourceError) as e:
-                log.warning("discovery via %s failed: %s", hp, e or "timed out")
+                if self.bootstrap_answered and not self.discovered:
+                    # It answers ApiVersions but not Metadata: a broker that requires SASL, most likely.
+                    log.warning("discovery via %s: it answered ApiVersions but not Metadata (%s); a broker "
+                                "that requires SASL refuses Metadata before authentication. Brokers are "
+                                "learned from the clients' own Metadata instead", hp, e or "timed out")
+                else:
+                    log.warning("discovery via %s failed: %s", hp, e or "timed out")
             finally:
                 t.close()
         return False
 
     async def _discover_on(self, roundtrip: Roundtrip) -> None:
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))
+        if not self.bootstrap_answered:
+            self.bootstrap_answered = True
+            log.info("a bootstrap server answered: ready")
         # Kept for terminating connections, which answer ApiVersions themselves before any login.
         self.identity.broker_versions = [(e.api_key, e.min_version, e.max_version) for e in av.body.api_keys]
         ranges = {e.api_key: e for e in narrow_api_keys(av.body.api_keys, supported_versions())}
@@ -636,6 +695,8 @@ async def serve_until_signal(server: ProxyServer) -> None:
         if server.worker is not None:
             nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            # From here on a signal is kproxy's to handle (before, SIGHUP's default would end it).
+            log.info("signals: SIGTERM or SIGINT drains, SIGHUP reloads the rule files")
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:

@@ -15,6 +15,7 @@ import trio
 
 from kproxy import __version__
 from kproxy.config import (
+    ConfigError,
     HostPort,
     ProxyConfig,
     apply_overrides,
@@ -25,8 +26,7 @@ from kproxy.config import (
 )
 from kproxy.logs import configure_logging
 from kproxy.policy.loader import load_rules
-from kproxy.protocol.compiler import accelerator_warning
-from kproxy.protocol.errors import ConfigError
+from kproxy.protocol.compiler import accelerator_warning, codec_implementation
 from kproxy.server.app import ListenError, ProxyServer, listen_error, serve_until_signal
 from kproxy.server.workers import WORKER_ADMIN_ENV, Supervisor, worker_identity
 
@@ -46,7 +46,7 @@ _QUICK_OPTIONS = (
 
 
 def _log_start(cfg: ProxyConfig) -> None:
-    log.info("kproxy %s: %s", __version__, describe_config(cfg))
+    log.info("kproxy %s: %s", __version__, describe_config(cfg, codec_implementation()))
     missing = accelerator_warning()
     if missing:
         log.warning("%s", missing)

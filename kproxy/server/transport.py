@@ -25,6 +25,11 @@ _YIELD_EVERY = 16
 # most of it and still holds the loop under 5 ms for a 4.4 MB Metadata answer (bench/big_metadata.py).
 _SLICE = 2 * 1024 * 1024
 _SMALL = 16 * 1024
+# The most one TLS receive asks to decrypt. OpenSSL returns at most one record (16 KiB of plaintext;
+# measured: 8 MiB read with 1 MiB asks came back as 512 reads of 16 KiB), but Python's SSLObject.read
+# allocates the size asked for first: asking for the rest of a 50 MB frame cost 50 MB per 16 KiB.
+_TLS_READ = 64 * 1024
+_TLS_RECORD = 16 * 1024
 
 
 class Transport:
@@ -161,19 +166,70 @@ class PlainTransport(Transport):
 
 
 class TlsTransport(Transport):
-    __slots__ = ("stream",)
+    """TLS over trio's SSLStream, with the plain transport's guarantees: a receive decrypts at most
+    ``_TLS_READ`` bytes (trio hands the size to ``SSLObject.read``, which allocates that much before it
+    returns one record), a send encrypts at most a slice per turn of the loop, and ``readable_now``
+    says False when nothing is known to be waiting, so an idle connection's grown buffer is given
+    back. ``raw`` is the stdlib socket under the stream, peeked at like the plain transport's."""
 
-    def __init__(self, stream: trio.SSLStream) -> None:
+    __slots__ = ("_full_record", "_left", "raw", "stream")
+
+    def __init__(self, stream: trio.SSLStream, raw: socket.socket | None = None) -> None:
         self.stream = stream
+        self.raw = raw
+        # Plaintext decrypted but not yet asked for: a receive always takes a whole record, so the
+        # TLS layer never holds half of one that readable_now could not see.
+        self._left: memoryview | None = None
+        self._full_record = False   # the last record was full size: a bulk transfer, more likely follows
+
+    def readable_now(self) -> bool:
+        """True when a receive would likely return at once: plaintext is left over, the last record
+        was full size (a peer's write that ends exactly on a 16 KiB record reads as busy until the
+        next receive), or bytes wait on the socket. Records trio has read from the socket but not
+        decrypted read as False; that only gives a buffer back early, the next receive is immediate."""
+        if self._left is not None or self._full_record or self.raw is None:
+            return True
+        try:
+            self.raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return True
 
     async def recv_into(self, buf: memoryview) -> int:
-        data = await self.stream.receive_some(len(buf))
-        n = len(data)
-        buf[:n] = data
+        left = self._left
+        if left is not None:
+            n = min(len(buf), len(left))
+            buf[:n] = left[:n]
+            self._left = left[n:] if n < len(left) else None
+            return n
+        data = await self.stream.receive_some(min(max(len(buf), _TLS_RECORD), _TLS_READ))
+        n = min(len(data), len(buf))
+        buf[:n] = memoryview(data)[:n]
+        if n < len(data):
+            self._left = memoryview(data)[n:]
+        self._full_record = len(data) >= _TLS_RECORD
         return n
 
     async def send(self, buffers: list) -> None:
-        await self.stream.send_all(b"".join(buffers) if len(buffers) != 1 else buffers[0])
+        # Slices of at most _SLICE, each joined (small buffers) or sent as a view (a big one) and
+        # encrypted in one go: a multi-megabyte answer is never copied and encrypted whole in one turn.
+        stream = self.stream
+        parts: list = []
+        size = 0
+        for b in buffers:
+            view = memoryview(b).cast("B") if not isinstance(b, bytes | bytearray) else memoryview(b)
+            while view:
+                part = view[: _SLICE - size]
+                view = view[len(part):]
+                parts.append(part)
+                size += len(part)
+                if size >= _SLICE:
+                    await stream.send_all(parts[0] if len(parts) == 1 else b"".join(parts))
+                    parts, size = [], 0
+        if parts:
+            await stream.send_all(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def close(self) -> None:
         # The TCP socket closes at once; a TLS close_notify is skipped on purpose (no await here).
@@ -303,5 +359,5 @@ async def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | No
             except BaseException:
                 sock.close()
                 raise
-            return TlsTransport(stream)
+            return TlsTransport(stream, raw)
         raise last or OSError(f"no address for {host}:{port}")

@@ -31,6 +31,8 @@ log = logging.getLogger("kproxy.supervisor")
 WORKER_ENV = "KPROXY_WORKER"                # "i/n": this process is worker i of n
 WORKER_ADMIN_ENV = "KPROXY_WORKER_ADMIN"    # host:port of this worker's private admin listener
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+PROBE_BUDGET_S = 1.5        # all workers asked at once, for /readyz
+SCRAPE_BUDGET_S = 5.0       # for /metrics, /config and /rules
 # Gauges that are states or times, not amounts: the workers' values are not added up. The earliest
 # certificate expiry and "ready only if every worker is" (min); the latest rule load, the longest lag,
 # "a reload failing in any worker", and the rule count every worker has (max).
@@ -41,6 +43,7 @@ MERGED_BY = {
     "kproxy_rules": max,
     "kproxy_rules_generation": max,
     "kproxy_rules_loaded_timestamp_seconds": max,
+    "kproxy_tls_loaded_timestamp_seconds": max,
     "kproxy_rules_reload_failing": max,
 }
 
@@ -159,13 +162,19 @@ class SupervisorAdmin(admin.AdminServer):
             if dead:
                 return 503, "text/plain; charset=utf-8", f"workers not running: {dead}\n".encode()
             return 200, "text/plain; charset=utf-8", b"ok\n"
-        answers = [await _fetch(w.admin_address, target) for w in workers]
+        # Probes (a kubelet's default timeout is 1 s, the shipped chart allows 2 s) get the workers'
+        # answers within PROBE_BUDGET_S; a scrape may wait longer.
+        budget = PROBE_BUDGET_S if path == "/readyz" else SCRAPE_BUDGET_S
+        answers = await fetch_all([w.admin_address for w in workers], target, budget)
         if path == "/metrics":
             texts = [body for status, _, body in answers if status == 200]
             if not texts:
                 return 503, "text/plain; charset=utf-8", b"no worker answered\n"
             extra = (f"# HELP kproxy_workers Worker processes running.\n# TYPE kproxy_workers gauge\n"
                      f"kproxy_workers {sum(1 for w in workers if w.process and w.process.returncode is None)}\n"
+                     "# HELP kproxy_workers_scraped Workers whose metrics are in this answer (the others did "
+                     "not answer in time).\n# TYPE kproxy_workers_scraped gauge\n"
+                     f"kproxy_workers_scraped {len(texts)}\n"
                      "# HELP kproxy_worker_restarts_total Workers restarted after exiting unexpectedly.\n"
                      "# TYPE kproxy_worker_restarts_total counter\n"
                      f"kproxy_worker_restarts_total {sum(w.restarts for w in workers)}\n").encode()
@@ -191,13 +200,27 @@ class SupervisorAdmin(admin.AdminServer):
         return answers[0]
 
 
-async def _fetch(address: str | None, target: str) -> tuple[int, str, bytes]:
+async def fetch_all(addresses: Sequence[str | None], target: str, timeout: float) -> list[tuple[int, str, bytes]]:
+    """GET ``target`` from every worker's private admin listener at once: one (status, content type,
+    body) per address, in order, all within ``timeout`` seconds."""
+    answers: list[tuple[int, str, bytes]] = [(503, "text/plain; charset=utf-8", b"no answer\n")] * len(addresses)
+
+    async def one(i: int, address: str | None) -> None:
+        answers[i] = await _fetch(address, target, timeout)
+
+    async with trio.open_nursery() as nursery:
+        for i, address in enumerate(addresses):
+            nursery.start_soon(one, i, address)
+    return answers
+
+
+async def _fetch(address: str | None, target: str, timeout: float) -> tuple[int, str, bytes]:
     """GET ``target`` from a worker's private admin listener: (status, content type, body)."""
     if address is None:
         return 503, "text/plain; charset=utf-8", b"no admin listener\n"
     host, _, port = address.rpartition(":")
     try:
-        with trio.fail_after(5):
+        with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, int(port))
             async with stream:
                 await stream.send_all(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
@@ -207,7 +230,9 @@ async def _fetch(address: str | None, target: str) -> tuple[int, str, bytes]:
                     data += chunk
                     if len(data) > 64 * 1024 * 1024:
                         break
-    except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
+    except trio.TooSlowError:
+        return 503, "text/plain; charset=utf-8", f"no answer within {timeout:g}s\n".encode()
+    except (OSError, trio.BrokenResourceError) as e:
         return 503, "text/plain; charset=utf-8", f"worker admin unreachable: {e}\n".encode()
     head, _, body = bytes(data).partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -220,11 +245,23 @@ async def _fetch(address: str | None, target: str) -> tuple[int, str, bytes]:
     return status, ctype, body
 
 
+# Gauges whose workers' values add up to the process group's (each worker holds its own share).
+# Every other gauge is a state, a time or a worst case: MERGED_BY says min or max, and one in neither
+# table merges as the largest value, never a multiple. A new gauge that is a per-process amount must
+# be listed here, or the supervisor reports one worker's worth (tests/unit/test_workers.py checks
+# that every gauge a worker exposes is in one of the two tables).
+ADDITIVE_GAUGES = frozenset({
+    "kproxy_connections_open", "kproxy_requests_in_flight", "kproxy_buffered_bytes", "kproxy_buffer_budget_bytes",
+})
+
+
 def merge_expositions(texts: Sequence[bytes]) -> bytes:
-    """Prometheus text expositions of several workers as one: samples with the same name and labels
-    are added up (``*_created`` timestamps take the earliest, the gauges of ``MERGED_BY`` their min or
-    max), families keep their HELP and TYPE."""
+    """Prometheus text expositions of several workers as one, by metric type: counters, histograms
+    and summaries are added up per sample (``*_created`` timestamps take the earliest); gauges in
+    ``ADDITIVE_GAUGES`` are added up, those in ``MERGED_BY`` take its min or max, any other gauge
+    the largest value. Families keep their HELP and TYPE lines and the order they first appeared in."""
     families: dict[str, tuple[list[str], dict[str, float]]] = {}
+    types: dict[str, str] = {}
     for text in texts:
         family = ""
         for line in text.decode().splitlines():
@@ -237,16 +274,23 @@ def merge_expositions(texts: Sequence[bytes]) -> bytes:
                     meta, _ = families.setdefault(family, ([], {}))
                     if line not in meta:
                         meta.append(line)
+                    if parts[1] == "TYPE" and len(parts) == 4:
+                        types[family] = parts[3].strip()
                 continue
             key, _, value = line.rpartition(" ")
             _, samples = families.setdefault(family, ([], {}))
             number = float(value)
-            if key in samples:
-                name = key.split("{", 1)[0]
-                combine = MERGED_BY.get(name) or (min if name.endswith("_created") else None)
-                samples[key] = combine(samples[key], number) if combine else samples[key] + number
-            else:
+            name = key.split("{", 1)[0]
+            if key not in samples:
                 samples[key] = number
+            elif name in MERGED_BY:
+                samples[key] = MERGED_BY[name](samples[key], number)
+            elif name.endswith("_created"):
+                samples[key] = min(samples[key], number)
+            elif types.get(family) == "gauge" and family not in ADDITIVE_GAUGES:
+                samples[key] = max(samples[key], number)
+            else:
+                samples[key] += number
     out = []
     for meta, samples in families.values():
         out.extend(meta)

@@ -250,10 +250,13 @@ class Metrics(Collector):
 
 
 def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
-                        decode_errors: Mapping[str, int], upstream_failures: Mapping[str, int]) -> list[Metric]:
+                        decode_errors: Mapping[str, int], upstream_failures: Mapping[str, int],
+                        in_flight: int = 0) -> list[Metric]:
     return [
         _gauge("kproxy_connections_open", "Client connections open, by listener.", ["listener"],
                {(k,): open_now.get(k, 0) for k in {*opened, *open_now}}),
+        GaugeMetricFamily("kproxy_requests_in_flight", "Requests read from clients and not yet answered, "
+                          "all connections.", value=in_flight),
         _counter("kproxy_connections_opened", "Client connections accepted, by listener.", ["listener"],
                  {(k,): v for k, v in opened.items()}),
         _counter("kproxy_decode_errors", "Frames kproxy could not decode (the connection closed), by direction "
@@ -262,6 +265,11 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
         _counter("kproxy_upstream_connect_failures", "Failed connection attempts to brokers, by broker.",
                  ["broker"], {(k,): v for k, v in upstream_failures.items()}),
     ]
+
+
+def discovery_families(attempts: int) -> list[Metric]:
+    return [CounterMetricFamily("kproxy_discovery_attempts", "Broker discovery attempts (one at a time, "
+                                "shared by every connection that needs one).", value=attempts)]
 
 
 def identity_families(identity: Any) -> list[Metric]:

@@ -14,8 +14,7 @@ import random
 import time
 from collections.abc import Mapping
 
-from kproxy.config import ProxyConfig
-from kproxy.protocol.errors import ConfigError
+from kproxy.config import ConfigError, ProxyConfig
 from kproxy.protocol.messages import apis
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.session import InFlight

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,14 +44,34 @@ def kproxy_process(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Pope
             proc.wait()
 
 
-def connect_when_up(address: str, proc: subprocess.Popen[bytes], timeout: float = 15) -> Wire:
+def connect_when_up(address: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 15) -> Wire:
+    """A connection to kproxy once it handles signals (the port listens a little earlier)."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return Wire(address)
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "kproxy did not start"
-            time.sleep(0.1)
+    while "signals: SIGTERM or SIGINT drains" not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, f"kproxy did not start: {log.read_text()}"
+        time.sleep(0.05)
+    return Wire(address)
+
+
+def in_flight(admin: str) -> float:
+    """kproxy_requests_in_flight from a kproxy process's /metrics."""
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kproxy_requests_in_flight "):
+                return float(line.split()[1])
+    raise AssertionError("no kproxy_requests_in_flight in /metrics")
+
+
+def wait_for(condition: Any, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def readable(w: Wire) -> bool:
+    """Whether bytes (or the end of the stream) wait on ``w`` right now."""
+    return bool(select.select([w.sock], [], [], 0)[0])
 
 
 def long_poll(w: Wire, topic: str, correlation_id: int, max_wait_ms: int) -> None:
@@ -61,24 +84,26 @@ def long_poll(w: Wire, topic: str, correlation_id: int, max_wait_ms: int) -> Non
 def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broker: TansuBroker,
                                                                            tmp_path: Path) -> None:
     port = free_port_block()
+    admin = f"127.0.0.1:{free_port_block(1)}"
     topic = f"drain-{port}"
     confluent_create_topic(broker.bootstrap, topic)
-    with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}") as (proc, log):
-        idle = connect_when_up(f"127.0.0.1:{port}", proc)
+    with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
+                        "--admin", admin) as (proc, log):
+        idle = connect_when_up(f"127.0.0.1:{port}", proc, log)
         assert idle.metadata(1).correlation_id == 1          # a consumer between polls
         busy = Wire(f"127.0.0.1:{port}")
-        long_poll(busy, topic, 42, max_wait_ms=1500)
-        time.sleep(0.3)
+        long_poll(busy, topic, 42, max_wait_ms=3000)
+        wait_for(lambda: in_flight(admin) == 1, "the long poll never reached kproxy")
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert idle.closed_by_peer()                          # owes nothing: closed at once
-        assert time.monotonic() - started < 1.0
+        assert idle.closed_by_peer()                          # owes nothing: closed at once,
+        assert not readable(busy)                             # while the long poll is still held
         resp = busy.receive(FETCH, 12)                        # the long poll is still answered
         assert resp.correlation_id == 42
         assert busy.closed_by_peer()
-        # Done well before the 10 s drain timeout: nothing waits for it once nothing is owed.
+        # Done before the 10 s drain timeout: nothing waits for it once nothing is owed.
         assert proc.wait(10) == 0
-        assert time.monotonic() - started < 4
+        assert time.monotonic() - started < 9
         text = log.read_text()
         assert "draining" in text and "kproxy stopped" in text
         assert "shutting down (nothing in flight)" in text
@@ -89,19 +114,21 @@ def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broke
 
 def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> None:
     port = free_port_block()
+    admin = f"127.0.0.1:{free_port_block(1)}"
     topic = f"drain2-{port}"
     confluent_create_topic(broker.bootstrap, topic)
-    with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}") as (proc, log):
-        w = connect_when_up(f"127.0.0.1:{port}", proc)
+    with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
+                        "--admin", admin) as (proc, log):
+        w = connect_when_up(f"127.0.0.1:{port}", proc, log)
         long_poll(w, topic, 7, max_wait_ms=20_000)            # would hold the drain for its timeout
-        time.sleep(0.3)
+        wait_for(lambda: in_flight(admin) == 1, "the long poll never reached kproxy")
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
+        wait_for(lambda: "draining" in log.read_text(), "SIGINT did not start a drain")
         assert proc.poll() is None                            # draining, waiting for the long poll
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(5) == 0
-        assert time.monotonic() - started < 2
+        assert proc.wait(10) == 0
+        assert time.monotonic() - started < 10                # not the 20 s long poll, nor the drain timeout
         assert "again: stopping now" in log.read_text()
         w.close()
 
@@ -109,7 +136,7 @@ def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> N
 def test_sighup_is_logged_and_the_proxy_keeps_serving(broker: TansuBroker, tmp_path: Path) -> None:
     port = free_port_block()
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}") as (proc, log):
-        w = connect_when_up(f"127.0.0.1:{port}", proc)
+        w = connect_when_up(f"127.0.0.1:{port}", proc, log)
         assert w.metadata(1).correlation_id == 1
         proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 5

@@ -19,17 +19,31 @@ SASL_HANDSHAKE = 17
 
 
 def test_silent_connections_are_closed_after_the_idle_timeout(broker: TansuBroker) -> None:
-    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", limits={"idle_timeout_s": 0.6})
+    idle_timeout = 1.5
+    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", limits={"idle_timeout_s": idle_timeout})
+
+    def open_connections() -> int:
+        return p.call(lambda: len(p.server.connections))
+
     try:
         silent = Wire(p.bootstrap)
         talking = Wire(p.bootstrap)
+        deadline = time.monotonic() + 15
+        while open_connections() < 2:
+            assert time.monotonic() < deadline, "kproxy never accepted both connections"
+            time.sleep(0.01)
         started = time.monotonic()
         n = 0
-        while time.monotonic() - started < 1.8:          # three idle timeouts, one request every 0.2 s
+        # Keep one connection busy (a request every few milliseconds, far inside the timeout) until
+        # kproxy closes the other.
+        while open_connections() == 2:
+            assert time.monotonic() - started < 30, "the silent connection was never closed"
             n += 1
             assert talking.metadata(n).correlation_id == n
-            time.sleep(0.2)
-        assert silent.closed_by_peer()                   # long closed by now
+            time.sleep(0.02)
+        assert time.monotonic() - started > idle_timeout / 2   # not before it had been idle a while
+        assert silent.closed_by_peer()
+        assert talking.metadata(n + 1).correlation_id == n + 1
         talking.close()
         silent.close()
     finally:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import trio
 
 from kproxy.config import parse_config
 from kproxy.protocol.messages import Request, body_class, decode_response, encode_request_frame
@@ -314,3 +315,89 @@ def test_broker_connection_lost_after_sasl_closes_the_client(gate: SaslGate, pro
         with pytest.raises(ConnectionError):
             _frame(sock)
     assert gate.refused[refused:] == []   # nothing was sent to the broker unauthenticated
+
+
+# -- readiness and discovery in front of a broker that requires SASL ---------------------------------
+
+
+@pytest.fixture
+def admin_proxy(gate: SaslGate) -> Iterator[tuple[ProxyThread, str, int]]:
+    """kproxy with an admin listener and deterministic broker ports (listening from the start, not
+    mapped to a broker until discovery or a client's Metadata says where each one is)."""
+    from tests.e2e.proxied import free_port_block
+
+    port = free_port_block(3)            # the bootstrap port, then the two broker ports
+    broker_port = port + 1
+    (admin,) = free_ports(1)
+    cfg = parse_config(f"""\
+listen: "127.0.0.1:{port}"
+upstream:
+  bootstrap_servers: ["{gate.bootstrap}"]
+exposure:
+  advertised_host: 127.0.0.1
+  broker_port_start: {broker_port}
+  broker_port_count: 2
+  node_id_base: 111    # tansu's node id
+admin:
+  listen: "127.0.0.1:{admin}"
+""")
+    with ProxyThread(cfg) as p:
+        yield p, f"127.0.0.1:{admin}", broker_port
+
+
+def readyz(admin: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{admin}/readyz", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_ready_in_front_of_a_broker_that_requires_sasl(gate: SaslGate,
+                                                       admin_proxy: tuple[ProxyThread, str, int]) -> None:
+    proxy, admin, _ = admin_proxy
+    wait_for(lambda: readyz(admin)[0] == 200, "never ready in front of a SASL-only broker")
+    assert readyz(admin) == (200, "ready\n")
+    # Discovery's Metadata was refused (no SASL yet), and that does not stop readiness.
+    assert any(api == METADATA for _, api in gate.refused)
+    assert proxy.call(lambda: (proxy.server.bootstrap_answered, proxy.server.discovered)) == (True, False)
+    # Clients authenticate and go on as before.
+    settings = {"bootstrap.servers": proxy.bootstrap, "security.protocol": "SASL_PLAINTEXT",
+                "sasl.mechanism": "PLAIN", "sasl.username": USER, "sasl.password": PASSWORD}
+    assert confluent_roundtrip(settings, unique_name("ready")) == expected_pairs()
+
+
+def test_a_storm_to_an_unmapped_port_starts_one_discovery(gate: SaslGate,
+                                                          admin_proxy: tuple[ProxyThread, str, int]) -> None:
+    import socket
+
+    from kproxy.server.app import DISCOVERY_REUSE_S
+
+    proxy, admin, broker_port = admin_proxy
+    server = proxy.server
+    wait_for(lambda: readyz(admin)[0] == 200, "never ready")
+    # Past the time the last attempt answers for, so the storm needs an attempt of its own.
+    wait_for(lambda: proxy.call(lambda: server._discovery is None and server.discovery_ended_at is not None
+                                and trio.current_time() - server.discovery_ended_at > DISCOVERY_REUSE_S),
+             "discovery never settled")
+    attempts = proxy.call(lambda: server.discovery_attempts)
+    refused = sum(1 for _, api in gate.refused if api == METADATA)
+    storm = [socket.create_connection(("127.0.0.1", broker_port), timeout=10) for _ in range(30)]
+    try:
+        wait_for(lambda: proxy.call(lambda: len(server.connections)) == len(storm),
+                 "the storm's connections were not all served")
+        assert proxy.call(lambda: server.discovery_attempts) == attempts + 1
+        assert sum(1 for _, api in gate.refused if api == METADATA) == refused + 1
+    finally:
+        for s in storm:
+            s.close()

@@ -2,7 +2,8 @@
 split, traceparent links, nothing secret), /metrics (counts equal what the test sent, promtool
 passes), /readyz before discovery and while draining, the traffic log (schema, offsets and record
 counts equal what the clients produced and consumed), OTLP over HTTP to a receiver, and
-verify_reencode on every frame finding no mismatch.
+verify_reencode on every frame finding no mismatch, and an admin answer that fails with a bug (a 500,
+logged) while Kafka traffic through the same process goes on.
 
 One proxy with every output on serves the module; the tests run in order and the last ones stop it
 to read what was flushed.
@@ -440,3 +441,41 @@ def test_otlp_http_export_reaches_a_receiver(broker: TansuBroker, monkeypatch: p
     service = {a.value.string_value for rs, _ in spans for a in rs.resource.attributes if a.key == "service.name"}
     assert service == {"kproxy-e2e"}
     assert os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+
+
+def test_a_failing_admin_answer_is_a_500_and_kafka_traffic_goes_on(broker: TansuBroker, topic: str) -> None:
+    admin = f"127.0.0.1:{free_port()}"
+    proxy = start_proxy(broker.bootstrap, admin={"listen": admin})
+    host, port = proxy.bootstrap.rsplit(":", 1)
+
+    def get(path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://{admin}{path}", timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def broken_reader() -> list:
+        raise RuntimeError("a metric reader with a bug")
+
+    try:
+        # A client connected before the failure keeps its connection and its answers.
+        with socket.create_connection((host, int(port)), timeout=10) as before:
+            req = Request.build(3, 12, 7, "admin-500", body_class(3, "request")(topics=[]))
+            assert get("/metrics")[0] == 200
+            metrics = proxy.server.metrics
+            assert metrics is not None
+            proxy.call(lambda: metrics.add_reader(broken_reader))
+            status, body = get("/metrics")
+            assert status == 500 and b"internal error" in body
+            assert get("/metrics")[0] == 500    # the listener still answers, again
+            assert get("/livez") == (200, b"ok\n")
+            assert proxy.server.admin is not None and proxy.server.admin.failures == 2
+            before.sendall(b"".join(bytes(b) for b in encode_request_frame(req)))
+            size = int.from_bytes(_recv_exactly(before, 4), "big")
+            assert decode_response(_recv_exactly(before, size), 3, 12).correlation_id == 7
+        # New connections, and a real client's produce and consume, go through the same process.
+        raw_metadata_requests(proxy.bootstrap, 3)
+        traced_produce_consume(proxy.bootstrap, topic)
+    finally:
+        proxy.stop()

@@ -13,8 +13,7 @@ import pytest
 
 import kproxy.server.main
 from kproxy import cli
-from kproxy.config import HostPort
-from kproxy.protocol.errors import ConfigError
+from kproxy.config import ConfigError, HostPort
 from kproxy.server.app import ProxyServer
 from kproxy.server.main import config_for_run
 

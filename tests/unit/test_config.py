@@ -13,8 +13,10 @@ import attrs
 import pytest
 import yaml
 
+from kproxy.cli import check_config_file
 from kproxy.config import (
     AdminConfig,
+    ConfigError,
     ExposureConfig,
     HostPort,
     LimitsConfig,
@@ -25,14 +27,13 @@ from kproxy.config import (
     TlsServerSide,
     UpstreamConfig,
     apply_overrides,
-    check_config_file,
     config_from_args,
     describe_config,
     effective_buffer_budget,
     load_config,
     parse_config,
 )
-from kproxy.protocol.errors import ConfigError, KProxyError
+from kproxy.protocol.errors import KProxyError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "kproxy.example.yaml"
 

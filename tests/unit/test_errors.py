@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 from kio.schema.errors import ErrorCode as KioErrorCode
 
+from kproxy.config import ConfigError
 from kproxy.protocol import errors
 from kproxy.protocol.errors import (
     ERROR_CODES,
     ERROR_CODES_BY_NAME,
-    ConfigError,
     DecodeError,
     EncodeError,
     ErrorCode,

@@ -12,8 +12,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kproxy.config import CoordinationConfig, QuotaConfig, config_from_args
-from kproxy.protocol.errors import ConfigError
+from kproxy.config import ConfigError, CoordinationConfig, QuotaConfig, config_from_args
 from kproxy.quota.fleet import FleetShares, Load, Report, decode_record, demand_of, record_key, record_value
 from kproxy.server.coordination import Coordinator
 

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from kproxy.cli import main
-from kproxy.config import load_config
+from kproxy.config import ConfigError, load_config
 from kproxy.identity.users import password_matches
-from kproxy.protocol.errors import ConfigError
 from kproxy.server import admin
 from kproxy.server.identity import IdentityService
 from kproxy.userfile import add_user, load_users_file

@@ -513,6 +513,27 @@ def test_chaos_injects_errors_and_latency_only_when_enabled(tmp_path, caplog):
                      "chaos: rule 'slow': connection 1's fetch v12 delayed by 50 ms"]
 
 
+def test_chaos_latency_never_exceeds_the_bound(tmp_path):
+    from kproxy.policy.model import MAX_LATENCY_S
+
+    # An exponential with a mean at the bound draws above it about a third of the time; two rules on
+    # one request add up. Neither holds a request longer than the bound.
+    rules = """\
+        rules:
+          - {name: slow, match: {api: fetch}, action: chaos, chaos: {latency_ms: {mean: 60000}}}
+          - {name: slower, match: {api: fetch}, action: chaos, chaos: {latency_ms: 50000}}
+        """
+    s = session(policy_filter(tmp_path, rules, chaos=True, seed=7))
+    cls = body_class(FETCH, "request")
+    holds = []
+    for cid in range(50):
+        acts = send(s, FETCH, 12, cls(topics=[cls.FetchTopic(topic="a")]), correlation_id=cid)
+        assert isinstance(acts[0], Hold)
+        holds.append(acts[0].seconds)
+        broker_answers(s, forwarded(acts[-1]))
+    assert max(holds) == MAX_LATENCY_S and min(holds) > 50.0
+
+
 def test_chaos_rate_follows_the_seeded_generator(tmp_path):
     rules = "rules: [{name: some, action: chaos, chaos: {rate: 0.3, error: REQUEST_TIMED_OUT}}]\n"
     counts = []

@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 
 from kproxy.cli import main
+from kproxy.config import ConfigError
 from kproxy.policy import model as M
 from kproxy.policy.loader import RuleError, load_rules, rule_files
 from kproxy.policy.schema import rules_schema, schema_text
-from kproxy.protocol.errors import ConfigError
 
 from .rulebook import rule_set, write_rules
 
@@ -241,6 +241,20 @@ def test_what_the_schema_cannot_say(tmp_path):
         "15:60: rule 'drill': chaos.latency_ms: min 9 is above max 1",
         "16:5: rule 'capless': action cap needs 'cap:' settings",
         "18:11: rule 'r': name: the name 'r' is already used at " f"{tmp_path / 'bad.yaml'}:2:5",
+    ]
+
+
+def test_chaos_latency_above_the_bound_is_refused_with_its_line(tmp_path):
+    assert problems(tmp_path, """\
+        rules:
+          - {name: fixed, action: chaos, chaos: {latency_ms: 60001}}
+          - {name: uniform, action: chaos, chaos: {latency_ms: {min: 1, max: 90000}}}
+          - {name: exponential, action: chaos, chaos: {latency_ms: {mean: 600000}}}
+          - {name: at-the-bound, action: chaos, chaos: {latency_ms: {min: 60000, max: 60000}}}
+        """) == [
+        "2:54: rule 'fixed': chaos.latency_ms: must be at most 60000, got 60001",
+        "3:70: rule 'uniform': chaos.latency_ms.max: must be at most 60000, got 90000",
+        "4:67: rule 'exponential': chaos.latency_ms.mean: must be at most 60000, got 600000",
     ]
 
 

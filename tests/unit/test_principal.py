@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kproxy.config import parse_config
+from kproxy.config import ConfigError, parse_config
 from kproxy.identity.principal import MappingRuleError, PrincipalMapper, distinguished_name, parse_rules
-from kproxy.protocol.errors import ConfigError
 
 # The rules of Kafka's documentation (docs/security.html, "Customizing SSL User Name"), one string
 # as Kafka's property holds them.

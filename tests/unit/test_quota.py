@@ -546,6 +546,36 @@ def test_the_budget_table_is_bounded_and_forgets_idle_budgets():
     assert len(keep) == 1 and keep.evicted == 0
 
 
+def test_budgets_in_use_survive_a_flood_of_new_keys():
+    budgets = Budgets(limit=50)
+    busy = budgets.get(("q", "client_id=busy"), 100.0, 11.0)     # the oldest key, but used all along
+    for i in range(500):
+        budgets.get(("q", f"client_id=c{i}"), 100.0, 11.0)
+        assert budgets.get(("q", "client_id=busy"), 100.0, 11.0) is busy
+    assert budgets.peek(("q", "client_id=busy")) is busy
+    assert len(budgets) <= 50 and budgets.evicted > 0
+    assert budgets.peek(("q", "client_id=c0")) is None         # the least recently used went first
+
+
+def test_one_connection_rotating_client_ids_opens_few_budgets_and_stays_held(tmp_path):
+    from kproxy.quota.engine import MAX_BUDGET_KEYS_PER_CONNECTION as CAP
+
+    f = quota_filter(tmp_path, ONE_K % ("client_id", 1), budgets=Budgets(limit=2 * CAP))
+    busy = session(f, connection_id=1)
+    produce_once(busy, 500, client_id="app-busy")
+    rotating = session(f, connection_id=2)
+    throttles = [produce_once(rotating, 400, client_id=f"app-{i}")[0].body.throttle_time_ms for i in range(200)]
+    # The first CAP ids each get a budget of their own; the rest share one, which fills and throttles.
+    assert throttles[:CAP] == [0] * CAP and max(throttles[CAP:]) > 0
+    assert len(f.budgets) == 1 + CAP + 1 and f.budgets.evicted == 0
+    # The busy client's budget still holds its usage: 500 + 600 bytes is over 1000 in one second.
+    assert produce_once(busy, 600, client_id="app-busy")[0].body.throttle_time_ms > 0
+    _, entry = produce_once(rotating, 1, client_id="app-999")
+    assert entry.notes["quota"]["key"] == f"client_id=<more than {CAP} on connection 2>"
+    rotating.close()
+    assert len(f.budgets) == 1 + CAP      # the overflow budget ends with its connection
+
+
 def test_no_quotas_costs_no_budgets(tmp_path):
     f = quota_filter(tmp_path, "rules: []\n")
     s = session(f)
@@ -663,8 +693,7 @@ def test_kproxy_check_accepts_a_report_quota_file(tmp_path, capsys):
 
 
 def test_quota_replicas_and_windows_in_kproxy_yaml(tmp_path):
-    from kproxy.config import load_config, parse_config
-    from kproxy.protocol.errors import ConfigError
+    from kproxy.config import ConfigError, load_config, parse_config
 
     head = 'listen: "127.0.0.1:9092"\nupstream: {bootstrap_servers: "k:1"}\n'
     cfg = parse_config(head + "quota_replicas: ${KPROXY_REPLICAS:-1}\nquota: {samples: 5, window_s: 0.5}\n",

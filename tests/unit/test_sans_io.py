@@ -6,6 +6,8 @@ every import of theirs runs."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,3 +207,20 @@ def test_command_line_check_catches_imports_back(tmp_path, source):
     write(tmp_path, "kproxy.server.__init__", "")
     write(tmp_path, "kproxy.server.main", source)
     assert command_line_imports(tmp_path) == [f"kproxy.server.main imports kproxy.cli (line {source.count(chr(10))})"]
+
+def test_config_sits_above_the_protocol_and_needs_only_its_errors():
+    # Configuration is loaded by `kproxy check` and every command; generating codecs is not its job.
+    # Run in a fresh interpreter: this one has imported everything already.
+    code = "import sys, kproxy.config; print(' '.join(sorted(m for m in sys.modules if m.startswith('kproxy'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = set(out.split())
+    assert {m for m in loaded if m.startswith("kproxy.protocol")} == {"kproxy.protocol", "kproxy.protocol.errors"}
+    assert not {m for m in loaded if m.startswith(("kproxy.server", "kproxy.proxy", "kproxy.telemetry"))}
+
+
+def test_config_errors_are_not_a_protocol_matter():
+    from kproxy import config
+    from kproxy.protocol import errors
+
+    assert not hasattr(errors, "ConfigError")
+    assert issubclass(config.ConfigError, errors.KProxyError)

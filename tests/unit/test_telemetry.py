@@ -429,8 +429,7 @@ def test_admin_refuses_other_methods() -> None:
 
 
 def test_traffic_log_dir_and_sample_are_checked(tmp_path: Path) -> None:
-    from kproxy.config import parse_config
-    from kproxy.protocol.errors import ConfigError
+    from kproxy.config import ConfigError, parse_config
 
     head = 'listen: "127.0.0.1:9092"\nupstream: {bootstrap_servers: "k:9092"}\n'
     (tmp_path / "file").write_text("")

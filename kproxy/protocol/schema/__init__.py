@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kproxy.protocol.errors import ConfigError
+from kproxy.protocol.errors import SchemaError
 
 SCHEMA_DIR = Path(__file__).parent
 
@@ -38,10 +38,6 @@ def resource_type_field(name: str) -> str:
     ``resource_type_filter``."""
     head, _, tail = name.rpartition("name")
     return head + "type" + tail
-
-
-class SchemaError(ConfigError):
-    """A schema file that does not follow FORMAT.md (carries file and line)."""
 
 
 @dataclass(frozen=True, slots=True)
