@@ -1,5 +1,5 @@
 """The commands of docs/getting-started.md's tour, run as the page shows them, from a scratch
-directory that looks like a clone (``.venv``, ``kproxy.example.yaml``, ``rules/``). The page's fixed
+directory that looks like a clone (``.venv``, ``kproxy.example.yaml``, ``users.example.yaml``, ``rules/``). The page's fixed
 ports are swapped for free ones, because this machine is shared. Two commands are not run here:
 ``make demo`` (tests/e2e/test_demo.py runs the demo) and ``kproxy run --config kproxy.yaml``,
 whose example file binds 0.0.0.0:9092 and up; its ``kproxy check`` runs instead."""
@@ -55,6 +55,7 @@ def clone(tmp_path: Path) -> Path:
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
     (tmp_path / "rules").symlink_to(REPO / "rules")
     (tmp_path / "kproxy.example.yaml").write_bytes((REPO / "kproxy.example.yaml").read_bytes())
+    (tmp_path / "users.example.yaml").write_bytes((REPO / "users.example.yaml").read_bytes())
     return tmp_path
 
 
