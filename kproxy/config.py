@@ -21,22 +21,13 @@ import attrs
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from kproxy.protocol.errors import KProxyError
+from kproxy.protocol.errors import LocatedError
 
 
-class ConfigError(KProxyError):
+class ConfigError(LocatedError):
     """Invalid configuration or rules; ``file`` and ``line`` point at the offending text when known.
     It lives here, above kproxy.protocol, because only configuration (this module, the rule loader,
     the command line) raises it."""
-
-    def __init__(self, reason: str, file: str | None = None, line: int | None = None) -> None:
-        self.reason = reason
-        self.file = file
-        self.line = line
-        loc = file or ""
-        if file and line is not None:
-            loc = f"{file}:{line}"
-        super().__init__(f"{loc}: {reason}" if loc else reason)
 
 
 _MAX_PORT: Final = 65535

@@ -12,10 +12,11 @@ field path where they happened. This module must not import anything that does I
     │   │   └── RecordsError       a record batch that fails its CRC, size or codec checks
     │   └── EncodeError            a message that cannot be encoded (bad value for its type)
     ├── AddressMapError            a broker that cannot be given a port (kproxy.proxy.addresses)
-    ├── SchemaError                a .kschema file that does not parse (file, line, reason)
-    └── ConfigError                invalid configuration or rules (kproxy.config: the layer above)
-        ├── SettingError           one setting breaks its rule (path); raised by the config classes
-        └── RuleError              policy rule files that do not load: every problem with file:line:column
+    └── LocatedError               an error in a file kproxy reads (file, line, reason)
+        ├── SchemaError            a .kschema file that does not parse
+        └── ConfigError            invalid configuration or rules (kproxy.config: the layer above)
+            ├── SettingError       one setting breaks its rule (path); raised by the config classes
+            └── RuleError          policy rule files that do not load: every problem with file:line:column
                                    and the rule's name (kproxy.policy.loader)
 """
 
@@ -70,9 +71,9 @@ class EncodeError(ProtocolError):
     """A message holds a value that its field's type cannot carry in the requested version."""
 
 
-class SchemaError(KProxyError):
-    """A ``.kschema`` file that does not follow FORMAT.md; ``file`` and ``line`` point at it. Raised
-    by ``kproxy.protocol.schema`` (a fault of kproxy's own files, not of a user's configuration)."""
+class LocatedError(KProxyError):
+    """An error in a file kproxy reads; ``file`` and ``line`` point at the offending text when known,
+    and the message starts with ``file:line:``."""
 
     def __init__(self, reason: str, file: str | None = None, line: int | None = None) -> None:
         self.reason = reason
@@ -82,6 +83,11 @@ class SchemaError(KProxyError):
         if file and line is not None:
             loc = f"{file}:{line}"
         super().__init__(f"{loc}: {reason}" if loc else reason)
+
+
+class SchemaError(LocatedError):
+    """A ``.kschema`` file that does not follow FORMAT.md. Raised by ``kproxy.protocol.schema`` (a
+    fault of kproxy's own files, not of a user's configuration)."""
 
 
 # --------------------------------------------------------------------------------------------------
