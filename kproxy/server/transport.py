@@ -32,6 +32,18 @@ _TLS_READ = 64 * 1024
 _TLS_RECORD = 16 * 1024
 
 
+def socket_readable(raw: socket.socket) -> bool:
+    """Whether a receive on ``raw`` would return at once (bytes, end of stream or an error): a peek,
+    not a copy."""
+    try:
+        raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
 class Transport:
     """One side of a proxied connection."""
 
@@ -109,13 +121,7 @@ class PlainTransport(Transport):
 
     def readable_now(self) -> bool:
         """Whether a receive would return at once (bytes or end of stream)."""
-        try:
-            self.raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-        return True
+        return socket_readable(self.raw)
 
     async def send(self, buffers: list) -> None:
         raw = self.raw
@@ -189,13 +195,7 @@ class TlsTransport(Transport):
         decrypted read as False; that only gives a buffer back early, the next receive is immediate."""
         if self._left is not None or self._full_record or self.raw is None:
             return True
-        try:
-            self.raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-        return True
+        return socket_readable(self.raw)
 
     async def recv_into(self, buf: memoryview) -> int:
         left = self._left
