@@ -9,14 +9,17 @@ leader; any other port lands on another broker, which answers NOT_LEADER_OR_FOLL
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import trio
 
 from kproxy.config import config_from_args
 from kproxy.protocol.messages import Response, body_class
 from kproxy.protocol.records import build_batch, iter_batches
+from kproxy.server.app import DISCOVERY_REUSE_S
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.fake_cluster import (
     FIND_COORDINATOR,
@@ -220,6 +223,13 @@ def test_node_id_base_ports_route_when_the_cluster_comes_up_after_kproxy(cluster
         assert proxy.call(proxy.server.address_map.exposed_ports) == []
         assert all(listening(p) for p in range(start, start + 6))
         cluster.start()
+        # A failed discovery answers for new connections for DISCOVERY_REUSE_S (a reconnect storm
+        # against a cluster that is down costs one attempt): wait until that has passed.
+        server = proxy.server
+        deadline = time.monotonic() + 30
+        while proxy.call(lambda: trio.current_time() - (server.discovery_ended_at or 0.0)) < DISCOVERY_REUSE_S:
+            assert time.monotonic() < deadline, "discovery never ended"
+            time.sleep(0.05)
         # A client that kept node 3's address from before (no Metadata through kproxy first).
         assert produce(at(start + 2), 2, b"early") == 0
         assert_only_leader_got(cluster, 2, [b"early"])
