@@ -135,6 +135,10 @@ def rate(acked: Acked, start: float, seconds: float) -> float:
     return bytes_between(acked.at, start, start + seconds) / seconds
 
 
+# About 40 s of paced producers (five 20 s windows in parallel where they can be): `make test-slow`.
+# The sharing rule, the coordinator and its faults run in the default run (test_fleet_quotas.py in
+# tests/unit, test_fleet_coordination.py against the fake cluster).
+@pytest.mark.slow
 def test_a_fleet_shares_one_budget_and_falls_back_when_the_topic_goes(broker: TansuBroker, tmp_path: Path) -> None:
     coord_topic = unique_name("kproxy-quotas")
     data = unique_name("fleet-data")
