@@ -786,14 +786,18 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
     ``${NAME}`` and ``${NAME:-default}`` in values are read from ``env`` (default: the environment).
     """
     file = os.fspath(path)
+    return _load(read_text_file(file), file, os.path.dirname(file), env)
+
+
+def read_text_file(file: str, what: str = "the file") -> str:
+    """The UTF-8 text of ``file``; a ConfigError naming the file when it cannot be read."""
     try:
         with open(file, encoding="utf-8") as f:
-            text = f.read()
+            return f.read()
     except OSError as e:
-        raise ConfigError(f"cannot read the file: {e.strerror or e}", file=file) from None
+        raise ConfigError(f"cannot read {what}: {e.strerror or e}", file=file) from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file=file) from None
-    return _load(text, file, os.path.dirname(file), env)
 
 
 def parse_config(text: str, source: str = "<string>", env: Mapping[str, str] | None = None) -> ProxyConfig:

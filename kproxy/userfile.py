@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import yaml
 from yaml.nodes import MappingNode, Node
 
-from kproxy.config import ConfigError
+from kproxy.config import ConfigError, read_text_file
 from kproxy.identity.users import (
     MIN_ITERATIONS,
     SCRAM_MECHANISMS,
@@ -32,13 +32,7 @@ HEADER = ("# kproxy users: SCRAM salt, iterations, stored and server keys per us
 
 def load_users_file(path: str) -> UserBook:
     """The users in ``path``; a ConfigError with file and line says what is wrong."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read the users file: {e.strerror or e}", file=path) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"not UTF-8 text (byte {e.start})", file=path) from None
+    text = read_text_file(path, "the users file")
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
