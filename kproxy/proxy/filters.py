@@ -9,7 +9,7 @@ became of it. Filters are pure: no I/O, time comes from ``ConnectionContext.cloc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import attrs
@@ -184,6 +184,19 @@ class Filter:
 
     def on_close(self, ctx: ConnectionContext) -> None:
         """The connection ended (after every request on it was done); its state_of is dropped next."""
+
+    def memo_key(self, ctx: ConnectionContext, api_key: int) -> Hashable | None:
+        """Whether ``on_response`` is a pure function of an answer's bytes for ``api_key``: None (the
+        default) when it is not; else a key to the filter's own state it reads (a generation that
+        changes whenever the same bytes would be rewritten differently).
+
+        Pure means it reads nothing of the request, the exchange or the connection but its
+        ``listener``, keeps and notes nothing, and its only effects are on the answer (and ports it
+        asks to open). When every response filter of an api says so, the session may remember the
+        rewritten answer (``kproxy.proxy.memo``) and send it again for the same bytes without
+        calling ``on_response``: answers that asked for a port or a throttle are never remembered.
+        """
+        return None
 
     def sees_whole(self, api_key: int, kind: str) -> bool:
         """Whether this filter must see a whole frame of ``api_key`` ("request" or "response")

@@ -33,10 +33,12 @@ from kproxy.protocol.messages import (
     encode_response_frame,
     peek_request_header,
     request_header_version,
+    response_codecs,
     supported_versions,
 )
 from kproxy.protocol.primitives import ShortBuffer, read_uvarint
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond, Throttle
+from kproxy.proxy.memo import AnswerMemo, Remembered
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
 from kproxy.proxy.sasl import FrontAnswer, SaslFront
@@ -54,6 +56,9 @@ log = logging.getLogger("kproxy.session")
 _I32 = struct.Struct(">i")
 _HEAD = struct.Struct(">ihhi")          # size prefix, api key, api version, correlation id
 _HHI = struct.Struct(">hhi").unpack_from
+_HEAD_ID = struct.Struct(">ii")         # size prefix, correlation id
+# A remembered answer up to this size goes out as one buffer (one copy beats a vectored send).
+_JOIN_BELOW = 16 * 1024
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
 UNSUPPORTED_VERSION = 35
@@ -319,8 +324,11 @@ class Session:
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
                  passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
                  topic_names: TopicNames | None = None, front: SaslFront | None = None,
-                 stream_min_bytes: int | None = STREAM_MIN_BYTES) -> None:
+                 stream_min_bytes: int | None = STREAM_MIN_BYTES, memo: AnswerMemo | None = None) -> None:
         self.ctx = ctx
+        # Rewritten answers by their bytes, when every response filter of an api is pure; never
+        # while the transparency check runs (it must compare what the filters would do each time).
+        self.memo = memo if reencode is None else None
         # kproxy's own SASL handling (termination or origination); None: the client's SASL is relayed.
         self.front = front
         # Broker answers at least this large may be streamed to the client (None: never).
@@ -771,6 +779,11 @@ class Session:
         if entry.api_key == API_VERSIONS and len(frame) >= 6 and frame[4:6] == b"\x00\x23":
             # A broker that does not know the requested ApiVersions version answers in v0 (KIP-511).
             version = 0
+        seen: bytes | None = None
+        if self.memo is not None:
+            seen, remembered = self._recall(entry, version, frame)
+            if remembered is not None:
+                return self._send_remembered(entry, version, remembered, answered)
         try:
             resp = decode_response(frame, entry.api_key, version, keep_trailing=True)
         except DecodeError as e:
@@ -783,9 +796,7 @@ class Session:
             if not check.matches("response", entry.api_key, version, frame, encoded, 4):
                 original = frame, joined(encoded)
         names = self.topic_names
-        if names is not None and names.learning and (
-                (entry.api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE)
-                or entry.api_key == DESCRIBE_TOPIC_PARTITIONS):
+        if names is not None and self._learns_names(entry.api_key, version):
             # The broker's own names, before any filter changes them (a tenant prefix comes off).
             names.learn(resp.body.topics)
         try:
@@ -798,6 +809,7 @@ class Session:
             # The answer names broker ports that must be listening before the client reads them.
             actions.append(Listen(tuple(entry.ports)))
             entry.ports = None
+            seen = None         # the next such answer must ask again, until the ports are open
         if throttle > 0:
             # Told in the answer, which goes out at once; the client is then not read meanwhile.
             self._mute(throttle)
@@ -814,9 +826,76 @@ class Session:
         else:
             resp.correlation_id = entry.client_correlation_id
             entry.reply = encode_response_frame(resp)
+            if seen is not None and throttle <= 0:
+                self._remember(entry, version, seen)
         entry.handling_s += ctx.clock() - answered
         actions += self._flush()
         return actions
+
+    # -- remembered answers (kproxy.proxy.memo)
+
+    def _learns_names(self, api_key: int, version: int) -> bool:
+        names = self.topic_names
+        return names is not None and names.learning and (
+            (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS)
+
+    def _filter_keys(self, api_key: int) -> tuple | None:
+        """Every response filter's memo key for ``api_key``; None when one is not pure (or none runs:
+        then nothing is rewritten, and answers with nothing to rewrite rarely repeat)."""
+        filters = self.chain.for_response(api_key)
+        if not filters:
+            return None
+        keys = []
+        for f in filters:
+            k = f.memo_key(self.ctx, api_key)
+            if k is None:
+                return None
+            keys.append(k)
+        return tuple(keys)
+
+    def _recall(self, entry: InFlight, version: int, frame: memoryview) -> tuple[bytes | None, Remembered | None]:
+        """(the answer's bytes after its correlation id, if it may be remembered; what was sent for
+        them last time, if anything)."""
+        memo = self.memo
+        assert memo is not None
+        api_key = entry.api_key
+        if (len(frame) > memo.max_frame or api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE) or self.sasl_in_progress
+                or self._learns_names(api_key, version)):
+            # SASL answers move the session's state; learned topic names must be read from each answer.
+            return None, None
+        keys = self._filter_keys(api_key)
+        if keys is None:
+            return None, None
+        seen = bytes(frame[4:])
+        return seen, memo.get((api_key, version, self.ctx.listener, keys, seen))
+
+    def _send_remembered(self, entry: InFlight, version: int, got: Remembered, answered: float) -> list[Action]:
+        cid = entry.client_correlation_id
+        tail = got.tail
+        head = _HEAD_ID.pack(len(tail) + 4, cid)
+        entry.reply = [head + tail] if len(tail) < _JOIN_BELOW else [head, tail]
+        header_codec, _ = response_codecs(entry.api_key, version)
+        entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
+        entry.throttle_ms = got.throttle_ms
+        entry.handling_s += self.ctx.clock() - answered
+        return self._flush()
+
+    def _remember(self, entry: InFlight, version: int, seen: bytes) -> None:
+        """Remember what the client got for ``seen``, keyed by the filters' state after they ran
+        (what they learned from this answer is part of the state the next one meets)."""
+        memo = self.memo
+        assert memo is not None and entry.reply is not None
+        keys = self._filter_keys(entry.api_key)
+        if keys is None:
+            return
+        data = joined(entry.reply)
+        try:
+            # Decoded from bytes the memo owns: lazy arrays must never view a receive buffer.
+            stored = decode_response(memoryview(data)[4:], entry.api_key, version, keep_trailing=True)
+        except DecodeError:  # pragma: no cover - kproxy's own encoding decodes
+            return
+        memo.put((entry.api_key, version, self.ctx.listener, keys, seen),
+                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms), len(seen) + 2 * len(data))
 
     # -- cut-through: a broker answer streamed to the client while it arrives
 

@@ -35,6 +35,7 @@ from kproxy.protocol.messages import (
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.memo import AnswerMemo
 from kproxy.proxy.reencode import ReencodeCheck
 from kproxy.proxy.session import InFlight, Session
 from kproxy.proxy.topics import TopicNames
@@ -165,6 +166,8 @@ class ProxyServer:
                 self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
                                                opener=self._open_upstream)
         self.chain = FilterChain([*builtin, *filters])
+        # Rewritten answers that repeat byte for byte (Metadata between cluster changes), by their bytes.
+        self.answer_memo = AnswerMemo()
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
         self._nursery: trio.Nursery | None = None
@@ -234,6 +237,7 @@ class ProxyServer:
 
         m.add_reader(connections)
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
+        m.add_reader(lambda: metric_families.memo_families(self.answer_memo))
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
@@ -494,7 +498,7 @@ class ProxyServer:
         front = self.identity.front(ctx)
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=self.topic_names, front=front,
-                          stream_min_bytes=self._cut_through_min_bytes())
+                          stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)

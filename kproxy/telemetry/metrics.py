@@ -267,6 +267,17 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
     ]
 
 
+def memo_families(memo: Any) -> list[Metric]:
+    """Rewritten answers sent again from memory (kproxy.proxy.memo), and what the memory holds."""
+    return [
+        _counter("kproxy_remembered_answers", "Broker answers looked up by their bytes among rewritten "
+                 "answers already sent (only for apis whose response filters are all pure), by result.",
+                 ["result"], {("hit",): memo.hits, ("miss",): memo.misses}),
+        GaugeMetricFamily("kproxy_remembered_answer_bytes", "Bytes held by remembered rewritten answers.",
+                          value=memo.bytes),
+    ]
+
+
 def discovery_families(attempts: int) -> list[Metric]:
     return [CounterMetricFamily("kproxy_discovery_attempts", "Broker discovery attempts (one at a time, "
                                 "shared by every connection that needs one).", value=attempts)]
