@@ -126,6 +126,17 @@ class PlainTransport(Transport):
     async def send(self, buffers: list) -> None:
         raw = self.raw
         if len(buffers) == 1:
+            first = buffers[0]
+            if type(first) is bytes and len(first) <= _SMALL:
+                # A small answer or request: one send that almost always takes it whole.
+                try:
+                    sent = raw.send(first)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent == len(first):
+                    await self._fair()
+                    return
+                buffers = [first[sent:]]
             # Most frames are one buffer: plain send, no list bookkeeping.
             view = memoryview(buffers[0]).cast("B")
             while view:
