@@ -45,7 +45,7 @@ from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
-from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.connection import ClientConnection, ConnectionSettings, run_clock
 from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
 from kproxy.server.origination import Roundtrip, direct_roundtrip
@@ -538,7 +538,7 @@ class ProxyServer:
 
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""
-        return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
+        return ConnectionContext(connection_id, client_address=client_address, clock=run_clock(),
                                  max_decompressed_batch_bytes=self.config.limits.max_decompressed_batch_bytes)
 
     def _completed(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:

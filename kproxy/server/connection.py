@@ -58,6 +58,15 @@ REAUTH_AT = 0.85
 PRE_LOGIN_FRAME_CAP = 256 * 1024
 
 
+def run_clock() -> Callable[[], float]:
+    """``trio.current_time`` without its two layers of indirection (the run's own clock, the same
+    readings): a small request reads the time several times."""
+    try:
+        return trio.lowlevel.current_clock().current_time
+    except RuntimeError:        # outside a run (a connection built by a test before trio.run)
+        return trio.current_time
+
+
 class ConnectionClosed(Exception):
     """Ends a connection on purpose; the reason is logged once."""
 
@@ -72,7 +81,8 @@ class ClientWriter:
     send) while the others wait until what they queued is out. Queuing never waits, so the order is
     the session's; ``complete`` is called for each answer's entries once its bytes are written."""
 
-    __slots__ = ("_failed", "_idle", "_queue", "_queued", "_waiting", "_written", "complete", "transport", "writing")
+    __slots__ = ("_failed", "_idle", "_now", "_queue", "_queued", "_waiting", "_written", "complete", "transport",
+                 "writing")
 
     def __init__(self, transport: Transport, complete: Callable[[tuple[InFlight, ...], float], None]) -> None:
         self.transport = transport
@@ -83,6 +93,7 @@ class ClientWriter:
         self.writing = False
         self._idle = trio.Event()
         self._waiting = 0         # tasks waiting for another's write to finish
+        self._now = run_clock()
         self._failed: BaseException | None = None
 
     @property
@@ -119,7 +130,7 @@ class ClientWriter:
                     self._failed = e
                     raise ClientGone(f"client connection error: {e!r}") from e
                 self._written += len(batch)
-                now = trio.current_time()
+                now = self._now()
                 for _, done in batch:
                     if done:
                         self.complete(done, now)
@@ -236,7 +247,8 @@ class ClientConnection:
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
         self.unrouted: tuple[int | None, str | None] | None = None   # (port, SNI name) not yet placed
-        self.opened_at = trio.current_time()
+        self._now = run_clock()
+        self.opened_at = self._now()
         self.requests_done = 0
         self.bytes_in = 0                           # request bytes from the client
         self.bytes_out = 0                          # response bytes to the client
@@ -367,7 +379,7 @@ class ClientConnection:
         client = self.client
         budget = self.budget
         while not self.draining:
-            muted = session.throttled_for(trio.current_time())
+            muted = session.throttled_for(self._now())
             if muted > 0:
                 # Throttled: read nothing until the time is up, as a broker mutes the channel, and
                 # hold no receive buffer meanwhile (the answer that said so is already on its way).
@@ -510,7 +522,7 @@ class ClientConnection:
         if entry is not None:
             # Stamped before the send: while it waits for the socket, the other pump may already
             # read the answer, and the broker's time must never come out negative.
-            entry.forwarded_at = trio.current_time()
+            entry.forwarded_at = self._now()
             entry.broker = self.connected_to
         try:
             await self.upstream.send(action.buffers)
@@ -670,8 +682,9 @@ class ClientConnection:
                 reader.received(n)
                 streams = session.stream_min_bytes is not None
                 while True:
-                    if streams or reader.streaming_left:
-                        # A large answer starting (or going on) here may go out as it arrives.
+                    if reader.streaming_left or (streams and reader.frame_starting() is not None):
+                        # A large answer starting (or going on) here may go out as it arrives (a
+                        # frame that arrived whole never streams: no coroutine for it).
                         await self._stream_pieces(reader, upstream)
                     frame = reader.next_frame()
                     if frame is None:
