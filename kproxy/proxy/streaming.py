@@ -304,8 +304,8 @@ class FrameStream:
             yield from self._int("api_version", P.INT16)
             yield from self._int("correlation_id", P.INT32)
             n = P.INT16.unpack((yield from self._read(2)))[0]   # client_id: never compact
-            if n > 0:
-                yield from self._read(n)
+            raw = (yield from self._read(n)) if n > 0 else b""
+            self.values["client_id"] = raw.decode("utf-8", "replace") if n >= 0 else None
             if request_header_version(self.api_key, self.api_version) >= 2:
                 yield from self._tags()
         else:
