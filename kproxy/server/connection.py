@@ -517,7 +517,7 @@ class ClientConnection:
                 try:
                     await self._connect_upstream()
                 except (OSError, trio.TooSlowError) as e:
-                    await self._stream_up_failed(f"cannot connect: {e or 'timed out'}", lost=True)
+                    await self._stream_up_failed(entry, f"cannot connect: {e or 'timed out'}", lost=True)
                     return
             self._up_target = self.upstream
             entry.broker = self.connected_to
@@ -535,7 +535,7 @@ class ClientConnection:
         try:
             await upstream.send(action.buffers)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            await self._stream_up_failed(f"send failed: {e!r}", lost=self.upstream is upstream)
+            await self._stream_up_failed(entry, f"send failed: {e!r}", lost=self.upstream is upstream)
             return
         finally:
             self._up_sending = False
@@ -544,8 +544,9 @@ class ClientConnection:
             if entry.outcome == NO_RESPONSE:
                 self._complete((entry,), trio.current_time())
 
-    async def _stream_up_failed(self, reason: str, *, lost: bool) -> None:
+    async def _stream_up_failed(self, entry: InFlight, reason: str, *, lost: bool) -> None:
         self._stream_up_over()
+        entry.broken = "broker"
         log.warning("connection %d: a streamed Produce request could not reach the broker whole (%s); "
                     "the rest of it is read and dropped, and the client told to retry",
                     self.session.ctx.connection_id, reason)
