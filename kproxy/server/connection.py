@@ -319,9 +319,11 @@ class ClientConnection:
         limit = self.settings.max_in_flight
         client = self.client
         budget = self.budget
-        while not self.draining:
+        # A request streaming to the broker is read to its end whatever happens meanwhile (a drain, a
+        # throttle): its first bytes are with the broker, which holds the write lock for the rest.
+        while not self.draining or reader.streaming_left:
             muted = session.throttled_for(trio.current_time())
-            if muted > 0:
+            if muted > 0 and not reader.streaming_left:
                 # Throttled: read nothing until the time is up, as a broker mutes the channel, and
                 # hold no receive buffer meanwhile (the answer that said so is already on its way).
                 if reader.release_idle():
@@ -342,7 +344,7 @@ class ClientConnection:
                 reader.release_idle()
                 self._account()
             n = await client.recv_into(reader.recv_buffer())
-            if self.draining:
+            if self.draining and not reader.streaming_left:
                 break
             if n == 0:
                 self._account()
@@ -478,7 +480,7 @@ class ClientConnection:
                         self._stream_up_over()
                 continue
             starting = reader.frame_starting()
-            if starting is None or len(starting[1]) < 8 or self._pre_login:
+            if starting is None or len(starting[1]) < 8 or self._pre_login or self.draining:
                 return
             size, head = starting
             if size > reader.max_frame_size or head[0:2] != b"\x00\x00":

@@ -216,3 +216,22 @@ async def test_a_malformed_head_closes_only_that_connection(monkeypatch, autojum
     assert h.client.closed
     assert all(not b.frames for b in h.brokers)
     assert any("malformed Produce v9 request" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_drain_mid_request_reads_it_to_its_end_and_answers_it(monkeypatch, autojump_clock):
+    h = harness(monkeypatch)
+    frame = produce(7)
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        h.client.push(frame[:150_000])
+        await settle()
+        h.conn.drain()
+        h.client.push(frame[150_000:])
+        await settle()
+        (broker,) = h.brokers
+        assert broker.frames == [as_sent(frame, 0)[4:]]
+        broker.push(produce_answer(0))
+        await settle()
+    assert h.answered_ids() == [7]
+    (entry,) = h.completed
+    assert entry.outcome == "forwarded" and entry.request_path == STREAMED
