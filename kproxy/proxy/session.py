@@ -334,6 +334,12 @@ def future_produce_acks(frame: Any) -> int | None:
         return None
 
 
+@functools.cache
+def _produce_versions() -> tuple[int, int]:
+    # supported_versions() builds its table anew on every call: asked once per large Produce.
+    return supported_versions()[PRODUCE]
+
+
 def _read_order(entry: InFlight) -> int:
     return entry.seq
 
@@ -956,7 +962,7 @@ class Session:
         api_key, api_version = _HHI(head, 0)[:2]
         if api_key != PRODUCE:
             return False
-        lo, hi = supported_versions()[PRODUCE]
+        lo, hi = _produce_versions()
         if not lo <= api_version <= hi:
             return False
         why = self._why_request_stored(transport_streams)
