@@ -235,3 +235,26 @@ async def test_a_drain_mid_request_reads_it_to_its_end_and_answers_it(monkeypatc
     assert h.answered_ids() == [7]
     (entry,) = h.completed
     assert entry.outcome == "forwarded" and entry.request_path == STREAMED
+
+
+async def test_metrics_count_streamed_requests_and_the_ones_cut_off(monkeypatch, autojump_clock):
+    from kproxy.telemetry.exchange import Exchange, Learned
+    from kproxy.telemetry.metrics import Metrics
+
+    h = harness(monkeypatch)
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        h.client.push(produce(7))
+        await settle()
+        h.brokers[0].push(produce_answer(0))
+        await settle()
+        h.client.push(produce(8)[:150_000])
+        await settle()
+        h.client.end()
+    m = Metrics()
+    for entry in h.completed:
+        m.record(Exchange(entry, h.session.ctx, Learned()))
+    text = m.exposition().decode()
+    assert 'kproxy_frames_total{api="produce",direction="request",path="streamed"} 2.0' in text
+    assert 'kproxy_streamed_requests_broken_total{side="client"} 1.0' in text
+    assert 'kproxy_records_total{direction="produced"} 600.0' in text
