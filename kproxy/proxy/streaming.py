@@ -166,6 +166,11 @@ class FrameStream:
     def done(self) -> bool:
         return self._pos == self.size and self._walker is None and self._tail is None
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the stream itself holds: the head not yet handed out, or a stored frame so far."""
+        return len(self._head) + len(self._stash) + (len(self._store) if self._store is not None else 0)
+
     # -- driving
 
     def feed(self, data: Any) -> list:

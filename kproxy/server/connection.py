@@ -307,6 +307,10 @@ class ClientConnection:
 
     def _account(self) -> None:
         held = sum(r.held_bytes for r in self._readers)
+        up = self.session.streaming_up
+        if up is not None:
+            # A large request the filters wanted whole is kept by its walker until its end.
+            held += up.stream.held_bytes
         if held != self._held:
             self.budget.adjust(held - self._held)
             self._held = held

@@ -16,6 +16,7 @@ import trio
 
 from kproxy.protocol.messages import Request, body_class, decode_response, encode_request_frame
 from kproxy.protocol.records import build_batch
+from kproxy.proxy.filters import Filter, FilterChain
 from kproxy.proxy.session import CLIENT_GONE, NO_RESPONSE, STORED, STREAMED, UPSTREAM_LOST
 
 from .test_connection import Harness, Pipe, settle
@@ -258,3 +259,31 @@ async def test_metrics_count_streamed_requests_and_the_ones_cut_off(monkeypatch,
     assert 'kproxy_frames_total{api="produce",direction="request",path="streamed"} 2.0' in text
     assert 'kproxy_streamed_requests_broken_total{side="client"} 1.0' in text
     assert 'kproxy_records_total{direction="produced"} 600.0' in text
+
+
+class Whole(Filter):
+    """A filter that must see Produce requests whole (the default for one that registers for them)."""
+
+    name = "whole"
+    request_api_keys = frozenset({PRODUCE})
+
+
+async def test_a_request_a_filter_wants_whole_is_stored_counted_in_the_budget_and_sent_whole(monkeypatch,
+                                                                                             autojump_clock):
+    h = harness(monkeypatch)
+    h.session.chain = FilterChain([Whole()])
+    frame = produce(7)
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        h.client.push(frame[:150_000])
+        await settle()
+        assert not h.brokers                               # nothing leaves before the end
+        # What the walker keeps counts in the buffer budget, beyond the reader's receive chunk.
+        assert h.conn._held - h.conn.client_reader.held_bytes >= 140_000
+        h.client.push(frame[150_000:])
+        await settle()
+        (broker,) = h.brokers
+        assert broker.frames == [as_sent(frame, 0)[4:]] and broker.sends == 1
+        h.client.end()
+    (entry,) = h.completed
+    assert entry.request_path == STORED and entry.why_stored == "filter whole"
