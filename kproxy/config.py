@@ -655,6 +655,9 @@ class ProxyConfig:
     verify_reencode: float = _setting(0.0, min=0, max=1)
     # Broker answers at least this large go to the client while they arrive (cut-through); null: never.
     cut_through_min_bytes: int | None = _setting(65536, min=1)
+    # Streamed record batch bodies move broker -> client by splice(2), never copied through kproxy
+    # (Linux, plain TCP on both sides); false: through kproxy's receive buffer.
+    cut_through_splice: bool = True
     log_level: str = _setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     log_format: str = _setting("text", case="lower", choices=("text", "json"))
     # Processes sharing the listening ports; 0 (written "auto") means one per CPU the process may use.

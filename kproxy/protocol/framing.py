@@ -34,7 +34,7 @@ class FrameReader:
 
     __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_next_chunk",
                  "_ready", "_reusable", "_start", "_stream_left", "frames", "limit_name", "max_frame_size",
-                 "total_bytes", "trust_claims")
+                 "recv_cap", "total_bytes", "trust_claims")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, *, trust_claims: bool = True,
@@ -57,6 +57,9 @@ class FrameReader:
         self.frames = 0          # frames returned so far
         self._stream_left = 0    # bytes of a frame taken piece by piece (cut-through) still to take
         self._reusable = False   # every byte of the chunk went out as pieces: it may be refilled
+        # The most the next receive into the chunk may take (None: its room): a streamed frame's
+        # next record batch header and no more, so the batch's body can bypass the chunk (splice).
+        self.recv_cap: int | None = None
 
     @property
     def buffered(self) -> int:
@@ -129,6 +132,17 @@ class FrameReader:
             self._reusable = True
         return piece
 
+    def skip_streamed(self, n: int) -> None:
+        """``n`` bytes of the streamed frame went from the socket to their destination without
+        passing through this reader (spliced). Only when everything received has been taken."""
+        if not 0 < n <= self._stream_left or self._start != self._end:
+            raise ValueError(f"cannot skip {n} bytes ({self._stream_left} left, "
+                             f"{self._end - self._start} received and not taken)")
+        self.total_bytes += n
+        self._stream_left -= n
+        if not self._stream_left:
+            self.frames += 1
+
     def recv_buffer(self) -> memoryview:
         """A writable view to receive into; never empty."""
         big = self._big
@@ -152,6 +166,9 @@ class FrameReader:
             self._make_room()
             if self._big is not None:
                 return self.recv_buffer()
+        cap = self.recv_cap
+        if cap is not None and self._stream_left:
+            return memoryview(self._buf)[self._end:self._end + max(1, min(cap, self._stream_left))]
         return memoryview(self._buf)[self._end:]
 
     def received(self, n: int) -> None:

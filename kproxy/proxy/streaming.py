@@ -227,6 +227,44 @@ class FrameStream:
         self.sent += sum(len(b) for b in out)
         return out
 
+    # -- splicing: the body of a record batch may pass outside ``feed``, never seen (zero-copy)
+
+    def splice_room(self) -> int:
+        """Bytes that may pass to the client now without the walker seeing them: the rest of the body
+        of a record batch whose header has been counted (0 when the next bytes must be fed)."""
+        counter = self._batches
+        if counter is None or not counter.in_body or self._store is not None or self._head:
+            return 0
+        return min(counter.in_body, self._records_left)
+
+    def recv_hint(self) -> int | None:
+        """At a batch boundary inside records: how many bytes to receive next so that the walker reads
+        the next batch header and no more (its body may then be spliced); None when any amount will do."""
+        counter = self._batches
+        if counter is None or counter.in_body or counter.facts.malformed or self._store is not None:
+            return None
+        return min(counter.header_missing, self._records_left)
+
+    def skip(self, n: int) -> list:
+        """``n`` bytes of the batch body ``splice_room`` allowed went to the client outside ``feed``;
+        returns what to write now (the same as ``feed``: usually nothing)."""
+        if not 0 < n <= self.splice_room():
+            raise StreamError(f"{n} bytes skipped where {self.splice_room()} may be", self._pos, self.kind)
+        assert self._batches is not None
+        self._batches.passed(n)
+        self._pos += n
+        self.sent += n
+        self._records_left -= n
+        if not self._records_left:
+            self._batches = None
+            self._advance(b"")
+        if self._pos + len(self._stash) == self.size:
+            self._end()
+        self._flush_head()
+        out, self._out = self._out, []
+        self.sent += sum(len(b) for b in out)
+        return out
+
     def _advance(self, got: bytes) -> None:
         assert self._walker is not None
         try:
@@ -509,6 +547,22 @@ class _BatchCounter:
             head, self._head = self._head, bytearray()
             need, self._need = self._need, LOG_OVERHEAD
             self._header(head, 0, need, length)
+
+    @property
+    def in_body(self) -> int:
+        """Bytes of the current batch's body still to pass (its header has been counted)."""
+        return self._skip
+
+    @property
+    def header_missing(self) -> int:
+        """At most this many bytes complete the next batch's header."""
+        return V2_HEADER_SIZE - len(self._head)
+
+    def passed(self, n: int) -> None:
+        """``n`` bytes of the current batch's body passed unseen (``n`` <= ``in_body``)."""
+        self._skip -= n
+        if not self._skip:
+            self._commit()
 
     def _header(self, buf: Any, at: int, head_len: int, length: int) -> None:
         """A batch whose first ``head_len`` bytes are at ``buf[at:]``; the rest of it follows."""

@@ -43,8 +43,10 @@ from kproxy.proxy.session import (
 )
 from kproxy.server.budget import BufferBudget
 from kproxy.server.origination import Originator, direct_roundtrip
+from kproxy.server.splice import Pipe, SinkError
+from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
-from kproxy.server.transport import Transport, connect
+from kproxy.server.transport import PlainTransport, Transport, connect
 
 log = logging.getLogger("kproxy.server")
 
@@ -122,6 +124,23 @@ class ClientWriter:
             idle, self._idle = self._idle, trio.Event()
             idle.set()
 
+    async def splice(self, pipe: Pipe, src: Any, n: int) -> None:
+        """Move ``n`` bytes from socket ``src`` to the client (``Pipe.relay``), after everything queued
+        and with no other task writing meanwhile. ClientGone if the client went away; an error of
+        ``src`` propagates as it is."""
+        await self.flush()
+        assert isinstance(self.transport, PlainTransport)
+        self.writing = True
+        try:
+            await pipe.relay(src, self.transport.raw, n)
+        except SinkError as e:
+            self._failed = e
+            raise ClientGone(str(e)) from e
+        finally:
+            self.writing = False
+            idle, self._idle = self._idle, trio.Event()
+            idle.set()
+
 
 @attrs.frozen(slots=True)
 class ConnectionSettings:
@@ -138,6 +157,8 @@ class ConnectionSettings:
     upstream_tls: ssl.SSLContext | None = None
     upstream_server_hostname: str | None = None
     frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
+    # Streamed record batch bodies go broker -> client by splice(2) where the platform allows.
+    splice: bool = True
     # upstream.sasl: every broker connection logs in as kproxy before any request goes on it.
     originator: Originator | None = attrs.field(default=None, eq=False)
 
@@ -197,6 +218,10 @@ class ClientConnection:
                                          limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
         self._held = 0                              # bytes this connection counts in the budget
+        # The pipe streamed record bodies are spliced through (opened at the first splice), when
+        # this platform, the settings and the client's transport allow it.
+        self._splice_ok = settings.splice and isinstance(client, PlainTransport) and splice_available()
+        self._pipe: Pipe | None = None
         self._answered: trio.Event | None = None    # set when a filter's question is settled
         self._holding = False                       # the client pump waits out a throttle or delay
         # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
@@ -274,6 +299,9 @@ class ClientConnection:
             self.client.close()
             if self.upstream is not None:
                 self.upstream.close()
+            if self._pipe is not None:
+                self._pipe.close()
+                self._pipe = None
             self.budget.release(self._held)
             self._held = 0
             # Requests still owed end here, each exactly once: the client went away, or kproxy
@@ -295,6 +323,8 @@ class ClientConnection:
 
     def _account(self) -> None:
         held = sum(r.held_bytes for r in self._readers)
+        if self._pipe is not None:
+            held += self._pipe.capacity
         if held != self._held:
             self.budget.adjust(held - self._held)
             self._held = held
@@ -650,13 +680,24 @@ class ClientConnection:
         reads slowly holds the broker connection back and the answer holds one chunk of memory.
         Frames behind it are left to ``next_frame``."""
         session = self.session
+        splices = self._splice_ok and isinstance(upstream, PlainTransport)
         while True:
             if reader.streaming_left:
                 piece = reader.take_piece()
                 if piece is None:
+                    if splices:
+                        room = session.stream_splice_room()
+                        if room:
+                            assert isinstance(upstream, PlainTransport)
+                            await self._splice(reader, upstream, room)
+                            continue
+                        # Receive only up to the next batch header: its body can then be spliced.
+                        reader.recv_cap = session.stream_recv_hint()
                     return
+                reader.recv_cap = None
                 await self._execute(session.stream_piece(piece))
                 continue
+            reader.recv_cap = None
             starting = reader.frame_starting()
             if starting is None or len(starting[1]) < 4:
                 return
@@ -666,6 +707,25 @@ class ClientConnection:
             if self.writer.pending:
                 await self.writer.flush()
             reader.stream_current()
+
+    async def _splice(self, reader: FrameReader, upstream: PlainTransport, n: int) -> None:
+        """The rest of a record batch's body, ``n`` bytes, straight from the broker's socket to the
+        client's (zero-copy); the walker and the reader are told they passed. The pipe is emptied
+        before this returns, so the client holding back holds the broker back."""
+        pipe = self._pipe
+        if pipe is None:
+            pipe = self._pipe = Pipe()
+            self._account()
+        try:
+            await self.writer.splice(pipe, upstream.raw, n)
+        except BaseException:
+            # What reached the client counts (the log of a broken answer says how much was sent).
+            if pipe.delivered and self.session.streaming is not None:
+                reader.skip_streamed(pipe.delivered)
+                self.session.stream_skip(pipe.delivered)
+            raise
+        reader.skip_streamed(n)
+        await self._execute(self.session.stream_skip(n))
 
     def _check_route(self) -> None:
         assert self.unrouted is not None
