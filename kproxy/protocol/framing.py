@@ -32,7 +32,7 @@ class FrameReader:
     buy an allocation of the frame limit).
     """
 
-    __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_next_chunk",
+    __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_hot", "_next_chunk",
                  "_ready", "_reusable", "_start", "_stream_left", "frames", "limit_name", "max_frame_size",
                  "recv_cap", "total_bytes", "trust_claims")
 
@@ -57,6 +57,10 @@ class FrameReader:
         self.frames = 0          # frames returned so far
         self._stream_left = 0    # bytes of a frame taken piece by piece (cut-through) still to take
         self._reusable = False   # every byte of the chunk went out as pieces: it may be refilled
+        # The last frame was taken piece by piece and no whole frame came since: the chunk is kept
+        # while idle, since the next answer of a busy consumer is most likely large too (no chunk
+        # allocated and faulted in per answer, no small first receive split off as its own write).
+        self._hot = False
         # The most the next receive into the chunk may take (None: its room): a streamed frame's
         # next record batch header and no more, so the batch's body can bypass the chunk (splice).
         self.recv_cap: int | None = None
@@ -82,18 +86,21 @@ class FrameReader:
     # -- cut-through: a large frame taken piece by piece as it arrives, never held whole
 
     def frame_starting(self) -> tuple[int, memoryview] | None:
-        """The frame at the head when its size prefix has arrived but not all of it, and it is not
-        yet held in a buffer of its own: (its size, its bytes here so far). Ask before
-        ``next_frame``, which would give such a frame a buffer of its own."""
+        """The frame at the head of the chunk, once its size prefix has arrived, when it is not held
+        in a buffer of its own: (its size, its bytes here so far, at most the whole frame). Ask
+        before ``next_frame``, which would give a large incomplete frame a buffer of its own. A frame
+        that has arrived whole may be taken piece by piece too: its chunk is then refilled at once,
+        where a frame returned whole keeps its chunk (and a new one is allocated)."""
         if self._big is not None or self._ready is not None or self._stream_left or self._buf is None:
             return None
-        avail = self._end - self._start
+        start = self._start
+        avail = self._end - start
         if avail < 4:
             return None
-        (size,) = _SIZE.unpack_from(self._buf, self._start)
-        if size < 0 or avail >= 4 + size:
+        (size,) = _SIZE.unpack_from(self._buf, start)
+        if size < 0:
             return None
-        return size, memoryview(self._buf)[self._start + 4:self._end]
+        return size, memoryview(self._buf)[start + 4:start + 4 + min(avail - 4, size)]
 
     def stream_current(self) -> None:
         """Take the frame ``frame_starting`` reported piece by piece (``take_piece``) from now on.
@@ -104,7 +111,7 @@ class FrameReader:
         self._stream_left = got[0]
         self._start += 4
         assert self._buf is not None
-        if len(self._buf) < STREAM_CHUNK_SIZE:
+        if len(self._buf) < STREAM_CHUNK_SIZE and len(got[1]) < got[0]:
             # The chunk is refilled rather than outgrown while a frame streams: take its full size
             # now, or a large frame would pass through a first, small chunk a few KiB at a time.
             # Larger than a stored frame's chunk: fewer, larger receives and sends per frame.
@@ -128,6 +135,7 @@ class FrameReader:
         self._stream_left -= k
         if not self._stream_left:
             self.frames += 1
+            self._hot = True
         if self._start == self._end:
             self._reusable = True
         return piece
@@ -142,6 +150,7 @@ class FrameReader:
         self._stream_left -= n
         if not self._stream_left:
             self.frames += 1
+            self._hot = True
 
     def recv_buffer(self) -> memoryview:
         """A writable view to receive into; never empty."""
@@ -193,7 +202,8 @@ class FrameReader:
         """Nothing buffered, and the receive chunk has grown past the first size: worth releasing
         if the connection is about to wait."""
         return (self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE and self._big is None
-                and self._ready is None and self._end == self._start and not self._stream_left)
+                and self._ready is None and self._end == self._start and not self._stream_left
+                and not self._hot)
 
     def release_idle(self) -> int:
         """Give back the receive chunk when nothing is buffered; returns the bytes released.
@@ -213,10 +223,10 @@ class FrameReader:
         """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix."""
         if self._stream_left:
             return None
-        self._reusable = False
         if self._ready is not None:
             frame, self._ready = self._ready, None
             self.frames += 1
+            self._hot = False
             return frame
         big = self._big
         if big is not None:
@@ -225,6 +235,7 @@ class FrameReader:
             self._big = None
             self._big_fill = 0
             self.frames += 1
+            self._hot = False
             return memoryview(big)
         buf = self._buf
         avail = self._end - self._start
@@ -239,6 +250,8 @@ class FrameReader:
             frame = memoryview(buf)[start + 4 : start + 4 + size]
             self._start = start + 4 + size
             self.frames += 1
+            self._hot = False
+            self._reusable = False     # the frame is a view of the chunk: never refilled under it
             if self._start == self._end and self._end > len(buf) // 2:
                 # Everything consumed and the chunk is half used: start the next frame on a fresh
                 # chunk so a small frame does not keep a nearly full chunk alive on its own.

@@ -873,6 +873,11 @@ class Session:
         (the body of a record batch whose header was counted): spliced, then ``stream_skip``."""
         return self.streaming[1].splice_room() if self.streaming is not None else 0
 
+    def stream_take_unseen(self, head: Any) -> int:
+        """``head``: the next bytes of the answer being streamed, peeked at, not taken. When they start
+        a record batch, it is counted and the bytes that may be spliced are returned (0: feed them)."""
+        return self.streaming[1].take_unseen(head) if self.streaming is not None else 0
+
     def stream_recv_hint(self) -> int | None:
         """How many bytes to receive next so that only a batch header comes in (its body may then be
         spliced); None when any amount will do."""

@@ -152,6 +152,7 @@ class FrameStream:
         self._stash = bytearray()          # bytes received that the walker has not taken yet
         self._store: bytearray | None = None
         self._records_left = 0             # of the records payload passing through
+        self._unseen = 0                   # bytes of a batch header counted from a peek, not yet passed
         self._batches: _BatchCounter | None = None
         self._tail: bytearray | None = None  # the root's closing tagged fields, held back
         self._rest = False                 # past the schema: bytes pass as they are
@@ -233,9 +234,26 @@ class FrameStream:
         """Bytes that may pass to the client now without the walker seeing them: the rest of the body
         of a record batch whose header has been counted (0 when the next bytes must be fed)."""
         counter = self._batches
-        if counter is None or not counter.in_body or self._store is not None or self._head:
+        if counter is None or self._store is not None or self._head:
             return 0
-        return min(counter.in_body, self._records_left)
+        return min(self._unseen + counter.in_body, self._records_left)
+
+    def take_unseen(self, head: Any) -> int:
+        """At a record batch boundary, ``head`` is what is waiting of the next batch, read without
+        taking it (a peek). When it holds a whole v2 batch header, the batch is counted as ``feed``
+        would count it, and the return says how many bytes, from the batch's start, may now go to
+        the client unseen (``skip``): the whole batch, as far as the records go. 0 otherwise."""
+        counter = self._batches
+        if (counter is None or counter.in_body or not counter.at_boundary or counter.facts.malformed
+                or self._store is not None or self._head or self._unseen
+                or self._records_left < V2_HEADER_SIZE or len(head) < V2_HEADER_SIZE
+                or head[MAGIC_OFFSET] != 2):
+            return 0
+        counter.feed(memoryview(head)[:V2_HEADER_SIZE])
+        if counter.facts.malformed:
+            return 0      # the bytes are forwarded as they come, uncounted, as ``feed`` does
+        self._unseen = V2_HEADER_SIZE
+        return self.splice_room()
 
     def recv_hint(self) -> int | None:
         """At a batch boundary inside records: how many bytes to receive next so that the walker reads
@@ -251,7 +269,10 @@ class FrameStream:
         if not 0 < n <= self.splice_room():
             raise StreamError(f"{n} bytes skipped where {self.splice_room()} may be", self._pos, self.kind)
         assert self._batches is not None
-        self._batches.passed(n)
+        head = min(n, self._unseen)
+        self._unseen -= head
+        if n > head:
+            self._batches.passed(n - head)
         self._pos += n
         self.sent += n
         self._records_left -= n
@@ -552,6 +573,11 @@ class _BatchCounter:
     def in_body(self) -> int:
         """Bytes of the current batch's body still to pass (its header has been counted)."""
         return self._skip
+
+    @property
+    def at_boundary(self) -> bool:
+        """No part of a batch header is held: the next byte starts a batch."""
+        return not self._skip and not self._head
 
     @property
     def header_missing(self) -> int:

@@ -14,6 +14,7 @@ to connect, which ports to open) and a completion callback.
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import struct
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,7 @@ from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import api_name, decode_response, encode_request_frame
+from kproxy.protocol.records import V2_HEADER_SIZE
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.session import (
     CLIENT_GONE,
@@ -51,6 +53,7 @@ from kproxy.server.transport import PlainTransport, Transport, connect
 log = logging.getLogger("kproxy.server")
 
 _I32 = struct.Struct(">i")
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 # KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
 # client picks 85-95%), leaving time for the exchange before the broker would close the connection.
 REAUTH_AT = 0.85
@@ -686,10 +689,8 @@ class ClientConnection:
                 piece = reader.take_piece()
                 if piece is None:
                     if splices:
-                        room = session.stream_splice_room()
-                        if room:
-                            assert isinstance(upstream, PlainTransport)
-                            await self._splice(reader, upstream, room)
+                        assert isinstance(upstream, PlainTransport)
+                        if await self._splice_batches(reader, upstream):
                             continue
                         # Receive only up to the next batch header: its body can then be spliced.
                         reader.recv_cap = session.stream_recv_hint()
@@ -707,6 +708,30 @@ class ClientConnection:
             if self.writer.pending:
                 await self.writer.flush()
             reader.stream_current()
+
+    async def _splice_batches(self, reader: FrameReader, upstream: PlainTransport) -> bool:
+        """Splice record batches of the streamed answer for as long as the next bytes on the broker's
+        socket are batches: each batch header is peeked at (and counted), then the whole batch moves
+        without a copy. False when the walker must see the next bytes (they are received and fed)."""
+        session = self.session
+        raw = upstream.raw
+        spliced = False
+        while reader.streaming_left:
+            room = session.stream_splice_room()
+            if not room:
+                try:
+                    head = raw.recv(V2_HEADER_SIZE, _PEEK)
+                except (BlockingIOError, InterruptedError):
+                    await trio.lowlevel.wait_readable(raw)
+                    continue
+                if not head:
+                    raise ConnectionError("broker closed the connection")
+                room = session.stream_take_unseen(head)
+                if not room:
+                    return spliced
+            await self._splice(reader, upstream, room)
+            spliced = True
+        return spliced
 
     async def _splice(self, reader: FrameReader, upstream: PlainTransport, n: int) -> None:
         """The rest of a record batch's body, ``n`` bytes, straight from the broker's socket to the
