@@ -489,8 +489,9 @@ class Bench:
         env = None
         if name == BASELINE:
             # The other tree's kproxy package comes first on the path (an editable install's
-            # finder only answers what the path does not).
-            env = {**os.environ, "PYTHONPATH": str(self.args.baseline)}
+            # finder only answers what the path does not). PYTHONSAFEPATH: without it ``-m``
+            # puts the working directory (this repository) first, and kproxy-base ran this tree.
+            env = {**os.environ, "PYTHONPATH": str(self.args.baseline), "PYTHONSAFEPATH": "1"}
         if telemetry is None:
             kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
                       "--log-level", "WARNING", *(extra or [])]
