@@ -161,7 +161,7 @@ class ConnectionSettings:
     upstream_server_hostname: str | None = None
     frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
     # Streamed record batch bodies go broker -> client by splice(2) where the platform allows.
-    splice: bool = True
+    splice: bool = False
     # upstream.sasl: every broker connection logs in as kproxy before any request goes on it.
     originator: Originator | None = attrs.field(default=None, eq=False)
 
