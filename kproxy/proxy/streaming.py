@@ -32,6 +32,9 @@ from kproxy.proxy.filters import FilterChain
 # Below this a frame is stored and forwarded whole: streaming it would save nothing measurable.
 STREAM_MIN_BYTES = 64 * 1024
 FETCH, PRODUCE = 1, 0
+# What one receive takes while a streamed frame's walker decodes fields between records payloads,
+# when record bodies are spliced: a partition's fields fit, and little of the records after them.
+HEAD_RECV_BYTES = 512
 # The tag of the field that pads a re-encoded tail to its original length. Unknown to every Kafka
 # version, so every flexible-version parser skips it (KIP-482); high enough that Kafka will not
 # plausibly give it a meaning, small enough to take two bytes.
@@ -259,7 +262,13 @@ class FrameStream:
         """At a batch boundary inside records: how many bytes to receive next so that the walker reads
         the next batch header and no more (its body may then be spliced); None when any amount will do."""
         counter = self._batches
-        if counter is None or counter.in_body or counter.facts.malformed or self._store is not None:
+        if self._store is not None or self._rest or self._tail is not None:
+            return None
+        if counter is None:
+            # Between records payloads (the next partition's fields): a little, so that the records
+            # after them are mostly left on the socket for splicing.
+            return HEAD_RECV_BYTES
+        if counter.in_body or counter.facts.malformed:
             return None
         return min(counter.header_missing, self._records_left)
 

@@ -106,6 +106,7 @@ class Metrics(Collector):
         self.apis: dict[str, ApiCounters] = {}
         self.records = {"produced": 0, "fetched": 0}
         self.streams_broken = 0
+        self.spliced_bytes = 0
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
         self.records_refused: dict[str, int] = {}
@@ -143,6 +144,8 @@ class Metrics(Collector):
             c.paths[e.path] = c.paths.get(e.path, 0) + 1
             if e.path == STREAMED and e.outcome == UPSTREAM_LOST:
                 self.streams_broken += 1
+            if e.spliced_bytes:
+                self.spliced_bytes += e.spliced_bytes
         if e.api_key in (PRODUCE, FETCH):
             self._records(x)
         notes = e.notes
@@ -206,6 +209,9 @@ class Metrics(Collector):
                        {(a, "response", p): n for a, c in apis for p, n in c.paths.items()})
         yield _counter("kproxy_streamed_answers_broken", "Streamed answers whose broker connection was lost "
                        "part-way (the client connection was closed).", [], {(): self.streams_broken})
+        yield _counter("kproxy_spliced_bytes", "Bytes of streamed answers moved from the broker's socket to the "
+                       "client's by splice(2), never copied through kproxy (cut_through_splice).", [],
+                       {(): self.spliced_bytes})
         yield _counter("kproxy_client_bytes", "Bytes of requests from and responses to clients, size prefix "
                        "included, by API and direction.", ["api", "direction"], by_direction)
         for name, doc, attr in (
