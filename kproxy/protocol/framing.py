@@ -21,6 +21,11 @@ DEFAULT_CHUNK_SIZE = 256 * 1024
 FIRST_CHUNK_SIZE = 4 * 1024        # an idle connection costs a few KiB, not a whole chunk
 GROWTH_FLOOR = 64 * 1024           # first step of an untrusted large frame's buffer
 STREAM_CHUNK_SIZE = 1024 * 1024    # what a frame taken piece by piece (cut-through) holds
+# Streaming chunks given back by idle connections and kept for the next streamed answer, at most
+# this many per process: a consumer's chunk is not reallocated per answer, and an idle connection
+# still holds nothing (the buffer budget never waits on a chunk no connection uses).
+SPARE_CHUNKS = 4
+_SPARE: list[bytearray] = []
 
 
 class FrameReader:
@@ -32,7 +37,7 @@ class FrameReader:
     buy an allocation of the frame limit).
     """
 
-    __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_hot", "_next_chunk",
+    __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_hot", "_lent", "_next_chunk",
                  "_ready", "_reusable", "_start", "_stream_left", "frames", "limit_name", "max_frame_size",
                  "recv_cap", "total_bytes", "trust_claims")
 
@@ -57,10 +62,12 @@ class FrameReader:
         self.frames = 0          # frames returned so far
         self._stream_left = 0    # bytes of a frame taken piece by piece (cut-through) still to take
         self._reusable = False   # every byte of the chunk went out as pieces: it may be refilled
-        # The last frame was taken piece by piece and no whole frame came since: the chunk is kept
-        # while idle, since the next answer of a busy consumer is most likely large too (no chunk
-        # allocated and faulted in per answer, no small first receive split off as its own write).
+        # The last frame was taken piece by piece and no whole frame came since: the next one is
+        # most likely large too, so the next receive takes a spare streaming chunk (``_SPARE``)
+        # rather than a small first chunk (no chunk allocated per answer of a busy consumer, no
+        # small first receive split off as its own write).
         self._hot = False
+        self._lent = False       # a frame was returned as a view of the chunk: never a spare
         # The most the next receive into the chunk may take (None: its room): a streamed frame's
         # next record batch header and no more, so the batch's body can bypass the chunk (splice).
         self.recv_cap: int | None = None
@@ -166,7 +173,8 @@ class FrameReader:
                 big = self._grow_big()
             return memoryview(big)[self._big_fill:]
         if self._buf is None:
-            self._buf = bytearray(self._next_chunk)
+            self._buf = _SPARE.pop() if self._hot and _SPARE else bytearray(self._next_chunk)
+            self._lent = False
         if self._reusable:
             self._reusable = False
             if self._start == self._end:
@@ -202,8 +210,7 @@ class FrameReader:
         """Nothing buffered, and the receive chunk has grown past the first size: worth releasing
         if the connection is about to wait."""
         return (self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE and self._big is None
-                and self._ready is None and self._end == self._start and not self._stream_left
-                and not self._hot)
+                and self._ready is None and self._end == self._start and not self._stream_left)
 
     def release_idle(self) -> int:
         """Give back the receive chunk when nothing is buffered; returns the bytes released.
@@ -215,6 +222,10 @@ class FrameReader:
         if self._buf is None or not self.at_frame_boundary:
             return 0
         released = len(self._buf)
+        if self._hot and not self._lent and len(self._buf) == STREAM_CHUNK_SIZE and len(_SPARE) < SPARE_CHUNKS:
+            # Only pieces were taken from it, each written before the next receive: no view of it
+            # is in use, so another streamed answer may refill it.
+            _SPARE.append(self._buf)
         self._buf = None
         self._start = self._end = 0
         return released
@@ -252,6 +263,7 @@ class FrameReader:
             self.frames += 1
             self._hot = False
             self._reusable = False     # the frame is a view of the chunk: never refilled under it
+            self._lent = True
             if self._start == self._end and self._end > len(buf) // 2:
                 # Everything consumed and the chunk is half used: start the next frame on a fresh
                 # chunk so a small frame does not keep a nearly full chunk alive on its own.
@@ -325,6 +337,7 @@ class FrameReader:
         buf = bytearray(size)
         buf[: len(tail)] = tail
         self._buf = buf
+        self._lent = False
         self._start = 0
         self._end = len(tail)
 
