@@ -92,12 +92,12 @@ class FrameReader:
 
     # -- cut-through: a large frame taken piece by piece as it arrives, never held whole
 
-    def frame_starting(self) -> tuple[int, memoryview] | None:
-        """The frame at the head of the chunk, once its size prefix has arrived, when it is not held
-        in a buffer of its own: (its size, its bytes here so far, at most the whole frame). Ask
-        before ``next_frame``, which would give a large incomplete frame a buffer of its own. A frame
-        that has arrived whole may be taken piece by piece too: its chunk is then refilled at once,
-        where a frame returned whole keeps its chunk (and a new one is allocated)."""
+    def frame_starting(self, whole: bool = False) -> tuple[int, memoryview] | None:
+        """The frame at the head of the chunk when its size prefix has arrived but not all of it, and
+        it is not held in a buffer of its own: (its size, its bytes here so far). Ask before
+        ``next_frame``, which would give such a frame a buffer of its own. With ``whole``, a frame
+        that has arrived whole too (its bytes, no more): taken piece by piece, its chunk is refilled
+        at once, where a frame returned whole keeps its chunk (and a new one is allocated)."""
         if self._big is not None or self._ready is not None or self._stream_left or self._buf is None:
             return None
         start = self._start
@@ -105,14 +105,14 @@ class FrameReader:
         if avail < 4:
             return None
         (size,) = _SIZE.unpack_from(self._buf, start)
-        if size < 0:
+        if size < 0 or (avail >= 4 + size and not whole):
             return None
         return size, memoryview(self._buf)[start + 4:start + 4 + min(avail - 4, size)]
 
     def stream_current(self) -> None:
         """Take the frame ``frame_starting`` reported piece by piece (``take_piece``) from now on.
         Its size may exceed ``max_frame_size``: only a chunk of it is ever held."""
-        got = self.frame_starting()
+        got = self.frame_starting(whole=True)
         if got is None:
             raise ValueError("no frame is starting")
         self._stream_left = got[0]
