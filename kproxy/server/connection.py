@@ -865,8 +865,8 @@ class ClientConnection:
         return spliced
 
     async def _splice(self, reader: FrameReader, upstream: PlainTransport, n: int) -> None:
-        """The rest of a record batch's body, ``n`` bytes, straight from the broker's socket to the
-        client's (zero-copy); the walker and the reader are told they passed. The pipe is emptied
+        """``n`` bytes of record batches whose headers the walker has counted, straight from the
+        broker's socket to the client's (zero-copy); the walker and the reader are told they passed. The pipe is emptied
         before this returns, so the client holding back holds the broker back."""
         pipe = self._pipe
         if pipe is None:
