@@ -142,12 +142,11 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] | None = None
     started: float = 0.0
-    cwd: Path = REPO
 
     def start(self, ready_ports: list[int], timeout: float = 20.0) -> None:
         self.started = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=log,
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=self.env)
         deadline = time.monotonic() + timeout
         for port in ready_ports:
@@ -505,10 +504,6 @@ class Bench:
                 env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": self._otlp_receiver(),
                        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
         kproxy = Child(name, kargv, self.workdir / f"{name}.log", env=env)
-        if name == BASELINE:
-            # `python -m` puts the working directory first on the path, ahead of PYTHONPATH: started
-            # in this tree, the baseline would run this tree's kproxy.
-            kproxy.cwd = Path(self.args.baseline)
         self.children.append(kproxy)
         kproxy.start([kp, kp + 1])  # bootstrap, then the broker port it opened at discovery
         self.ports[name] = kp
