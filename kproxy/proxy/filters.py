@@ -198,17 +198,37 @@ class Filter:
         keys = self.request_api_keys if kind == "request" else self.response_api_keys
         return keys is None or api_key in keys
 
+    def may_stream_response(self, ctx: ConnectionContext, exchange: Any) -> bool:
+        """Whether, for this one exchange, the broker's answer may stream although ``sees_whole``
+        says True for its api: the filter would change nothing in it that streaming cannot (its size,
+        its records) and needs none of its records. Asked when a large answer starts to arrive;
+        ``exchange.upstream_bytes`` is then its size. Default False: stored, as before.
+
+        A filter that says True gets ``on_response_head`` instead of ``on_response`` for that
+        answer."""
+        return False
+
+    def on_response_head(self, ctx: ConnectionContext, exchange: Any, head: Any) -> float:
+        """The head of an answer streamed with this filter's consent (``may_stream_response``),
+        before any of it is sent: ``head`` is a ``kproxy.proxy.streaming.StreamHead`` (api, version,
+        size, and the root's scalar fields as the broker sent them). Returns seconds of throttle,
+        as ``on_response`` does; the session patches ``throttle_time_ms`` in the head and mutes
+        the client the same way. The records' counts are on ``exchange.records_facts`` in
+        ``on_done``."""
+        return 0.0
+
 
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_whole", "filters")
+    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_whole", "_whole_all", "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
         self.filters = tuple(filters)
         self._by_request_key: dict[int, tuple[Filter, ...]] = {}
         self._by_response_key: dict[int, tuple[Filter, ...]] = {}
         self._whole: dict[tuple[int, str], str | None] = {}
+        self._whole_all: dict[tuple[int, str], tuple[Filter, ...]] = {}
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
@@ -240,6 +260,15 @@ class FilterChain:
         name = next((f.name for f in self.filters if f.sees_whole(api_key, kind)), None)
         self._whole[key] = name
         return name
+
+    def whole_frame_filters(self, api_key: int, kind: str) -> tuple[Filter, ...]:
+        """Every filter that must see whole frames of this api and kind unless it consents per
+        exchange (``may_stream_response``)."""
+        key = (api_key, kind)
+        got = self._whole_all.get(key)
+        if got is None:
+            got = self._whole_all[key] = tuple(f for f in self.filters if f.sees_whole(api_key, kind))
+        return got
 
     def _select(self, api_key: int, keys_attr: str) -> tuple[Filter, ...]:
         return tuple(f for f in self.filters

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kproxy.config import MetricsConfig
-from kproxy.proxy.session import STREAMED, UPSTREAM_LOST
+from kproxy.proxy.session import STORED, STREAMED, UPSTREAM_LOST
 from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
 
 # Seconds: from sub-millisecond metadata answers to long polls and rebalances.
@@ -106,6 +106,7 @@ class Metrics(Collector):
         self.apis: dict[str, ApiCounters] = {}
         self.records = {"produced": 0, "fetched": 0}
         self.streams_broken = 0
+        self.stored_reasons: dict[tuple[str, str], int] = {}
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
         self.records_refused: dict[str, int] = {}
@@ -143,6 +144,9 @@ class Metrics(Collector):
             c.paths[e.path] = c.paths.get(e.path, 0) + 1
             if e.path == STREAMED and e.outcome == UPSTREAM_LOST:
                 self.streams_broken += 1
+            elif e.stored_reason is not None and e.path == STORED:
+                key = (x.api, e.stored_reason)
+                self.stored_reasons[key] = self.stored_reasons.get(key, 0) + 1
         if e.api_key in (PRODUCE, FETCH):
             self._records(x)
         notes = e.notes
@@ -204,6 +208,10 @@ class Metrics(Collector):
         yield _counter("kproxy_frames", "Broker answers forwarded to clients, by API and path: stored whole "
                        "first, or streamed while they arrived (cut-through).", ["api", "direction", "path"],
                        {(a, "response", p): n for a, c in apis for p, n in c.paths.items()})
+        yield _counter("kproxy_frames_stored", "Broker answers large enough to stream (cut_through_min_bytes) that "
+                       "were stored whole instead, by API and reason (transport, order, filter NAME).",
+                       ["api", "direction", "reason"],
+                       {(a, "response", r): n for (a, r), n in sorted(self.stored_reasons.items())})
         yield _counter("kproxy_streamed_answers_broken", "Streamed answers whose broker connection was lost "
                        "part-way (the client connection was closed).", [], {(): self.streams_broken})
         yield _counter("kproxy_client_bytes", "Bytes of requests from and responses to clients, size prefix "
