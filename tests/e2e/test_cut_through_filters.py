@@ -6,6 +6,7 @@ topic's metadata is refused first: tests/unit/test_cut_through_filters.py covers
 from __future__ import annotations
 
 import contextlib
+import ssl
 import textwrap
 import time
 import uuid
@@ -17,11 +18,13 @@ import confluent_kafka
 import pytest
 import trustme
 
+from kproxy.config import parse_config
 from kproxy.server.embedded import ProxyThread
-from tests.e2e.proxied import start_proxy
+from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.scenarios import _ck_admin, _ck_wait
-from tests.e2e.tansu import TansuBroker, free_port
+from tests.e2e.tansu import Tansu, TansuBroker, free_port
 from tests.e2e.test_cut_through import STREAMED, consumed_all, metrics, produce_direct, records
+from tests.e2e.test_tls import TlsRelay
 
 pytestmark = pytest.mark.e2e
 
@@ -119,3 +122,30 @@ def test_over_tls_with_rules_a_consumer_gets_every_record_through_streamed_answe
                                                                  "ssl.ca.location": certs["ca"]})
         assert every_record(got), f"{len(got)} of {len(records())} records"
         assert metrics(admin).get(STREAMED, 0) > 0, "no answer was streamed over TLS"
+
+
+def test_from_a_tls_broker_with_rules_a_consumer_gets_every_record_through_streamed_answers(
+        tansu_binary: str, rules_file: Path, certs: dict[str, str], tmp_path: Path) -> None:
+    """kproxy originates TLS to the broker (a TLS-terminating relay in front of a tansu that advertises
+    the relay, since tansu serves no TLS itself): the answers are decrypted into the reader's chunk and
+    streamed from there."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(certs["cert"], certs["key"])
+    admin = f"127.0.0.1:{free_port()}"
+    with TlsRelay(ctx) as relay, Tansu(tansu_binary, advertised=relay.address, log_path=tmp_path / "b.log") as tansu:
+        relay.target = (tansu.host, tansu.port)
+        cfg = parse_config(f"""\
+listen: "127.0.0.1:{free_port_block()}"
+upstream:
+  bootstrap_servers: ["{relay.address[0]}:{relay.address[1]}"]
+  tls: {{enabled: true, ca_file: "{certs['ca']}"}}
+exposure: {{advertised_host: 127.0.0.1, broker_port_count: 6}}
+admin: {{listen: "{admin}"}}
+rules: ["{rules_file}"]
+""")
+        with ProxyThread(cfg) as p:
+            topic = f"stream-tls-{uuid.uuid4().hex[:8]}"
+            produce_direct(p.bootstrap, topic)       # through kproxy: the broker speaks only TLS
+            got = consume(p.bootstrap, topic, len(records()))
+            assert every_record(got), f"{len(got)} of {len(records())} records"
+            assert metrics(admin).get(STREAMED, 0) > 0, "no answer from the TLS broker was streamed"
