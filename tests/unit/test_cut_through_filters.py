@@ -129,43 +129,75 @@ def telemetry(entry: Any, ctx: ConnectionContext) -> tuple[dict, dict, bytes]:
     return traffic_line(x, 0.0), span_attributes(x), exposition
 
 
+def through_both(streamed: Proxy, stored: Proxy, now: float, version: int, batches: int, broker_throttle: int,
+                 records: int, piece: int = 10_000) -> tuple[Any, bool]:
+    """The same Fetch and answer through a proxy that streams and one that stores: everything the
+    client, the quota and telemetry see must be equal. (The streamed proxy's entry, whether it streamed.)"""
+    topic = TOPIC_ID if version >= 13 else "t"
+    got = []
+    for p in (streamed, stored):
+        p.clock.now = now
+        up = p.fetch((topic,), version)
+        frame = answer_frame(up, (topic,), version, batches, broker_throttle, records)
+        got.append((p.answer(up, frame, piece), len(frame)))
+    ((s_bytes, s_entry, was_streamed), size), ((t_bytes, t_entry, was_stored), _) = got
+    assert not was_stored and t_entry.path == STORED
+    assert s_entry.path == (STREAMED if was_streamed else STORED)
+    # The quota lowered max_bytes on the request alike.
+    assert s_entry.request.body.max_bytes == t_entry.request.body.max_bytes
+    # The same bytes: the throttle patched in place is the stored answer's re-encoded value.
+    assert s_bytes == t_bytes and (len(s_bytes) == size + 4 or not was_streamed)
+    assert s_entry.throttle_ms == t_entry.throttle_ms
+    assert s_entry.notes == t_entry.notes and s_entry.notes["quota"]["rule"] == "readers"
+    assert streamed.session.throttled_for(now) == stored.session.throttled_for(now)
+    s_line, s_span, s_metrics = telemetry(s_entry, streamed.ctx)
+    t_line, t_span, t_metrics = telemetry(t_entry, stored.ctx)
+    if s_entry.stored_reason is not None:
+        # The one difference: /metrics says why the streaming proxy stored it.
+        assert b'reason="filter quota"} 1.0' in s_metrics and b"reason=" not in t_metrics
+        s_metrics, t_metrics = (b"\n".join(line for line in m.splitlines() if not line.startswith(b"kproxy_frames_stored"))
+                                for m in (s_metrics, t_metrics))
+    assert s_line == t_line and s_span == t_span and s_metrics == t_metrics
+    assert s_line["partitions"][0]["records"] == sum(p["records"] for p in t_line["partitions"]) > 0
+    w = Windows.for_burst(11, 1.0, 1.0)
+    budgets = [p.quota.budgets.peek(("readers", "client_id=app")) for p in (streamed, stored)]
+    assert budgets[0].fetch.total(now, w) == budgets[1].fetch.total(now, w) > 0
+    # The largest batch seen, which bounds how far a later Fetch's max_bytes is lowered, is the same too.
+    assert streamed.ctx.peek_state(streamed.quota).largest_batch == stored.ctx.peek_state(stored.quota).largest_batch
+    return s_entry, was_streamed
+
+
 @pytest.mark.parametrize("version", [12, 16])
 def test_a_throttling_quota_gives_the_streamed_answer_what_it_gives_the_stored_one(tmp_path, version):
     streamed, stored = Proxy(tmp_path, 64 * 1024), Proxy(tmp_path, None)
-    topic = TOPIC_ID if version >= 13 else "t"
     throttles = []
     # The first answer's batch is the largest: the quota lowers max_bytes no further than that.
     for i, (now, batches, broker_throttle, records) in enumerate(
             [(100.0, 1, 0, 120), (100.1, 2, 0, 60), (100.2, 1, 5000, 100), (100.3, 1, 0, 100), (100.4, 1, 0, 100),
              (115.0, 1, 0, 100)]):
-        got = []
-        for p in (streamed, stored):
-            p.clock.now = now
-            up = p.fetch((topic,), version)
-            frame = answer_frame(up, (topic,), version, batches, broker_throttle, records)
-            got.append((p.answer(up, frame), len(frame)))
-        ((s_bytes, s_entry, was_streamed), size), ((t_bytes, t_entry, was_stored), _) = got
-        assert was_streamed and not was_stored, f"answer {i}: {s_entry.stored_reason}"
-        assert (s_entry.path, t_entry.path) == (STREAMED, STORED)
-        # The same bytes: the throttle patched in place is the stored answer's re-encoded value.
-        assert s_bytes == t_bytes and len(s_bytes) == size + 4
-        assert s_entry.throttle_ms == t_entry.throttle_ms
-        assert s_entry.notes == t_entry.notes and s_entry.notes["quota"]["rule"] == "readers"
-        assert streamed.session.throttled_for(now) == stored.session.throttled_for(now)
-        s_line, s_span, s_metrics = telemetry(s_entry, streamed.ctx)
-        t_line, t_span, t_metrics = telemetry(t_entry, stored.ctx)
-        assert s_line == t_line and s_span == t_span and s_metrics == t_metrics
-        assert s_line["partitions"][0]["records"] == records * batches
-        throttles.append(s_entry.throttle_ms)
-        if i == 2:
-            assert s_entry.throttle_ms == 5000       # the broker's own, larger throttle stays
+        entry, was_streamed = through_both(streamed, stored, now, version, batches, broker_throttle, records)
+        assert was_streamed, f"answer {i}: {entry.stored_reason}"
+        throttles.append(entry.throttle_ms)
+    assert throttles[2] == 5000       # the broker's own, larger throttle stays
     # The quota did throttle (and then forgot the usage): the comparison is not of zeros.
     assert throttles[3] > 0 and throttles[4] > throttles[3] and throttles[5] == 0, throttles
-    w = Windows.for_burst(11, 1.0, 1.0)
-    budgets = [p.quota.budgets.peek(("readers", "client_id=app")) for p in (streamed, stored)]
-    assert budgets[0].fetch.total(115.0, w) == budgets[1].fetch.total(115.0, w) > 0
-    # The largest batch seen, which bounds how far a later Fetch's max_bytes is lowered, is the same too.
-    assert streamed.ctx.peek_state(streamed.quota).largest_batch == stored.ctx.peek_state(stored.quota).largest_batch
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_fetches_through_a_quota_are_the_same_streamed_or_stored(tmp_path, seed):
+    rng = random.Random(seed)
+    limit = rng.choice((150_000, 300_000, 600_000))
+    streamed = Proxy(tmp_path, 64 * 1024, RULES.replace("300000", str(limit)))
+    stored = Proxy(tmp_path, None, RULES.replace("300000", str(limit)))
+    now, paths, throttled = 100.0, set(), 0     # throttled: streamed answers that carried a throttle
+    for _ in range(8):
+        now += rng.choice((0.0, 0.05, 0.2, 0.7, 3.0))
+        entry, was_streamed = through_both(
+            streamed, stored, now, rng.choice((4, 7, 11, 12, 13, 16)), rng.randint(1, 3),
+            rng.choice((0, 0, 0, rng.randint(1, 3000))), rng.randint(70, 130), rng.randint(1, 40_000))
+        paths.add(was_streamed)
+        throttled += was_streamed and entry.throttle_ms > 0
+    assert True in paths and throttled
 
 
 def test_policy_rules_that_change_nothing_let_the_answer_stream(tmp_path):
