@@ -208,8 +208,9 @@ class Metrics(Collector):
         yield _counter("kproxy_frames", "Broker answers forwarded to clients, by API and path: stored whole "
                        "first, or streamed while they arrived (cut-through).", ["api", "direction", "path"],
                        {(a, "response", p): n for a, c in apis for p, n in c.paths.items()})
-        yield _counter("kproxy_frames_stored", "Broker answers large enough to stream (cut_through_min_bytes) that "
-                       "were stored whole instead, by API and reason (transport, order, filter NAME).",
+        yield _counter("kproxy_frames_stored_large", "Broker answers large enough to stream "
+                       "(cut_through_min_bytes) that were stored whole instead, by API and reason (transport, "
+                       "order, filter NAME).",
                        ["api", "direction", "reason"],
                        {(a, "response", r): n for (a, r), n in sorted(self.stored_reasons.items())})
         yield _counter("kproxy_streamed_answers_broken", "Streamed answers whose broker connection was lost "

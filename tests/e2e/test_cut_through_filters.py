@@ -111,7 +111,7 @@ def test_with_rules_and_quotas_a_consumer_gets_every_record_through_streamed_ans
         m = metrics(admin)
         assert m.get(STREAMED, 0) > 0, "no answer was streamed"
         # Nothing large was stored for a filter's sake: the policy and the quota both consented.
-        assert not [k for k in m if k[0] == "kproxy_frames_stored_total" and k[1][2][1].startswith("filter")], m
+        assert not [k for k in m if k[0] == "kproxy_frames_stored_large_total" and k[1][2][1].startswith("filter")], m
 
 
 def test_over_tls_with_rules_a_consumer_gets_every_record_through_streamed_answers(

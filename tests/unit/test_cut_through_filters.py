@@ -155,7 +155,8 @@ def through_both(streamed: Proxy, stored: Proxy, now: float, version: int, batch
     if s_entry.stored_reason is not None:
         # The one difference: /metrics says why the streaming proxy stored it.
         assert b'reason="filter quota"} 1.0' in s_metrics and b"reason=" not in t_metrics
-        s_metrics, t_metrics = (b"\n".join(line for line in m.splitlines() if not line.startswith(b"kproxy_frames_stored"))
+        s_metrics, t_metrics = (b"\n".join(line for line in m.splitlines()
+                                           if not line.startswith(b"kproxy_frames_stored_large"))
                                 for m in (s_metrics, t_metrics))
     assert s_line == t_line and s_span == t_span and s_metrics == t_metrics
     assert s_line["partitions"][0]["records"] == sum(p["records"] for p in t_line["partitions"]) > 0
@@ -224,7 +225,7 @@ def test_a_partial_denial_stores_the_answer_and_says_why(tmp_path, caplog):
     assert sorted(t.topic_id for t in back.body.responses) == sorted([TOPIC_ID, SECRET_ID])
     metrics = Metrics()
     metrics.record(Exchange(entry, p.ctx, Learned()))
-    assert (b'kproxy_frames_stored_total{api="fetch",direction="response",reason="filter policy"} 1.0'
+    assert (b'kproxy_frames_stored_large_total{api="fetch",direction="response",reason="filter policy"} 1.0'
             in metrics.exposition())
 
 
