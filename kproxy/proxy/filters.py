@@ -217,6 +217,20 @@ class Filter:
         ``on_done``."""
         return 0.0
 
+    def may_stream_request(self, ctx: ConnectionContext, exchange: Any, head: Any) -> bool:
+        """Whether this one request may go to the broker while it arrives, although the filter
+        ``sees_whole`` its api's requests. Asked once the head is decoded (``head``, a
+        ``kproxy.proxy.streaming.StreamHead``: the frame as far as its first records, its root's
+        scalar fields and ``client_id`` in ``head.values``) and before any byte leaves.
+
+        Saying yes is a promise: the filter's ``on_request`` then runs once the whole frame has
+        passed, on the request with its records left out (what they held is in
+        ``exchange.records_facts``), and must neither change nor answer it (a ``Throttle`` is fine).
+        A Produce request's later topics come after the first topic's records, so a filter that
+        could refuse or rewrite a topic it has not seen yet must say no. The default is no.
+        """
+        return False
+
 
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
@@ -228,7 +242,7 @@ class FilterChain:
         self._by_request_key: dict[int, tuple[Filter, ...]] = {}
         self._by_response_key: dict[int, tuple[Filter, ...]] = {}
         self._whole: dict[tuple[int, str], str | None] = {}
-        self._whole_all: dict[tuple[int, str], tuple[Filter, ...]] = {}
+        self._whole_all: dict[tuple[int, str, str], tuple[Filter, ...]] = {}
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
@@ -262,9 +276,9 @@ class FilterChain:
         return name
 
     def whole_frame_filters(self, api_key: int, kind: str) -> tuple[Filter, ...]:
-        """Every filter that must see whole frames of this api and kind unless it consents per
-        exchange (``may_stream_response``)."""
-        key = (api_key, kind)
+        """Every filter that ``sees_whole`` frames of this api and kind, in order (each may still let
+        one exchange stream: ``may_stream_response``, ``may_stream_request``)."""
+        key = (api_key, kind, "all")
         got = self._whole_all.get(key)
         if got is None:
             got = self._whole_all[key] = tuple(f for f in self.filters if f.sees_whole(api_key, kind))

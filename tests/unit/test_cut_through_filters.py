@@ -152,7 +152,7 @@ def through_both(streamed: Proxy, stored: Proxy, now: float, version: int, batch
     assert streamed.session.throttled_for(now) == stored.session.throttled_for(now)
     s_line, s_span, s_metrics = telemetry(s_entry, streamed.ctx)
     t_line, t_span, t_metrics = telemetry(t_entry, stored.ctx)
-    if s_entry.stored_reason is not None:
+    if s_entry.response_why_stored is not None:
         # The one difference: /metrics says why the streaming proxy stored it.
         assert b'reason="filter quota"} 1.0' in s_metrics and b"reason=" not in t_metrics
         s_metrics, t_metrics = (b"\n".join(line for line in m.splitlines()
@@ -177,7 +177,7 @@ def test_a_throttling_quota_gives_the_streamed_answer_what_it_gives_the_stored_o
             [(100.0, 1, 0, 120), (100.1, 2, 0, 60), (100.2, 1, 5000, 100), (100.3, 1, 0, 100), (100.4, 1, 0, 100),
              (115.0, 1, 0, 100)]):
         entry, was_streamed = through_both(streamed, stored, now, version, batches, broker_throttle, records)
-        assert was_streamed, f"answer {i}: {entry.stored_reason}"
+        assert was_streamed, f"answer {i}: {entry.response_why_stored}"
         throttles.append(entry.throttle_ms)
     assert throttles[2] == 5000       # the broker's own, larger throttle stays
     # The quota did throttle (and then forgot the usage): the comparison is not of zeros.
@@ -206,7 +206,7 @@ def test_policy_rules_that_change_nothing_let_the_answer_stream(tmp_path):
     for version, topic in ((16, TOPIC_ID), (12, "t")):
         up = p.fetch((topic,), version)
         _, entry, streamed = p.answer(up, answer_frame(up, (topic,), version))
-        assert streamed and entry.path == STREAMED and entry.stored_reason is None
+        assert streamed and entry.path == STREAMED and entry.response_why_stored is None
     # A tenant's answer by topic id carries no names: nothing to take a prefix off, so it streams.
     up = p.fetch((uuid.UUID(int=0xA),), 16, client_id="team-a-1")
     _, entry, streamed = p.answer(up, answer_frame(up, (uuid.UUID(int=0xA),), 16))
@@ -218,7 +218,7 @@ def test_a_partial_denial_stores_the_answer_and_says_why(tmp_path, caplog):
     up = p.fetch((TOPIC_ID, SECRET_ID), 16)
     with caplog.at_level(logging.DEBUG, logger="kproxy.session"):
         sent, entry, streamed = p.answer(up, answer_frame(up, (TOPIC_ID,), 16, batches=2))
-    assert not streamed and entry.path == STORED and entry.stored_reason == "filter policy"
+    assert not streamed and entry.path == STORED and entry.response_why_stored == "filter policy"
     assert "stored whole, not streamed: filter policy" in caplog.text
     # kproxy's refusal is merged into the broker's answer: what streaming could not have done.
     back = decode_response(memoryview(sent)[4:], FETCH, 16)
@@ -233,7 +233,7 @@ def test_a_tenant_prefix_on_a_name_based_version_stores_the_answer(tmp_path):
     p = Proxy(tmp_path, 64 * 1024)
     up = p.fetch(("t",), 12, client_id="team-a-1")
     _, entry, streamed = p.answer(up, answer_frame(up, ("tenant-a.t",), 12))
-    assert not streamed and entry.stored_reason == "filter policy"
+    assert not streamed and entry.response_why_stored == "filter policy"
     assert [t.topic for t in entry.response.body.responses] == ["t"]
 
 
@@ -241,7 +241,7 @@ def test_an_answer_a_fetch_quota_may_have_to_cut_is_stored(tmp_path):
     p = Proxy(tmp_path, 64 * 1024)
     up = p.fetch((TOPIC_ID,), 16, max_bytes=150_000)
     _, entry, streamed = p.answer(up, answer_frame(up, (TOPIC_ID,), 16, batches=2))
-    assert not streamed and entry.stored_reason == "filter quota"
+    assert not streamed and entry.response_why_stored == "filter quota"
     assert sum(len(pd.records) for t in entry.response.body.responses for pd in t.partitions) < 150_000
     # Within max_bytes it streams (once the budget has room again, or max_bytes would be lowered).
     p.clock.now = 130.0
@@ -262,7 +262,7 @@ def test_a_filter_that_does_not_consent_keeps_the_answer_stored(tmp_path):
     p.session.chain = FilterChain([*p.session.chain.filters, Refuses()])
     up = p.fetch()
     _, entry, streamed = p.answer(up, answer_frame(up))
-    assert not streamed and entry.stored_reason == "filter refuses"
+    assert not streamed and entry.response_why_stored == "filter refuses"
 
 
 def test_a_filter_failing_on_the_head_closes_the_connection_before_anything_is_sent(tmp_path):
