@@ -190,6 +190,7 @@ class ProxyServer:
             frame_timeout_s=limits.frame_timeout_s,
             upstream_tls=self.upstream_tls,
             upstream_server_hostname=upstream.tls.server_hostname,
+            splice=config.cut_through_splice,
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
             originator=self.identity.originator,

@@ -23,7 +23,7 @@ from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.scenarios import _ck_admin, _ck_wait
 from tests.e2e.tansu import Tansu, TansuBroker, free_port
-from tests.e2e.test_cut_through import STREAMED, consumed_all, metrics, produce_direct, records
+from tests.e2e.test_cut_through import SPLICED, STREAMED, consumed_all, metrics, produce_direct, records
 from tests.e2e.test_produce_cut_through import STREAMED as PRODUCE_STREAMED
 from tests.e2e.test_produce_cut_through import confluent_produce
 from tests.e2e.test_produce_cut_through import records as produce_records
@@ -106,13 +106,15 @@ def every_record(got: list[tuple[bytes, bytes]]) -> bool:
     return consumed_all([(None, k, v, None) for k, v in got])
 
 
+@pytest.mark.parametrize("splice", [False, True])
 def test_with_rules_and_quotas_a_consumer_gets_every_record_through_streamed_answers(
-        broker: TansuBroker, filled: str, rules_file: Path) -> None:
-    with proxy(broker, rules_file) as (p, admin):
+        broker: TansuBroker, filled: str, rules_file: Path, splice: bool) -> None:
+    with proxy(broker, rules_file, cut_through_splice=splice) as (p, admin):
         got = consume(p.bootstrap, filled, len(records()))
         assert every_record(got), f"{len(got)} of {len(records())} records"
         m = metrics(admin)
         assert m.get(STREAMED, 0) > 0, "no answer was streamed"
+        assert (m.get(SPLICED, 0) > 0) == splice
         # Nothing large was stored for a filter's sake: the policy and the quota both consented.
         assert not [k for k in m if k[0] == "kproxy_frames_stored_large_total" and k[1][2][1].startswith("filter")], m
 
