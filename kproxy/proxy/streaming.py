@@ -324,7 +324,7 @@ class FrameStream:
             self._walker = None
             tail = self._rewrite(tail)
             self._head += tail
-            self.skeleton += tail
+            self.skeleton += _minimal_count(tail) if self.padded else tail
             self._head_known()
             return
         if self._store is not None:
@@ -747,6 +747,15 @@ def fit_tags(wanted: dict[int, bytes], length: int, hint_tag: int = 0) -> tuple[
     if fitted is None:
         raise StreamError(f"the closing tagged fields cannot be re-encoded in {length} bytes", 0, "response")
     return fitted[0], fitted[1], True
+
+
+def _minimal_count(tail: bytes) -> bytes:
+    """``tail`` with its field count written in the fewest bytes. A tail fitted into one or two
+    spare bytes carries a stretched count (``_fit``): valid on the wire, but the codec re-encodes it
+    minimally, so the skeleton (what the transparency check re-encodes) holds the minimal form."""
+    count, at = read_uvarint(tail, 0)
+    minimal = write_uvarint(count)
+    return tail if at == len(minimal) else minimal + tail[at:]
 
 
 def strip_padding(tags: dict[int, bytes]) -> dict[int, bytes]:
