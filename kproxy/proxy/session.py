@@ -237,6 +237,12 @@ class InFlight:
     why_stored: str | None = None
     # A streamed frame cut off part-way: "client" (it went away mid-frame) or "broker" (lost mid-frame).
     broken: str | None = None
+    # The broker's answer as it arrived, without its 4-byte size prefix (0 until then, and for an
+    # answer kproxy made up): what a fetch quota charges, as a Kafka broker charges a response's size.
+    upstream_bytes: int = 0
+    # Why an answer large enough to stream was stored whole instead (``why_stored``'s reason, or
+    # "order" when an earlier answer was still owed); None for one that streamed or was never a candidate.
+    response_why_stored: str | None = None
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:
@@ -824,6 +830,7 @@ class Session:
                 return []
             return [Close(f"broker answered correlation id {upstream_id}, which kproxy never sent")]
         entry.answered_at = answered = self.ctx.clock()
+        entry.upstream_bytes = len(frame)
         if entry.request is None:
             patched = bytearray(frame)
             _I32.pack_into(patched, 0, entry.client_correlation_id)
@@ -963,11 +970,31 @@ class Session:
             return False
         (upstream_id,) = _I32.unpack_from(head, 0)
         entry = self._by_upstream.get(upstream_id)
-        if (entry is None or entry.request is None or not self.in_flight or self.in_flight[0] is not entry
+        if (entry is None or entry.request is None
                 or (self.asking is not None and upstream_id == self.asking.upstream_correlation_id)):
             return False
-        if why_stored(self.chain, entry.api_key, "response", size, transport_streams=transport_streams,
-                      min_bytes=self.stream_min_bytes) is not None:
+        if not self.in_flight or self.in_flight[0] is not entry:
+            self._stored_because(entry, "order", size)
+            return False
+        entry.upstream_bytes = size
+        ctx = self.ctx
+        consenting: list[Filter] = []
+
+        def consents(f: Filter) -> bool:
+            try:
+                ok = f.may_stream_response(ctx, entry)
+            except Exception:
+                # Asked again as on_response, which closes the connection if it fails too.
+                self._filter_failed(f, "may_stream_response", entry.api_key)
+                return False
+            if ok:
+                consenting.append(f)
+            return bool(ok)
+
+        reason = why_stored(self.chain, entry.api_key, "response", size, transport_streams=transport_streams,
+                            min_bytes=self.stream_min_bytes, consents=consents)
+        if reason is not None:
+            self._stored_because(entry, reason, size)
             return False
         del self._by_upstream[upstream_id]
         version = entry.api_version
@@ -976,14 +1003,40 @@ class Session:
         def endpoints(found: list) -> bool:
             return any([r.rewrite_node_endpoints(entry, found) for r in rewriters])
 
-        def decide(_head: Any) -> dict:
-            return {"correlation_id": entry.client_correlation_id}
+        def decide(head: StreamHead) -> dict:
+            patches: dict[str, Any] = {"correlation_id": entry.client_correlation_id}
+            throttle = 0.0
+            for f in consenting:
+                try:
+                    t = f.on_response_head(ctx, entry, head)
+                except Exception as e:
+                    raise self._filter_failed(f, "on_response_head", entry.api_key) from e
+                if t > throttle:
+                    throttle = t
+            if throttle > 0:
+                # As for a stored answer (``raise_throttle``): told in the answer, whose head has not
+                # gone out yet, keeping the broker's own value when larger; the client is then muted.
+                self._mute(throttle)
+                ms = math.ceil(throttle * 1000)
+                patches["throttle_time_ms"] = lambda broker: max(broker, ms)
+            return patches
 
         stream = FrameStream(entry.api_key, version, "response", size, decide=decide,
                              rewrite_tail=node_endpoints_rewrite(version, endpoints) if rewriters else None)
         entry.path = STREAMED
+        entry.response_why_stored = None
         self.streaming = (entry, stream)
         return True
+
+    def _stored_because(self, entry: InFlight, reason: str, size: int) -> None:
+        """A large answer is stored whole: say why on its entry (for the metrics), and in the log once
+        per answer (the reader asks again as more of it arrives)."""
+        if entry.response_why_stored == reason:
+            return
+        entry.response_why_stored = reason
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("connection %d: %s answer of %d bytes stored whole, not streamed: %s",
+                      self.ctx.connection_id, api_name(entry.api_key), size + 4, reason)
 
     def stream_piece(self, piece: memoryview) -> list[Action]:
         """The next bytes of the answer being streamed; its buffers to write (views of ``piece``
@@ -992,6 +1045,11 @@ class Session:
         entry, stream = self.streaming
         try:
             buffers = stream.feed(piece)
+        except FilterFailed as e:
+            # Raised deciding on the head, before any of the answer was sent: closed as when a filter
+            # fails on a stored answer (the entry ends with the connection).
+            self.streaming = None
+            return [Close(str(e))]
         except StreamError as e:
             # Part of the answer is already with the client: the connection cannot go on.
             self.streaming = None

@@ -604,8 +604,8 @@ class ClientConnection:
             reauth_at = self._reauth_at
             if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
                 await self._renew_upstream_session()
-            transport = self.client.can_stream and (
-                self.upstream.can_stream if self.upstream is not None else self.settings.upstream_tls is None)
+            # A broker connection not open yet will be one of kproxy's transports, which all stream.
+            transport = self.client.can_stream and (self.upstream is None or self.upstream.can_stream)
             if not session.request_stream_start(size, head, transport):
                 return
             reader.stream_current()

@@ -190,6 +190,11 @@ class TlsTransport(Transport):
     back. ``raw`` is the stdlib socket under the stream, peeked at like the plain transport's."""
 
     __slots__ = ("_full_record", "_left", "raw", "stream")
+    # Cut-through is safe over TLS too: a receive copies decrypted bytes into the frame reader's own
+    # chunk (never a buffer TLS keeps), and a send has encrypted every byte of the views it was given
+    # (SSLObject.write takes them whole into its memory BIO) before it returns, which is before the
+    # pump receives into that chunk again.
+    can_stream = True
 
     def __init__(self, stream: trio.SSLStream, raw: socket.socket | None = None) -> None:
         self.stream = stream
