@@ -690,12 +690,15 @@ class ProxyServer:
 async def serve_until_signal(server: ProxyServer) -> None:
     """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
     and any changed TLS files."""
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        if server.worker is not None:
-            nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            # From here on a signal is kproxy's to handle (before, SIGHUP's default would end it).
+    # Signals are kproxy's before the first port is bound: /readyz says ready as soon as a bootstrap
+    # server answers, while discovery may still wait for Metadata, and a SIGTERM then (a supervisor's,
+    # a kubelet's) would otherwise end the process at once without a drain or a last log line. One
+    # that arrives during start-up waits here until the server has started, then drains it.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            if server.worker is not None:
+                nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
             log.info("signals: SIGTERM or SIGINT drains, SIGHUP reloads the rule files")
             async for signum in signals:
                 name = signal.Signals(signum).name
