@@ -600,7 +600,7 @@ class ProxyServer:
                 if login_failed(e):
                     self._discovery_failed(hp, e)
                 else:
-                    log.warning("discovery: cannot reach %s: %s", hp, e or "timed out")
+                    log.warning("discovery: cannot reach %s: %s", hp, str(e) or "timed out")
                 continue
             try:
                 roundtrip = direct_roundtrip(t, cfg.request_timeout_s, self.config.limits.max_frame_size)
@@ -620,9 +620,9 @@ class ProxyServer:
             # It answers ApiVersions but not Metadata: a broker that requires SASL, most likely.
             log.warning("discovery via %s: it answered ApiVersions but not Metadata (%s); a broker "
                         "that requires SASL refuses Metadata before authentication. Brokers are "
-                        "learned from the clients' own Metadata instead", hp, e or "timed out")
+                        "learned from the clients' own Metadata instead", hp, str(e) or "timed out")
         else:
-            log.warning("discovery via %s failed: %s", hp, e or "timed out")
+            log.warning("discovery via %s failed: %s", hp, str(e) or "timed out")
 
     async def _discover_on(self, roundtrip: Roundtrip) -> None:
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))

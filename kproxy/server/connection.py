@@ -442,7 +442,7 @@ class ClientConnection:
             try:
                 await self._connect_upstream()
             except (OSError, trio.TooSlowError) as e:
-                return f"cannot connect: {e or 'timed out'}", True
+                return f"cannot connect: {str(e) or 'timed out'}", True
         assert self.upstream is not None
         if entry is not None:
             # Stamped before the send: while it waits for the socket, the other pump may already
@@ -558,7 +558,7 @@ class ClientConnection:
             try:
                 lifetime = await originator.login(roundtrip, where)
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                failed = f"re-authentication failed: {e or 'timed out'}"
+                failed = f"re-authentication failed: {str(e) or 'timed out'}"
             finally:
                 self._login_answers = None
                 self._login_ids.clear()

@@ -350,6 +350,36 @@ def test_a_refused_origination_login_is_said_and_is_no_unreachable_broker(
     assert "not the service password" not in text
 
 
+def test_an_unanswered_origination_login_is_said_to_have_timed_out(
+        tmp_path: Path, kproxy_log: pytest.LogCaptureFixture) -> None:
+    # A listener that never accepts: the kernel completes the handshake and keeps what kproxy sends,
+    # and nothing ever answers its login.
+    silent = socket.create_server(("127.0.0.1", 0))
+    bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+    port, broker_port = free_ports(2)
+    cfg = parse_config(f"""\
+listen: "127.0.0.1:{port}"
+upstream:
+  bootstrap_servers: ["{bootstrap}"]
+  request_timeout_s: 0.5
+  sasl: {{mechanism: PLAIN, username: {SERVICE}, password: {SERVICE_PASSWORD}}}
+exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker_port_count: 1}}
+""")
+    try:
+        with ProxyThread(cfg).start() as proxy:
+            w = Wire(proxy.bootstrap, timeout=10)
+            w.send(3, 12, 1, body_class(3, "request")(topics=[]))
+            assert w.closed_by_peer()
+            w.close()
+            assert proxy.server.stats.upstream_connect_failures == {}
+    finally:
+        silent.close()
+    text = kproxy_text(kproxy_log)
+    assert f"discovery via {bootstrap} failed: timed out" in text, text
+    assert f"lost the connection to {bootstrap}: cannot connect: timed out" in text, text
+    assert SERVICE_PASSWORD not in text
+
+
 def test_kproxy_originates_oauthbearer_with_a_client_credentials_token(
         gate: SaslGate, oidc: OidcProvider, tmp_path: Path, recorder: PrincipalRecorder,
         kproxy_log: pytest.LogCaptureFixture) -> None:
