@@ -25,3 +25,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"kproxy codec: {compiler.codec_implementation()}, lazy arrays from {compiler.LAZY_MIN_ITEMS} items"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``make test`` runs ``-n 2``) each test file runs whole on one worker, so its
+    module fixtures (a built wheel, a proxy per module) are made once, and every analytics file goes
+    to the same worker, so one Spark session serves them all (each worker would start its own)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/analytics" if path.startswith("tests/analytics/") else path
+
+    return ByFile(config, log)
