@@ -653,7 +653,8 @@ class ProxyConfig:
     tracing: TracingConfig = TracingConfig()
     # Share of frames (0..1) whose re-encoding is compared with the bytes received.
     verify_reencode: float = _setting(0.0, min=0, max=1)
-    # Broker answers at least this large go to the client while they arrive (cut-through); null: never.
+    # Fetch answers and Produce requests at least this large are forwarded while they arrive (cut-through);
+    # null: never.
     cut_through_min_bytes: int | None = _setting(65536, min=1)
     log_level: str = _setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     log_format: str = _setting("text", case="lower", choices=("text", "json"))

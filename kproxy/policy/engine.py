@@ -211,6 +211,26 @@ class _FactsReq(_Req):
         return self.facts.acks
 
 
+class _HeadReq(_Req):
+    """_Req over a streamed Produce request's head: acks and the transactional id are known; its
+    batches are not (``may_stream_request`` stores a request that any rule would judge by them)."""
+
+    __slots__ = ("_acks",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        super().__init__(PRODUCE, 0, None)
+        self._acks = values.get("acks")
+        txn = values.get("transactional_id")
+        self._groups = []
+        self._txn = [txn.decode("utf-8", "replace")] if txn else []
+
+    def acks(self) -> int | None:
+        return self._acks
+
+    def batches(self) -> tuple[frozenset[int], int, int]:
+        raise AssertionError("a streamed request's batches are not known when it is judged")
+
+
 def _request_holds(rule: Rule, req: _Req) -> bool:
     m = rule.match
     if m.acks is not None:
@@ -558,8 +578,7 @@ class PolicyFilter(Filter):
 
     # -- requests
 
-    def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
-        request: Request = exchange.request
+    def _state(self, ctx: ConnectionContext) -> tuple[_ConnState, Policy]:
         policy = self.source.policy
         st: _ConnState = ctx.state_of(self, _ConnState)
         key = (ctx.client_id, ctx.principal, ctx.listener, ctx.client_software_name,
@@ -569,11 +588,46 @@ class PolicyFilter(Filter):
             address = ctx.client_address[0] if ctx.client_address else None
             st.policy, st.key = policy, key
             st.view = policy.view((key[0], key[1], address, key[2], key[3], key[4]))
+        return st, policy
+
+    def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
+        request: Request = exchange.request
+        st, policy = self._state(ctx)
         assert st.view is not None
         plan = st.view.plan(request.api_key, request.api_version)
         if plan.idle and not policy.default_deny:
             return None
         return self._judge(ctx, exchange, st, policy, plan, request, asked=False)
+
+    def may_stream_request(self, ctx: ConnectionContext, exchange: Any, head: Any) -> bool:
+        """A Produce request streams when the rules that reach it on this connection can only let it
+        through unchanged, judged from its head (acks, transactional id; the connection's
+        selectors). Its later topics come after the first topic's records, so any rule that looks at
+        topics or records, or could change the frame, means it is stored: a topic selector or
+        ``default: deny`` (a partial denial), ``rewrite`` (a tenant prefix), ``validate`` and
+        ``headers``, a ``compression`` selector or a ``require`` on batches (they read batch headers
+        of every topic), ``cap`` (a changed ``timeout_ms``) and, with chaos enabled, ``chaos``. A
+        request the remaining rules refuse as a whole is stored too, and refused as before."""
+        if head.api_key != PRODUCE:
+            return False
+        st, policy = self._state(ctx)
+        assert st.view is not None
+        plan = st.view.plan(PRODUCE, head.api_version)
+        if plan.idle and not policy.default_deny:
+            return True
+        if policy.default_deny or plan.topic_rules or plan.records:
+            return False
+        for rule in plan.rules:
+            params = rule.params
+            if (rule.action in ("rewrite", "cap") or (rule.action == "chaos" and policy.chaos)
+                    or rule.match.compression is not None
+                    or (isinstance(params, Require) and params.uses_batches)):
+                return False
+        rq = _HeadReq(head.values)
+        top = plan.request_rule(plan.inactive(rq))
+        if top is not None and top.action not in ("allow", "require"):
+            return False
+        return _refusal(top, rq, policy, True) is None
 
     def _judge(self, ctx: ConnectionContext, exchange: Any, st: _ConnState, policy: Policy, plan: _Plan,
                req: Request, asked: bool) -> RequestVerdict:

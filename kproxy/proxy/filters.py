@@ -198,17 +198,32 @@ class Filter:
         keys = self.request_api_keys if kind == "request" else self.response_api_keys
         return keys is None or api_key in keys
 
+    def may_stream_request(self, ctx: ConnectionContext, exchange: Any, head: Any) -> bool:
+        """Whether this one request may go to the broker while it arrives, although the filter
+        ``sees_whole`` its api's requests. Asked once the head is decoded (``head``, a
+        ``kproxy.proxy.streaming.StreamHead``: the frame as far as its first records, its root's
+        scalar fields and ``client_id`` in ``head.values``) and before any byte leaves.
+
+        Saying yes is a promise: the filter's ``on_request`` then runs once the whole frame has
+        passed, on the request with its records left out (what they held is in
+        ``exchange.records_facts``), and must neither change nor answer it (a ``Throttle`` is fine).
+        A Produce request's later topics come after the first topic's records, so a filter that
+        could refuse or rewrite a topic it has not seen yet must say no. The default is no.
+        """
+        return False
+
 
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_whole", "filters")
+    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_whole", "_whole_all", "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
         self.filters = tuple(filters)
         self._by_request_key: dict[int, tuple[Filter, ...]] = {}
         self._by_response_key: dict[int, tuple[Filter, ...]] = {}
         self._whole: dict[tuple[int, str], str | None] = {}
+        self._whole_all: dict[tuple[int, str, str], tuple[Filter, ...]] = {}
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
@@ -240,6 +255,14 @@ class FilterChain:
         name = next((f.name for f in self.filters if f.sees_whole(api_key, kind)), None)
         self._whole[key] = name
         return name
+
+    def whole_frame_filters(self, api_key: int, kind: str) -> tuple[Filter, ...]:
+        """Every filter that ``sees_whole`` frames of this api and kind, in order."""
+        key = (api_key, kind, "all")
+        got = self._whole_all.get(key)
+        if got is None:
+            got = self._whole_all[key] = tuple(f for f in self.filters if f.sees_whole(api_key, kind))
+        return got
 
     def _select(self, api_key: int, keys_attr: str) -> tuple[Filter, ...]:
         return tuple(f for f in self.filters

@@ -44,6 +44,7 @@ from kproxy.proxy.streaming import (
     STREAM_MIN_BYTES,
     FrameStream,
     StreamError,
+    StreamHead,
     node_endpoints_rewrite,
     why_stored,
 )
@@ -93,6 +94,25 @@ class ToUpstream(Action):
 
     def __repr__(self) -> str:
         return f"ToUpstream({sum(len(b) for b in self.buffers)} bytes)"
+
+
+class StreamUp(Action):
+    """Write the next ``buffers`` of a request that goes to the broker while it arrives (cut-through,
+    ``Session.request_piece``). ``first``: the I/O layer takes the broker write lock (connecting if
+    need be) and keeps it until ``last``, so no other bytes come between the frame's pieces. The
+    pieces are views of the client's receive chunk: written before it is refilled."""
+
+    __slots__ = ("buffers", "entry", "first", "last")
+
+    def __init__(self, buffers: list, entry: InFlight, first: bool, last: bool) -> None:
+        self.buffers = buffers
+        self.entry = entry
+        self.first = first
+        self.last = last
+
+    def __repr__(self) -> str:
+        return (f"StreamUp({sum(len(b) for b in self.buffers)} bytes"
+                f"{', first' if self.first else ''}{', last' if self.last else ''})")
 
 
 class ToClient(Action):
@@ -204,6 +224,13 @@ class InFlight:
     # decoded ``response`` then has its records left out.
     path: str = STORED
     records_facts: list | None = None
+    # How the request reached the broker: STORED, or STREAMED while it arrived (a large Produce;
+    # ``records_facts`` then says what its records held, the decoded ``request`` has them left out).
+    request_path: str = STORED
+    # Why a request large enough to stream was stored instead (kproxy.proxy.streaming.why_stored).
+    why_stored: str | None = None
+    # A streamed frame cut off part-way: "client" (it went away mid-frame) or "broker" (lost mid-frame).
+    broken: str | None = None
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:
@@ -244,6 +271,17 @@ class _Question:
 
 
 _ASKED = object()   # _request_filters: the request waits for a question's answer
+
+
+@attrs.define(slots=True, eq=False)
+class _UpStream:
+    """A request being streamed to the broker while it arrives (``Session.request_stream_start``)."""
+
+    stream: FrameStream
+    started: float
+    entry: InFlight | None = None    # once the filters have let it stream
+    sent_any: bool = False           # its first StreamUp has been handed out
+    lost: str | None = None          # the broker connection was lost part-way: the rest is dropped
 
 
 def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
@@ -296,6 +334,12 @@ def future_produce_acks(frame: Any) -> int | None:
         return None
 
 
+@functools.cache
+def _produce_versions() -> tuple[int, int]:
+    # supported_versions() builds its table anew on every call: asked once per large Produce.
+    return supported_versions()[PRODUCE]
+
+
 def _read_order(entry: InFlight) -> int:
     return entry.seq
 
@@ -327,6 +371,10 @@ class Session:
         self.stream_min_bytes = stream_min_bytes
         # The answer being streamed to the client: its entry and the walker (stream_start).
         self.streaming: tuple[InFlight, FrameStream] | None = None
+        # The request being streamed to the broker (request_stream_start).
+        self.streaming_up: _UpStream | None = None
+        # Why the next large Produce request is stored (set when it was declined for streaming).
+        self._why_next: str | None = None
         self.chain = chain
         self.topic_names = topic_names       # the process's topic id -> name table, learned here
         # Every request read and not yet done (``finish``): what ``abandon`` ends when the
@@ -399,6 +447,8 @@ class Session:
         self.requests += 1
         entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4,
                          seq=self.requests)
+        if self._why_next is not None:
+            entry.why_stored, self._why_next = self._why_next, None
         self.open.add(entry)
         if front is not None:
             answer = front.request(req, now)
@@ -898,6 +948,180 @@ class Session:
         actions.append(ToClient(buffers, (entry,)))
         return actions + self._flush()
 
+    # -- cut-through: a client's request streamed to the broker while it arrives
+
+    def request_stream_start(self, size: int, head: memoryview, transport_streams: bool) -> bool:
+        """A request of ``size`` bytes is arriving; ``head`` is what has arrived of it (at least its
+        8-byte header start). True when the session takes it piece by piece (``request_piece``): a
+        large Produce request of a version kproxy knows, on transports that can stream, while
+        nothing holds the client back. Whether it then streams is decided at its first records
+        (``may_stream_request``); until then nothing leaves, and a frame the filters want whole is
+        handed on whole as ``client_frame`` would have been."""
+        if self.stream_min_bytes is None or size < self.stream_min_bytes or len(head) < 8:
+            return False
+        api_key, api_version = _HHI(head, 0)[:2]
+        if api_key != PRODUCE:
+            return False
+        lo, hi = _produce_versions()
+        if not lo <= api_version <= hi:
+            return False
+        why = self._why_request_stored(transport_streams)
+        if why is not None:
+            self._why_next = why
+            return False
+        self._why_next = None
+        stream = FrameStream(PRODUCE, api_version, "request", size, decide=self._decide_up)
+        self.streaming_up = _UpStream(stream, self.ctx.clock())
+        return True
+
+    def _why_request_stored(self, transport_streams: bool) -> str | None:
+        """Why a large Produce request is stored before its head is even read (None: it may stream)."""
+        if not transport_streams:
+            return "transport"
+        now = self.ctx.clock()
+        if self._throttle_until > now:
+            return "throttled"          # it waits out the throttle whole (client_frame's Hold)
+        front = self.front
+        if self._raw_sasl or (front is not None and (front.raw_expected or (
+                front.termination is not None
+                and not (front.termination.authenticated and not front.termination.expired(now))))):
+            return "sasl"               # kproxy's SASL front answers it (or closes)
+        if self.asking is not None or self.streaming_up is not None:
+            return "busy"
+        return None
+
+    def _decide_up(self, head: StreamHead) -> dict | None:
+        """The head of the request streaming in is known: the filters that must see Produce requests
+        whole say whether this one may stream anyway. Patches for the walker, or None to store it."""
+        up = self.streaming_up
+        assert up is not None
+        ctx = self.ctx
+        values = head.values
+        if values.get("client_id") is not None:
+            ctx.client_id = values["client_id"]      # as _observe_request does, for the filters' selectors
+        entry = InFlight(values["correlation_id"], PRODUCE, head.api_version, up.started,
+                         request_bytes=head.size + 4)
+        for f in self.chain.whole_frame_filters(PRODUCE, "request"):
+            try:
+                ok = f.may_stream_request(ctx, entry, head)
+            except Exception:
+                log.error("connection %d: filter %r failed in may_stream_request", ctx.connection_id, f.name,
+                          exc_info=True)
+                ok = False
+            if not ok:
+                self._why_next = f"filter {f.name}"
+                log.debug("connection %d: Produce request of %d bytes stored whole (filter %s must see it)",
+                          ctx.connection_id, head.size, f.name)
+                return None
+        self.requests += 1
+        entry.seq = self.requests
+        entry.request_path = STREAMED
+        self.open.add(entry)
+        upstream_id = self._take_correlation_id()
+        if values.get("acks") == 0:
+            self._no_response.append(upstream_id)
+            entry.outcome = NO_RESPONSE
+        else:
+            entry.upstream_correlation_id = upstream_id
+            self.in_flight.append(entry)
+            self._by_upstream[upstream_id] = entry
+        up.entry = entry
+        return {"correlation_id": upstream_id}
+
+    def request_piece(self, piece: memoryview) -> list[Action]:
+        """The next bytes of the request being streamed in; what to do with them (``StreamUp`` with
+        views of ``piece`` among its buffers: written before the receive chunk is refilled). The last
+        piece completes the request: its filters run on it (records left out) before its last bytes
+        are handed out, so its answer can never overtake them."""
+        up = self.streaming_up
+        assert up is not None
+        stream = up.stream
+        try:
+            buffers = stream.feed(piece)
+        except StreamError as e:
+            self.streaming_up = None
+            done: tuple[InFlight, ...] = ()
+            if up.entry is not None:
+                up.entry.outcome = CLOSED
+                done = (up.entry,)
+            return [Close(f"malformed Produce v{stream.api_version} request: {e}", done, undecodable="request")]
+        if stream.stored:
+            if not stream.done:
+                return []
+            # A filter must see it whole: it goes on as if it had been read whole.
+            self.streaming_up = None
+            return self.client_frame(memoryview(buffers[1]))
+        entry = up.entry
+        if entry is None:
+            return []       # the head is still arriving
+        actions: list[Action] = []
+        last = stream.done
+        finished: list[Action] = self._request_streamed(up) if last else []
+        if up.lost is None and (buffers or last):
+            actions.append(StreamUp(buffers, entry, not up.sent_any, last))
+            up.sent_any = True
+        return actions + finished
+
+    def _request_streamed(self, up: _UpStream) -> list[Action]:
+        """Every byte of a streamed request has arrived: decode what was sent with its records left
+        out, and let the filters see it, as they would a stored one."""
+        self.streaming_up = None
+        entry = up.entry
+        assert entry is not None
+        stream = up.stream
+        since = self.ctx.clock()
+        entry.records_facts = stream.facts
+        skeleton = stream.skeleton
+        try:
+            req = decode_request(memoryview(skeleton), keep_trailing=True)
+        except DecodeError as e:
+            # The walker followed the schema, so this is kproxy's fault or a frame it cannot judge:
+            # the broker must not be left with it either.
+            entry.outcome = CLOSED
+            return [Close(f"malformed Produce v{stream.api_version} request: {e}", (entry,),
+                          undecodable="request")]
+        entry.request = req
+        check = self.reencode
+        if check is not None and check.due():
+            # Head and tail re-encode to what was sent (the records went through untouched).
+            check.matches("request", PRODUCE, req.api_version, skeleton, encode_request_frame(req), 4)
+        self._observe_request(req)
+        if up.lost is not None:
+            return self._lost_streamed_request(entry, req, up.lost)
+        actions: list[Action] = []
+        try:
+            verdict = self._request_filters(entry, req, actions)
+        except FilterFailed as e:
+            return [Close(str(e), (entry,))]
+        if verdict is not None:
+            # It has gone to the broker already; the filter said it would not do this.
+            log.error("connection %d: filter answered a streamed Produce request after letting it stream "
+                      "(%r); the broker's answer goes to the client", self.ctx.connection_id, verdict)
+        entry.handling_s += self.ctx.clock() - since
+        return actions
+
+    def _lost_streamed_request(self, entry: InFlight, req: Request, reason: str) -> list[Action]:
+        """The broker connection was lost while the request streamed to it: the broker never had it
+        whole, so the client gets the retriable error a lost connection gets, now that kproxy knows
+        every topic and partition the answer must name."""
+        entry.outcome = UPSTREAM_LOST
+        code = lost_connection_error(PRODUCE)
+        resp = error_response(req, code, f"kproxy: broker connection lost ({reason})") if code is not None else None
+        if resp is None or (self.ctx.authenticated and self.front is None):
+            entry.reply = []
+            entry.close_after = f"broker connection lost while a Produce request streamed to it ({reason})"
+            return self._flush()
+        try:
+            self._response_filters(entry, resp)
+        except FilterFailed as e:
+            entry.reply = []
+            entry.close_after = str(e)
+            return self._flush()
+        resp.correlation_id = entry.client_correlation_id
+        entry.response = resp
+        entry.reply = encode_response_frame(resp)
+        return self._flush()
+
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""
         throttle = 0.0
@@ -965,6 +1189,21 @@ class Session:
             self._by_upstream.clear()
             return [Close(f"broker connection lost in the middle of a streamed {api_name(entry.api_key)} answer "
                           f"({stream.sent - 4} of {stream.size} bytes sent): {reason}", (entry,))]
+        up = self.streaming_up
+        if up is not None and up.entry is not None and up.lost is None:
+            # Part of a request is with the broker and the rest can never follow on this connection:
+            # the rest is read and dropped (never sent to another), and answered once it is in.
+            up.lost = reason
+            entry = up.entry
+            entry.broken = "broker"
+            if entry.outcome == NO_RESPONSE:
+                # acks=0: no answer is owed; close as a broker does when such a produce fails.
+                self.streaming_up = None
+                entry.outcome = UPSTREAM_LOST
+                return [Close(f"broker connection lost while an acks=0 Produce request streamed to it "
+                              f"({reason})", (entry,))]
+            if entry.upstream_correlation_id is not None:
+                self._by_upstream.pop(entry.upstream_correlation_id, None)
         waiting = list(self._by_upstream.values())
         self._by_upstream.clear()
         self._raw_sasl = False
@@ -1040,6 +1279,9 @@ class Session:
         self._by_upstream.clear()
         self.asking = None
         self.streaming = None
+        up, self.streaming_up = self.streaming_up, None
+        if up is not None and up.entry is not None and up.entry.broken is None:
+            up.entry.broken = "client"
         return left
 
     def close(self) -> None:

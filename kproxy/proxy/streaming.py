@@ -166,6 +166,11 @@ class FrameStream:
     def done(self) -> bool:
         return self._pos == self.size and self._walker is None and self._tail is None
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the stream itself holds: the head not yet handed out, or a stored frame so far."""
+        return len(self._head) + len(self._stash) + (len(self._store) if self._store is not None else 0)
+
     # -- driving
 
     def feed(self, data: Any) -> list:
@@ -304,8 +309,8 @@ class FrameStream:
             yield from self._int("api_version", P.INT16)
             yield from self._int("correlation_id", P.INT32)
             n = P.INT16.unpack((yield from self._read(2)))[0]   # client_id: never compact
-            if n > 0:
-                yield from self._read(n)
+            raw = (yield from self._read(n)) if n > 0 else b""
+            self.values["client_id"] = raw.decode("utf-8", "replace") if n >= 0 else None
             if request_header_version(self.api_key, self.api_version) >= 2:
                 yield from self._tags()
         else:

@@ -301,7 +301,10 @@ class QuotaFilter(Filter):
         api_key = request.api_key
         produced = fetched = 0
         if api_key == PRODUCE:
-            produced = produce_record_bytes(request.body)
+            facts = exchange.records_facts
+            # A streamed request's records are not in the decoded request: their sizes were noted.
+            produced = (sum(max(f.size, 0) for f in facts) if facts is not None
+                        else produce_record_bytes(request.body))
         elif api_key == FETCH and response is not None:
             fetched, largest = fetch_record_bytes(response.body)
             if largest > st.largest_batch:
@@ -327,6 +330,11 @@ class QuotaFilter(Filter):
             log.debug("quota %r key %s: %s throttled for %d ms (connection %d)", q.rule.name, safe(key[1]),
                       api_name(api_key), ms, ctx.connection_id)
         return ms / 1000.0
+
+    def may_stream_request(self, ctx: ConnectionContext, exchange: Any, head: Any) -> bool:
+        # A Produce is charged by its records' size and the connection's selectors (principal,
+        # client id, ...; acks from the head): nothing that needs the frame whole, nothing changed.
+        return head.api_key == PRODUCE
 
     def on_close(self, ctx: ConnectionContext) -> None:
         st: _Conn | None = ctx.drop_state(self)

@@ -37,6 +37,7 @@ from kproxy.proxy.session import (
     InFlight,
     Listen,
     Session,
+    StreamUp,
     ToClient,
     ToUpstream,
 )
@@ -201,6 +202,11 @@ class ClientConnection:
         self._session_end: float | None = None      # when the broker's session ends
         self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
         self._login_ids: set[int] = set()
+        # A request streaming to the broker (cut-through): the broker connection its first piece went
+        # to, whether this pump holds the broker write lock for it, and whether a piece is being sent.
+        self._up_target: Transport | None = None
+        self._up_locked = False
+        self._up_sending = False
         front = session.front
         self._pre_login = front is not None and front.termination is not None
         if self._pre_login:
@@ -269,7 +275,13 @@ class ClientConnection:
         finally:
             self.client.close()
             if self.upstream is not None:
+                # A request cut off part-way is never completed: the broker connection holding it goes.
                 self.upstream.close()
+            up = self.session.streaming_up
+            if up is not None and up.entry is not None and up.lost is None:
+                log.warning("connection %d: the client connection ended %d bytes into a %d-byte Produce "
+                            "request streaming to the broker; closed the broker connection holding it",
+                            ctx.connection_id, up.stream.sent - 4, up.stream.size)
             self.budget.release(self._held)
             self._held = 0
             # Requests still owed end here, each exactly once: the client went away, or kproxy
@@ -291,6 +303,10 @@ class ClientConnection:
 
     def _account(self) -> None:
         held = sum(r.held_bytes for r in self._readers)
+        up = self.session.streaming_up
+        if up is not None:
+            # A large request the filters wanted whole is kept by its walker until its end.
+            held += up.stream.held_bytes
         if held != self._held:
             self.budget.adjust(held - self._held)
             self._held = held
@@ -303,9 +319,11 @@ class ClientConnection:
         limit = self.settings.max_in_flight
         client = self.client
         budget = self.budget
-        while not self.draining:
+        # A request streaming to the broker is read to its end whatever happens meanwhile (a drain, a
+        # throttle): its first bytes are with the broker, which holds the write lock for the rest.
+        while not self.draining or reader.streaming_left:
             muted = session.throttled_for(trio.current_time())
-            if muted > 0:
+            if muted > 0 and not reader.streaming_left:
                 # Throttled: read nothing until the time is up, as a broker mutes the channel, and
                 # hold no receive buffer meanwhile (the answer that said so is already on its way).
                 if reader.release_idle():
@@ -326,14 +344,23 @@ class ClientConnection:
                 reader.release_idle()
                 self._account()
             n = await client.recv_into(reader.recv_buffer())
-            if self.draining:
+            if self.draining and not reader.streaming_left:
                 break
             if n == 0:
                 self._account()
                 self.client_gone = True
                 return
             reader.received(n)
-            while (frame := reader.next_frame()) is not None:
+            streams = session.stream_min_bytes is not None
+            while True:
+                if streams or reader.streaming_left:
+                    # A large Produce request starting (or going on) here may go out as it arrives.
+                    await self._stream_request(reader)
+                    if self.draining:
+                        break
+                frame = reader.next_frame()
+                if frame is None:
+                    break
                 if len(session.open) >= limit:
                     # Backpressure: stop reading the client until answers (written ones) make room.
                     self._room = trio.Event()
@@ -380,6 +407,9 @@ class ClientConnection:
             if kind is ToUpstream:
                 # Not waiting for answers still being written: the queue keeps their order anyway.
                 await self._to_upstream(a)
+                continue
+            if kind is StreamUp:
+                await self._stream_up(a)
                 continue
             if writer.pending:
                 # Earlier answers go out before kproxy waits on anything else.
@@ -430,6 +460,107 @@ class ClientConnection:
             if connecting and entry is not None and entry.outcome == NO_RESPONSE:
                 # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
                 raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection")
+
+    # -- cut-through: a large request streamed to the broker while it arrives
+
+    async def _stream_request(self, reader: FrameReader) -> None:
+        """The pieces of a large Produce request that have arrived go to the broker now, each written
+        before the next receive (they are views of the receive chunk): a slow broker holds the client
+        back and the request holds one chunk of memory. Frames behind it are left to ``next_frame``."""
+        session = self.session
+        while True:
+            if reader.streaming_left:
+                piece = reader.take_piece()
+                if piece is None:
+                    return
+                try:
+                    await self._execute(session.request_piece(piece))
+                finally:
+                    if not reader.streaming_left:
+                        self._stream_up_over()
+                continue
+            starting = reader.frame_starting()
+            if starting is None or len(starting[1]) < 8 or self._pre_login or self.draining:
+                return
+            size, head = starting
+            if size > reader.max_frame_size or head[0:2] != b"\x00\x00":
+                return          # next_frame refuses an oversized frame; only Produce (api key 0) streams
+            limit = self.settings.max_in_flight
+            if len(session.open) >= limit:
+                # Backpressure, as for a frame read whole: room first, then the request is taken.
+                self._room = trio.Event()
+                while len(session.open) >= limit:
+                    await self._room.wait()
+                    self._room = trio.Event()
+            reauth_at = self._reauth_at
+            if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
+                await self._renew_upstream_session()
+            transport = self.client.can_stream and (
+                self.upstream.can_stream if self.upstream is not None else self.settings.upstream_tls is None)
+            if not session.request_stream_start(size, head, transport):
+                return
+            reader.stream_current()
+
+    async def _stream_up(self, action: StreamUp) -> None:
+        """Send one piece of a streamed request. The first takes the broker write lock (FIFO, like
+        every write to the broker) and connects if need be; it is held until the last, so no other
+        request's bytes come between the pieces. A failure drops the rest of the frame, never sends
+        it elsewhere, and the session answers the request with a retriable error once it is in."""
+        entry = action.entry
+        if action.first:
+            lock = self._upstream_lock
+            if lock.locked():
+                await lock.acquire()
+            else:
+                lock.acquire_nowait()
+            self._up_locked = True
+            self._up_target = None
+            if self.upstream is None:
+                try:
+                    await self._connect_upstream()
+                except (OSError, trio.TooSlowError) as e:
+                    await self._stream_up_failed(entry, f"cannot connect: {e or 'timed out'}", lost=True)
+                    return
+            self._up_target = self.upstream
+            entry.broker = self.connected_to
+        if not self._up_locked:
+            return
+        upstream = self.upstream
+        if upstream is None or upstream is not self._up_target:
+            # Lost by another task meanwhile (the session knows): the rest of the frame is dropped.
+            self._stream_up_over()
+            return
+        if action.last:
+            # Stamped before the last send: the answer may be read before the send returns.
+            entry.forwarded_at = trio.current_time()
+        self._up_sending = True
+        try:
+            await upstream.send(action.buffers)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            await self._stream_up_failed(entry, f"send failed: {e!r}", lost=self.upstream is upstream)
+            return
+        finally:
+            self._up_sending = False
+        if action.last:
+            self._stream_up_over()
+            if entry.outcome == NO_RESPONSE:
+                self._complete((entry,), trio.current_time())
+
+    async def _stream_up_failed(self, entry: InFlight, reason: str, *, lost: bool) -> None:
+        self._stream_up_over()
+        entry.broken = "broker"
+        log.warning("connection %d: a streamed Produce request could not reach the broker whole (%s); "
+                    "the rest of it is read and dropped, and the client told to retry",
+                    self.session.ctx.connection_id, reason)
+        if lost:
+            await self._upstream_lost(reason)
+
+    def _stream_up_over(self) -> None:
+        """The streamed request is done with the broker connection (sent, or given up)."""
+        self._up_target = None
+        if self._up_locked:
+            self._up_locked = False
+            self._upstream_lock.release()
 
     async def _send_upstream(self, action: ToUpstream) -> tuple[str, bool] | None:
         """Send one action's bytes (connecting first if need be); (why, while connecting) on failure."""
@@ -727,7 +858,8 @@ class ClientConnection:
                 self._close_from_task(f"SASL authentication not completed within {unauth:g}s "
                                       "(limits.unauthenticated_idle_timeout_s)")
                 return
-            if self._holding:
+            if self._holding or self._up_sending:
+                # kproxy's own wait, or a slow broker holding back a streamed request's pieces.
                 partial_since = quiet_since = now
             if s.frame_timeout_s > 0:
                 if reader.at_frame_boundary:

@@ -186,11 +186,17 @@ def produce_partitions(entry: InFlight, learned: Learned) -> list[PartitionFacts
             for pr in t.partition_responses:
                 answers[(key, pr.index)] = pr
     out = []
+    # A streamed request's records went to the broker as they came: their batch headers were noted
+    # on the way, one RecordsFacts per records field, in the request's order.
+    streamed = iter(entry.records_facts) if entry.records_facts is not None else None
     for t in req.body.topic_data:
         name, tid, key = _topic(t, v, "name", learned)
         for pd in t.partition_data:
             p = PartitionFacts(name, tid, pd.index)
-            _read_batches(p, pd.records)
+            if streamed is not None:
+                read_streamed(p, next(streamed))
+            else:
+                _read_batches(p, pd.records)
             pr = answers.get((key, pd.index))
             if pr is not None:
                 p.error_code = pr.error_code

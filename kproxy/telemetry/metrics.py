@@ -53,7 +53,8 @@ class Histogram:
 
 
 class ApiCounters:
-    __slots__ = ("added", "broker", "duration", "outcomes", "paths", "request_bytes", "requests", "response_bytes")
+    __slots__ = ("added", "broker", "duration", "outcomes", "paths", "request_bytes", "request_paths", "requests",
+                 "response_bytes", "stored_why")
 
     def __init__(self) -> None:
         self.requests = 0
@@ -64,6 +65,8 @@ class ApiCounters:
         self.added = Histogram()
         self.outcomes: dict[str, int] = {}
         self.paths: dict[str, int] = {}        # broker answers by path (stored, streamed)
+        self.request_paths: dict[str, int] = {}   # requests to the broker that may stream, by path
+        self.stored_why: dict[str, int] = {}   # requests large enough to stream that were stored, by reason
 
 
 class Capped:
@@ -106,6 +109,7 @@ class Metrics(Collector):
         self.apis: dict[str, ApiCounters] = {}
         self.records = {"produced": 0, "fetched": 0}
         self.streams_broken = 0
+        self.requests_broken: dict[str, int] = {}   # streamed requests cut off part-way, by the side that failed
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
         self.records_refused: dict[str, int] = {}
@@ -143,6 +147,14 @@ class Metrics(Collector):
             c.paths[e.path] = c.paths.get(e.path, 0) + 1
             if e.path == STREAMED and e.outcome == UPSTREAM_LOST:
                 self.streams_broken += 1
+        if e.api_key == PRODUCE:
+            # Requests that may stream (cut-through): how those that went to the broker got there.
+            if e.forwarded_at is not None or e.request_path == STREAMED:
+                c.request_paths[e.request_path] = c.request_paths.get(e.request_path, 0) + 1
+            if e.why_stored is not None:
+                c.stored_why[e.why_stored] = c.stored_why.get(e.why_stored, 0) + 1
+            if e.broken is not None and e.request_path == STREAMED:
+                self.requests_broken[e.broken] = self.requests_broken.get(e.broken, 0) + 1
         if e.api_key in (PRODUCE, FETCH):
             self._records(x)
         notes = e.notes
@@ -201,9 +213,19 @@ class Metrics(Collector):
         for a, c in apis:
             by_direction[(a, "request")] = c.request_bytes
             by_direction[(a, "response")] = c.response_bytes
-        yield _counter("kproxy_frames", "Broker answers forwarded to clients, by API and path: stored whole "
-                       "first, or streamed while they arrived (cut-through).", ["api", "direction", "path"],
-                       {(a, "response", p): n for a, c in apis for p, n in c.paths.items()})
+        frames = {(a, "response", p): n for a, c in apis for p, n in c.paths.items()}
+        frames.update({(a, "request", p): n for a, c in apis for p, n in c.request_paths.items()})
+        yield _counter("kproxy_frames", "Frames forwarded, by API, direction and path: stored whole first, or "
+                       "streamed while they arrived (cut-through). Direction response: broker answers to "
+                       "clients; request: Produce requests to brokers.", ["api", "direction", "path"], frames)
+        yield _counter("kproxy_frames_stored_large", "Requests large enough to stream (cut_through_min_bytes) "
+                       "that were stored whole, by API and reason (transport, throttled, sasl, busy, "
+                       "filter NAME).", ["api", "direction", "reason"],
+                       {(a, "request", r): n for a, c in apis for r, n in c.stored_why.items()})
+        yield _counter("kproxy_streamed_requests_broken", "Streamed requests cut off part-way, by the side that "
+                       "failed: client (it went away mid-frame; the broker connection was closed) or broker "
+                       "(lost mid-frame; the rest was dropped and the client told to retry).", ["side"],
+                       {(k,): n for k, n in self.requests_broken.items()})
         yield _counter("kproxy_streamed_answers_broken", "Streamed answers whose broker connection was lost "
                        "part-way (the client connection was closed).", [], {(): self.streams_broken})
         yield _counter("kproxy_client_bytes", "Bytes of requests from and responses to clients, size prefix "
