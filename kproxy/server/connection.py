@@ -496,7 +496,7 @@ class ClientConnection:
             if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
                 await self._renew_upstream_session()
             transport = self.client.can_stream and (
-                self.upstream.can_stream if self.upstream is not None else self.settings.upstream_tls is None)
+                self.upstream.can_stream if self.upstream is not None else self.settings.upstream.tls is None)
             if not session.request_stream_start(size, head, transport):
                 return
             reader.stream_current()
