@@ -91,8 +91,11 @@ FLEET = {"kp-fleet": {**QUOTAS["kp-quotas"], "coordination": "{fleet: bench, top
 # second tansu that advertises the gate: the gate's relay is the same for both, so the ratio is what
 # logging in costs. Origination adds nothing per request; the login is once per broker connection.
 SASL = ("kp-gate", "kp-sasl")
+# kproxy splicing streamed record batch bodies broker -> client (cut_through_splice, off by default),
+# against kproxy copying them through its receive buffer, in the same run (--splice).
+SPLICE = {"kp-splice": {"settings": "cut_through_splice: true"}}
 SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
-ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL)
+ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -405,7 +408,7 @@ class Bench:
             self._start_kproxy(bp)
         if BASELINE in self.args.targets:
             self._start_kproxy(bp, BASELINE)
-        for name, options in {**TELEMETRY, **QUOTAS, **FLEET}.items():
+        for name, options in {**TELEMETRY, **QUOTAS, **FLEET, **SPLICE}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if TENANT in self.args.targets:
@@ -452,7 +455,7 @@ class Bench:
         broker.start([bp, relay_side])
         self.broker = broker
         self.ports["direct"] = bp
-        for name, options in {**TELEMETRY, **QUOTAS}.items():
+        for name, options in {**TELEMETRY, **QUOTAS, **SPLICE}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if "kproxy" in self.args.targets:
@@ -489,8 +492,9 @@ class Bench:
         env = None
         if name == BASELINE:
             # The other tree's kproxy package comes first on the path (an editable install's
-            # finder only answers what the path does not).
-            env = {**os.environ, "PYTHONPATH": str(self.args.baseline)}
+            # finder only answers what the path does not). PYTHONSAFEPATH: without it ``-m``
+            # puts the working directory (this repository) first, and kproxy-base ran this tree.
+            env = {**os.environ, "PYTHONPATH": str(self.args.baseline), "PYTHONSAFEPATH": "1"}
         if telemetry is None:
             kargv += ["-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}",
                       "--log-level", "WARNING", *(extra or [])]
@@ -513,6 +517,8 @@ class Bench:
             rules = self.workdir / f"{name}-rules.yaml"
             rules.write_text(telemetry["rules"])
             lines.append(f'rules: ["{rules}"]')
+        if "settings" in telemetry:
+            lines.append(telemetry["settings"])
         if "coordination" in telemetry:
             lines.append(f"quota: {{coordination: {telemetry['coordination']}}}")
         if telemetry.get("admin"):
@@ -664,7 +670,8 @@ def fmt_ratio(a: float, b: float) -> str:
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
           (HAPROXY, "direct"), ("kproxy", HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
           *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
-          ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"))
+          ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"),
+          ("kp-splice", "kproxy"), ("kp-splice", HAPROXY))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -794,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"add {', '.join(FLEET)} (and kp-quotas, which it is compared with)")
     ap.add_argument("--sasl", action="store_true",
                     help=f"add {', '.join(SASL)}: kproxy through a SASL gate, logging in by SCRAM or not")
+    ap.add_argument("--splice", action="store_true",
+                    help=f"add {', '.join(SPLICE)}: kproxy splicing record bodies (and kproxy, which it is compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--small-clients", type=int, default=200,
                     help="connections in the many-small-requests part (default 200; 0 skips it)")
@@ -823,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"kp-quotas", *FLEET}
     if args.sasl:
         wanted |= set(SASL)
+    if args.splice:
+        wanted |= {"kproxy", *SPLICE}
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
     if fake and wanted & {"tansu-proxy", TENANT, *FLEET, *SASL}:

@@ -21,6 +21,11 @@ DEFAULT_CHUNK_SIZE = 256 * 1024
 FIRST_CHUNK_SIZE = 4 * 1024        # an idle connection costs a few KiB, not a whole chunk
 GROWTH_FLOOR = 64 * 1024           # first step of an untrusted large frame's buffer
 STREAM_CHUNK_SIZE = 1024 * 1024    # what a frame taken piece by piece (cut-through) holds
+# Streaming chunks given back by idle connections and kept for the next streamed answer, at most
+# this many per process: a consumer's chunk is not reallocated per answer, and an idle connection
+# still holds nothing (the buffer budget never waits on a chunk no connection uses).
+SPARE_CHUNKS = 4
+_SPARE: list[bytearray] = []
 
 
 class FrameReader:
@@ -32,9 +37,9 @@ class FrameReader:
     buy an allocation of the frame limit).
     """
 
-    __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_next_chunk",
+    __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_hot", "_lent", "_next_chunk",
                  "_ready", "_reusable", "_start", "_stream_left", "frames", "limit_name", "max_frame_size",
-                 "total_bytes", "trust_claims")
+                 "recv_cap", "total_bytes", "trust_claims")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, *, trust_claims: bool = True,
@@ -57,6 +62,15 @@ class FrameReader:
         self.frames = 0          # frames returned so far
         self._stream_left = 0    # bytes of a frame taken piece by piece (cut-through) still to take
         self._reusable = False   # every byte of the chunk went out as pieces: it may be refilled
+        # The last frame was taken piece by piece and no whole frame came since: the next one is
+        # most likely large too, so the next receive takes a spare streaming chunk (``_SPARE``)
+        # rather than a small first chunk (no chunk allocated per answer of a busy consumer, no
+        # small first receive split off as its own write).
+        self._hot = False
+        self._lent = False       # a frame was returned as a view of the chunk: never a spare
+        # The most the next receive into the chunk may take (None: its room): a streamed frame's
+        # next record batch header and no more, so the batch's body can bypass the chunk (splice).
+        self.recv_cap: int | None = None
 
     @property
     def buffered(self) -> int:
@@ -78,30 +92,33 @@ class FrameReader:
 
     # -- cut-through: a large frame taken piece by piece as it arrives, never held whole
 
-    def frame_starting(self) -> tuple[int, memoryview] | None:
-        """The frame at the head when its size prefix has arrived but not all of it, and it is not
-        yet held in a buffer of its own: (its size, its bytes here so far). Ask before
-        ``next_frame``, which would give such a frame a buffer of its own."""
+    def frame_starting(self, whole: bool = False) -> tuple[int, memoryview] | None:
+        """The frame at the head of the chunk when its size prefix has arrived but not all of it, and
+        it is not held in a buffer of its own: (its size, its bytes here so far). Ask before
+        ``next_frame``, which would give such a frame a buffer of its own. With ``whole``, a frame
+        that has arrived whole too (its bytes, no more): taken piece by piece, its chunk is refilled
+        at once, where a frame returned whole keeps its chunk (and a new one is allocated)."""
         if self._big is not None or self._ready is not None or self._stream_left or self._buf is None:
             return None
-        avail = self._end - self._start
+        start = self._start
+        avail = self._end - start
         if avail < 4:
             return None
-        (size,) = _SIZE.unpack_from(self._buf, self._start)
-        if size < 0 or avail >= 4 + size:
+        (size,) = _SIZE.unpack_from(self._buf, start)
+        if size < 0 or (avail >= 4 + size and not whole):
             return None
-        return size, memoryview(self._buf)[self._start + 4:self._end]
+        return size, memoryview(self._buf)[start + 4:start + 4 + min(avail - 4, size)]
 
     def stream_current(self) -> None:
         """Take the frame ``frame_starting`` reported piece by piece (``take_piece``) from now on.
         Its size may exceed ``max_frame_size``: only a chunk of it is ever held."""
-        got = self.frame_starting()
+        got = self.frame_starting(whole=True)
         if got is None:
             raise ValueError("no frame is starting")
         self._stream_left = got[0]
         self._start += 4
         assert self._buf is not None
-        if len(self._buf) < STREAM_CHUNK_SIZE:
+        if len(self._buf) < STREAM_CHUNK_SIZE and len(got[1]) < got[0]:
             # The chunk is refilled rather than outgrown while a frame streams: take its full size
             # now, or a large frame would pass through a first, small chunk a few KiB at a time.
             # Larger than a stored frame's chunk: fewer, larger receives and sends per frame.
@@ -125,9 +142,22 @@ class FrameReader:
         self._stream_left -= k
         if not self._stream_left:
             self.frames += 1
+            self._hot = True
         if self._start == self._end:
             self._reusable = True
         return piece
+
+    def skip_streamed(self, n: int) -> None:
+        """``n`` bytes of the streamed frame went from the socket to their destination without
+        passing through this reader (spliced). Only when everything received has been taken."""
+        if not 0 < n <= self._stream_left or self._start != self._end:
+            raise ValueError(f"cannot skip {n} bytes ({self._stream_left} left, "
+                             f"{self._end - self._start} received and not taken)")
+        self.total_bytes += n
+        self._stream_left -= n
+        if not self._stream_left:
+            self.frames += 1
+            self._hot = True
 
     def recv_buffer(self) -> memoryview:
         """A writable view to receive into; never empty."""
@@ -143,7 +173,8 @@ class FrameReader:
                 big = self._grow_big()
             return memoryview(big)[self._big_fill:]
         if self._buf is None:
-            self._buf = bytearray(self._next_chunk)
+            self._buf = _SPARE.pop() if self._hot and _SPARE else bytearray(self._next_chunk)
+            self._lent = False
         if self._reusable:
             self._reusable = False
             if self._start == self._end:
@@ -152,6 +183,9 @@ class FrameReader:
             self._make_room()
             if self._big is not None:
                 return self.recv_buffer()
+        cap = self.recv_cap
+        if cap is not None and self._stream_left:
+            return memoryview(self._buf)[self._end:self._end + max(1, min(cap, self._stream_left))]
         return memoryview(self._buf)[self._end:]
 
     def received(self, n: int) -> None:
@@ -188,6 +222,10 @@ class FrameReader:
         if self._buf is None or not self.at_frame_boundary:
             return 0
         released = len(self._buf)
+        if self._hot and not self._lent and len(self._buf) == STREAM_CHUNK_SIZE and len(_SPARE) < SPARE_CHUNKS:
+            # Only pieces were taken from it, each written before the next receive: no view of it
+            # is in use, so another streamed answer may refill it.
+            _SPARE.append(self._buf)
         self._buf = None
         self._start = self._end = 0
         return released
@@ -196,10 +234,10 @@ class FrameReader:
         """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix."""
         if self._stream_left:
             return None
-        self._reusable = False
         if self._ready is not None:
             frame, self._ready = self._ready, None
             self.frames += 1
+            self._hot = False
             return frame
         big = self._big
         if big is not None:
@@ -208,6 +246,7 @@ class FrameReader:
             self._big = None
             self._big_fill = 0
             self.frames += 1
+            self._hot = False
             return memoryview(big)
         buf = self._buf
         avail = self._end - self._start
@@ -222,6 +261,9 @@ class FrameReader:
             frame = memoryview(buf)[start + 4 : start + 4 + size]
             self._start = start + 4 + size
             self.frames += 1
+            self._hot = False
+            self._reusable = False     # the frame is a view of the chunk: never refilled under it
+            self._lent = True
             if self._start == self._end and self._end > len(buf) // 2:
                 # Everything consumed and the chunk is half used: start the next frame on a fresh
                 # chunk so a small frame does not keep a nearly full chunk alive on its own.
@@ -295,6 +337,7 @@ class FrameReader:
         buf = bytearray(size)
         buf[: len(tail)] = tail
         self._buf = buf
+        self._lent = False
         self._start = 0
         self._end = len(tail)
 

@@ -224,6 +224,7 @@ class InFlight:
     # decoded ``response`` then has its records left out.
     path: str = STORED
     records_facts: list | None = None
+    spliced_bytes: int = 0                 # of a streamed answer, bytes spliced (never in kproxy's memory)
     # How the request reached the broker: STORED, or STREAMED while it arrived (a large Produce;
     # ``records_facts`` then says what its records held, the decoded ``request`` has them left out).
     request_path: str = STORED
@@ -915,6 +916,33 @@ class Session:
             entry.outcome = UPSTREAM_LOST
             return [Close(f"malformed {api_name(entry.api_key)} v{entry.api_version} response from the broker "
                           f"while streaming it: {e}", (entry,), undecodable="response")]
+        return self._streamed(entry, stream, buffers)
+
+    def stream_splice_room(self) -> int:
+        """Bytes of the answer being streamed that may now go to the client without kproxy seeing them
+        (the body of a record batch whose header was counted): spliced, then ``stream_skip``."""
+        return self.streaming[1].splice_room() if self.streaming is not None else 0
+
+    def stream_take_unseen(self, head: Any) -> int:
+        """``head``: the next bytes of the answer being streamed, peeked at, not taken. When they start
+        a record batch, it is counted and the bytes that may be spliced are returned (0: feed them)."""
+        return self.streaming[1].take_unseen(head) if self.streaming is not None else 0
+
+    def stream_recv_hint(self) -> int | None:
+        """How many bytes to receive next so that only a batch header comes in (its body may then be
+        spliced); None when any amount will do."""
+        return self.streaming[1].recv_hint() if self.streaming is not None else None
+
+    def stream_skip(self, n: int) -> list[Action]:
+        """``n`` bytes that ``stream_splice_room`` allowed went to the client (spliced); what to do
+        now (the end of the answer, when they were its last bytes)."""
+        assert self.streaming is not None
+        entry, stream = self.streaming
+        buffers = stream.skip(n)
+        entry.spliced_bytes += n
+        return self._streamed(entry, stream, buffers)
+
+    def _streamed(self, entry: InFlight, stream: FrameStream, buffers: list) -> list[Action]:
         actions: list[Action] = []
         if entry.ports:
             # The rewritten node endpoints (in the tail, the last buffers) name ports to open first.

@@ -32,6 +32,9 @@ from kproxy.proxy.filters import FilterChain
 # Below this a frame is stored and forwarded whole: streaming it would save nothing measurable.
 STREAM_MIN_BYTES = 64 * 1024
 FETCH, PRODUCE = 1, 0
+# What one receive takes while a streamed frame's walker decodes fields between records payloads,
+# when record bodies are spliced: a partition's fields fit, and little of the records after them.
+HEAD_RECV_BYTES = 512
 # The tag of the field that pads a re-encoded tail to its original length. Unknown to every Kafka
 # version, so every flexible-version parser skips it (KIP-482); high enough that Kafka will not
 # plausibly give it a meaning, small enough to take two bytes.
@@ -152,6 +155,7 @@ class FrameStream:
         self._stash = bytearray()          # bytes received that the walker has not taken yet
         self._store: bytearray | None = None
         self._records_left = 0             # of the records payload passing through
+        self._unseen = 0                   # bytes of a batch header counted from a peek, not yet passed
         self._batches: _BatchCounter | None = None
         self._tail: bytearray | None = None  # the root's closing tagged fields, held back
         self._rest = False                 # past the schema: bytes pass as they are
@@ -227,6 +231,70 @@ class FrameStream:
             return self._finish_stored()
         if not self._decided:
             return []
+        self._flush_head()
+        out, self._out = self._out, []
+        self.sent += sum(len(b) for b in out)
+        return out
+
+    # -- splicing: the body of a record batch may pass outside ``feed``, never seen (zero-copy)
+
+    def splice_room(self) -> int:
+        """Bytes that may pass to the client now without the walker seeing them: the rest of the body
+        of a record batch whose header has been counted (0 when the next bytes must be fed)."""
+        counter = self._batches
+        if counter is None or self._store is not None or self._head:
+            return 0
+        return min(self._unseen + counter.in_body, self._records_left)
+
+    def take_unseen(self, head: Any) -> int:
+        """At a record batch boundary, ``head`` is what is waiting of the next batch, read without
+        taking it (a peek). When it holds a whole v2 batch header, the batch is counted as ``feed``
+        would count it, and the return says how many bytes, from the batch's start, may now go to
+        the client unseen (``skip``): the whole batch, as far as the records go. 0 otherwise."""
+        counter = self._batches
+        if (counter is None or counter.in_body or not counter.at_boundary or counter.facts.malformed
+                or self._store is not None or self._head or self._unseen
+                or self._records_left < V2_HEADER_SIZE or len(head) < V2_HEADER_SIZE
+                or head[MAGIC_OFFSET] != 2):
+            return 0
+        counter.feed(memoryview(head)[:V2_HEADER_SIZE])
+        if counter.facts.malformed:
+            return 0      # the bytes are forwarded as they come, uncounted, as ``feed`` does
+        self._unseen = V2_HEADER_SIZE
+        return self.splice_room()
+
+    def recv_hint(self) -> int | None:
+        """At a batch boundary inside records: how many bytes to receive next so that the walker reads
+        the next batch header and no more (its body may then be spliced); None when any amount will do."""
+        counter = self._batches
+        if self._store is not None or self._rest or self._tail is not None:
+            return None
+        if counter is None:
+            # Between records payloads (the next partition's fields): a little, so that the records
+            # after them are mostly left on the socket for splicing.
+            return HEAD_RECV_BYTES
+        if counter.in_body or counter.facts.malformed:
+            return None
+        return min(counter.header_missing, self._records_left)
+
+    def skip(self, n: int) -> list:
+        """``n`` bytes of the batch body ``splice_room`` allowed went to the client outside ``feed``;
+        returns what to write now (the same as ``feed``: usually nothing)."""
+        if not 0 < n <= self.splice_room():
+            raise StreamError(f"{n} bytes skipped where {self.splice_room()} may be", self._pos, self.kind)
+        assert self._batches is not None
+        head = min(n, self._unseen)
+        self._unseen -= head
+        if n > head:
+            self._batches.passed(n - head)
+        self._pos += n
+        self.sent += n
+        self._records_left -= n
+        if not self._records_left:
+            self._batches = None
+            self._advance(b"")
+        if self._pos + len(self._stash) == self.size:
+            self._end()
         self._flush_head()
         out, self._out = self._out, []
         self.sent += sum(len(b) for b in out)
@@ -514,6 +582,27 @@ class _BatchCounter:
             head, self._head = self._head, bytearray()
             need, self._need = self._need, LOG_OVERHEAD
             self._header(head, 0, need, length)
+
+    @property
+    def in_body(self) -> int:
+        """Bytes of the current batch's body still to pass (its header has been counted)."""
+        return self._skip
+
+    @property
+    def at_boundary(self) -> bool:
+        """No part of a batch header is held: the next byte starts a batch."""
+        return not self._skip and not self._head
+
+    @property
+    def header_missing(self) -> int:
+        """At most this many bytes complete the next batch's header."""
+        return V2_HEADER_SIZE - len(self._head)
+
+    def passed(self, n: int) -> None:
+        """``n`` bytes of the current batch's body passed unseen (``n`` <= ``in_body``)."""
+        self._skip -= n
+        if not self._skip:
+            self._commit()
 
     def _header(self, buf: Any, at: int, head_len: int, length: int) -> None:
         """A batch whose first ``head_len`` bytes are at ``buf[at:]``; the rest of it follows."""

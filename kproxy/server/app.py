@@ -189,6 +189,7 @@ class ProxyServer:
             unauthenticated_timeout_s=limits.unauthenticated_idle_timeout_s,
             idle_timeout_s=limits.idle_timeout_s,
             frame_timeout_s=limits.frame_timeout_s,
+            splice=config.cut_through_splice,
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
         )

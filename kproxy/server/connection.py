@@ -14,6 +14,7 @@ to connect, which ports to open) and a completion callback.
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -26,6 +27,7 @@ from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import api_name, decode_response, encode_request_frame
+from kproxy.protocol.records import V2_HEADER_SIZE
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.session import (
     CLIENT_GONE,
@@ -42,13 +44,16 @@ from kproxy.proxy.session import (
     ToUpstream,
 )
 from kproxy.server.budget import BufferBudget
+from kproxy.server.splice import Pipe, SinkError
+from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
-from kproxy.server.transport import Transport
+from kproxy.server.transport import PlainTransport, Transport
 from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
 
 log = logging.getLogger("kproxy.server")
 
 _I32 = struct.Struct(">i")
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 # KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
 # client picks 85-95%), leaving time for the exchange before the broker would close the connection.
 REAUTH_AT = 0.85
@@ -122,6 +127,23 @@ class ClientWriter:
             idle, self._idle = self._idle, trio.Event()
             idle.set()
 
+    async def splice(self, pipe: Pipe, src: Any, n: int) -> None:
+        """Move ``n`` bytes from socket ``src`` to the client (``Pipe.relay``), after everything queued
+        and with no other task writing meanwhile. ClientGone if the client went away; an error of
+        ``src`` propagates as it is."""
+        await self.flush()
+        assert isinstance(self.transport, PlainTransport)
+        self.writing = True
+        try:
+            await pipe.relay(src, self.transport.raw, n)
+        except SinkError as e:
+            self._failed = e
+            raise ClientGone(str(e)) from e
+        finally:
+            self.writing = False
+            idle, self._idle = self._idle, trio.Event()
+            idle.set()
+
 
 @attrs.frozen(slots=True)
 class ConnectionSettings:
@@ -137,6 +159,8 @@ class ConnectionSettings:
     idle_timeout_s: float = 0.0
     frame_timeout_s: float = 0.0
     frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
+    # Streamed record batch bodies go broker -> client by splice(2) where the platform allows.
+    splice: bool = False
 
     @property
     def watchdog_period(self) -> float | None:
@@ -194,6 +218,10 @@ class ClientConnection:
                                          limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
         self._held = 0                              # bytes this connection counts in the budget
+        # The pipe streamed record bodies are spliced through (opened at the first splice), when
+        # this platform, the settings and the client's transport allow it.
+        self._splice_ok = settings.splice and isinstance(client, PlainTransport) and splice_available()
+        self._pipe: Pipe | None = None
         self._answered: trio.Event | None = None    # set when a filter's question is settled
         self._holding = False                       # the client pump waits out a throttle or delay
         # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
@@ -277,6 +305,9 @@ class ClientConnection:
             if self.upstream is not None:
                 # A request cut off part-way is never completed: the broker connection holding it goes.
                 self.upstream.close()
+            if self._pipe is not None:
+                self._pipe.close()
+                self._pipe = None
             up = self.session.streaming_up
             if up is not None and up.entry is not None and up.lost is None:
                 log.warning("connection %d: the client connection ended %d bytes into a %d-byte Produce "
@@ -303,6 +334,8 @@ class ClientConnection:
 
     def _account(self) -> None:
         held = sum(r.held_bytes for r in self._readers)
+        if self._pipe is not None:
+            held += self._pipe.capacity
         up = self.session.streaming_up
         if up is not None:
             # A large request the filters wanted whole is kept by its walker until its end.
@@ -772,14 +805,23 @@ class ClientConnection:
         reads slowly holds the broker connection back and the answer holds one chunk of memory.
         Frames behind it are left to ``next_frame``."""
         session = self.session
+        splices = self._splice_ok and isinstance(upstream, PlainTransport)
         while True:
             if reader.streaming_left:
                 piece = reader.take_piece()
                 if piece is None:
+                    if splices:
+                        assert isinstance(upstream, PlainTransport)
+                        if await self._splice_batches(reader, upstream):
+                            continue
+                        # Receive only up to the next batch header: its body can then be spliced.
+                        reader.recv_cap = session.stream_recv_hint()
                     return
+                reader.recv_cap = None
                 await self._execute(session.stream_piece(piece))
                 continue
-            starting = reader.frame_starting()
+            reader.recv_cap = None
+            starting = reader.frame_starting(whole=True)
             if starting is None or len(starting[1]) < 4:
                 return
             if not session.stream_start(starting[0], starting[1], upstream.can_stream and self.client.can_stream):
@@ -788,6 +830,49 @@ class ClientConnection:
             if self.writer.pending:
                 await self.writer.flush()
             reader.stream_current()
+
+    async def _splice_batches(self, reader: FrameReader, upstream: PlainTransport) -> bool:
+        """Splice record batches of the streamed answer for as long as the next bytes on the broker's
+        socket are batches: each batch header is peeked at (and counted), then the whole batch moves
+        without a copy. False when the walker must see the next bytes (they are received and fed)."""
+        session = self.session
+        raw = upstream.raw
+        spliced = False
+        while reader.streaming_left:
+            room = session.stream_splice_room()
+            if not room:
+                try:
+                    head = raw.recv(V2_HEADER_SIZE, _PEEK)
+                except (BlockingIOError, InterruptedError):
+                    await trio.lowlevel.wait_readable(raw)
+                    continue
+                if not head:
+                    raise ConnectionError("broker closed the connection")
+                room = session.stream_take_unseen(head)
+                if not room:
+                    return spliced
+            await self._splice(reader, upstream, room)
+            spliced = True
+        return spliced
+
+    async def _splice(self, reader: FrameReader, upstream: PlainTransport, n: int) -> None:
+        """``n`` bytes of record batches whose headers the walker has counted, straight from the
+        broker's socket to the client's (zero-copy); the walker and the reader are told they passed. The pipe is emptied
+        before this returns, so the client holding back holds the broker back."""
+        pipe = self._pipe
+        if pipe is None:
+            pipe = self._pipe = Pipe()
+            self._account()
+        try:
+            await self.writer.splice(pipe, upstream.raw, n)
+        except BaseException:
+            # What reached the client counts (the log of a broken answer says how much was sent).
+            if pipe.delivered and self.session.streaming is not None:
+                reader.skip_streamed(pipe.delivered)
+                self.session.stream_skip(pipe.delivered)
+            raise
+        reader.skip_streamed(n)
+        await self._execute(self.session.stream_skip(n))
 
     def _check_route(self) -> None:
         assert self.unrouted is not None

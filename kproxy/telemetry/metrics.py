@@ -109,6 +109,7 @@ class Metrics(Collector):
         self.apis: dict[str, ApiCounters] = {}
         self.records = {"produced": 0, "fetched": 0}
         self.streams_broken = 0
+        self.spliced_bytes = 0
         self.requests_broken: dict[str, int] = {}   # streamed requests cut off part-way, by the side that failed
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
@@ -147,6 +148,8 @@ class Metrics(Collector):
             c.paths[e.path] = c.paths.get(e.path, 0) + 1
             if e.path == STREAMED and e.outcome == UPSTREAM_LOST:
                 self.streams_broken += 1
+            if e.spliced_bytes:
+                self.spliced_bytes += e.spliced_bytes
         if e.api_key == PRODUCE:
             # Requests that may stream (cut-through): how those that went to the broker got there.
             if e.forwarded_at is not None or e.request_path == STREAMED:
@@ -228,6 +231,9 @@ class Metrics(Collector):
                        {(k,): n for k, n in self.requests_broken.items()})
         yield _counter("kproxy_streamed_answers_broken", "Streamed answers whose broker connection was lost "
                        "part-way (the client connection was closed).", [], {(): self.streams_broken})
+        yield _counter("kproxy_spliced_bytes", "Bytes of streamed answers moved from the broker's socket to the "
+                       "client's by splice(2), never copied through kproxy (cut_through_splice).", [],
+                       {(): self.spliced_bytes})
         yield _counter("kproxy_client_bytes", "Bytes of requests from and responses to clients, size prefix "
                        "included, by API and direction.", ["api", "direction"], by_direction)
         for name, doc, attr in (

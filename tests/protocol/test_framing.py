@@ -148,3 +148,57 @@ def test_release_idle_keeps_a_partial_frame():
     assert r.release_idle() == 0
     r.feed(b"defghij")
     assert bytes(r.next_frame()) == b"abcdefghij"
+
+
+def _stream_one(r: FrameReader, payload: bytes) -> bytes:
+    """``payload`` as one frame, taken piece by piece as cut-through does; what the pieces held."""
+    r.feed(_frames([payload])[:100])
+    starting = r.frame_starting()
+    assert starting is not None and starting[0] == len(payload)
+    r.stream_current()
+    got = bytearray()
+    rest = memoryview(_frames([payload]))[100:]
+    while True:
+        while (piece := r.take_piece()) is not None:
+            got += piece
+        if not rest:
+            break
+        dst = r.recv_buffer()
+        k = min(len(dst), len(rest))
+        dst[:k] = rest[:k]
+        r.received(k)
+        rest = rest[k:]
+    assert not r.streaming_left
+    return bytes(got)
+
+
+def test_a_streamed_frames_chunk_is_refilled_by_the_next_answer_after_idling(monkeypatch):
+    from kproxy.protocol import framing
+
+    monkeypatch.setattr(framing, "_SPARE", [])
+    r = FrameReader()
+    big = bytes(range(256)) * 1024
+    assert _stream_one(r, big) == big
+    chunk = r.recv_buffer().obj
+    assert len(chunk) == framing.STREAM_CHUNK_SIZE
+    # Idle: the chunk goes back (the budget sees nothing held) to the spare list, and the next
+    # receive after a streamed frame gets it whole, not a small first chunk.
+    assert r.idle_chunk_is_large and r.release_idle() == len(chunk) and r.held_bytes == 0
+    assert len(framing._SPARE) == 1 and framing._SPARE[0] is chunk
+    assert r.recv_buffer().obj is chunk and framing._SPARE == []
+    assert _stream_one(r, big[::-1]) == big[::-1]
+
+
+def test_a_chunk_a_whole_frame_was_returned_from_is_never_a_spare(monkeypatch):
+    from kproxy.protocol import framing
+
+    monkeypatch.setattr(framing, "_SPARE", [])
+    r = FrameReader()
+    big = b"x" * 300_000
+    _stream_one(r, big)
+    r.feed(_frames([b"small answer"]))
+    frame = r.next_frame()
+    assert frame is not None and bytes(frame) == b"small answer"
+    r.release_idle()
+    assert framing._SPARE == []       # the frame is a view of it, maybe still in use
+    assert bytes(frame) == b"small answer"

@@ -162,7 +162,8 @@ def test_fetch_streams_what_store_and_forward_sends(answer, cuts, host, port):
         # Only the closing tags differ: the padding field, and the hint when it was dropped.
         got = decode_response(memoryview(sent)[4:], FETCH, v)
         unknown = dict(got.body._unknown or ())
-        assert len(unknown.pop(PAD_TAG)) >= 0
+        # A pad field, or (for one or two bytes of room) none: the field count's varint written longer.
+        unknown.pop(PAD_TAG, None)
         got.body._unknown = sorted(unknown.items()) or None
         if stream.dropped_hint:
             expected.body.node_endpoints = []
