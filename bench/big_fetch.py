@@ -9,6 +9,11 @@ kproxy's resident set size, then asks ``--answers`` times for ``--mib`` MiB (``m
 ``partition_max_bytes`` both that size) and reads each answer whole but in 1 MiB pieces, so the
 client's own buffers do not count. Added RSS is kproxy's peak resident size (VmHWM) minus its size
 before the first large answer. With ``--slow-client`` the client pauses 1 ms per MiB read.
+
+``--tls`` puts TLS between the client and kproxy (certificates from trustme; the fake broker speaks
+plain TCP). ``--rules`` gives kproxy a rules file with a topic rule and a quota that applies to every
+Fetch without throttling: the configuration of a real deployment, in which the policy and the quota
+must consent for an answer to stream.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import signal
 import socket
+import ssl
 import struct
 import sys
 import tempfile
@@ -86,6 +92,30 @@ def read_answer(sock: socket.socket, keep: bool = False, pause_per_mib: float = 
 
 kept = bytearray()
 
+RULES = """\
+rules:
+  - name: no-secrets
+    match: {topic: "secret-*"}
+    action: deny
+quotas:
+  - name: readers
+    fetch_bytes_per_s: 1.0e12
+"""
+
+
+def connect(port: int, tls: ssl.SSLContext | None, timeout: float = 20.0) -> socket.socket:
+    """A client connection to kproxy (over TLS with ``tls``), retried until kproxy listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((HOST, port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return tls.wrap_socket(sock, server_hostname=HOST) if tls is not None else sock
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -94,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-client", action="store_true", help="the client pauses 1 ms per MiB it reads")
     ap.add_argument("--profile-kproxy", metavar="FILE.prof", help="run kproxy under cProfile, write its profile here")
     ap.add_argument("--no-cut-through", action="store_true", help="kproxy stores every answer whole (as before)")
+    ap.add_argument("--tls", action="store_true", help="TLS between the client and kproxy")
+    ap.add_argument("--rules", action="store_true", help="a topic rule and a (non-throttling) fetch quota in force")
     args = ap.parse_args(argv)
     # The frame must stay under kproxy's default limits.max_buffered_bytes (64 MiB, the frame cap):
     # the records take the size asked for less 1 KiB for the frame's head.
@@ -108,23 +140,39 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile_kproxy:
             argv += ["-m", "cProfile", "-o", str(Path(args.profile_kproxy).resolve())]
         argv += ["-m", "kproxy", "run", "--log-level", "WARNING"]
-        if args.no_cut_through:
+        client_tls = None
+        if args.no_cut_through or args.tls or args.rules:
             config = Path(tmp) / "kproxy.yaml"
-            config.write_text(f'listen: "{HOST}:{kp}"\nupstream: {{bootstrap_servers: "{HOST}:{bp}"}}\n'
-                              "cut_through_min_bytes: null\n")
+            text = f'listen: "{HOST}:{kp}"\nupstream: {{bootstrap_servers: "{HOST}:{bp}"}}\n'
+            if args.no_cut_through:
+                text += "cut_through_min_bytes: null\n"
+            if args.tls:
+                import trustme
+
+                ca = trustme.CA()
+                cert = ca.issue_cert(HOST, "localhost")
+                cert.cert_chain_pems[0].write_to_path(str(Path(tmp) / "cert.pem"))
+                cert.private_key_pem.write_to_path(str(Path(tmp) / "key.pem"))
+                client_tls = ssl.create_default_context()
+                ca.configure_trust(client_tls)
+                text += f'tls: {{enabled: true, cert_file: "{tmp}/cert.pem", key_file: "{tmp}/key.pem"}}\n'
+            if args.rules:
+                (Path(tmp) / "rules.yaml").write_text(RULES)
+                text += f'rules: ["{tmp}/rules.yaml"]\n'
+            config.write_text(text)
             argv += ["--config", str(config)]
         else:
             argv += ["--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}"]
         kproxy = Child("kproxy", argv, Path(tmp) / "kproxy.log")
         try:
             broker.start([bp])
-            kproxy.start([kp, kp + 1])
+            # The readiness probe speaks plain Kafka: over TLS, wait for a handshake instead.
+            kproxy.start([] if client_tls else [kp, kp + 1])
             assert kproxy.proc is not None
             pid = kproxy.proc.pid
             # kp + 1 is the port kproxy exposes for node 0, the partition's leader (on the bootstrap
             # port kproxy answers a Fetch with NOT_LEADER_OR_FOLLOWER, as a client must go to the leader).
-            sock = socket.create_connection((HOST, kp + 1))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = connect(kp + 1, client_tls)
             topic_id = topic_id_of(sock, "big")
             sock.sendall(fetch_frame(2, topic_id, 1 << 20))
             read_answer(sock)
@@ -147,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             kproxy.stop(signal.SIGINT)   # a cProfile'd kproxy writes its profile on the way out
             broker.stop()
     print(f"{args.answers} Fetch answers of {args.mib} MiB through kproxy in {dt:.2f}s "
-          f"({args.answers * (args.mib << 20) / dt / 1e9:.2f} GB/s){' to a slow client' if args.slow_client else ''}")
+          f"({args.answers * (args.mib << 20) / dt / 1e9:.2f} GB/s){' to a slow client' if args.slow_client else ''}"
+          f"{' over TLS' if args.tls else ''}{' with rules and a quota' if args.rules else ''}")
     print(f"kproxy RSS before {before / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB, after {after / 1024:.1f} MiB: "
           f"added at peak {(peak - before) / 1024:.1f} MiB (goal <= 8 MiB)")
     return 0

@@ -891,6 +891,23 @@ class PolicyFilter(Filter):
 
     # -- responses
 
+    def may_stream_response(self, ctx: ConnectionContext, exchange: Any) -> bool:
+        """A Fetch answer may stream when ``on_response`` would leave it as it is: no refused topic's
+        answer to merge in, no topic to keep out of it, and no tenant prefix to take off names it
+        carries (Fetch from v13 names topics by id only). Record rules judge produced records only:
+        none reads a Fetch answer."""
+        if exchange.api_key != FETCH:
+            return False
+        pending: _Pending | None = exchange.kept(self)
+        if pending is None:
+            return True
+        if pending.parts or pending.asked is not None:
+            return False
+        version = exchange.api_version
+        if pending.hide is not None and entities.has_entity(FETCH, version, "response", "topic"):
+            return False
+        return not (pending.prefixes and _tenant_of(pending.prefixes).undoing(FETCH, version))
+
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         pending: _Pending | None = exchange.kept(self)
         if pending is None:

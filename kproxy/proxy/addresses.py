@@ -69,6 +69,9 @@ class AddressMap:
         self._by_name: dict[str, Route] = {}                 # SNI name -> route
         self._next_broker = port_start
         self._next_controller = port_start + port_count - 1
+        # Bumped whenever what a rewrite gives could change (a node exposed, moved or withdrawn):
+        # remembered rewritten answers (kproxy.proxy.memo) are keyed by it.
+        self.generation = 0
 
     # -- learning and exposing
 
@@ -78,7 +81,10 @@ class AddressMap:
         if self.sni_domain is not None:
             # route_for_name looks names up in lower case (DNS names are case-insensitive).
             name = f"{'broker' if role == 'broker' else 'controller'}-{node_id}.{self.sni_domain}".lower()
-            self._by_name[name] = Route(role, node_id, upstream)
+            route = Route(role, node_id, upstream)
+            if self._by_name.get(name) != route:
+                self._by_name[name] = route
+                self.generation += 1
             assert self.sni_port is not None
             return name, self.sni_port
         key = (role, node_id)
@@ -88,9 +94,11 @@ class AddressMap:
             self._port_of[key] = exposed
             self._routes[exposed] = Route(role, node_id, upstream)
             self._unconfirmed.add(exposed)
+            self.generation += 1
         elif self._routes[exposed].upstream != upstream:
             # The node moved (new host or port): the same exposed port now leads to its new place.
             self._routes[exposed] = Route(role, node_id, upstream)
+            self.generation += 1
         return self.advertised_host, exposed
 
     def pending_ports(self) -> list[int]:
@@ -112,6 +120,7 @@ class AddressMap:
         """
         self._unconfirmed.discard(port)
         self._unusable[port] = reason
+        self.generation += 1
         route = self._routes.pop(port, None)
         if route is not None:
             self._port_of.pop((route.role, route.node_id), None)
@@ -250,6 +259,11 @@ class AddressRewriter(Filter):
             if not self._walk(exchange, body, steps, 0, role, node_id):
                 _blank(body)    # the endpoint is the body itself (FindCoordinator v0-3)
         return 0.0
+
+    def memo_key(self, ctx: ConnectionContext, api_key: int) -> int | None:
+        # A rewrite depends on the answer's bytes and the address map, nothing else (the role comes
+        # from the api key and the body). Fetch answers carry records and rarely repeat.
+        return None if api_key == FETCH else self.address_map.generation
 
     def sees_whole(self, api_key: int, kind: str) -> bool:
         # A Fetch answer's only endpoints are KIP-951's node_endpoints, in its closing tagged fields:

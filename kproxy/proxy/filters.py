@@ -9,7 +9,7 @@ became of it. Filters are pure: no I/O, time comes from ``ConnectionContext.cloc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import attrs
@@ -185,6 +185,19 @@ class Filter:
     def on_close(self, ctx: ConnectionContext) -> None:
         """The connection ended (after every request on it was done); its state_of is dropped next."""
 
+    def memo_key(self, ctx: ConnectionContext, api_key: int) -> Hashable | None:
+        """Whether ``on_response`` is a pure function of an answer's bytes for ``api_key``: None (the
+        default) when it is not; else a key to the filter's own state it reads (a generation that
+        changes whenever the same bytes would be rewritten differently).
+
+        Pure means it reads nothing of the request, the exchange or the connection but its
+        ``listener``, keeps and notes nothing, and its only effects are on the answer (and ports it
+        asks to open). When every response filter of an api says so, the session may remember the
+        rewritten answer (``kproxy.proxy.memo``) and send it again for the same bytes without
+        calling ``on_response``: answers that asked for a port or a throttle are never remembered.
+        """
+        return None
+
     def sees_whole(self, api_key: int, kind: str) -> bool:
         """Whether this filter must see a whole frame of ``api_key`` ("request" or "response")
         before any of it is sent. A frame that no filter must see whole may be streamed through as
@@ -197,6 +210,25 @@ class Filter:
         """
         keys = self.request_api_keys if kind == "request" else self.response_api_keys
         return keys is None or api_key in keys
+
+    def may_stream_response(self, ctx: ConnectionContext, exchange: Any) -> bool:
+        """Whether, for this one exchange, the broker's answer may stream although ``sees_whole``
+        says True for its api: the filter would change nothing in it that streaming cannot (its size,
+        its records) and needs none of its records. Asked when a large answer starts to arrive;
+        ``exchange.upstream_bytes`` is then its size. Default False: stored, as before.
+
+        A filter that says True gets ``on_response_head`` instead of ``on_response`` for that
+        answer."""
+        return False
+
+    def on_response_head(self, ctx: ConnectionContext, exchange: Any, head: Any) -> float:
+        """The head of an answer streamed with this filter's consent (``may_stream_response``),
+        before any of it is sent: ``head`` is a ``kproxy.proxy.streaming.StreamHead`` (api, version,
+        size, and the root's scalar fields as the broker sent them). Returns seconds of throttle,
+        as ``on_response`` does; the session patches ``throttle_time_ms`` in the head and mutes
+        the client the same way. The records' counts are on ``exchange.records_facts`` in
+        ``on_done``."""
+        return 0.0
 
     def may_stream_request(self, ctx: ConnectionContext, exchange: Any, head: Any) -> bool:
         """Whether this one request may go to the broker while it arrives, although the filter
@@ -257,7 +289,8 @@ class FilterChain:
         return name
 
     def whole_frame_filters(self, api_key: int, kind: str) -> tuple[Filter, ...]:
-        """Every filter that ``sees_whole`` frames of this api and kind, in order."""
+        """Every filter that ``sees_whole`` frames of this api and kind, in order (each may still let
+        one exchange stream: ``may_stream_response``, ``may_stream_request``)."""
         key = (api_key, kind, "all")
         got = self._whole_all.get(key)
         if got is None:

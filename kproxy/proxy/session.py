@@ -33,10 +33,12 @@ from kproxy.protocol.messages import (
     encode_response_frame,
     peek_request_header,
     request_header_version,
+    response_codecs,
     supported_versions,
 )
 from kproxy.protocol.primitives import ShortBuffer, read_uvarint
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond, Throttle
+from kproxy.proxy.memo import AnswerMemo, Remembered
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
 from kproxy.proxy.sasl import FrontAnswer, SaslFront
@@ -55,6 +57,9 @@ log = logging.getLogger("kproxy.session")
 _I32 = struct.Struct(">i")
 _HEAD = struct.Struct(">ihhi")          # size prefix, api key, api version, correlation id
 _HHI = struct.Struct(">hhi").unpack_from
+_HEAD_ID = struct.Struct(">ii")         # size prefix, correlation id
+# Frames kproxy patches rather than encodes go out as one buffer below this size.
+_JOIN_BELOW = 16 * 1024
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
 UNSUPPORTED_VERSION = 35
@@ -232,6 +237,12 @@ class InFlight:
     why_stored: str | None = None
     # A streamed frame cut off part-way: "client" (it went away mid-frame) or "broker" (lost mid-frame).
     broken: str | None = None
+    # The broker's answer as it arrived, without its 4-byte size prefix (0 until then, and for an
+    # answer kproxy made up): what a fetch quota charges, as a Kafka broker charges a response's size.
+    upstream_bytes: int = 0
+    # Why an answer large enough to stream was stored whole instead (``why_stored``'s reason, or
+    # "order" when an earlier answer was still owed); None for one that streamed or was never a candidate.
+    response_why_stored: str | None = None
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:
@@ -364,8 +375,11 @@ class Session:
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
                  passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
                  topic_names: TopicNames | None = None, front: SaslFront | None = None,
-                 stream_min_bytes: int | None = STREAM_MIN_BYTES) -> None:
+                 stream_min_bytes: int | None = STREAM_MIN_BYTES, memo: AnswerMemo | None = None) -> None:
         self.ctx = ctx
+        # Rewritten answers by their bytes, when every response filter of an api is pure; never
+        # while the transparency check runs (it must compare what the filters would do each time).
+        self.memo = memo if reencode is None else None
         # kproxy's own SASL handling (termination or origination); None: the client's SASL is relayed.
         self.front = front
         # Broker answers at least this large may be streamed to the client (None: never).
@@ -501,7 +515,10 @@ class Session:
             # No request filter could have changed it: the bytes received go on, only the
             # correlation id replaced (no re-encoding: what the client sent, byte for byte).
             req.correlation_id = upstream_id
-            buffers: list = [_HEAD.pack(len(frame), *_HHI(frame, 0)[:2], upstream_id), frame[8:]]
+            head = _HEAD.pack(len(frame), *_HHI(frame, 0)[:2], upstream_id)
+            # A small request goes out as one buffer: a copy of a few hundred bytes costs less than
+            # a vectored send.
+            buffers: list = [head + frame[8:]] if len(frame) < _JOIN_BELOW else [head, frame[8:]]
         else:
             buffers = self._request_buffers(req, upstream_id, original)
         actions.append(ToUpstream(buffers, entry))
@@ -813,6 +830,7 @@ class Session:
                 return []
             return [Close(f"broker answered correlation id {upstream_id}, which kproxy never sent")]
         entry.answered_at = answered = self.ctx.clock()
+        entry.upstream_bytes = len(frame)
         if entry.request is None:
             patched = bytearray(frame)
             _I32.pack_into(patched, 0, entry.client_correlation_id)
@@ -822,6 +840,11 @@ class Session:
         if entry.api_key == API_VERSIONS and len(frame) >= 6 and frame[4:6] == b"\x00\x23":
             # A broker that does not know the requested ApiVersions version answers in v0 (KIP-511).
             version = 0
+        seen: bytes | None = None
+        if self.memo is not None:
+            seen, remembered = self._recall(entry, version, frame)
+            if remembered is not None:
+                return self._send_remembered(entry, version, remembered, answered)
         try:
             resp = decode_response(frame, entry.api_key, version, keep_trailing=True)
         except DecodeError as e:
@@ -834,9 +857,7 @@ class Session:
             if not check.matches("response", entry.api_key, version, frame, encoded, 4):
                 original = frame, joined(encoded)
         names = self.topic_names
-        if names is not None and names.learning and (
-                (entry.api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE)
-                or entry.api_key == DESCRIBE_TOPIC_PARTITIONS):
+        if names is not None and self._learns_names(entry.api_key, version):
             # The broker's own names, before any filter changes them (a tenant prefix comes off).
             names.learn(resp.body.topics)
         try:
@@ -849,6 +870,7 @@ class Session:
             # The answer names broker ports that must be listening before the client reads them.
             actions.append(Listen(tuple(entry.ports)))
             entry.ports = None
+            seen = None         # the next such answer must ask again, until the ports are open
         if throttle > 0:
             # Told in the answer, which goes out at once; the client is then not read meanwhile.
             self._mute(throttle)
@@ -865,9 +887,76 @@ class Session:
         else:
             resp.correlation_id = entry.client_correlation_id
             entry.reply = encode_response_frame(resp)
+            if seen is not None and throttle <= 0:
+                self._remember(entry, version, seen)
         entry.handling_s += ctx.clock() - answered
         actions += self._flush()
         return actions
+
+    # -- remembered answers (kproxy.proxy.memo)
+
+    def _learns_names(self, api_key: int, version: int) -> bool:
+        names = self.topic_names
+        return names is not None and names.learning and (
+            (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS)
+
+    def _filter_keys(self, api_key: int) -> tuple | None:
+        """Every response filter's memo key for ``api_key``; None when one is not pure (or none runs:
+        then nothing is rewritten, and answers with nothing to rewrite rarely repeat)."""
+        filters = self.chain.for_response(api_key)
+        if not filters:
+            return None
+        keys = []
+        for f in filters:
+            k = f.memo_key(self.ctx, api_key)
+            if k is None:
+                return None
+            keys.append(k)
+        return tuple(keys)
+
+    def _recall(self, entry: InFlight, version: int, frame: memoryview) -> tuple[bytes | None, Remembered | None]:
+        """(the answer's bytes after its correlation id, if it may be remembered; what was sent for
+        them last time, if anything)."""
+        memo = self.memo
+        assert memo is not None
+        api_key = entry.api_key
+        if (len(frame) > memo.max_frame or api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE) or self.sasl_in_progress
+                or self._learns_names(api_key, version)):
+            # SASL answers move the session's state; learned topic names must be read from each answer.
+            return None, None
+        keys = self._filter_keys(api_key)
+        if keys is None:
+            return None, None
+        seen = bytes(frame[4:])
+        return seen, memo.get((api_key, version, self.ctx.listener, keys, seen))
+
+    def _send_remembered(self, entry: InFlight, version: int, got: Remembered, answered: float) -> list[Action]:
+        cid = entry.client_correlation_id
+        tail = got.tail
+        head = _HEAD_ID.pack(len(tail) + 4, cid)
+        entry.reply = [head + tail] if len(tail) < _JOIN_BELOW else [head, tail]
+        header_codec, _ = response_codecs(entry.api_key, version)
+        entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
+        entry.throttle_ms = got.throttle_ms
+        entry.handling_s += self.ctx.clock() - answered
+        return self._flush()
+
+    def _remember(self, entry: InFlight, version: int, seen: bytes) -> None:
+        """Remember what the client got for ``seen``, keyed by the filters' state after they ran
+        (what they learned from this answer is part of the state the next one meets)."""
+        memo = self.memo
+        assert memo is not None and entry.reply is not None
+        keys = self._filter_keys(entry.api_key)
+        if keys is None:
+            return
+        data = joined(entry.reply)
+        try:
+            # Decoded from bytes the memo owns: lazy arrays must never view a receive buffer.
+            stored = decode_response(memoryview(data)[4:], entry.api_key, version, keep_trailing=True)
+        except DecodeError:  # pragma: no cover - kproxy's own encoding decodes
+            return
+        memo.put((entry.api_key, version, self.ctx.listener, keys, seen),
+                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms), len(seen) + 2 * len(data))
 
     # -- cut-through: a broker answer streamed to the client while it arrives
 
@@ -881,11 +970,31 @@ class Session:
             return False
         (upstream_id,) = _I32.unpack_from(head, 0)
         entry = self._by_upstream.get(upstream_id)
-        if (entry is None or entry.request is None or not self.in_flight or self.in_flight[0] is not entry
+        if (entry is None or entry.request is None
                 or (self.asking is not None and upstream_id == self.asking.upstream_correlation_id)):
             return False
-        if why_stored(self.chain, entry.api_key, "response", size, transport_streams=transport_streams,
-                      min_bytes=self.stream_min_bytes) is not None:
+        if not self.in_flight or self.in_flight[0] is not entry:
+            self._stored_because(entry, "order", size)
+            return False
+        entry.upstream_bytes = size
+        ctx = self.ctx
+        consenting: list[Filter] = []
+
+        def consents(f: Filter) -> bool:
+            try:
+                ok = f.may_stream_response(ctx, entry)
+            except Exception:
+                # Asked again as on_response, which closes the connection if it fails too.
+                self._filter_failed(f, "may_stream_response", entry.api_key)
+                return False
+            if ok:
+                consenting.append(f)
+            return bool(ok)
+
+        reason = why_stored(self.chain, entry.api_key, "response", size, transport_streams=transport_streams,
+                            min_bytes=self.stream_min_bytes, consents=consents)
+        if reason is not None:
+            self._stored_because(entry, reason, size)
             return False
         del self._by_upstream[upstream_id]
         version = entry.api_version
@@ -894,14 +1003,40 @@ class Session:
         def endpoints(found: list) -> bool:
             return any([r.rewrite_node_endpoints(entry, found) for r in rewriters])
 
-        def decide(_head: Any) -> dict:
-            return {"correlation_id": entry.client_correlation_id}
+        def decide(head: StreamHead) -> dict:
+            patches: dict[str, Any] = {"correlation_id": entry.client_correlation_id}
+            throttle = 0.0
+            for f in consenting:
+                try:
+                    t = f.on_response_head(ctx, entry, head)
+                except Exception as e:
+                    raise self._filter_failed(f, "on_response_head", entry.api_key) from e
+                if t > throttle:
+                    throttle = t
+            if throttle > 0:
+                # As for a stored answer (``raise_throttle``): told in the answer, whose head has not
+                # gone out yet, keeping the broker's own value when larger; the client is then muted.
+                self._mute(throttle)
+                ms = math.ceil(throttle * 1000)
+                patches["throttle_time_ms"] = lambda broker: max(broker, ms)
+            return patches
 
         stream = FrameStream(entry.api_key, version, "response", size, decide=decide,
                              rewrite_tail=node_endpoints_rewrite(version, endpoints) if rewriters else None)
         entry.path = STREAMED
+        entry.response_why_stored = None
         self.streaming = (entry, stream)
         return True
+
+    def _stored_because(self, entry: InFlight, reason: str, size: int) -> None:
+        """A large answer is stored whole: say why on its entry (for the metrics), and in the log once
+        per answer (the reader asks again as more of it arrives)."""
+        if entry.response_why_stored == reason:
+            return
+        entry.response_why_stored = reason
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("connection %d: %s answer of %d bytes stored whole, not streamed: %s",
+                      self.ctx.connection_id, api_name(entry.api_key), size + 4, reason)
 
     def stream_piece(self, piece: memoryview) -> list[Action]:
         """The next bytes of the answer being streamed; its buffers to write (views of ``piece``
@@ -910,6 +1045,11 @@ class Session:
         entry, stream = self.streaming
         try:
             buffers = stream.feed(piece)
+        except FilterFailed as e:
+            # Raised deciding on the head, before any of the answer was sent: closed as when a filter
+            # fails on a stored answer (the entry ends with the connection).
+            self.streaming = None
+            return [Close(str(e))]
         except StreamError as e:
             # Part of the answer is already with the client: the connection cannot go on.
             self.streaming = None

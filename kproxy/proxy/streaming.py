@@ -27,7 +27,7 @@ from kproxy.protocol.messages import (
 from kproxy.protocol.primitives import read_uvarint, write_uvarint
 from kproxy.protocol.records import LOG_OVERHEAD, MAGIC_OFFSET, V2_HEADER_SIZE
 from kproxy.protocol.schema import FieldSpec, StructSpec
-from kproxy.proxy.filters import FilterChain
+from kproxy.proxy.filters import Filter, FilterChain
 
 # Below this a frame is stored and forwarded whole: streaming it would save nothing measurable.
 STREAM_MIN_BYTES = 64 * 1024
@@ -53,18 +53,23 @@ STREAMED = frozenset({(FETCH, "response"), (PRODUCE, "request")})
 
 
 def why_stored(chain: FilterChain, api_key: int, kind: str, size: int, *, transport_streams: bool,
-               min_bytes: int = STREAM_MIN_BYTES) -> str | None:
+               min_bytes: int = STREAM_MIN_BYTES, consents: Callable[[Filter], bool] | None = None) -> str | None:
     """Why a frame of ``size`` bytes must be stored and forwarded whole; None when it may stream.
-    The reason is what the completed-request entry and the log say."""
+    The reason is what the completed-request entry and the log say. ``consents`` asks a filter that
+    must see whole frames of this api whether it lets this one exchange stream all the same
+    (``Filter.may_stream_response``); without it, any such filter stores the frame."""
     if (api_key, kind) not in STREAMED:
         return "api"
     if size < min_bytes:
         return "small"
     if not transport_streams:
         return "transport"
-    name = chain.whole_frame_filter(api_key, kind)
-    if name is not None:
-        return f"filter {name}"
+    if consents is None:
+        name = chain.whole_frame_filter(api_key, kind)
+        return f"filter {name}" if name is not None else None
+    for f in chain.whole_frame_filters(api_key, kind):
+        if not consents(f):
+            return f"filter {f.name}"
     return None
 
 
@@ -82,6 +87,7 @@ class RecordsFacts:
     batches: int = 0
     records: int = 0
     whole_bytes: int = 0               # bytes of whole batches (a cut last batch is not counted)
+    first_batch_bytes: int = 0         # the size the first batch's header claims (it may be cut)
     first_offset: int | None = None
     last_offset: int | None = None
     compressed: bool = False
@@ -318,7 +324,7 @@ class FrameStream:
             self._walker = None
             tail = self._rewrite(tail)
             self._head += tail
-            self.skeleton += tail
+            self.skeleton += _minimal_count(tail) if self.padded else tail
             self._head_known()
             return
         if self._store is not None:
@@ -624,6 +630,8 @@ class _BatchCounter:
             return
         self._skip = LOG_OVERHEAD + length - head_len
         self._size = LOG_OVERHEAD + length
+        if not self.facts.first_batch_bytes:
+            self.facts.first_batch_bytes = self._size
         if not self._skip:
             self._commit()
 
@@ -739,6 +747,15 @@ def fit_tags(wanted: dict[int, bytes], length: int, hint_tag: int = 0) -> tuple[
     if fitted is None:
         raise StreamError(f"the closing tagged fields cannot be re-encoded in {length} bytes", 0, "response")
     return fitted[0], fitted[1], True
+
+
+def _minimal_count(tail: bytes) -> bytes:
+    """``tail`` with its field count written in the fewest bytes. A tail fitted into one or two
+    spare bytes carries a stretched count (``_fit``): valid on the wire, but the codec re-encodes it
+    minimally, so the skeleton (what the transparency check re-encodes) holds the minimal form."""
+    count, at = read_uvarint(tail, 0)
+    minimal = write_uvarint(count)
+    return tail if at == len(minimal) else minimal + tail[at:]
 
 
 def strip_padding(tags: dict[int, bytes]) -> dict[int, bytes]:

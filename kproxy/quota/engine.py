@@ -5,7 +5,9 @@ Every quota in the rule files (``quotas:``) that matches an answered request cha
 client in ``throttle_time_ms`` and reads nothing more from it meanwhile. A Fetch from a client near
 or over a fetch budget has its ``max_bytes`` lowered to what the budget allows (never below one
 batch), and an answer larger than that is cut to it. Accounting is per request, never per record
-(only cutting an answer walks its batch headers). Pure: time comes from the connection's clock.
+(only cutting an answer walks its batch headers): a Produce is charged its record bytes, a Fetch its
+answer's size, which a streamed answer gives before any of it is sent (``on_response_head``). Pure:
+time comes from the connection's clock.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import attrs
 from kproxy.logs import safe
 from kproxy.policy.model import ANONYMOUS, QuotaRule, RuleSet
 from kproxy.protocol.lazy import LazyArray
-from kproxy.protocol.messages import Request, Response, api_name
+from kproxy.protocol.messages import Request, Response, api_name, body_class, encode_response_frame
+from kproxy.protocol.primitives import write_uvarint
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter, RequestVerdict, Throttle
 from kproxy.quota.budgets import Budget, BudgetKey, Budgets
 from kproxy.quota.fleet import Load, demand_of
@@ -140,6 +143,8 @@ class QuotaFilter(Filter):
     name = "quota"
     request_api_keys = frozenset({PRODUCE, FETCH})
     response_api_keys = ALL
+    # A streamed Fetch answer's batches are known once it has passed: the largest first batch.
+    done_api_keys = frozenset({FETCH})
 
     def __init__(self, source: RuleSource, samples: int = 11, window_s: float = 1.0, share: float = 1.0,
                  budgets: Budgets | None = None, coordinated: bool = False) -> None:
@@ -281,6 +286,9 @@ class QuotaFilter(Filter):
     # -- responses
 
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
+        return self._on_answer(ctx, exchange, response)
+
+    def _on_answer(self, ctx: ConnectionContext, exchange: Any, response: Response | None) -> float:
         st = self._conn(ctx)
         if st is None:
             return 0.0
@@ -293,11 +301,51 @@ class QuotaFilter(Filter):
         spent = exchange.handling_s + (now - answered if answered is not None else 0.0)
         return self._charge(ctx, exchange, st, applied, request, response, now, spent)
 
+    # -- streamed Fetch answers (cut-through): charged on their head, from their size
+
+    def may_stream_response(self, ctx: ConnectionContext, exchange: Any) -> bool:
+        """A Fetch answer streams unless it may have to be cut to ``max_bytes`` (which changes its
+        size): only when a fetch quota applies and the answer is larger than the request allowed."""
+        if exchange.api_key != FETCH:
+            return False
+        st = self._conn(ctx)
+        if st is None:
+            return True
+        request: Request = exchange.request
+        version = request.api_version
+        if version < 3:
+            return True
+        # Cut only when its records exceed max_bytes: then it is at least that plus the fewest other bytes.
+        limit = request.body.max_bytes
+        return (exchange.upstream_bytes < limit + 1 + least_fetch_overhead(version, limit + 1)
+                or not any(q.fetch is not None for q, _ in st.applied(request)))
+
+    def on_response_head(self, ctx: ConnectionContext, exchange: Any, head: Any) -> float:
+        """As ``on_response``, from the size alone: a Fetch is charged its answer's size either way,
+        so the throttle, the notes and the budgets come out as for the stored answer."""
+        return self._on_answer(ctx, exchange, None)
+
+    def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
+        facts = exchange.records_facts
+        if facts is None or exchange.request is None:
+            return
+        st: _Conn | None = ctx.peek_state(self)
+        if st is None:
+            return
+        # What fetch_record_bytes reads from a stored answer: each partition's first batch.
+        largest = max((min(f.first_batch_bytes, f.size) for f in facts if f.size > 0), default=0)
+        if largest > st.largest_batch:
+            st.largest_batch = largest
+
     def _charge(self, ctx: ConnectionContext, exchange: Any, st: _Conn,
                 applied: Iterable[tuple[_Quota, BudgetKey]], request: Request, response: Response | None,
                 now: float, spent: float) -> float:
         """Charge the request to every budget that applies; the longest throttle in seconds. The
-        entry notes the quota that throttled it the most (the first one when none did)."""
+        entry notes the quota that throttled it the most (the first one when none did).
+
+        A Fetch is charged the size of its answer as the broker sent it (``exchange.upstream_bytes``,
+        header and body, as a Kafka broker charges a response), less what is cut off it; a streamed
+        answer (``response`` None) is known by that size before any of it is sent."""
         api_key = request.api_key
         produced = fetched = 0
         if api_key == PRODUCE:
@@ -305,14 +353,16 @@ class QuotaFilter(Filter):
             # A streamed request's records are not in the decoded request: their sizes were noted.
             produced = (sum(max(f.size, 0) for f in facts) if facts is not None
                         else produce_record_bytes(request.body))
-        elif api_key == FETCH and response is not None:
-            fetched, largest = fetch_record_bytes(response.body)
-            if largest > st.largest_batch:
-                st.largest_batch = largest
-            if (request.api_version >= 3 and fetched > request.body.max_bytes
-                    and any(q.fetch is not None for q, _ in applied)):
-                # A broker that answers with more than max_bytes (tansu does) is held to it here.
-                fetched = trim_fetch(response.body, request.body.max_bytes)
+        elif api_key == FETCH:
+            fetched = exchange.upstream_bytes
+            if response is not None:
+                records, largest = fetch_record_bytes(response.body)
+                if largest > st.largest_batch:
+                    st.largest_batch = largest
+                if (request.api_version >= 3 and records > request.body.max_bytes
+                        and any(q.fetch is not None for q, _ in applied)):
+                    # A broker that answers with more than max_bytes (tansu does) is held to it here.
+                    fetched -= records - trim_fetch(response.body, request.body.max_bytes)
         worst: tuple[int, _Quota, BudgetKey] | None = None
         for q, key in applied:
             budget = self.budgets.get(key, now, q.span_s)
@@ -454,6 +504,23 @@ def trim_fetch(body: Any, limit: int) -> int:
         p.records = records[:cut]
         kept += cut
     return kept
+
+
+_LEAST_OVERHEAD: dict[int, int] = {}
+
+
+def least_fetch_overhead(version: int, records: int) -> int:
+    """The fewest bytes a Fetch answer of ``version`` carrying at least ``records`` bytes of records has
+    besides them: its header and fields with one unnamed topic and one partition, and the records
+    field's length."""
+    got = _LEAST_OVERHEAD.get(version)
+    if got is None:
+        cls: Any = body_class(FETCH, "response")
+        body = cls(responses=[cls.FetchableTopicResponse(topic="", partitions=[
+            cls.PartitionData(partition_index=0, records=b"")])])
+        size = sum(len(b) for b in encode_response_frame(Response.build(FETCH, version, 0, body))) - 4
+        got = _LEAST_OVERHEAD[version] = size - (1 if version >= 12 else 4)   # less the empty field's length
+    return got + (len(write_uvarint(records + 1)) if version >= 12 else 4)
 
 
 def fetch_record_bytes(body: Any) -> tuple[int, int]:

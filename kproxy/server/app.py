@@ -35,6 +35,7 @@ from kproxy.protocol.messages import (
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.memo import AnswerMemo
 from kproxy.proxy.reencode import ReencodeCheck
 from kproxy.proxy.session import InFlight, Session
 from kproxy.proxy.topics import TopicNames
@@ -44,7 +45,7 @@ from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
-from kproxy.server.connection import ClientConnection, ConnectionSettings
+from kproxy.server.connection import ClientConnection, ConnectionSettings, run_clock
 from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
 from kproxy.server.origination import Roundtrip, direct_roundtrip
@@ -166,6 +167,8 @@ class ProxyServer:
                 self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
                                                opener=lambda host, port: open_upstream(host, port, self.upstream))
         self.chain = FilterChain([*builtin, *filters])
+        # Rewritten answers that repeat byte for byte (Metadata between cluster changes), by their bytes.
+        self.answer_memo = AnswerMemo()
         self._ids = itertools.count(1)
         self.connections: set[ClientConnection] = set()
         self._nursery: trio.Nursery | None = None
@@ -233,6 +236,7 @@ class ProxyServer:
 
         m.add_reader(connections)
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
+        m.add_reader(lambda: metric_families.memo_families(self.answer_memo))
         m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
         m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
@@ -493,7 +497,7 @@ class ProxyServer:
         front = self.identity.front(ctx)
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=self.topic_names, front=front,
-                          stream_min_bytes=self._cut_through_min_bytes())
+                          stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)
@@ -533,7 +537,7 @@ class ProxyServer:
 
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""
-        return ConnectionContext(connection_id, client_address=client_address, clock=trio.current_time,
+        return ConnectionContext(connection_id, client_address=client_address, clock=run_clock(),
                                  max_decompressed_batch_bytes=self.config.limits.max_decompressed_batch_bytes)
 
     def _completed(self, ctx: ConnectionContext, record: ClientRecord, entry: InFlight) -> None:

@@ -13,6 +13,7 @@ to connect, which ports to open) and a completion callback.
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import struct
@@ -62,6 +63,15 @@ REAUTH_AT = 0.85
 PRE_LOGIN_FRAME_CAP = 256 * 1024
 
 
+def run_clock() -> Callable[[], float]:
+    """``trio.current_time`` without its two layers of indirection (the run's own clock, the same
+    readings): a small request reads the time several times."""
+    try:
+        return trio.lowlevel.current_clock().current_time
+    except RuntimeError:        # outside a run (a connection built by a test before trio.run)
+        return trio.current_time
+
+
 class ConnectionClosed(Exception):
     """Ends a connection on purpose; the reason is logged once."""
 
@@ -76,7 +86,8 @@ class ClientWriter:
     send) while the others wait until what they queued is out. Queuing never waits, so the order is
     the session's; ``complete`` is called for each answer's entries once its bytes are written."""
 
-    __slots__ = ("_failed", "_idle", "_queue", "_queued", "_written", "complete", "transport", "writing")
+    __slots__ = ("_failed", "_idle", "_now", "_queue", "_queued", "_waiting", "_written", "complete", "transport",
+                 "writing")
 
     def __init__(self, transport: Transport, complete: Callable[[tuple[InFlight, ...], float], None]) -> None:
         self.transport = transport
@@ -86,6 +97,8 @@ class ClientWriter:
         self._written = 0         # answers ever written
         self.writing = False
         self._idle = trio.Event()
+        self._waiting = 0         # tasks waiting for another's write to finish
+        self._now = run_clock()
         self._failed: BaseException | None = None
 
     @property
@@ -102,7 +115,11 @@ class ClientWriter:
         target = self._queued
         while self.writing and self._written < target:
             # Another task is writing: it writes what this one queued too.
-            await self._idle.wait()
+            self._waiting += 1
+            try:
+                await self._idle.wait()
+            finally:
+                self._waiting -= 1
         if self._failed is not None:
             raise ClientGone("client closed the connection") from self._failed
         if self._written >= target:
@@ -118,14 +135,15 @@ class ClientWriter:
                     self._failed = e
                     raise ClientGone(f"client connection error: {e!r}") from e
                 self._written += len(batch)
-                now = trio.current_time()
+                now = self._now()
                 for _, done in batch:
                     if done:
                         self.complete(done, now)
         finally:
             self.writing = False
-            idle, self._idle = self._idle, trio.Event()
-            idle.set()
+            if self._waiting:
+                idle, self._idle = self._idle, trio.Event()
+                idle.set()
 
     async def splice(self, pipe: Pipe, src: Any, n: int) -> None:
         """Move ``n`` bytes from socket ``src`` to the client (``Pipe.relay``), after everything queued
@@ -141,8 +159,59 @@ class ClientWriter:
             raise ClientGone(str(e)) from e
         finally:
             self.writing = False
-            idle, self._idle = self._idle, trio.Event()
-            idle.set()
+            if self._waiting:
+                idle, self._idle = self._idle, trio.Event()
+                idle.set()
+
+
+class FifoLock:
+    """Held by one task at a time, handed on in the order tasks asked. Taking it uncontended is a
+    flag (trio's StrictFIFOLock also records its owner for the parking-lot breaker on every take,
+    a measurable share of a small request); a waiter is woken owning it, so none can barge in."""
+
+    __slots__ = ("_held", "_waiters")
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: collections.deque[trio.Event] = collections.deque()
+
+    def locked(self) -> bool:
+        return self._held
+
+    def acquire_nowait(self) -> None:
+        if self._held:
+            raise trio.WouldBlock
+        self._held = True
+
+    async def acquire(self) -> None:
+        await trio.lowlevel.checkpoint()     # a cancellation lands before anything is held
+        if not self._held:
+            self._held = True
+            return
+        handed = trio.Event()
+        self._waiters.append(handed)
+        try:
+            await handed.wait()
+        except BaseException:
+            if handed.is_set():
+                self.release()      # handed over as this task was cancelled: pass it on
+            else:
+                self._waiters.remove(handed)
+            raise
+
+    def release(self) -> None:
+        if not self._held:
+            raise RuntimeError("release of a FifoLock that is not held")
+        if self._waiters:
+            self._waiters.popleft().set()     # still held: now by the first waiter
+        else:
+            self._held = False
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
 
 
 @attrs.frozen(slots=True)
@@ -200,14 +269,15 @@ class ClientConnection:
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
         self.unrouted: tuple[int | None, str | None] | None = None   # (port, SNI name) not yet placed
-        self.opened_at = trio.current_time()
+        self._now = run_clock()
+        self.opened_at = self._now()
         self.requests_done = 0
         self.bytes_in = 0                           # request bytes from the client
         self.bytes_out = 0                          # response bytes to the client
         self._close_reason: str | None = None       # why another task closed the connection
         self.writer = ClientWriter(client, self._complete)
         # One task at a time connects and writes to the broker, in the order the session asked.
-        self._upstream_lock = trio.StrictFIFOLock()
+        self._upstream_lock = FifoLock()
         self.client_gone = False                    # the client went away (not kproxy closing it)
         self._room = trio.Event()                   # set when in-flight drops below the limit
         self._nursery: trio.Nursery | None = None
@@ -333,7 +403,9 @@ class ClientConnection:
             self._close_from_task("kproxy is shutting down (nothing in flight)")
 
     def _account(self) -> None:
-        held = sum(r.held_bytes for r in self._readers)
+        held = 0
+        for r in self._readers:
+            held += r.held_bytes
         if self._pipe is not None:
             held += self._pipe.capacity
         up = self.session.streaming_up
@@ -355,7 +427,7 @@ class ClientConnection:
         # A request streaming to the broker is read to its end whatever happens meanwhile (a drain, a
         # throttle): its first bytes are with the broker, which holds the write lock for the rest.
         while not self.draining or reader.streaming_left:
-            muted = session.throttled_for(trio.current_time())
+            muted = session.throttled_for(self._now())
             if muted > 0 and not reader.streaming_left:
                 # Throttled: read nothing until the time is up, as a broker mutes the channel, and
                 # hold no receive buffer meanwhile (the answer that said so is already on its way).
@@ -528,8 +600,8 @@ class ClientConnection:
             reauth_at = self._reauth_at
             if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
                 await self._renew_upstream_session()
-            transport = self.client.can_stream and (
-                self.upstream.can_stream if self.upstream is not None else self.settings.upstream.tls is None)
+            # A broker connection not open yet will be one of kproxy's transports, which all stream.
+            transport = self.client.can_stream and (self.upstream is None or self.upstream.can_stream)
             if not session.request_stream_start(size, head, transport):
                 return
             reader.stream_current()
@@ -611,7 +683,7 @@ class ClientConnection:
         if entry is not None:
             # Stamped before the send: while it waits for the socket, the other pump may already
             # read the answer, and the broker's time must never come out negative.
-            entry.forwarded_at = trio.current_time()
+            entry.forwarded_at = self._now()
             entry.broker = self.connected_to
         try:
             await self.upstream.send(action.buffers)
@@ -764,10 +836,13 @@ class ClientConnection:
                 if n == 0:
                     raise ConnectionError("broker closed the connection")
                 reader.received(n)
-                streams = session.stream_min_bytes is not None
+                min_bytes = session.stream_min_bytes
                 while True:
-                    if streams or reader.streaming_left:
-                        # A large answer starting (or going on) here may go out as it arrives.
+                    if reader.streaming_left or (
+                            min_bytes is not None and (starting := reader.frame_starting(whole=True)) is not None
+                            and starting[0] >= min_bytes):
+                        # A large answer starting (or going on) here may go out as it arrives (one
+                        # too small to stream costs no coroutine).
                         await self._stream_pieces(reader, upstream)
                     frame = reader.next_frame()
                     if frame is None:

@@ -129,6 +129,17 @@ class PlainTransport(Transport):
     async def send(self, buffers: list) -> None:
         raw = self.raw
         if len(buffers) == 1:
+            first = buffers[0]
+            if type(first) is bytes and len(first) <= _SMALL:
+                # A small answer or request: one send that almost always takes it whole.
+                try:
+                    sent = raw.send(first)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent == len(first):
+                    await self._fair()
+                    return
+                buffers = [first[sent:]]
             # Most frames are one buffer: plain send, no list bookkeeping.
             view = memoryview(buffers[0]).cast("B")
             while view:
@@ -182,6 +193,11 @@ class TlsTransport(Transport):
     back. ``raw`` is the stdlib socket under the stream, peeked at like the plain transport's."""
 
     __slots__ = ("_full_record", "_left", "raw", "stream")
+    # Cut-through is safe over TLS too: a receive copies decrypted bytes into the frame reader's own
+    # chunk (never a buffer TLS keeps), and a send has encrypted every byte of the views it was given
+    # (SSLObject.write takes them whole into its memory BIO) before it returns, which is before the
+    # pump receives into that chunk again.
+    can_stream = True
 
     def __init__(self, stream: trio.SSLStream, raw: socket.socket | None = None) -> None:
         self.stream = stream

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kproxy.config import MetricsConfig
-from kproxy.proxy.session import STREAMED, UPSTREAM_LOST
+from kproxy.proxy.session import STORED, STREAMED, UPSTREAM_LOST
 from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
 
 # Seconds: from sub-millisecond metadata answers to long polls and rebalances.
@@ -111,6 +111,7 @@ class Metrics(Collector):
         self.streams_broken = 0
         self.spliced_bytes = 0
         self.requests_broken: dict[str, int] = {}   # streamed requests cut off part-way, by the side that failed
+        self.answers_stored: dict[tuple[str, str], int] = {}   # large answers stored, by (api, reason)
         self.throttle_seconds: dict[str, float] = {}
         self.denied: dict[str, int] = {}
         self.records_refused: dict[str, int] = {}
@@ -148,6 +149,9 @@ class Metrics(Collector):
             c.paths[e.path] = c.paths.get(e.path, 0) + 1
             if e.path == STREAMED and e.outcome == UPSTREAM_LOST:
                 self.streams_broken += 1
+            elif e.response_why_stored is not None and e.path == STORED:
+                key = (x.api, e.response_why_stored)
+                self.answers_stored[key] = self.answers_stored.get(key, 0) + 1
             if e.spliced_bytes:
                 self.spliced_bytes += e.spliced_bytes
         if e.api_key == PRODUCE:
@@ -221,10 +225,11 @@ class Metrics(Collector):
         yield _counter("kproxy_frames", "Frames forwarded, by API, direction and path: stored whole first, or "
                        "streamed while they arrived (cut-through). Direction response: broker answers to "
                        "clients; request: Produce requests to brokers.", ["api", "direction", "path"], frames)
-        yield _counter("kproxy_frames_stored_large", "Requests large enough to stream (cut_through_min_bytes) "
-                       "that were stored whole, by API and reason (transport, throttled, sasl, busy, "
-                       "filter NAME).", ["api", "direction", "reason"],
-                       {(a, "request", r): n for a, c in apis for r, n in c.stored_why.items()})
+        stored = {(a, "request", r): n for a, c in apis for r, n in c.stored_why.items()}
+        stored.update({(a, "response", r): n for (a, r), n in self.answers_stored.items()})
+        yield _counter("kproxy_frames_stored_large", "Frames large enough to stream (cut_through_min_bytes) "
+                       "that were stored whole, by API, direction and reason (transport, throttled, sasl, busy, "
+                       "order, filter NAME).", ["api", "direction", "reason"], stored)
         yield _counter("kproxy_streamed_requests_broken", "Streamed requests cut off part-way, by the side that "
                        "failed: client (it went away mid-frame; the broker connection was closed) or broker "
                        "(lost mid-frame; the rest was dropped and the client told to retry).", ["side"],
@@ -292,6 +297,17 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
                  {(d,): decode_errors.get(d, 0) for d in ("request", "response")}),
         _counter("kproxy_upstream_connect_failures", "Failed connection attempts to brokers, by broker.",
                  ["broker"], {(k,): v for k, v in upstream_failures.items()}),
+    ]
+
+
+def memo_families(memo: Any) -> list[Metric]:
+    """Rewritten answers sent again from memory (kproxy.proxy.memo), and what the memory holds."""
+    return [
+        _counter("kproxy_remembered_answers", "Broker answers looked up by their bytes among rewritten "
+                 "answers already sent (only for apis whose response filters are all pure), by result.",
+                 ["result"], {("hit",): memo.hits, ("miss",): memo.misses}),
+        GaugeMetricFamily("kproxy_remembered_answer_bytes", "Bytes held by remembered rewritten answers.",
+                          value=memo.bytes),
     ]
 
 

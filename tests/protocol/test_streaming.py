@@ -201,7 +201,11 @@ def test_fetch_streams_what_store_and_forward_sends(answer, cuts, host, port):
     assert used == len(sent) - 8 - (1 if v >= 12 else 0)
     buf = io.BytesIO()
     entity_writer(cls)(buf, entity)
-    assert buf.getvalue() == sent[8 + (1 if v >= 12 else 0):]
+    # The oracle writes what it read as kproxy's codec does: the bytes sent, with a count varint
+    # stretched into one or two spare bytes written minimally.
+    minimal = joined(encode_response_frame(decode_response(memoryview(sent)[4:], FETCH, v, keep_trailing=True)))
+    assert buf.getvalue() == minimal[8 + (1 if v >= 12 else 0):]
+    assert minimal == sent or (stream.padded and len(minimal) < len(sent))
 
 
 @given(answer=fetch_answers(), cuts=st.lists(st.integers(0, 1 << 20), max_size=8))

@@ -22,7 +22,7 @@ from kproxy.quota.engine import QuotaFilter, fetch_record_bytes, produce_record_
 from kproxy.quota.rate import SampledRate, Windows, throttle_seconds
 
 from .rulebook import Clock, rule_set, session, write_rules
-from .test_policy_filter import broker_answers, send
+from .test_policy_filter import broker_answers, response_frame, send
 from .test_session import answered, forwarded
 
 PRODUCE, FETCH, METADATA = 0, 1, 3
@@ -407,6 +407,11 @@ quotas:
 """
 
 
+def answer_size(*sizes: int, version: int = 12) -> int:
+    """The size of ``fetch_answer(*sizes)`` as the broker sends it (header and body): what it is charged."""
+    return len(response_frame(FETCH, version, 0, fetch_answer(*sizes)))
+
+
 def fetch_once(s: Session, max_bytes: int, sizes: tuple[int, ...], version: int = 12) -> tuple[Any, Any]:
     """(the Fetch as the broker got it, the answer the client got)."""
     up = forwarded(send(s, FETCH, version, fetch_request(max_bytes, version=version))[-1])
@@ -422,7 +427,11 @@ def test_a_fetch_is_lowered_to_what_the_budget_allows_but_never_below_one_batch(
     # 2000 bytes left, but the largest batch seen is 8000; the 3000 beyond it are cut off.
     up, resp = fetch_once(s, 50 << 20, (6000, 3000))
     assert up.body.max_bytes == 8000
-    assert resp.body.throttle_time_ms == kafka_throttle_ms(14000, 1.0, 10000) == 400
+    # A Fetch is charged its answer's size, as a Kafka broker charges it: the batches, less what
+    # was cut off, and the answer's own fields.
+    charged = answer_size(8000) + answer_size(6000, 3000) - 3000
+    assert 14000 < charged < 14200
+    assert resp.body.throttle_time_ms == kafka_throttle_ms(charged, 1.0, 10000)
     # Over the budget: still one batch.
     up, _ = fetch_once(s, 50 << 20, (100,))
     assert up.body.max_bytes == 8000
@@ -468,7 +477,8 @@ def test_an_old_fetch_without_max_bytes_shares_the_budget_over_its_partitions(tm
     up, _ = fetch_once(s, 0, (300, 300), version=2)
     assert {p.partition_max_bytes for p in up.body.topics[0].partitions} == {1 << 20}   # no batch seen yet
     up, _ = fetch_once(s, 0, (300,), version=2)
-    assert {p.partition_max_bytes for p in up.body.topics[0].partitions} == {(10000 - 600) // 2}
+    left = 10000 - answer_size(300, 300, version=2)
+    assert {p.partition_max_bytes for p in up.body.topics[0].partitions} == {left // 2} and left < 10000 - 600
 
 
 def test_an_acks0_produce_is_charged_when_sent_and_mutes_the_connection(tmp_path):

@@ -1,0 +1,224 @@
+"""Rewritten answers remembered by their bytes: a repeat is sent as before, never stale, never another
+listener's, and never when a filter that is not pure sees the api."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kproxy.protocol.messages import (
+    Request,
+    Response,
+    body_class,
+    decode_response,
+    encode_request_frame,
+    encode_response_frame,
+)
+from kproxy.proxy.addresses import AddressMap, AddressRewriter
+from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.memo import AnswerMemo, Remembered
+from kproxy.proxy.reencode import ReencodeCheck
+from kproxy.proxy.session import Listen, Session, ToClient
+from kproxy.proxy.topics import TopicNames
+
+METADATA = 3
+PROXY = "proxy.example"
+
+
+def metadata_answer(brokers, cluster_id: str = "c1", version: int = 12) -> Any:
+    cls = body_class(METADATA, "response")
+    return cls(cluster_id=cluster_id, controller_id=1,
+               brokers=[cls.MetadataResponseBroker(node_id=n, host=h, port=p) for n, h, p in brokers])
+
+
+class Client:
+    """One session; each ``ask`` sends a Metadata request and answers it with ``body``."""
+
+    def __init__(self, chain: FilterChain, memo: AnswerMemo, listener: str = "bootstrap", **kw: Any) -> None:
+        self.session = Session(ConnectionContext(1, listener=listener), chain, memo=memo, **kw)
+        self.cid = 100
+
+    def ask(self, body: Any, version: int = 12) -> tuple[list, Any, Any]:
+        """(actions, what the client decodes, the completed entry)."""
+        self.cid += 1
+        req = Request.build(METADATA, version, self.cid, "app", body_class(METADATA, "request")(topics=[]))
+        out = self.session.client_frame(memoryview(b"".join(encode_request_frame(req))[4:]))
+        upstream_id = bytes(out[-1].buffers[0][8:12])
+        frame = upstream_id + b"".join(encode_response_frame(Response.build(METADATA, version, 0, body)))[8:]
+        out = self.session.upstream_frame(memoryview(frame))
+        sent = out[-1]
+        assert isinstance(sent, ToClient)
+        data = b"".join(bytes(b) for b in sent.buffers)
+        resp = decode_response(memoryview(data)[4:], METADATA, version)
+        assert resp.correlation_id == self.cid
+        (entry,) = sent.done
+        return out, resp, entry
+
+
+def rewriter_setup(**kw: Any) -> tuple[AddressMap, FilterChain, AnswerMemo]:
+    m = AddressMap(PROXY, 19000, 16, **kw)
+    return m, FilterChain([AddressRewriter(m)]), AnswerMemo()
+
+
+def confirm_all(m: AddressMap) -> None:
+    for p in m.pending_ports():
+        m.confirm(p)
+
+
+def test_a_repeated_answer_is_sent_from_memory_byte_for_byte():
+    m, chain, memo = rewriter_setup()
+    c = Client(chain, memo)
+    body = metadata_answer([(1, "b1.internal", 9092), (2, "b2.internal", 9092)])
+    first, resp1, _ = c.ask(body)
+    # The ports were new: the answer asked for them, so it was not remembered.
+    assert isinstance(first[0], Listen) and memo.stored == 0
+    confirm_all(m)
+    _, resp2, _ = c.ask(body)
+    assert memo.stored == 1 and memo.hits == 0
+    out, resp3, entry = c.ask(body)
+    assert memo.hits == 1
+    assert [type(a) for a in out] == [ToClient]
+    assert [(b.node_id, b.host, b.port) for b in resp3.body.brokers] == [(1, PROXY, 19000), (2, PROXY, 19001)]
+    assert resp3.body == resp2.body == resp1.body
+    # The completed entry carries the answer as sent, with this request's correlation id.
+    assert entry.response.correlation_id == c.cid and entry.response.body == resp3.body
+    assert entry.response_bytes == len(b"".join(bytes(b) for b in out[0].buffers))
+
+
+def test_a_moved_broker_is_never_answered_from_memory():
+    m, chain, memo = rewriter_setup()
+    c = Client(chain, memo)
+    c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+    confirm_all(m)
+    c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+    assert memo.stored == 1
+    # Another connection's answer says node 1 moved; the route must follow it ...
+    c.ask(metadata_answer([(1, "b1.elsewhere", 9093)]))
+    assert m.route_for_port(19000).upstream == ("b1.elsewhere", 9093)
+    # ... and an old answer naming the old place moves it back, as without memory (it was stored
+    # under the map as it was then).
+    c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+    assert m.route_for_port(19000).upstream == ("b1.internal", 9092)
+
+
+def test_a_withdrawn_port_is_not_advertised_from_memory():
+    m, chain, memo = rewriter_setup()
+    c = Client(chain, memo)
+    body = metadata_answer([(1, "b1.internal", 9092), (2, "b2.internal", 9092)])
+    c.ask(body)
+    confirm_all(m)
+    c.ask(body)
+    _, resp, _ = c.ask(body)
+    assert memo.hits == 1 and {b.port for b in resp.body.brokers} == {19000, 19001}
+    m.withdraw(19001, "address in use")
+    out, resp, _ = c.ask(body)
+    # Node 2 gets another port (asked for before the answer goes out); 19001 is never named again.
+    assert memo.hits == 1
+    assert isinstance(out[0], Listen)
+    assert 19001 not in {b.port for b in resp.body.brokers}
+
+
+class ListenerName(Filter):
+    """Pure, but its answer depends on the listener: writes it into the cluster id."""
+
+    name = "listener-name"
+    response_api_keys = frozenset({METADATA})
+
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
+        response.body.cluster_id = ctx.listener
+        return 0.0
+
+    def memo_key(self, ctx: ConnectionContext, api_key: int) -> int:
+        return 0
+
+
+def test_an_answer_remembered_on_one_listener_is_not_sent_on_another():
+    memo = AnswerMemo()
+    chain = FilterChain([ListenerName()])
+    a = Client(chain, memo, listener="broker-1")
+    b = Client(chain, memo, listener="broker-2")
+    body = metadata_answer([])
+    for _ in range(2):
+        assert a.ask(body)[1].body.cluster_id == "broker-1"
+        assert b.ask(body)[1].body.cluster_id == "broker-2"
+    assert memo.hits == 2
+
+
+class Counting(Filter):
+    """Not pure (the default): it must see every answer."""
+
+    name = "counting"
+    response_api_keys = frozenset({METADATA})
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
+        self.seen += 1
+        return 0.0
+
+
+def test_a_filter_that_is_not_pure_sees_every_answer():
+    m, _, memo = rewriter_setup()
+    counting = Counting()
+    c = Client(FilterChain([AddressRewriter(m), counting]), memo)
+    for _ in range(3):
+        c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+        confirm_all(m)
+    assert counting.seen == 3 and memo.stored == 0 and memo.hits == 0
+
+
+def test_different_bytes_and_versions_are_different_answers():
+    m, chain, memo = rewriter_setup()
+    c = Client(chain, memo)
+    c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+    confirm_all(m)
+    assert c.ask(metadata_answer([(1, "b1.internal", 9092)], cluster_id="c1"))[1].body.cluster_id == "c1"
+    assert c.ask(metadata_answer([(1, "b1.internal", 9092)], cluster_id="c2"))[1].body.cluster_id == "c2"
+    _, resp, _ = c.ask(metadata_answer([(1, "b1.internal", 9092)]), version=9)
+    assert resp.api_version == 9
+    assert memo.hits == 0 and memo.stored == 3
+
+
+def test_topic_names_being_learned_are_read_from_every_answer():
+    m, chain, memo = rewriter_setup()
+    names = TopicNames()
+    names.want(lambda: True)
+    c = Client(chain, memo, topic_names=names)
+    for _ in range(3):
+        c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+        confirm_all(m)
+    assert memo.stored == 0 and memo.hits == 0
+
+
+def test_no_memory_while_the_transparency_check_runs():
+    m, chain, memo = rewriter_setup()
+    c = Client(chain, memo, reencode=ReencodeCheck(1.0))
+    for _ in range(3):
+        c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+        confirm_all(m)
+    assert memo.stored == 0 and memo.hits == 0 and memo.misses == 0
+
+
+def test_the_memory_is_bounded_in_entries_and_bytes():
+    memo = AnswerMemo(max_entries=2, max_bytes=1000)
+    r = Remembered(b"x" * 10, None, None, 0)
+    for k in range(3):
+        memo.put(k, r, 100)
+    assert len(memo) == 2 and memo.get(0) is None and memo.get(2) is r
+    memo.get(1)
+    memo.put(3, r, 100)
+    assert memo.get(2) is None and memo.get(1) is r
+    memo.put(4, r, 900)     # the least recently used (3) goes to make room
+    assert memo.get(3) is None and memo.get(1) is r and memo.bytes == 1000
+    memo.put(5, r, 1001)    # larger than the whole memory: not kept
+    assert memo.get(5) is None and memo.bytes == 1000
+
+
+def test_large_answers_are_not_remembered():
+    m, chain, _ = rewriter_setup()
+    memo = AnswerMemo(max_frame=64)
+    c = Client(chain, memo)
+    for _ in range(3):
+        c.ask(metadata_answer([(1, "b1.internal", 9092)], cluster_id="c" * 100))
+        confirm_all(m)
+    assert memo.stored == 0
