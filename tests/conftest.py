@@ -4,6 +4,8 @@ The codec tests in tests/protocol compare all paths on their own, whatever is ch
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kproxy.protocol import compiler
@@ -25,3 +27,33 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"kproxy codec: {compiler.codec_implementation()}, lazy arrays from {compiler.LAZY_MIN_ITEMS} items"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``make test`` runs ``-n 2``) each test file runs whole on one worker, so its
+    module fixtures (a built wheel, a proxy per module) are made once, and every analytics file goes
+    to the same worker, so one Spark session serves them all (each worker would start its own)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def schedule(self) -> None:
+            self.config.option.loadscopereorder = False     # hand files out in collection order (_FIRST)
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/analytics" if path.startswith("tests/analytics/") else path
+
+    return ByFile(config, log)
+
+
+# Under pytest-xdist, the files whose tests wait longest (Spark, package builds, brokers) are handed
+# out first, so the last ones left are short and the two workers finish together.
+_FIRST = ("tests/analytics/", "tests/release/", "tests/e2e/", "tests/deploy/")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):      # the same order in every worker, as xdist requires
+        items.sort(key=lambda item: next((i for i, p in enumerate(_FIRST) if item.nodeid.startswith(p)),
+                                         len(_FIRST)))

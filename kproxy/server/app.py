@@ -58,12 +58,11 @@ from kproxy.server.transport import (
     PlainTransport,
     SniNames,
     TlsTransport,
-    Transport,
     client_context,
     server_context,
     tune,
 )
-from kproxy.server.upstream import UpstreamSettings, open_upstream
+from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
 from kproxy.telemetry import metrics as metric_families
 from kproxy.telemetry.metrics import Metrics
 from kproxy.telemetry.outputs import Telemetry
@@ -139,7 +138,7 @@ class ProxyServer:
             _reloading("upstream.tls", config.upstream.tls, lambda: client_context(config.upstream.tls),
                        server_side=False, expiry=self.certificates) if config.upstream.tls.enabled else None)
         # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
-        self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls)
+        self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls, self.identity.originator)
         self.tls_poll_interval_s = TLS_POLL_INTERVAL_S
         principal = config.tls.principal
         self.principal_mapper = PrincipalMapper.from_config(principal.mapping_rules, principal.san_uri)
@@ -163,8 +162,10 @@ class ProxyServer:
                                  config.quota_share(self.workers), coordinated=coordinated)
             builtin.append(quotas)
             if coordinated:
+                # A session past the broker's re-authentication deadline is closed by the broker,
+                # and the coordinator opens a new one, which logs in anew.
                 self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
-                                               opener=self._open_upstream)
+                                               opener=lambda host, port: open_upstream(host, port, self.upstream))
         self.chain = FilterChain([*builtin, *filters])
         # Rewritten answers that repeat byte for byte (Metadata between cluster changes), by their bytes.
         self.answer_memo = AnswerMemo()
@@ -186,17 +187,14 @@ class ProxyServer:
             frame_cap=min(limits.max_frame_size, limits.max_buffered_bytes),
             max_in_flight=limits.max_in_flight_requests,
             bootstrap_servers=tuple((hp.host, hp.port) for hp in upstream.bootstrap_servers),
-            connect_timeout_s=upstream.connect_timeout_s,
+            upstream=self.upstream,
             request_timeout_s=upstream.request_timeout_s,
             unauthenticated_timeout_s=limits.unauthenticated_idle_timeout_s,
             idle_timeout_s=limits.idle_timeout_s,
             frame_timeout_s=limits.frame_timeout_s,
-            upstream_tls=self.upstream_tls,
-            upstream_server_hostname=upstream.tls.server_hostname,
             splice=config.cut_through_splice,
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
-            originator=self.identity.originator,
         )
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
         # How late the event loop runs a short timer (see _watch_loop_lag).
@@ -562,22 +560,6 @@ class ProxyServer:
             log.warning("no broker known for %s; sending it to the bootstrap servers", port or safe(name))
         return route
 
-    async def _open_upstream(self, host: str, port: int) -> Transport:
-        """A broker connection opened as discovery opens one: upstream TLS with its server name, then
-        kproxy's own SASL login when upstream.sasl is set. (The fleet quota coordinator's opener; a
-        session past the broker's re-authentication deadline is closed by the broker, and the
-        coordinator opens a new one.)"""
-        up = self.config.upstream
-        t = await open_upstream(host, port, self.upstream)
-        if self.identity.originator is not None:
-            try:
-                roundtrip = direct_roundtrip(t, up.request_timeout_s, self.config.limits.max_frame_size)
-                await self.identity.originator.login(roundtrip, f"{host}:{port}")
-            except BaseException:
-                t.close()
-                raise
-        return t
-
     # -- broker discovery
 
     async def discover(self) -> bool:
@@ -620,28 +602,32 @@ class ProxyServer:
             try:
                 t = await open_upstream(hp.host, hp.port, self.upstream)
             except (OSError, trio.TooSlowError) as e:
-                log.warning("discovery: cannot reach %s: %s", hp, e or "timed out")
+                if login_failed(e):
+                    self._discovery_failed(hp, e)
+                else:
+                    log.warning("discovery: cannot reach %s: %s", hp, str(e) or "timed out")
                 continue
             try:
                 roundtrip = direct_roundtrip(t, cfg.request_timeout_s, self.config.limits.max_frame_size)
                 with trio.fail_after(cfg.request_timeout_s):
-                    if self.identity.originator is not None:
-                        await self.identity.originator.login(roundtrip, str(hp))
                     await self._discover_on(roundtrip)
                 if not self.discovered:
                     self.discovered = True
                 return True
             except (OSError, trio.TooSlowError, KProxyError, trio.BrokenResourceError) as e:
-                if self.bootstrap_answered and not self.discovered:
-                    # It answers ApiVersions but not Metadata: a broker that requires SASL, most likely.
-                    log.warning("discovery via %s: it answered ApiVersions but not Metadata (%s); a broker "
-                                "that requires SASL refuses Metadata before authentication. Brokers are "
-                                "learned from the clients' own Metadata instead", hp, e or "timed out")
-                else:
-                    log.warning("discovery via %s failed: %s", hp, e or "timed out")
+                self._discovery_failed(hp, e)
             finally:
                 t.close()
         return False
+
+    def _discovery_failed(self, hp: HostPort, e: BaseException) -> None:
+        if self.bootstrap_answered and not self.discovered:
+            # It answers ApiVersions but not Metadata: a broker that requires SASL, most likely.
+            log.warning("discovery via %s: it answered ApiVersions but not Metadata (%s); a broker "
+                        "that requires SASL refuses Metadata before authentication. Brokers are "
+                        "learned from the clients' own Metadata instead", hp, str(e) or "timed out")
+        else:
+            log.warning("discovery via %s failed: %s", hp, str(e) or "timed out")
 
     async def _discover_on(self, roundtrip: Roundtrip) -> None:
         av = await roundtrip(Request.build(18, 0, 1, "kproxy", body_class(18, "request")()))
@@ -695,12 +681,15 @@ class ProxyServer:
 async def serve_until_signal(server: ProxyServer) -> None:
     """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
     and any changed TLS files."""
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        if server.worker is not None:
-            nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            # From here on a signal is kproxy's to handle (before, SIGHUP's default would end it).
+    # Signals are kproxy's before the first port is bound: /readyz says ready as soon as a bootstrap
+    # server answers, while discovery may still wait for Metadata, and a SIGTERM then (a supervisor's,
+    # a kubelet's) would otherwise end the process at once without a drain or a last log line. One
+    # that arrives during start-up waits here until the server has started, then drains it.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            if server.worker is not None:
+                nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
             log.info("signals: SIGTERM or SIGINT drains, SIGHUP reloads the rule files")
             async for signum in signals:
                 name = signal.Signals(signum).name

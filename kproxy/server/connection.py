@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import logging
 import socket
-import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -46,11 +45,11 @@ from kproxy.proxy.session import (
     ToUpstream,
 )
 from kproxy.server.budget import BufferBudget
-from kproxy.server.origination import Originator, direct_roundtrip
 from kproxy.server.splice import Pipe, SinkError
 from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
-from kproxy.server.transport import PlainTransport, Transport, connect
+from kproxy.server.transport import PlainTransport, Transport
+from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
 
 log = logging.getLogger("kproxy.server")
 
@@ -222,18 +221,15 @@ class ConnectionSettings:
     frame_cap: int
     max_in_flight: int
     bootstrap_servers: tuple[tuple[str, int], ...]
-    connect_timeout_s: float
+    # How each broker connection is opened (TLS, and kproxy's own login when upstream.sasl is set).
+    upstream: UpstreamSettings
     request_timeout_s: float
     unauthenticated_timeout_s: float = 0.0
     idle_timeout_s: float = 0.0
     frame_timeout_s: float = 0.0
-    upstream_tls: ssl.SSLContext | None = None
-    upstream_server_hostname: str | None = None
     frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
     # Streamed record batch bodies go broker -> client by splice(2) where the platform allows.
     splice: bool = False
-    # upstream.sasl: every broker connection logs in as kproxy before any request goes on it.
-    originator: Originator | None = attrs.field(default=None, eq=False)
 
     @property
     def watchdog_period(self) -> float | None:
@@ -682,7 +678,7 @@ class ClientConnection:
             try:
                 await self._connect_upstream()
             except (OSError, trio.TooSlowError) as e:
-                return f"cannot connect: {e or 'timed out'}", True
+                return f"cannot connect: {str(e) or 'timed out'}", True
         assert self.upstream is not None
         if entry is not None:
             # Stamped before the send: while it waits for the socket, the other pump may already
@@ -729,26 +725,21 @@ class ClientConnection:
         last: Exception | None = None
         for host, port in targets:
             try:
-                self.upstream = await connect(host, port, s.connect_timeout_s, s.upstream_tls,
-                                              s.upstream_server_hostname)
+                self.upstream = await open_upstream(host, port, s.upstream)
                 self.connected_to = (host, port)
                 break
             except (OSError, trio.TooSlowError) as e:
+                if login_failed(e):
+                    # Reached, but kproxy's own login failed: the next broker would refuse it too.
+                    self.connected_to = (host, port)
+                    raise
                 last = e
                 if self.stats is not None:
                     self.stats.upstream_failed(host, port)
         else:
             raise last or OSError("no upstream")
-        originator = s.originator
-        if originator is not None:
-            where = f"{self.connected_to[0]}:{self.connected_to[1]}"
-            try:
-                lifetime = await originator.login(direct_roundtrip(self.upstream, s.request_timeout_s), where)
-            except BaseException:
-                self.upstream.close()
-                self.upstream = None
-                raise
-            self._schedule_reauth(lifetime)
+        if s.upstream.originator is not None:
+            self._schedule_reauth(self.upstream.session_lifetime_ms)
         self._upstream_generation += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
@@ -780,7 +771,7 @@ class ClientConnection:
         answers in order), and kproxy takes the answers to its own login from the upstream pump
         (which never waits for this lock while a client request is being read: questions are
         settled before the client pump reads on)."""
-        originator = self.settings.originator
+        originator = self.settings.upstream.originator
         assert originator is not None
         send, receive = trio.open_memory_channel[bytes](4)
         timeout = self.settings.request_timeout_s
@@ -803,7 +794,7 @@ class ClientConnection:
             try:
                 lifetime = await originator.login(roundtrip, where)
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                failed = f"re-authentication failed: {e or 'timed out'}"
+                failed = f"re-authentication failed: {str(e) or 'timed out'}"
             finally:
                 self._login_answers = None
                 self._login_ids.clear()

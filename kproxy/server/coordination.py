@@ -27,7 +27,8 @@ from kproxy.protocol.records import Compression, RecordBatch, build_batch, iter_
 from kproxy.quota.budgets import Budget, BudgetKey
 from kproxy.quota.engine import QuotaFilter
 from kproxy.quota.fleet import FleetShares, Load, decode_record, record_key, record_value
-from kproxy.server.transport import Transport, client_context, connect
+from kproxy.server.transport import Transport
+from kproxy.server.upstream import UpstreamSettings, open_upstream
 
 log = logging.getLogger("kproxy.quota.coordination")
 
@@ -129,9 +130,13 @@ class Coordinator:
         self.interval = coord.publish_interval_ms / 1000.0
         upstream = config.upstream
         # How a broker connection is opened: the server passes its own (the same TLS, and SASL when it
-        # exists, as every other upstream connection); alone, the upstream settings are used here.
-        self.opener = opener or self._connect
-        self.tls = client_context(upstream.tls) if upstream.tls.enabled and opener is None else None
+        # exists, as every other upstream connection); alone, open_upstream with the upstream settings.
+        if opener is None:
+            settings = UpstreamSettings.from_config(upstream)
+            self.opener: Callable[[str, int], Awaitable[Transport]] = (
+                lambda host, port: open_upstream(host, port, settings))
+        else:
+            self.opener = opener
         self.timeout = min(upstream.request_timeout_s, max(coord.stale_after_s / 2, self.interval))
         self.up = False                     # as last logged and exported
         self.switches = 0
@@ -239,10 +244,6 @@ class Coordinator:
             await self._read()
             self.apply(loads)
             await trio.sleep_until(due)
-
-    async def _connect(self, host: str, port: int) -> Transport:
-        up = self.config.upstream
-        return await connect(host, port, up.connect_timeout_s, self.tls, up.tls.server_hostname)
 
     async def _open(self, host: str, port: int) -> _Link:
         t = await self.opener(host, port)

@@ -49,6 +49,9 @@ class Transport:
 
     peer_subject: str | None = None
     server_name: str | None = None
+    # A broker connection kproxy logged in on (upstream.sasl): the session lifetime the broker gave
+    # that login, in ms (KIP-368; 0: no limit). Set by kproxy.server.upstream.open_upstream.
+    session_lifetime_ms = 0
     # Whether a large frame may be forwarded while it arrives (cut-through): the transport receives
     # into the frame reader's own chunk and sends views without copying them.
     can_stream = False

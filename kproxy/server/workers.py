@@ -96,17 +96,19 @@ class Supervisor:
                         for i in range(self.count)]
 
     async def run(self) -> int:
-        async with trio.open_nursery() as nursery:
-            for w in self.workers:
-                await w.start()
-                nursery.start_soon(self._watch, w)
-            if self.config.admin.listen is not None:
-                listener = admin.bind(self.config.admin.listen)
-                merged = SupervisorAdmin(self, listener)
-                nursery.start_soon(merged.serve)
-                log.info("admin listener on %s: merged /metrics and /clients of %d workers, /livez /readyz /config /rules",
-                         self.config.admin.listen, self.count)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        # Signals are the supervisor's before the first worker starts: one that arrives meanwhile is
+        # passed on once they all run, instead of ending the supervisor and orphaning them.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async with trio.open_nursery() as nursery:
+                for w in self.workers:
+                    await w.start()
+                    nursery.start_soon(self._watch, w)
+                if self.config.admin.listen is not None:
+                    listener = admin.bind(self.config.admin.listen)
+                    merged = SupervisorAdmin(self, listener)
+                    nursery.start_soon(merged.serve)
+                    log.info("admin listener on %s: merged /metrics and /clients of %d workers, /livez /readyz "
+                             "/config /rules", self.config.admin.listen, self.count)
                 async for signum in signals:
                     name = signal.Signals(signum).name
                     if signum != signal.SIGHUP:

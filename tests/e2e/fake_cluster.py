@@ -73,6 +73,9 @@ class FakeBroker:
         self._offsets: dict[tuple[str, int], int] = {}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # A broker slow to answer Metadata: while this is an Event not yet set, Metadata requests
+        # wait for it (up to 30 s) before they are answered; every connection of this broker waits.
+        self.metadata_gate: threading.Event | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -196,6 +199,8 @@ class FakeBroker:
         if api_key == API_VERSIONS:
             answer = self._api_versions(0)
         elif api_key == METADATA:
+            if self.metadata_gate is not None:
+                self.metadata_gate.wait(30)
             answer = self._metadata(body, api_version)
         elif api_key == FIND_COORDINATOR:
             answer = self._find_coordinator(body, api_version)

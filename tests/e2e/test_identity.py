@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from kproxy.config import parse_config
+from kproxy.protocol.messages import body_class
 from kproxy.server.embedded import ProxyThread
 from kproxy.userfile import add_user
 from tests.e2e.oidc import OidcProvider
@@ -37,6 +38,7 @@ from tests.e2e.sasl_gate import (
 )
 from tests.e2e.tansu import Tansu, unique_name
 from tests.e2e.test_sasl import PrincipalRecorder, kproxy_text
+from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
 
@@ -326,6 +328,55 @@ def test_kproxy_originates_scram_for_clients_without_credentials(
     assert gate.refused == [] or all(c for c, _ in gate.refused)
     text = kproxy_text(kproxy_log)
     assert "kproxy holds the cluster's credentials" in text
+    assert SERVICE_PASSWORD not in text
+
+
+def test_a_refused_origination_login_is_said_and_is_no_unreachable_broker(
+        gate: SaslGate, tmp_path: Path, recorder: PrincipalRecorder, kproxy_log: pytest.LogCaptureFixture) -> None:
+    gate.require_sasl = True
+    secret = tmp_path / "password"
+    secret.write_text("not the service password\n")
+    with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret)) as proxy:
+        w = Wire(proxy.bootstrap, timeout=10)
+        w.send(3, 12, 1, body_class(3, "request")(topics=[]))
+        assert w.closed_by_peer()                   # no broker connection to be had: closed, with the reason
+        w.close()
+        # The broker was reached, so it is not counted as one kproxy cannot connect to.
+        assert proxy.server.stats.upstream_connect_failures == {}
+    text = kproxy_text(kproxy_log)
+    refused = "the broker refused kproxy's SCRAM-SHA-512 login"
+    assert f"discovery via {gate.bootstrap} failed: {refused}" in text, text
+    assert f"lost the connection to {gate.bootstrap}: cannot connect: {refused}" in text, text
+    assert "not the service password" not in text
+
+
+def test_an_unanswered_origination_login_is_said_to_have_timed_out(
+        tmp_path: Path, kproxy_log: pytest.LogCaptureFixture) -> None:
+    # A listener that never accepts: the kernel completes the handshake and keeps what kproxy sends,
+    # and nothing ever answers its login.
+    silent = socket.create_server(("127.0.0.1", 0))
+    bootstrap = f"127.0.0.1:{silent.getsockname()[1]}"
+    port, broker_port = free_ports(2)
+    cfg = parse_config(f"""\
+listen: "127.0.0.1:{port}"
+upstream:
+  bootstrap_servers: ["{bootstrap}"]
+  request_timeout_s: 0.5
+  sasl: {{mechanism: PLAIN, username: {SERVICE}, password: {SERVICE_PASSWORD}}}
+exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker_port_count: 1}}
+""")
+    try:
+        with ProxyThread(cfg).start() as proxy:
+            w = Wire(proxy.bootstrap, timeout=10)
+            w.send(3, 12, 1, body_class(3, "request")(topics=[]))
+            assert w.closed_by_peer()
+            w.close()
+            assert proxy.server.stats.upstream_connect_failures == {}
+    finally:
+        silent.close()
+    text = kproxy_text(kproxy_log)
+    assert f"discovery via {bootstrap} failed: timed out" in text, text
+    assert f"lost the connection to {bootstrap}: cannot connect: timed out" in text, text
     assert SERVICE_PASSWORD not in text
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from kproxy.protocol.messages import body_class
+from tests.e2e.fake_cluster import METADATA, FakeCluster
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.scenarios import confluent_create_topic
 from tests.e2e.tansu import TansuBroker
@@ -131,6 +133,43 @@ def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> N
         assert time.monotonic() - started < 10                # not the 20 s long poll, nor the drain timeout
         assert "again: stopping now" in log.read_text()
         w.close()
+
+
+def test_a_sigterm_once_ready_drains_even_while_discovery_still_waits(tmp_path: Path) -> None:
+    """/readyz says ready once a bootstrap server has answered ApiVersions; discovery's Metadata may
+    still be on its way. A SIGTERM from then on drains and stops cleanly. (It once ended the process
+    outright: signals became kproxy's only after start-up, which lost a worker's last log line when
+    a supervisor passed a SIGTERM on right after the worker said it was ready.)"""
+    port = free_port_block()
+    admin = f"127.0.0.1:{free_port_block(1)}"
+    answer_metadata = threading.Event()
+    with FakeCluster((1,), coordinator_id=1) as cluster:
+        broker = cluster.brokers[1]
+        broker.metadata_gate = answer_metadata
+        try:
+            with kproxy_process(tmp_path, "--upstream", cluster.bootstrap, "--listen", f"127.0.0.1:{port}",
+                                "--admin", admin) as (proc, log):
+                wait_for(lambda: readyz(admin) == 200 or proc.poll() is not None, "never ready")
+                wait_for(lambda: broker.received(METADATA), "discovery never asked for Metadata")
+                assert "kproxy listening" not in log.read_text()       # still starting: Metadata is held
+                proc.send_signal(signal.SIGTERM)
+                answer_metadata.set()
+                assert proc.wait(15) == 0, log.read_text()
+                text = log.read_text()
+                assert "SIGTERM: draining" in text and "kproxy stopped" in text, text
+        finally:
+            answer_metadata.set()
+        assert not cluster.errors
+
+
+def readyz(admin: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{admin}/readyz", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
 
 
 def test_sighup_is_logged_and_the_proxy_keeps_serving(broker: TansuBroker, tmp_path: Path) -> None:

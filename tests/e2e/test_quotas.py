@@ -208,11 +208,12 @@ def metadata_request() -> Any:
 def test_a_request_rate_quota_holds_one_connection_to_its_rate(proxy: ProxyThread) -> None:
     w = Wire(proxy.bootstrap)
     try:
-        told = []
+        told, waited = [], []
         started = time.monotonic()
         for cid in range(1, 31):
             resp = w.metadata(cid)
             told.append(resp.body.throttle_time_ms)
+            waited.append(time.monotonic() - started)
             if cid == 10:
                 after_burst = time.monotonic()
         # 10 requests a second with 1 s of burst: the burst goes at once, and is paid back within
@@ -220,7 +221,14 @@ def test_a_request_rate_quota_holds_one_connection_to_its_rate(proxy: ProxyThrea
         finished = time.monotonic()
         rate = 30 / (finished - started)
         assert (1 - SLOWER) * 10 <= rate <= (1 + TOLERANCE) * 10, f"{rate:.2f} requests/s, told {told}"
-        assert told[:10] == [0] * 10 and all(t > 0 for t in told[10:]), told
+        assert told[:10] == [0] * 10, told
+        # Past the burst, the i-th request owes (i - 10) / 10 s from the first: waited already (kproxy
+        # muted the connection, or a busy machine was slow to send it) or told in its answer, as in
+        # the pipelined test below. (A request a slow machine sent late enough owes nothing more and
+        # is rightly told 0, so "every answer past the burst is throttled" fails on a busy machine.)
+        owed = [(i - 10) / 10 for i in range(1, 31)]
+        assert all(w_ + t / 1000 >= 0.9 * o for w_, t, o in zip(waited, told, owed, strict=True)), (waited, told)
+        assert any(t > 0 for t in told[10:]), told
         # The burst took a fraction of what the twenty after it took (throttled, about 2 s): a
         # ratio, so a slow machine slows both sides alike.
         assert after_burst - started < 0.5 * (finished - after_burst), (after_burst - started, finished - after_burst)

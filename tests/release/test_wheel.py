@@ -84,6 +84,22 @@ def test_the_wheel_holds_the_data_files_and_the_accelerator(dist: Path):
         assert f"kproxy-{kproxy.__version__}/kproxy/protocol/_accel.c" in tar.getnames()
 
 
+def test_the_wheel_and_the_sdist_carry_the_license_text(dist: Path):
+    version = kproxy.__version__
+    license_text = (REPO / "LICENSE").read_bytes()
+    assert b"Apache License" in license_text and b"Version 2.0, January 2004" in license_text
+    (wheel,) = dist.glob("*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        assert whl.read(f"kproxy-{version}.dist-info/licenses/LICENSE") == license_text
+        metadata = whl.read(f"kproxy-{version}.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines(), metadata[:2000]
+    assert "License-File: LICENSE" in metadata.splitlines(), metadata[:2000]
+    (sdist,) = dist.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        member = tar.extractfile(f"kproxy-{version}/LICENSE")
+        assert member is not None and member.read() == license_text
+
+
 def test_kproxy_from_the_fresh_venv_is_the_installed_one(venv: Path):
     assert kproxy_cmd(venv, "--version").stdout.strip() == f"kproxy {kproxy.__version__}"
     where = run([venv / "bin/python", "-c", "import kproxy; print(kproxy.__file__)"], cwd=venv.parent,

@@ -2,7 +2,8 @@
 
 A fake client and a fake broker stand in for the sockets; trio's MockClock jumps over every wait, so
 a 40-second hold takes no real time. Each test drives the real pumps, watchdog and writer through the
-public ``run()``; the broker side is reached through ``connect``, replaced here by a fake.
+public ``run()``; the broker side is reached through ``open_upstream``'s ``connect``, replaced here by
+a fake.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 from kproxy.protocol.messages import body_class, decode_request
 from kproxy.proxy.filters import Delay, Filter, FilterChain
 from kproxy.proxy.session import CLIENT_GONE, InFlight, Session
-from kproxy.server import connection as conn_module
+from kproxy.server import upstream as upstream_module
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.transport import Transport
+from kproxy.server.upstream import UpstreamSettings
 
 from .test_session import (
     HEARTBEAT,
@@ -113,14 +115,14 @@ class Harness:
         self.completed: list[InFlight] = []
         ctx = ConnectionContext(1, clock=trio.current_time)
         self.session = Session(ctx, FilterChain(filters))
-        settings = ConnectionSettings(1 << 20, 100, (("broker", 9092),), 1.0, request_timeout_s)
+        settings = ConnectionSettings(1 << 20, 100, (("broker", 9092),), UpstreamSettings(1.0), request_timeout_s)
 
         async def fake_connect(*args, **kwargs) -> Transport:
             broker = Pipe()
             self.brokers.append(broker)
             return broker
 
-        monkeypatch.setattr(conn_module, "connect", fake_connect)
+        monkeypatch.setattr(upstream_module, "connect", fake_connect)
         self.conn = ClientConnection(settings, NoRouter(), self.client, self.session,
                                      on_complete=self.completed.append, budget=budget)
 

@@ -59,8 +59,8 @@ def harness(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> Harness:
         real.append(broker)
         return broker
 
-    from kproxy.server import connection as conn_module
-    monkeypatch.setattr(conn_module, "connect", fake_connect)
+    from kproxy.server import upstream as upstream_module
+    monkeypatch.setattr(upstream_module, "connect", fake_connect)
     return h
 
 

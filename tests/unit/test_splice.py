@@ -32,6 +32,7 @@ from kproxy.proxy.session import STREAMED, UPSTREAM_LOST, InFlight, Session
 from kproxy.server import splice
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.transport import PlainTransport
+from kproxy.server.upstream import UpstreamSettings
 
 FETCH = 1
 TOPIC_ID = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
@@ -156,7 +157,7 @@ class Proxy:
         self.client = trio.socket.from_stdlib_socket(self.raw_client)
         transport = PlainTransport(trio.socket.from_stdlib_socket(kproxy_end), kproxy_end)
         self.session = Session(ConnectionContext(1, clock=trio.current_time), FilterChain([]))
-        settings = ConnectionSettings(1 << 26, 10, (broker.address,), 5.0, 30.0, splice=splicing)
+        settings = ConnectionSettings(1 << 26, 10, (broker.address,), UpstreamSettings(5.0), 30.0, splice=splicing)
         self.conn = ClientConnection(settings, _NoRouter(), transport, self.session, on_complete=self.completed.append)
 
 
