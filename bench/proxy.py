@@ -67,7 +67,7 @@ BASELINE = "kproxy-base"
 # kproxy with telemetry on, each compared with plain kproxy in the same run: metrics (the admin
 # listener) and the traffic log; tracing alone at 1% and at 100% sampling, exporting OTLP over HTTP
 # to a receiver in this process that reads and discards the payloads.
-TELEMETRY = {
+TELEMETRY: dict[str, dict] = {
     "kp-metrics-log": {"admin": True, "traffic_log": True},
     "kp-trace-1%": {"tracing": 0.01},
     "kp-trace-100%": {"tracing": 1.0},
@@ -81,7 +81,7 @@ TENANT_CLIENT_ID, TENANT_PREFIX = "team-a-bench", "tenant-a."
 # kproxy with rule files, compared with plain kproxy and with each other in the same run: no rules
 # and no quotas (the policy filter with nothing to do), and a quota that matches the bench client
 # with limits it never reaches, so every request is charged to its budgets and none is throttled.
-QUOTAS = {
+QUOTAS: dict[str, dict] = {
     "kp-rules": {"rules": "default: allow\nrules: []\n"},
     "kp-quotas": {"rules": "default: allow\nrules: []\nquotas:\n  - name: never\n"
                            "    match: {client_id: kproxy-bench}\n    produce_bytes_per_s: 1.0e12\n"
@@ -89,7 +89,7 @@ QUOTAS = {
 }
 # The same never-triggering quota with fleet coordination on (--fleet): kp-fleet/kp-quotas is what
 # coordination costs the data path (target at least 0.97x).
-FLEET = {"kp-fleet": {**QUOTAS["kp-quotas"], "coordination": "{fleet: bench, topic: __kproxy_bench_quotas}",
+FLEET: dict[str, dict] = {"kp-fleet": {**QUOTAS["kp-quotas"], "coordination": "{fleet: bench, topic: __kproxy_bench_quotas}",
                       "admin": True}}
 # kproxy with SASL origination (upstream.sasl, SCRAM-SHA-512) against kproxy without it, both in front
 # of the tests' SASL gate (tests/e2e/sasl_gate.py, which verifies the SCRAM login for real) and a
@@ -98,7 +98,7 @@ FLEET = {"kp-fleet": {**QUOTAS["kp-quotas"], "coordination": "{fleet: bench, top
 SASL = ("kp-gate", "kp-sasl")
 # kproxy splicing streamed record batch bodies broker -> client (cut_through_splice, off by default),
 # against kproxy copying them through its receive buffer, in the same run (--splice).
-SPLICE = {"kp-splice": {"settings": "cut_through_splice: true"}}
+SPLICE: dict[str, dict] = {"kp-splice": {"settings": "cut_through_splice: true"}}
 SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
 ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE)
 SIZES = (100, 1024)
