@@ -29,7 +29,7 @@ log = logging.getLogger("kproxy.addresses")
 # their own.
 CONTROLLER_APIS = quorum_apis()
 DESCRIBE_CLUSTER, CONTROLLER_ENDPOINTS = 60, 2
-FETCH = 1
+PRODUCE, FETCH, FETCH_SNAPSHOT, SHARE_FETCH, SHARE_ACKNOWLEDGE = 0, 1, 59, 78, 79
 
 
 class AddressMapError(KProxyError):
@@ -226,6 +226,10 @@ def apis_with_endpoints() -> frozenset[int]:
     return frozenset(keys)
 
 
+# Answers with broker endpoints (KIP-951 hints) whose bodies change with every request.
+_NEVER_REPEAT = frozenset({PRODUCE, FETCH, FETCH_SNAPSHOT, SHARE_FETCH, SHARE_ACKNOWLEDGE})
+
+
 class AddressRewriter(Filter):
     """Rewrites every broker endpoint in responses to the one kproxy exposes for that node."""
 
@@ -262,8 +266,9 @@ class AddressRewriter(Filter):
 
     def memo_key(self, ctx: ConnectionContext, api_key: int) -> int | None:
         # A rewrite depends on the answer's bytes and the address map, nothing else (the role comes
-        # from the api key and the body). Fetch answers carry records and rarely repeat.
-        return None if api_key == FETCH else self.address_map.generation
+        # from the api key and the body). Answers about data never repeat (records, offsets): each
+        # would cost a copy and a decode to remember, and push out answers that do repeat.
+        return None if api_key in _NEVER_REPEAT else self.address_map.generation
 
     def sees_whole(self, api_key: int, kind: str) -> bool:
         # A Fetch answer's only endpoints are KIP-951's node_endpoints, in its closing tagged fields:
