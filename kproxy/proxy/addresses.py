@@ -234,6 +234,7 @@ class AddressRewriter(Filter):
     """Rewrites every broker endpoint in responses to the one kproxy exposes for that node."""
 
     name = "addresses"
+    reports_changes = True    # every endpoint it reaches is rewritten, dropped or blanked (``_rewrite``)
 
     def __init__(self, address_map: AddressMap) -> None:
         self.address_map = address_map
@@ -313,6 +314,7 @@ class AddressRewriter(Filter):
         return True
 
     def _rewrite(self, exchange: Any, endpoint: Any, role: str, node_id: int | None) -> bool:
+        exchange.response_changed = True
         if node_id is None or node_id < 0 or not endpoint.host or endpoint.port <= 0:
             # FindCoordinator errors carry node -1, host "" and port -1: nothing to expose, but no
             # upstream detail may survive either.
