@@ -25,6 +25,8 @@ STREAM_CHUNK_SIZE = 1024 * 1024    # what a frame taken piece by piece (cut-thro
 # this many per process: a consumer's chunk is not reallocated per answer, and an idle connection
 # still holds nothing (the buffer budget never waits on a chunk no connection uses).
 SPARE_CHUNKS = 4
+# A whole frame up to this size found in a streaming chunk is copied out rather than lent (above).
+COPY_MAX = 64 * 1024
 _SPARE: list[bytearray] = []
 
 
@@ -261,9 +263,10 @@ class FrameReader:
             self._start = start + 4 + size
             self.frames += 1
             self._hot = False
-            if len(buf) == STREAM_CHUNK_SIZE and not self._lent:
-                # A whole frame behind a streamed one, in a streaming chunk: a copy, so the chunk is
-                # never lent and goes back to the spares (a fresh 1 MiB chunk costs a zero fill).
+            if size <= COPY_MAX and len(buf) == STREAM_CHUNK_SIZE and not self._lent:
+                # A small frame behind a streamed one, in a streaming chunk: a copy, so the chunk is
+                # not lent and goes back to the spares (a fresh 1 MiB chunk costs a zero fill). A
+                # large one is lent: copying it would cost more than the fill.
                 frame = memoryview(bytes(buf[start + 4 : start + 4 + size]))
                 if self._start == self._end:
                     self._start = self._end = 0     # nothing of it is in use: refilled from the top
