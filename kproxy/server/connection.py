@@ -605,7 +605,9 @@ class ClientConnection:
                     if not reader.streaming_left:
                         self._stream_up_over()
                 continue
-            starting = reader.frame_starting()
+            # A request that arrived whole streams too: stored, it would be decoded whole and its
+            # chunk lent, and the next large request would need a fresh one.
+            starting = reader.frame_starting(whole=True)
             if starting is None or len(starting[1]) < 8 or self._pre_login or self.draining:
                 return
             size, head = starting
