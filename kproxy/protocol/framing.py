@@ -25,6 +25,8 @@ STREAM_CHUNK_SIZE = 1024 * 1024    # what a frame taken piece by piece (cut-thro
 # this many per process: a consumer's chunk is not reallocated per answer, and an idle connection
 # still holds nothing (the buffer budget never waits on a chunk no connection uses).
 SPARE_CHUNKS = 4
+# A whole frame up to this size found in a streaming chunk is copied out rather than lent (above).
+COPY_MAX = 64 * 1024
 _SPARE: list[bytearray] = []
 
 
@@ -222,7 +224,7 @@ class FrameReader:
         if self._buf is None or not self.at_frame_boundary:
             return 0
         released = len(self._buf)
-        if self._hot and not self._lent and len(self._buf) == STREAM_CHUNK_SIZE and len(_SPARE) < SPARE_CHUNKS:
+        if not self._lent and len(self._buf) == STREAM_CHUNK_SIZE and len(_SPARE) < SPARE_CHUNKS:
             # Only pieces were taken from it, each written before the next receive: no view of it
             # is in use, so another streamed answer may refill it.
             _SPARE.append(self._buf)
@@ -258,10 +260,18 @@ class FrameReader:
             raise FrameError(self._size_problem(size, buf[start:start + 4]), self.total_bytes - avail,
                              "frame.size")
         if avail >= 4 + size:
-            frame = memoryview(buf)[start + 4 : start + 4 + size]
             self._start = start + 4 + size
             self.frames += 1
             self._hot = False
+            if size <= COPY_MAX and len(buf) == STREAM_CHUNK_SIZE and not self._lent:
+                # A small frame behind a streamed one, in a streaming chunk: a copy, so the chunk is
+                # not lent and goes back to the spares (a fresh 1 MiB chunk costs a zero fill). A
+                # large one is lent: copying it would cost more than the fill.
+                frame = memoryview(bytes(buf[start + 4 : start + 4 + size]))
+                if self._start == self._end:
+                    self._start = self._end = 0     # nothing of it is in use: refilled from the top
+                return frame
+            frame = memoryview(buf)[start + 4 : start + 4 + size]
             self._reusable = False     # the frame is a view of the chunk: never refilled under it
             self._lent = True
             if self._start == self._end and self._end > len(buf) // 2:
@@ -334,7 +344,7 @@ class FrameReader:
         size = max(self._next_chunk, need, 2 * len(tail) if len(tail) > self._next_chunk // 2 else 0)
         if len(tail) >= size:
             size = len(tail) + self._next_chunk
-        buf = bytearray(size)
+        buf = _SPARE.pop() if size == STREAM_CHUNK_SIZE and _SPARE else bytearray(size)
         buf[: len(tail)] = tail
         self._buf = buf
         self._lent = False

@@ -29,7 +29,7 @@ log = logging.getLogger("kproxy.addresses")
 # their own.
 CONTROLLER_APIS = quorum_apis()
 DESCRIBE_CLUSTER, CONTROLLER_ENDPOINTS = 60, 2
-FETCH = 1
+PRODUCE, FETCH, FETCH_SNAPSHOT, SHARE_FETCH, SHARE_ACKNOWLEDGE = 0, 1, 59, 78, 79
 
 
 class AddressMapError(KProxyError):
@@ -226,10 +226,15 @@ def apis_with_endpoints() -> frozenset[int]:
     return frozenset(keys)
 
 
+# Answers with broker endpoints (KIP-951 hints) whose bodies change with every request.
+_NEVER_REPEAT = frozenset({PRODUCE, FETCH, FETCH_SNAPSHOT, SHARE_FETCH, SHARE_ACKNOWLEDGE})
+
+
 class AddressRewriter(Filter):
     """Rewrites every broker endpoint in responses to the one kproxy exposes for that node."""
 
     name = "addresses"
+    reports_changes = True    # every endpoint it reaches is rewritten, dropped or blanked (``_rewrite``)
 
     def __init__(self, address_map: AddressMap) -> None:
         self.address_map = address_map
@@ -262,8 +267,9 @@ class AddressRewriter(Filter):
 
     def memo_key(self, ctx: ConnectionContext, api_key: int) -> int | None:
         # A rewrite depends on the answer's bytes and the address map, nothing else (the role comes
-        # from the api key and the body). Fetch answers carry records and rarely repeat.
-        return None if api_key == FETCH else self.address_map.generation
+        # from the api key and the body). Answers about data never repeat (records, offsets): each
+        # would cost a copy and a decode to remember, and push out answers that do repeat.
+        return None if api_key in _NEVER_REPEAT else self.address_map.generation
 
     def sees_whole(self, api_key: int, kind: str) -> bool:
         # A Fetch answer's only endpoints are KIP-951's node_endpoints, in its closing tagged fields:
@@ -308,6 +314,7 @@ class AddressRewriter(Filter):
         return True
 
     def _rewrite(self, exchange: Any, endpoint: Any, role: str, node_id: int | None) -> bool:
+        exchange.response_changed = True
         if node_id is None or node_id < 0 or not endpoint.host or endpoint.port <= 0:
             # FindCoordinator errors carry node -1, host "" and port -1: nothing to expose, but no
             # upstream detail may survive either.

@@ -156,6 +156,11 @@ class Filter:
     response_api_keys: frozenset[int] | None = frozenset()
     # Api keys whose requests this filter hears about in on_done (ALL for every one).
     done_api_keys: frozenset[int] | None = frozenset()
+    # True when on_response sets ``exchange.response_changed`` whenever it changes an answer (its
+    # body, or anything encoded from it). An answer that no response filter changed then reaches the
+    # client as the broker's own bytes with the correlation id patched, without being encoded again.
+    # A filter that leaves this False is taken to change every answer it sees.
+    reports_changes: bool = False
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         """See (and possibly change) ``exchange.request``. Return None to forward it.
@@ -248,7 +253,8 @@ class Filter:
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_whole", "_whole_all", "filters")
+    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_reported", "_whole", "_whole_all",
+                 "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
         self.filters = tuple(filters)
@@ -257,6 +263,7 @@ class FilterChain:
         self._whole: dict[tuple[int, str], str | None] = {}
         self._whole_all: dict[tuple[int, str, str], tuple[Filter, ...]] = {}
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
+        self._reported: dict[int, bool] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
@@ -268,6 +275,14 @@ class FilterChain:
         got = self._by_response_key.get(api_key)
         if got is None:
             got = self._by_response_key[api_key] = self._select(api_key, "response_api_keys")
+        return got
+
+    def changes_reported(self, api_key: int) -> bool:
+        """Whether every response filter of ``api_key`` says when it changes an answer
+        (``Filter.reports_changes``; True when none sees the api's answers)."""
+        got = self._reported.get(api_key)
+        if got is None:
+            got = self._reported[api_key] = all(f.reports_changes for f in self.for_response(api_key))
         return got
 
     def for_done(self, api_key: int) -> tuple[Filter, ...]:

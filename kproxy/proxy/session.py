@@ -243,6 +243,8 @@ class InFlight:
     # Why an answer large enough to stream was stored whole instead (``why_stored``'s reason, or
     # "order" when an earlier answer was still owed); None for one that streamed or was never a candidate.
     response_why_stored: str | None = None
+    # A response filter changed the answer (``Filter.reports_changes``): it is encoded again.
+    response_changed: bool = False
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:
@@ -878,7 +880,15 @@ class Session:
         self._observe_response(entry, resp)
         entry.throttle_ms = getattr(resp.body, "throttle_time_ms", 0) or 0
         entry.response = resp
-        if original is not None and joined(encode_response_frame(resp)) == original[1]:
+        if throttle <= 0 and not entry.response_changed and self.chain.changes_reported(entry.api_key):
+            # No filter changed it (each says so, ``Filter.reports_changes``): the broker's own bytes
+            # go on with the client's correlation id, not encoded again.
+            resp.correlation_id = cid = entry.client_correlation_id
+            head = _HEAD_ID.pack(len(frame), cid)
+            entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
+            if seen is not None:
+                self._remember(entry, version, seen)
+        elif original is not None and joined(encode_response_frame(resp)) == original[1]:
             # No filter changed it: the client gets the broker's bytes, not kproxy's re-encoding.
             patched = bytearray(original[0])
             _I32.pack_into(patched, 0, entry.client_correlation_id)

@@ -10,7 +10,7 @@ with exactly the length they had, since the size prefix went out first. Pure: by
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -169,12 +169,17 @@ class FrameStream:
         self._partition: Any = None
         self._out: list = [P.INT32.pack(size)]
         self.skeleton = bytearray()
-        self._walker: Generator[int, bytes, None] | None = self._walk()
-        self._want = next(self._walker)
+        # The walk: a flat program of the frame's fields (``_program``), run from ``_pc``; the counts
+        # of the arrays being walked, innermost last, with where each item's fields start.
+        self._ops = _program(api_key, api_version, kind, self.rewrite_tail is not None)
+        self._pc: int | None = 0
+        self._loops: list[list[int]] = []
+        self._run_notes: list[tuple[int, Any, str, int]] = []
+        self._need = 0                     # bytes the step the walk stopped at needs, from its start
 
     @property
     def done(self) -> bool:
-        return self._pos == self.size and self._walker is None and self._tail is None
+        return self._pos == self.size and self._pc is None and self._tail is None
 
     @property
     def held_bytes(self) -> int:
@@ -210,27 +215,40 @@ class FrameStream:
                     self._records_left -= take
                     if not self._records_left:
                         self._batches = None
-                        self._advance(b"")
+                        self._run(view, i, i)     # fields that need no bytes (the end of the walk)
                 continue
             if self._tail is not None:
                 self._tail += view[i:]
                 self._pos += n - i
                 break
-            want = self._want
-            have = len(self._stash)
-            if have + n - i < want:
-                self._stash += view[i:]
+            stash = self._stash
+            if not stash:
+                at = self._run(view, i, n)
+                if at == i and self._pc is not None and not (self._records_left or self._tail is not None
+                                                             or self._store is not None or self._rest):
+                    # The next field is not here whole: keep its first bytes until the rest comes.
+                    stash += view[i:]
+                    break
+                i = at
+                continue
+            # A field began in an earlier piece: join it with enough of this one (a copy of a few
+            # bytes, never of the piece) and walk on from there.
+            held = len(stash)
+            if held + n - i < self._need:
+                stash += view[i:]      # the field is not whole yet: each byte is held once
                 break
-            take = want - have
-            if have:
-                self._stash += view[i:i + take]
-                got = bytes(self._stash)
-                self._stash.clear()
-            else:
-                got = bytes(view[i:i + take])
-            i += take
-            self._pos += want
-            self._advance(got)
+            extra = min(n - i, max(_JOIN, self._need - held, 2 * held))
+            while True:
+                joined = bytes(stash) + bytes(view[i:i + extra])
+                at = self._run(memoryview(joined), 0, len(joined))
+                if at or extra == n - i:
+                    break
+                extra = min(n - i, 2 * extra)
+            if not at:
+                stash += view[i:]
+                break
+            stash.clear()
+            i += at - held
         if self._pos + len(self._stash) == self.size:
             self._end()
         if self._store is not None:
@@ -298,7 +316,7 @@ class FrameStream:
         self._records_left -= n
         if not self._records_left:
             self._batches = None
-            self._advance(b"")
+            self._run(memoryview(b""), 0, 0)
         if self._pos + len(self._stash) == self.size:
             self._end()
         self._flush_head()
@@ -306,22 +324,11 @@ class FrameStream:
         self.sent += sum(len(b) for b in out)
         return out
 
-    def _advance(self, got: bytes) -> None:
-        assert self._walker is not None
-        try:
-            self._want = self._walker.send(got)
-        except StopIteration:
-            self._walker = None
-            self._want = 0
-            # Bytes past what this version's schema holds: kept, as the codec keeps them.
-            self._rest = self._pos < self.size
-            self._head_known()
-
     def _end(self) -> None:
         """Every byte of the frame has arrived."""
         if self._tail is not None:
             tail, self._tail = bytes(self._tail), None
-            self._walker = None
+            self._pc = None
             tail = self._rewrite(tail)
             self._head += tail
             self.skeleton += _minimal_count(tail) if self.padded else tail
@@ -329,7 +336,7 @@ class FrameStream:
             return
         if self._store is not None:
             return
-        if self._walker is not None and not self._records_left:
+        if self._pc is not None and not self._records_left:
             raise StreamError(f"the {self.kind} ends inside a field ({self.size} bytes)", self.size, self.kind)
 
     def _flush_head(self) -> None:
@@ -350,7 +357,7 @@ class FrameStream:
             self._store = self._head
             self._head = bytearray()
             self._out = []
-            self._walker = None
+            self._pc = None
             self._records_left = 0
             self._tail = None
             return
@@ -374,144 +381,188 @@ class FrameStream:
         self.sent = 4 + self.size
         return [P.INT32.pack(self.size), whole]
 
-    # -- the walk: a generator that yields how many bytes it needs and receives them; it sets
-    # _records_left (a records payload follows) or _tail (the closing tags) and yields 0 to hand over.
+    # -- the walk: the frame's program (``_program``) run over the bytes that have arrived. Every
+    # step is whole or not at all: one that finds too few bytes stops the run where it began, and
+    # ``feed`` keeps those bytes until more come. The bytes taken go to the head and the skeleton.
 
-    def _walk(self) -> Generator[int, bytes, None]:
-        if self.kind == "request":
-            yield from self._int("api_key", P.INT16)
-            yield from self._int("api_version", P.INT16)
-            yield from self._int("correlation_id", P.INT32)
-            n = P.INT16.unpack((yield from self._read(2)))[0]   # client_id: never compact
-            raw = (yield from self._read(n)) if n > 0 else b""
-            self.values["client_id"] = raw.decode("utf-8", "replace") if n >= 0 else None
-            if request_header_version(self.api_key, self.api_version) >= 2:
-                yield from self._tags()
-        else:
-            yield from self._int("correlation_id", P.INT32)
-            if response_header_version(self.api_key, self.api_version) >= 1:
-                yield from self._tags()
-        yield from self._struct(self._spec.root, "")
-
-    def _read(self, n: int) -> Generator[int, bytes, bytes]:
-        got = yield n
-        self._head += got
-        self.skeleton += got
-        return got
-
-    def _int(self, path: str, codec: Any) -> Generator[int, bytes, int]:
-        (value,) = codec.unpack((yield from self._read(codec.size)))
-        at = self._pos - codec.size
-        skel_at = len(self.skeleton) - codec.size
-        if "." not in path:
-            self.values[path] = value
-        if self._decided:
-            self._patch(at, skel_at, path, codec, value)
-        else:
-            self._notes.append((at, skel_at, path, codec, value))
-        return value
-
-    def _uvarint(self) -> Generator[int, bytes, int]:
-        value = shift = 0
-        for _ in range(5):
-            (b,) = yield from self._read(1)
-            value |= (b & 0x7F) << shift
-            if b < 0x80:
-                return value
-            shift += 7
-        raise StreamError("unsigned varint longer than 5 bytes", self._pos, self.kind)
-
-    def _length(self, compact: bool, codec: Any) -> Generator[int, bytes, int]:
-        """A length or count prefix; negative for null."""
-        if compact:
-            return (yield from self._uvarint()) - 1
-        return codec.unpack((yield from self._read(codec.size)))[0]
-
-    def _tags(self) -> Generator[int, bytes, None]:
-        for _ in range((yield from self._uvarint())):
-            yield from self._uvarint()
-            size = yield from self._uvarint()
-            if size:
-                yield from self._read(size)
-
-    def _struct(self, s: StructSpec, path: str) -> Generator[int, bytes, None]:
-        v, flex = self.api_version, self.flexible
-        for f in s.fields:
-            if v in f.versions and not f.is_tagged(v, flex):
-                yield from self._field(f, f"{path}{f.name}")
-        if not flex:
-            return
-        if not path and self.rewrite_tail is not None:
-            self._head_known()
-            if self._store is None:
-                self._flush_head() if self._decided else None
-                self._tail = bytearray()
-            yield 0
-            return
-        yield from self._tags()
-
-    def _field(self, f: FieldSpec, path: str) -> Generator[int, bytes, None]:
-        compact = self.flexible and not f.flex_never
-        if f.array:
-            count = yield from self._length(compact, P.INT32)
-            for _ in range(max(count, 0)):
-                if f.struct is not None:
-                    yield from self._struct(f.struct, path + ".")
+    def _run(self, buf: Any, p: int, end: int) -> int:
+        """Walk ``buf[p:end]`` from the current step; returns where the walk stopped: the bytes are
+        exhausted, a records payload or the closing tags begin (``_records_left``, ``_tail``), or the
+        program ended."""
+        pc = self._pc
+        if pc is None:
+            return p
+        ops = self._ops
+        last = len(ops)
+        loops = self._loops
+        notes = self._run_notes
+        values = self.values
+        start = p
+        need = 0
+        try:
+            while True:
+                if pc == last:
+                    self._pc = None
+                    self._take(buf, start, p)
+                    # Bytes past what this version's schema holds: kept, as the codec keeps them.
+                    self._rest = self._pos < self.size
+                    self._head_known()
+                    return p
+                op = ops[pc]
+                code = op[0]
+                if code <= _FIX:                         # _INT, _FIX: a fixed-size value
+                    codec = op[1]
+                    q = p + codec.size
+                    if q > end:
+                        need = q
+                        break
+                    (value,) = codec.unpack_from(buf, p)
+                    if code == _INT:
+                        notes.append((p, codec, op[2], value))
+                    if op[3]:
+                        values[op[2]] = value
+                    if op[4]:
+                        self._partition = value
+                    p = q
+                elif code == _NEXT:                      # the end of an array item
+                    loop = loops[-1]
+                    loop[0] -= 1
+                    if loop[0] > 0:
+                        pc = op[1]
+                        continue
+                    loops.pop()
+                elif code == _ARRAY:
+                    got = _length_at(buf, p, end, op[1], P.INT32)
+                    if got is None:
+                        need = end + 1
+                        break
+                    count, p = got
+                    if count <= 0:
+                        pc = op[2]
+                        continue
+                    loops.append([count])
+                elif code == _TAGS:
+                    q = _tags_end(buf, p, end)
+                    if q < 0:
+                        need = -q
+                        break
+                    p = q
+                elif code == _UUID:
+                    q = p + 16
+                    if q > end:
+                        need = q
+                        break
+                    if op[1]:
+                        self._topic = P.make_uuid(*P.UUID_PAIR.unpack_from(buf, p))
+                    p = q
+                elif code == _STR:
+                    got = _length_at(buf, p, end, op[1], P.INT16)
+                    if got is None:
+                        need = end + 1
+                        break
+                    n, q = got
+                    raw: bytes | None = b"" if n == 0 else None
+                    if n > 0:
+                        if q + n > end:
+                            need = q + n
+                            break
+                        raw = bytes(buf[q:q + n])
+                        q += n
+                    if op[3] and raw is not None:
+                        self._topic = raw.decode("utf-8", "replace")
+                    if op[4]:
+                        values[op[2]] = raw
+                    p = q
+                elif code == _BYTES:
+                    got = _length_at(buf, p, end, op[1], P.INT32)
+                    if got is None:
+                        need = end + 1
+                        break
+                    n, q = got
+                    if n > 0:
+                        if q + n > end:
+                            need = q + n
+                            break
+                        q += n
+                    p = q
+                elif code == _RECORDS:
+                    got = _length_at(buf, p, end, op[1], P.INT32)
+                    if got is None:
+                        need = end + 1
+                        break
+                    n, q = got
+                    self._take(buf, start, q)
+                    facts = RecordsFacts((self._topic, self._partition), n)
+                    self.facts.append(facts)
+                    p_was = p
+                    p = start = q
+                    pc += 1
+                    if n <= 0:
+                        continue
+                    # The skeleton holds empty records in their place.
+                    del self.skeleton[len(self.skeleton) - (q - p_was):]
+                    self.skeleton += b"\x01" if op[1] else b"\x00\x00\x00\x00"
+                    self._pc = pc
+                    self._head_known()
+                    if self._store is None:
+                        self._batches = _BatchCounter(facts)
+                        self._records_left = n
+                    return p
+                elif code == _TAIL:
+                    # The root's closing tags: held back and re-encoded at the end (``_end``).
+                    self._take(buf, start, p)
+                    self._pc = None
+                    self._head_known()
+                    if self._store is None:
+                        if self._decided:
+                            self._flush_head()
+                        self._tail = bytearray()
+                    return p
+                elif code == _CLIENT_ID:                 # a request header's client_id: never compact
+                    q = p + 2
+                    if q > end:
+                        need = q
+                        break
+                    (n,) = P.INT16.unpack_from(buf, p)
+                    if n > 0:
+                        if q + n > end:
+                            need = q + n
+                            break
+                        values["client_id"] = bytes(buf[q:q + n]).decode("utf-8", "replace")
+                        q += n
+                    else:
+                        values["client_id"] = "" if n == 0 else None
+                    p = q
                 else:
-                    yield from self._scalar(f, path, compact)
-        elif f.struct is not None:
-            yield from self._struct(f.struct, path + ".")
-        else:
-            yield from self._scalar(f, path, compact)
+                    raise StreamError(f"field {op[1]} of type {op[2]} cannot be walked",
+                                      self._pos + p - start, self.kind)
+                pc += 1
+        except _TooLong as e:
+            raise StreamError("unsigned varint longer than 5 bytes", self._pos + e.at - start, self.kind) from None
+        self._pc = pc
+        self._need = need - p
+        self._take(buf, start, p)
+        return p
 
-    def _scalar(self, f: FieldSpec, path: str, compact: bool) -> Generator[int, bytes, None]:
-        t = f.type
-        codec = _FIXED.get(t)
-        if codec is not None:
-            if t in _INTS:
-                value = yield from self._int(path, codec)
+    def _take(self, buf: Any, start: int, p: int) -> None:
+        """``buf[start:p]`` was walked: it joins the head and the skeleton, and the integers read in
+        it are patched (or noted until the decision)."""
+        pos, skel = self._pos, len(self.skeleton)
+        if p > start:
+            chunk = buf[start:p]
+            self._head += chunk
+            self.skeleton += chunk
+            self._pos += p - start
+        notes = self._run_notes
+        if not notes:
+            return
+        for at, codec, path, value in notes:
+            frame_at, skel_at = pos + at - start, skel + at - start
+            if self._decided:
+                self._patch(frame_at, skel_at, path, codec, value)
             else:
-                (value,) = codec.unpack((yield from self._read(codec.size)))
-            if "." not in path:
-                self.values[path] = value
-            if f.name in _PARTITION_KEYS:
-                self._partition = value
-            return
-        if t == "uuid":
-            got = yield from self._read(16)
-            if f.entity == "topic_id":
-                self._topic = P.make_uuid(*P.UUID_PAIR.unpack(got))
-            return
-        if t == "string":
-            n = yield from self._length(compact, P.INT16)
-            raw = (yield from self._read(n)) if n > 0 else b"" if n == 0 else None
-            if f.entity == "topic" and raw is not None:
-                self._topic = raw.decode("utf-8", "replace")
-            if "." not in path:
-                self.values[path] = raw
-            return
-        if t == "bytes":
-            n = yield from self._length(compact, P.INT32)
-            if n > 0:
-                yield from self._read(n)
-            return
-        if t == "records":
-            start = self._pos
-            n = yield from self._length(compact, P.INT32)
-            facts = RecordsFacts((self._topic, self._partition), n)
-            self.facts.append(facts)
-            if n <= 0:
-                return
-            # The skeleton holds empty records in their place.
-            del self.skeleton[len(self.skeleton) - (self._pos - start):]
-            self.skeleton += b"\x01" if compact else b"\x00\x00\x00\x00"
-            self._head_known()
-            if self._store is None:
-                self._batches = _BatchCounter(facts)
-                self._records_left = n
-            yield 0
-            return
-        raise StreamError(f"field {path} of type {t} cannot be walked", self._pos, self.kind)
+                self._notes.append((frame_at, skel_at, path, codec, value))
+        notes.clear()
 
     # -- the tail
 
@@ -529,6 +580,138 @@ class FrameStream:
 
 
 _PARTITION_KEYS = frozenset({"partition_index", "partition", "index"})
+
+# The steps of a walk. Each is a tuple, its opcode first:
+#   (_INT | _FIX, codec, path, is a root field, is a partition index): a fixed-size value; _INT ones
+#       may be patched;
+#   (_UUID, names the topic); (_STR, compact, path, names the topic, is a root field);
+#   (_BYTES, compact); (_RECORDS, compact); (_TAGS,): a tagged-field section, skipped;
+#   (_ARRAY, compact, where an empty array goes on), its item's steps, then (_NEXT, the item's first
+#   step); (_TAIL,): the root's closing tags; (_CLIENT_ID,): a request header's client id;
+#   (_BAD, path, type): a field the walk cannot pass.
+_INT, _FIX, _UUID, _STR, _BYTES, _RECORDS, _TAGS, _ARRAY, _NEXT, _TAIL, _CLIENT_ID, _BAD = range(12)
+# Bytes of a new piece joined with a field's first bytes held from the last one (doubled when the
+# field is longer).
+_JOIN = 256
+_PROGRAMS: dict[tuple[int, int, str, bool], tuple[tuple, ...]] = {}
+
+
+class _TooLong(Exception):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+
+def _program(api_key: int, version: int, kind: str, tail: bool) -> tuple[tuple, ...]:
+    """The steps that walk a frame of ``api_key`` v``version`` (header included); ``tail``: the
+    root's closing tags are held back for ``rewrite_tail``. Built once per version."""
+    key = (api_key, version, kind, tail)
+    got = _PROGRAMS.get(key)
+    if got is None:
+        api = api_by_key(api_key)
+        spec = api.request if kind == "request" else api.response
+        assert spec is not None
+        flexible = version in spec.flexible
+        ops: list[tuple] = []
+        if kind == "request":
+            ops += [(_INT, P.INT16, "api_key", True, False), (_INT, P.INT16, "api_version", True, False),
+                    (_INT, P.INT32, "correlation_id", True, False), (_CLIENT_ID,)]
+            if request_header_version(api_key, version) >= 2:
+                ops.append((_TAGS,))
+        else:
+            ops.append((_INT, P.INT32, "correlation_id", True, False))
+            if response_header_version(api_key, version) >= 1:
+                ops.append((_TAGS,))
+        _compile_struct(spec.root, "", version, flexible, tail, ops)
+        got = _PROGRAMS[key] = tuple(ops)
+    return got
+
+
+def _compile_struct(s: StructSpec, path: str, v: int, flexible: bool, tail: bool, ops: list[tuple]) -> None:
+    for f in s.fields:
+        if v in f.versions and not f.is_tagged(v, flexible):
+            _compile_field(f, f"{path}{f.name}", v, flexible, ops)
+    if flexible:
+        ops.append((_TAIL,) if not path and tail else (_TAGS,))
+
+
+def _compile_field(f: FieldSpec, path: str, v: int, flexible: bool, ops: list[tuple]) -> None:
+    compact = flexible and not f.flex_never
+    if f.array:
+        at = len(ops)
+        ops.append(())
+        if f.struct is not None:
+            _compile_struct(f.struct, path + ".", v, flexible, False, ops)
+        else:
+            _compile_scalar(f, path, compact, ops)
+        ops.append((_NEXT, at + 1))
+        ops[at] = (_ARRAY, compact, len(ops))
+    elif f.struct is not None:
+        _compile_struct(f.struct, path + ".", v, flexible, False, ops)
+    else:
+        _compile_scalar(f, path, compact, ops)
+
+
+def _compile_scalar(f: FieldSpec, path: str, compact: bool, ops: list[tuple]) -> None:
+    t = f.type
+    root = "." not in path
+    codec = _FIXED.get(t)
+    if codec is not None:
+        ops.append((_INT if t in _INTS else _FIX, codec, path, root, f.name in _PARTITION_KEYS))
+    elif t == "uuid":
+        ops.append((_UUID, f.entity == "topic_id"))
+    elif t == "string":
+        ops.append((_STR, compact, path, f.entity == "topic", root))
+    elif t == "bytes":
+        ops.append((_BYTES, compact))
+    elif t == "records":
+        ops.append((_RECORDS, compact))
+    else:
+        ops.append((_BAD, path, t))
+
+
+def _uvarint_at(buf: Any, p: int, end: int) -> tuple[int, int] | None:
+    value = shift = 0
+    for q in range(p, p + 5):
+        if q >= end:
+            return None
+        b = buf[q]
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, q + 1
+        shift += 7
+    raise _TooLong(p + 5)
+
+
+def _length_at(buf: Any, p: int, end: int, compact: bool, codec: Any) -> tuple[int, int] | None:
+    """A length or count prefix at ``p`` and where it ends; negative for null; None: not all here."""
+    if compact:
+        got = _uvarint_at(buf, p, end)
+        return None if got is None else (got[0] - 1, got[1])
+    q = p + codec.size
+    if q > end:
+        return None
+    return codec.unpack_from(buf, p)[0], q
+
+
+def _tags_end(buf: Any, p: int, end: int) -> int:
+    """Where the tagged-field section at ``p`` ends; when it is not all here, minus the least end
+    it needs (so a large field is waited for whole, not walked again as each piece comes)."""
+    got = _uvarint_at(buf, p, end)
+    if got is None:
+        return -(end + 1)
+    count, p = got
+    for _ in range(count):
+        got = _uvarint_at(buf, p, end)
+        if got is None:
+            return -(end + 1)
+        got = _uvarint_at(buf, got[1], end)
+        if got is None:
+            return -(end + 1)
+        size, p = got
+        p += size
+        if p > end:
+            return -p
+    return p
 
 
 class _BatchCounter:

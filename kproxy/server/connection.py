@@ -54,7 +54,7 @@ from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
 log = logging.getLogger("kproxy.server")
 
 _I32 = struct.Struct(">i")
-_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 # KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
 # client picks 85-95%), leaving time for the exchange before the broker would close the connection.
 REAUTH_AT = 0.85
@@ -139,6 +139,27 @@ class ClientWriter:
                 for _, done in batch:
                     if done:
                         self.complete(done, now)
+        finally:
+            self.writing = False
+            if self._waiting:
+                idle, self._idle = self._idle, trio.Event()
+                idle.set()
+
+    async def send_now(self, buffers: list, done: tuple[InFlight, ...]) -> None:
+        """Write one answer (or piece of one) at once, when nothing is queued and no task is writing:
+        ``put`` and ``flush`` in one, without the queue (a streamed answer's pieces, one per receive)."""
+        assert not self.writing and self._written == self._queued
+        self._queued += 1
+        self.writing = True
+        try:
+            try:
+                await self.transport.send(buffers)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                self._failed = e
+                raise ClientGone(f"client connection error: {e!r}") from e
+            self._written += 1
+            if done:
+                self.complete(done, self._now())
         finally:
             self.writing = False
             if self._waiting:
@@ -584,7 +605,9 @@ class ClientConnection:
                     if not reader.streaming_left:
                         self._stream_up_over()
                 continue
-            starting = reader.frame_starting()
+            # A request that arrived whole streams too: stored, it would be decoded whole and its
+            # chunk lent, and the next large request would need a fresh one.
+            starting = reader.frame_starting(whole=True)
             if starting is None or len(starting[1]) < 8 or self._pre_login or self.draining:
                 return
             size, head = starting
@@ -880,6 +903,7 @@ class ClientConnection:
         reads slowly holds the broker connection back and the answer holds one chunk of memory.
         Frames behind it are left to ``next_frame``."""
         session = self.session
+        writer = self.writer
         splices = self._splice_ok and isinstance(upstream, PlainTransport)
         while True:
             if reader.streaming_left:
@@ -893,7 +917,15 @@ class ClientConnection:
                         reader.recv_cap = session.stream_recv_hint()
                     return
                 reader.recv_cap = None
-                await self._execute(session.stream_piece(piece))
+                actions = session.stream_piece(piece)
+                if len(actions) == 1 and type(actions[0]) is ToClient and not writer.writing and not writer.pending:
+                    # The usual piece: its bytes, nothing else to do and nothing ahead of it.
+                    if actions[0].buffers:
+                        await writer.send_now(actions[0].buffers, actions[0].done)
+                    elif actions[0].done:
+                        self._complete(actions[0].done, self._now())
+                    continue
+                await self._execute(actions)
                 continue
             reader.recv_cap = None
             starting = reader.frame_starting(whole=True)

@@ -32,11 +32,15 @@ _TLS_READ = 64 * 1024
 _TLS_RECORD = 16 * 1024
 
 
+# A plain int: or-ing the socket module's flag enums costs more than the peek itself.
+_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+
+
 def socket_readable(raw: socket.socket) -> bool:
     """Whether a receive on ``raw`` would return at once (bytes, end of stream or an error): a peek,
     not a copy."""
     try:
-        raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        raw.recv(1, _PEEK_NOW)
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:

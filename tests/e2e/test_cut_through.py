@@ -144,11 +144,13 @@ def test_with_cut_through_off_every_answer_is_stored(broker: TansuBroker, topic:
 
 
 class CuttingRelay(Relay):
-    """A relay that, once armed, forwards half of the first large piece of a broker answer and then
-    cuts both connections: a broker that dies in the middle of a frame."""
+    """A relay that, once armed, forwards half of the first large piece of a broker answer (with
+    ``towards_broker``, of a request) and then cuts both connections: a broker that dies in the
+    middle of a frame."""
 
-    def __init__(self, target: tuple[str, int], port: int) -> None:
+    def __init__(self, target: tuple[str, int], port: int, towards_broker: bool = False) -> None:
         super().__init__(target, port)
+        self.towards_broker = towards_broker
         self.armed = threading.Event()
         self.cuts = 0
 
@@ -172,7 +174,7 @@ class CuttingRelay(Relay):
     def _pipe(self, src: socket.socket, dst: socket.socket, from_broker: bool) -> None:
         try:
             while data := src.recv(262144):
-                if from_broker and len(data) >= 65536 and self.armed.is_set():
+                if from_broker != self.towards_broker and len(data) >= 65536 and self.armed.is_set():
                     self.armed.clear()
                     self.cuts += 1
                     dst.sendall(data[: len(data) // 2])

@@ -17,8 +17,8 @@ from tests.e2e.scenarios import (  # kafka-python, quietly imported
     confluent_create_topic,
     kafka,
 )
-from tests.e2e.tansu import TansuBroker
-from tests.e2e.test_cut_through import cleanup, metrics, proxy  # noqa: F401 - cleanup is a fixture
+from tests.e2e.tansu import Tansu, TansuBroker, free_port
+from tests.e2e.test_cut_through import CuttingRelay, cleanup, metrics, proxy  # noqa: F401 - cleanup is a fixture
 
 pytestmark = pytest.mark.e2e
 
@@ -26,6 +26,8 @@ N = 300
 VALUE = 2000   # 300 x 2 KB in about one batch: Produce requests of about 600 KB
 STREAMED = ("kproxy_frames_total", (("api", "produce"), ("direction", "request"), ("path", "streamed")))
 STORED = ("kproxy_frames_total", (("api", "produce"), ("direction", "request"), ("path", "stored")))
+BROKEN = ("kproxy_streamed_requests_broken_total", (("side", "broker"),))
+LOST = ("kproxy_request_outcomes_total", (("api", "produce"), ("outcome", "upstream_lost")))
 
 
 def records(tag: str) -> list[tuple[bytes, bytes]]:
@@ -106,3 +108,28 @@ def test_with_cut_through_off_produce_requests_are_stored(broker: TansuBroker, t
         m = metrics(admin)
         assert m.get(STREAMED, 0) == 0 and m.get(STORED, 0) > 0
     assert all_back(broker, topic)
+
+
+def test_a_broker_cut_mid_request_has_the_client_retry_and_nothing_is_lost(tansu_binary: str) -> None:
+    relay_port = free_port()
+    tansu = Tansu(tansu_binary, advertised=("127.0.0.1", relay_port))
+    relay = CuttingRelay(("127.0.0.1", tansu.port), relay_port, towards_broker=True)
+    relay.start()
+    try:
+        with tansu, proxy(relay.bootstrap) as (p, admin):
+            topic = f"cut-up-{relay_port}"
+            confluent_create_topic(relay.bootstrap, topic, partitions=1)
+            relay.armed.set()
+            # Half of the first large Produce request reaches the broker, then the connection is cut.
+            # While kproxy is still sending it, it reads the rest and drops it (a broken streamed
+            # request); if its last bytes were already in the socket, the request is one in flight on
+            # a lost connection. Either way the client is told NOT_LEADER_OR_FOLLOWER, and its retry
+            # lands on a new broker connection, once: the broker never saw a whole request.
+            confluent_produce(p.bootstrap, topic)
+            assert relay.cuts == 1
+            got = _ck_consume_assigned(relay.bootstrap, topic, N, 1)
+            assert sorted((key, value) for _, key, value, _ in got) == records(topic)
+            m = metrics(admin)
+            assert m.get(LOST, 0) == 1 and m.get(BROKEN, 0) in (0, 1) and m.get(STREAMED, 0) >= 2
+    finally:
+        relay.stop()

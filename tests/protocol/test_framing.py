@@ -189,7 +189,7 @@ def test_a_streamed_frames_chunk_is_refilled_by_the_next_answer_after_idling(mon
     assert _stream_one(r, big[::-1]) == big[::-1]
 
 
-def test_a_chunk_a_whole_frame_was_returned_from_is_never_a_spare(monkeypatch):
+def test_a_whole_frame_behind_a_streamed_one_is_a_copy_so_its_chunk_is_still_a_spare(monkeypatch):
     from kproxy.protocol import framing
 
     monkeypatch.setattr(framing, "_SPARE", [])
@@ -200,5 +200,22 @@ def test_a_chunk_a_whole_frame_was_returned_from_is_never_a_spare(monkeypatch):
     frame = r.next_frame()
     assert frame is not None and bytes(frame) == b"small answer"
     r.release_idle()
-    assert framing._SPARE == []       # the frame is a view of it, maybe still in use
+    assert len(framing._SPARE) == 1
+    # Another connection's streamed frame refills that chunk; the frame taken before is untouched.
+    other = FrameReader()
+    assert _stream_one(other, b"y" * 300_000) == b"y" * 300_000 and framing._SPARE == []
     assert bytes(frame) == b"small answer"
+
+
+def test_a_chunk_a_frame_was_lent_from_is_never_a_spare(monkeypatch):
+    from kproxy.protocol import framing
+
+    monkeypatch.setattr(framing, "_SPARE", [])
+    r = FrameReader()
+    r.feed(_frames([b"a view of the chunk"]))
+    frame = r.next_frame()
+    assert frame is not None and isinstance(frame.obj, bytearray)    # a view of the receive chunk
+    _stream_one(r, b"x" * 300_000)      # a later streamed frame gets a chunk of its own...
+    r.release_idle()
+    assert len(framing._SPARE) == 1 and framing._SPARE[0] is not frame.obj   # ...which is the spare
+    assert bytes(frame) == b"a view of the chunk"

@@ -222,3 +222,29 @@ def test_large_answers_are_not_remembered():
         c.ask(metadata_answer([(1, "b1.internal", 9092)], cluster_id="c" * 100))
         confirm_all(m)
     assert memo.stored == 0
+
+
+def test_answers_about_data_are_not_remembered():
+    # Produce answers carry new offsets every time: remembering them would cost a copy and a decode
+    # per answer and push the Metadata answers that do repeat out of the memo.
+    m, chain, memo = rewriter_setup()
+    session = Session(ConnectionContext(1), chain, memo=memo)
+    rq, rs = body_class(0, "request"), body_class(0, "response")
+    for cid in (1, 2, 3):
+        req = Request.build(0, 10, cid, "app", rq(acks=-1, timeout_ms=1000, topic_data=[
+            rq.TopicProduceData(name="t", partition_data=[rq.PartitionProduceData(index=0, records=None)])]))
+        out = session.client_frame(memoryview(b"".join(encode_request_frame(req))[4:]))
+        upstream_id = bytes(out[-1].buffers[0][8:12])
+        answer = rs(responses=[rs.TopicProduceResponse(name="t", partition_responses=[
+            rs.PartitionProduceResponse(index=0, error_code=0, base_offset=0)])])
+        # The same bytes each time: still never remembered, nor looked up.
+        frame = upstream_id + b"".join(encode_response_frame(Response.build(0, 10, 0, answer)))[8:]
+        sent = session.upstream_frame(memoryview(frame))[-1]
+        assert isinstance(sent, ToClient) and sent.done[0].response.body.responses[0].name == "t"
+    assert memo.stored == 0 and memo.misses == 0
+    c = Client(chain, memo)
+    confirm_all(m)
+    c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+    confirm_all(m)
+    c.ask(metadata_answer([(1, "b1.internal", 9092)]))
+    assert memo.stored == 1

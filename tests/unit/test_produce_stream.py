@@ -91,6 +91,30 @@ async def test_a_large_produce_reaches_the_broker_in_pieces_as_it_would_whole(mo
     assert sum(f.records for f in entry.records_facts or ()) == 600
 
 
+async def test_a_large_produce_that_arrives_whole_in_one_receive_streams_too(monkeypatch, autojump_clock):
+    h = harness(monkeypatch)
+    first, second = produce(7), produce(8)
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        h.client.push(first[:50_000])
+        await settle()
+        h.client.push(first[50_000:])
+        await settle()
+        (broker,) = h.brokers
+        broker.push(produce_answer(0))
+        await settle()
+        # The reader now holds a streaming chunk: the next request fits in it and arrives whole.
+        h.client.push(second)
+        await settle()
+        assert broker.frames == [as_sent(first, 0)[4:], as_sent(second, 1)[4:]]
+        broker.push(produce_answer(1))
+        await settle()
+        assert h.answered_ids() == [7, 8]
+        h.client.end()
+    assert [e.request_path for e in h.completed] == [STREAMED, STREAMED]
+    assert sum(f.records for f in h.completed[1].records_facts or ()) == 600
+
+
 async def test_off_it_is_stored(monkeypatch, autojump_clock):
     h = harness(monkeypatch)
     h.session.stream_min_bytes = None

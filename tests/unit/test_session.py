@@ -1227,3 +1227,56 @@ def test_every_request_read_completes_exactly_once(events):
     assert len(completed) == s.requests
     assert len({id(e) for e in completed}) == len(completed)
     assert not s.open
+
+
+# -- answers no filter changed reach the client as the broker's own bytes
+
+
+def _two_byte_tag_count(frame: bytes) -> bytes:
+    """A flexible answer whose closing tagged-field count (0) is written in two bytes, 0x80 0x00:
+    legal on the wire and decoded alike, but never how kproxy encodes it."""
+    assert frame.endswith(b"\x00")
+    return frame[:-1] + b"\x80\x00"
+
+
+def _answer(session: Session, api_key: int, version: int, body, reply: bytes) -> bytes:
+    """Send a request, answer it with ``reply`` (a frame with correlation id 0, patched to the
+    upstream one); what the client gets, without its size prefix."""
+    (up,) = session.client_frame(request_frame(api_key, version, 77, body))
+    upstream_id = forwarded(up).correlation_id
+    out = session.upstream_frame(memoryview(struct.pack(">i", upstream_id) + reply[4:]))
+    assert isinstance(out[-1], ToClient) and out[-1].done
+    return wire(out[-1])
+
+
+def test_an_answer_no_filter_sees_is_the_brokers_bytes_with_the_clients_correlation_id():
+    from kproxy.proxy.addresses import AddressMap, AddressRewriter
+
+    session = make_session(AddressRewriter(AddressMap("proxy.example", 19000, 16)))
+    reply = _two_byte_tag_count(response_frame(HEARTBEAT, 4, 0, body_class(HEARTBEAT, "response")(error_code=0)))
+    got = _answer(session, HEARTBEAT, 4, heartbeat_request(), reply)
+    assert got == struct.pack(">i", 77) + reply[4:]
+
+
+def test_an_answer_the_address_rewriter_leaves_alone_is_not_encoded_again():
+    from kproxy.proxy.addresses import AddressMap, AddressRewriter
+
+    session = make_session(AddressRewriter(AddressMap("proxy.example", 19000, 16)))
+    reply = _two_byte_tag_count(response_frame(PRODUCE, 10, 0, produce_response()))
+    got = _answer(session, PRODUCE, 10, produce_request(), reply)
+    assert got == struct.pack(">i", 77) + reply[4:]
+    # With a KIP-951 endpoint to rewrite, the answer is encoded again, and the broker's address is gone.
+    body = produce_response()
+    body.node_endpoints = [type(body).NodeEndpoint(node_id=1, host="kafka-1.internal", port=9092)]
+    got = _answer(session, PRODUCE, 10, produce_request(), response_frame(PRODUCE, 10, 0, body))
+    assert b"kafka-1.internal" not in got and b"proxy.example" in got
+    assert decode_response(got, PRODUCE, 10).body.node_endpoints[0].host == "proxy.example"
+
+
+def test_an_answer_a_filter_sees_without_saying_what_it_changed_is_encoded_again():
+    class Observer(Filter):
+        response_api_keys = frozenset({HEARTBEAT})    # reports_changes stays False: any answer may change
+
+    reply = _two_byte_tag_count(response_frame(HEARTBEAT, 4, 0, body_class(HEARTBEAT, "response")(error_code=0)))
+    got = _answer(make_session(Observer()), HEARTBEAT, 4, heartbeat_request(), reply)
+    assert got == struct.pack(">i", 77) + reply[4:-2] + b"\x00"     # kproxy's own encoding
