@@ -566,6 +566,7 @@ class PolicyFilter(Filter):
     name = "policy"
     request_api_keys = ALL
     response_api_keys = ALL
+    reports_changes = True    # on_response marks every answer it may have changed
 
     def __init__(self, source: RuleSource, rng: random.Random | None = None,
                  topic_ids: TopicNames | None = None) -> None:
@@ -912,6 +913,9 @@ class PolicyFilter(Filter):
         pending: _Pending | None = exchange.kept(self)
         if pending is None:
             return 0.0
+        if pending.prefixes or pending.asked is not None or pending.hide is not None or pending.parts:
+            # Names taken off or hidden, topics the client did not ask about dropped, refusals merged in.
+            exchange.response_changed = True
         request: Request = exchange.request
         key = response.api_key
         st: _ConnState = ctx.state_of(self, _ConnState)

@@ -143,6 +143,7 @@ class QuotaFilter(Filter):
     name = "quota"
     request_api_keys = frozenset({PRODUCE, FETCH})
     response_api_keys = ALL
+    reports_changes = True    # an answer changes only when cut to max_bytes (marked there)
     # A streamed Fetch answer's batches are known once it has passed: the largest first batch.
     done_api_keys = frozenset({FETCH})
 
@@ -363,6 +364,7 @@ class QuotaFilter(Filter):
                         and any(q.fetch is not None for q, _ in applied)):
                     # A broker that answers with more than max_bytes (tansu does) is held to it here.
                     fetched -= records - trim_fetch(response.body, request.body.max_bytes)
+                    exchange.response_changed = True
         worst: tuple[int, _Quota, BudgetKey] | None = None
         for q, key in applied:
             budget = self.budgets.get(key, now, q.span_s)

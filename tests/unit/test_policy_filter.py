@@ -678,3 +678,25 @@ def test_telemetry_names_a_tenants_topic_the_same_by_name_and_by_id(tmp_path):
         done = broker_answers(s, forwarded(acts[-1]))[-1].done[0]
         names.append(Exchange(done, s.ctx, learned).topics)
     assert names == [["tenant-a.orders"], ["tenant-a.orders"]]
+
+
+def test_an_answer_the_rules_and_quotas_leave_alone_is_the_brokers_bytes(tmp_path):
+    from kproxy.quota.engine import QuotaFilter
+
+    from .rulebook import rule_set
+    from .test_session import _two_byte_tag_count
+
+    text = ("rules:\n  - {name: audit, match: {topic: 'orders*'}, action: log}\n"
+            "quotas:\n  - {name: roomy, match: {client_id: app}, produce_bytes_per_s: 1000000000}\n")
+    store = FixedRules.of(rule_set(tmp_path, text))
+    s = session(PolicyFilter(store, random.Random(1)), QuotaFilter(store))
+    (up,) = [a for a in send(s, PRODUCE, 10, produce(["orders"], version=10)) if isinstance(a, ToUpstream)]
+    rs = body_class(PRODUCE, "response")
+    body = rs(responses=[rs.TopicProduceResponse(name="orders", partition_responses=[
+        rs.PartitionProduceResponse(index=0, base_offset=5)])])
+    reply = _two_byte_tag_count(response_frame(PRODUCE, 10, forwarded(up).correlation_id, body))
+    (out,) = s.upstream_frame(memoryview(reply))
+    assert isinstance(out, ToClient)
+    sent = b"".join(bytes(b) for b in out.buffers)[4:]
+    assert sent == (7).to_bytes(4, "big") + reply[4:]        # the broker's own bytes, correlation id patched
+
