@@ -291,7 +291,7 @@ _THROTTLED = ("quota string, key string, instance string, requests bigint, throt
 
 def _quotas(requests: DataFrame, rules: Any, fleet: bool, share: float) -> DataFrame:
     """Per quota and budget key (and instance, unless ``fleet``), what the quota would have done."""
-    charges = requests.select(*_INPUT, "done_ts", "proxy", "conn", "kproxy_ms").mapInPandas(
+    charges = requests.select(*_INPUT, "done_ts", "proxy", "conn", "kproxy_ms", "response_bytes").mapInPandas(
         _charges(rules, fleet), schema=_CHARGES)
     return (charges.groupBy("quota", "key", "instance")
             .applyInPandas(_replay(rules, 1.0 if fleet else share), schema=_THROTTLED)
@@ -322,6 +322,12 @@ def _charges(rules: Any, fleet: bool) -> Any:
                     moved = sum(int(_scalar(p.get("bytes")) or 0) for p in row.partitions)
                     produced, fetched = (moved, 0) if row.api == "produce" else (0, moved) if row.api == "fetch" \
                         else (0, 0)
+                if row.api == "fetch":
+                    # Charged the size of its answer, as the live quota charges it (the broker's answer:
+                    # what reached the client less its size prefix); its records' bytes without that.
+                    answer = int(_scalar(row.response_bytes) or 0)
+                    if answer > 4:
+                        fetched = answer - 4
                 connection = f"{_scalar(row.proxy) or ''}/{_scalar(row.conn)}"
                 instance = "*" if fleet else _scalar(row.proxy) or "?"
                 for q in quotas:
