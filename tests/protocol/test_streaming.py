@@ -279,6 +279,33 @@ def test_produce_requests_stream_with_the_correlation_id_patched(data, cuts):
     assert stream.values["acks"] == body.acks
 
 
+def test_a_field_cut_across_many_pieces_is_held_until_whole_not_walked_again_per_piece(monkeypatch):
+    """A 200 KB tagged field in a request header, fed 1 KB at a time: the walk waits until the field
+    is all there (its length is known from its first bytes) rather than trying again per piece, so a
+    large field costs one copy, not one per piece (which would be quadratic in its size)."""
+    body: Any = body_class(PRODUCE, "request")(acks=-1, timeout_ms=1000, topic_data=[])
+    frame = joined(encode_request_frame(Request.build(PRODUCE, 9, 3, "app", body)))
+    at = 4 + 2 + 2 + 4 + 2 + 3          # size, api key, version, correlation id, client id "app"
+    assert frame[at] == 0                # the header's tagged fields: none
+    blob = bytes(range(256)) * 800
+    tags = encode_tags({5: blob})
+    assert tags is not None
+    data = frame[4:at] + tags + frame[at + 1:]
+    runs = 0
+    real = FrameStream._run
+
+    def counted(self: FrameStream, buf: Any, p: int, end: int) -> int:
+        nonlocal runs
+        runs += 1
+        return real(self, buf, p, end)
+
+    monkeypatch.setattr(FrameStream, "_run", counted)
+    stream = FrameStream(PRODUCE, 9, "request", len(data), decide=lambda head: {"correlation_id": 99})
+    sent = stream_all(stream, data, list(range(1000, len(data), 1000)))
+    assert sent[8:12] == (99).to_bytes(4, "big") and sent[12:] == data[8:]
+    assert len(data) // 1000 > 200 and runs < 10
+
+
 # -- keeping the tail's length
 
 
