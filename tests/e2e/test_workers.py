@@ -33,10 +33,11 @@ def http(url: str) -> tuple[int, str]:
         return 0, str(e)
 
 
-def wait_for(check, timeout: float = 20.0, what: str = "") -> None:
+def wait_for(check, what: Path, timeout: float = 60.0) -> None:
+    """Poll ``check`` until it holds; past the deadline, fail with the log ``what`` as it is then."""
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what.read_text()
         time.sleep(0.1)
 
 
@@ -52,8 +53,7 @@ def start_workers(broker: TansuBroker, tmp_path: Path) -> tuple[subprocess.Popen
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)],
                                 stdout=subprocess.DEVNULL, stderr=out)
-    wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None,
-             what=log.read_text())
+    wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None, log)
     return proc, log, port, admin
 
 
@@ -83,12 +83,12 @@ def test_two_workers_share_the_ports_and_are_supervised(broker: TansuBroker, tmp
         # A worker that dies is started again; the proxy keeps serving meanwhile.
         pid = int(re.findall(r"worker 1 started \(pid (\d+)\)", log.read_text())[-1])
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: "worker 1 exited unexpectedly" in log.read_text(), what=log.read_text())
+        wait_for(lambda: "worker 1 exited unexpectedly" in log.read_text(), log)
         w = Wire(f"127.0.0.1:{port}")
         assert w.metadata(99).correlation_id == 99
         w.close()
-        wait_for(lambda: len(re.findall(r"worker 1 started", log.read_text())) == 2, what=log.read_text())
-        wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200, what=log.read_text())
+        wait_for(lambda: len(re.findall(r"worker 1 started", log.read_text())) == 2, log)
+        wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200, log)
 
         # One SIGTERM drains both workers, and the supervisor exits with them.
         started = time.monotonic()
@@ -123,7 +123,7 @@ def test_workers_stop_when_their_supervisor_is_killed(broker: TansuBroker, tmp_p
                 return True
             return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
-        wait_for(lambda: all(gone(p) for p in pids), timeout=20, what=log.read_text())
+        wait_for(lambda: all(gone(p) for p in pids), log, timeout=20)
         assert "the supervisor (pid" in log.read_text()
         with pytest.raises(OSError):
             Wire(f"127.0.0.1:{port}", timeout=2).metadata()
