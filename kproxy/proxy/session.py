@@ -503,16 +503,7 @@ class Session:
             return actions
         if verdict is not None:
             return actions + self._answer_locally(entry, verdict)
-        upstream_id = self._take_correlation_id()
-        if req.api_key == PRODUCE and req.body.acks == 0:
-            # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
-            # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
-            self._no_response.append(upstream_id)
-            entry.outcome = NO_RESPONSE
-        else:
-            entry.upstream_correlation_id = upstream_id
-            self.in_flight.append(entry)
-            self._by_upstream[upstream_id] = entry
+        upstream_id = self._forwarding(entry, req.api_key == PRODUCE and req.body.acks == 0)
         if frame is not None and original is None:
             # No request filter could have changed it: the bytes received go on, only the
             # correlation id replaced (no re-encoding: what the client sent, byte for byte).
@@ -640,6 +631,20 @@ class Session:
         log.error("connection %d: filter %r failed in %s on %s", self.ctx.connection_id, f.name, hook,
                   api_name(api_key), exc_info=True)
         return FilterFailed(f"internal error in filter {f.name!r} ({hook} on {api_name(api_key)})")
+
+    def _forwarding(self, entry: InFlight, no_response: bool) -> int:
+        """``entry`` goes to the broker: its upstream correlation id, and the answer it is owed."""
+        upstream_id = self._take_correlation_id()
+        if no_response:
+            # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
+            # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
+            self._no_response.append(upstream_id)
+            entry.outcome = NO_RESPONSE
+        else:
+            entry.upstream_correlation_id = upstream_id
+            self.in_flight.append(entry)
+            self._by_upstream[upstream_id] = entry
+        return upstream_id
 
     def _take_correlation_id(self) -> int:
         cid = self._next_correlation_id
@@ -1195,14 +1200,7 @@ class Session:
         entry.seq = self.requests
         entry.request_path = STREAMED
         self.open.add(entry)
-        upstream_id = self._take_correlation_id()
-        if values.get("acks") == 0:
-            self._no_response.append(upstream_id)
-            entry.outcome = NO_RESPONSE
-        else:
-            entry.upstream_correlation_id = upstream_id
-            self.in_flight.append(entry)
-            self._by_upstream[upstream_id] = entry
+        upstream_id = self._forwarding(entry, values.get("acks") == 0)
         up.entry = entry
         return {"correlation_id": upstream_id}
 
