@@ -455,36 +455,22 @@ class FrameStream:
                     if op[1]:
                         self._topic = P.make_uuid(*P.UUID_PAIR.unpack_from(buf, p))
                     p = q
-                elif code == _STR:
-                    got = _length_at(buf, p, end, op[1], P.INT16)
+                elif code == _BLOB:                      # a string or bytes: length, then its bytes
+                    got = _length_at(buf, p, end, op[1], op[2])
                     if got is None:
                         need = end + 1
                         break
                     n, q = got
-                    raw: bytes | None = b"" if n == 0 else None
-                    if n > 0:
-                        if q + n > end:
-                            need = q + n
-                            break
-                        raw = bytes(buf[q:q + n])
-                        q += n
-                    if op[3] and raw is not None:
-                        self._topic = raw.decode("utf-8", "replace")
-                    if op[4]:
-                        values[op[2]] = raw
-                    p = q
-                elif code == _BYTES:
-                    got = _length_at(buf, p, end, op[1], P.INT32)
-                    if got is None:
-                        need = end + 1
+                    if n > 0 and q + n > end:
+                        need = q + n
                         break
-                    n, q = got
-                    if n > 0:
-                        if q + n > end:
-                            need = q + n
-                            break
-                        q += n
-                    p = q
+                    if op[4] or op[5]:
+                        raw: bytes | None = bytes(buf[q:q + n]) if n > 0 else b"" if n == 0 else None
+                        if op[4] and raw is not None:
+                            self._topic = raw.decode("utf-8", "replace")
+                        if op[5]:
+                            values[op[3]] = raw
+                    p = q + max(n, 0)
                 elif code == _RECORDS:
                     got = _length_at(buf, p, end, op[1], P.INT32)
                     if got is None:
@@ -584,12 +570,12 @@ _PARTITION_KEYS = frozenset({"partition_index", "partition", "index"})
 # The steps of a walk. Each is a tuple, its opcode first:
 #   (_INT | _FIX, codec, path, is a root field, is a partition index): a fixed-size value; _INT ones
 #       may be patched;
-#   (_UUID, names the topic); (_STR, compact, path, names the topic, is a root field);
-#   (_BYTES, compact); (_RECORDS, compact); (_TAGS,): a tagged-field section, skipped;
+#   (_UUID, names the topic); (_BLOB, compact, length codec, path, names the topic, is a root
+#       string): a string or bytes; (_RECORDS, compact); (_TAGS,): a tagged-field section, skipped;
 #   (_ARRAY, compact, where an empty array goes on), its item's steps, then (_NEXT, the item's first
 #   step); (_TAIL,): the root's closing tags; (_CLIENT_ID,): a request header's client id;
 #   (_BAD, path, type): a field the walk cannot pass.
-_INT, _FIX, _UUID, _STR, _BYTES, _RECORDS, _TAGS, _ARRAY, _NEXT, _TAIL, _CLIENT_ID, _BAD = range(12)
+_INT, _FIX, _UUID, _BLOB, _RECORDS, _TAGS, _ARRAY, _NEXT, _TAIL, _CLIENT_ID, _BAD = range(11)
 # Bytes of a new piece joined with a field's first bytes held from the last one (doubled when the
 # field is longer).
 _JOIN = 256
@@ -660,9 +646,9 @@ def _compile_scalar(f: FieldSpec, path: str, compact: bool, ops: list[tuple]) ->
     elif t == "uuid":
         ops.append((_UUID, f.entity == "topic_id"))
     elif t == "string":
-        ops.append((_STR, compact, path, f.entity == "topic", root))
+        ops.append((_BLOB, compact, P.INT16, path, f.entity == "topic", root))
     elif t == "bytes":
-        ops.append((_BYTES, compact))
+        ops.append((_BLOB, compact, P.INT32, path, False, False))
     elif t == "records":
         ops.append((_RECORDS, compact))
     else:
