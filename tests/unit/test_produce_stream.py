@@ -64,6 +64,13 @@ def harness(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> Harness:
     return h
 
 
+async def push_in_pieces(h: Harness, frame: bytes, step: int) -> None:
+    """The client sends ``frame`` ``step`` bytes at a time, kproxy settling after each piece."""
+    for i in range(0, len(frame), step):
+        h.client.push(frame[i:i + step])
+        await settle()
+
+
 def as_sent(frame: bytes, upstream_id: int) -> bytes:
     """``frame`` as kproxy forwards it: kproxy's correlation id in place of the client's."""
     out = bytearray(frame)
@@ -76,9 +83,7 @@ async def test_a_large_produce_reaches_the_broker_in_pieces_as_it_would_whole(mo
     frame = produce(7)
     async with trio.open_nursery() as n:
         n.start_soon(h.conn.run)
-        for i in range(0, len(frame), 50_000):
-            h.client.push(frame[i:i + 50_000])
-            await settle()
+        await push_in_pieces(h, frame, 50_000)
         (broker,) = h.brokers
         assert broker.frames == [as_sent(frame, 0)[4:]]
         assert broker.sends > 1                            # it went in pieces, not whole
@@ -216,9 +221,7 @@ async def test_acks_0_is_owed_no_answer(monkeypatch, autojump_clock):
     frame = produce(7, acks=0)
     async with trio.open_nursery() as n:
         n.start_soon(h.conn.run)
-        for i in range(0, len(frame), 100_000):
-            h.client.push(frame[i:i + 100_000])
-            await settle()
+        await push_in_pieces(h, frame, 100_000)
         (broker,) = h.brokers
         assert broker.frames == [as_sent(frame, 0)[4:]]
         (entry,) = h.completed                           # complete once its last byte was written
