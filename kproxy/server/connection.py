@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import socket
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -48,13 +47,12 @@ from kproxy.server.budget import BufferBudget
 from kproxy.server.splice import Pipe, SinkError
 from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
-from kproxy.server.transport import PlainTransport, Transport
+from kproxy.server.transport import PEEK_NOW, PlainTransport, Transport
 from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
 
 log = logging.getLogger("kproxy.server")
 
 _I32 = struct.Struct(">i")
-_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 # KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
 # client picks 85-95%), leaving time for the exchange before the broker would close the connection.
 REAUTH_AT = 0.85
@@ -139,27 +137,6 @@ class ClientWriter:
                 for _, done in batch:
                     if done:
                         self.complete(done, now)
-        finally:
-            self.writing = False
-            if self._waiting:
-                idle, self._idle = self._idle, trio.Event()
-                idle.set()
-
-    async def send_now(self, buffers: list, done: tuple[InFlight, ...]) -> None:
-        """Write one answer (or piece of one) at once, when nothing is queued and no task is writing:
-        ``put`` and ``flush`` in one, without the queue (a streamed answer's pieces, one per receive)."""
-        assert not self.writing and self._written == self._queued
-        self._queued += 1
-        self.writing = True
-        try:
-            try:
-                await self.transport.send(buffers)
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                self._failed = e
-                raise ClientGone(f"client connection error: {e!r}") from e
-            self._written += 1
-            if done:
-                self.complete(done, self._now())
         finally:
             self.writing = False
             if self._waiting:
@@ -903,7 +880,6 @@ class ClientConnection:
         reads slowly holds the broker connection back and the answer holds one chunk of memory.
         Frames behind it are left to ``next_frame``."""
         session = self.session
-        writer = self.writer
         splices = self._splice_ok and isinstance(upstream, PlainTransport)
         while True:
             if reader.streaming_left:
@@ -917,15 +893,7 @@ class ClientConnection:
                         reader.recv_cap = session.stream_recv_hint()
                     return
                 reader.recv_cap = None
-                actions = session.stream_piece(piece)
-                if len(actions) == 1 and type(actions[0]) is ToClient and not writer.writing and not writer.pending:
-                    # The usual piece: its bytes, nothing else to do and nothing ahead of it.
-                    if actions[0].buffers:
-                        await writer.send_now(actions[0].buffers, actions[0].done)
-                    elif actions[0].done:
-                        self._complete(actions[0].done, self._now())
-                    continue
-                await self._execute(actions)
+                await self._execute(session.stream_piece(piece))
                 continue
             reader.recv_cap = None
             starting = reader.frame_starting(whole=True)
@@ -949,7 +917,7 @@ class ClientConnection:
             room = session.stream_splice_room()
             if not room:
                 try:
-                    head = raw.recv(V2_HEADER_SIZE, _PEEK)
+                    head = raw.recv(V2_HEADER_SIZE, PEEK_NOW)
                 except (BlockingIOError, InterruptedError):
                     await trio.lowlevel.wait_readable(raw)
                     continue

@@ -33,14 +33,14 @@ _TLS_RECORD = 16 * 1024
 
 
 # A plain int: or-ing the socket module's flag enums costs more than the peek itself.
-_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
 
 def socket_readable(raw: socket.socket) -> bool:
     """Whether a receive on ``raw`` would return at once (bytes, end of stream or an error): a peek,
     not a copy."""
     try:
-        raw.recv(1, _PEEK_NOW)
+        raw.recv(1, PEEK_NOW)
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:
