@@ -231,8 +231,8 @@ class FrameStream:
                     break
                 i = at
                 continue
-            # A field began in an earlier piece: join it with enough of this one (a copy of a few
-            # bytes, never of the piece) and walk on from there.
+            # A field began in an earlier piece: join it with enough of this one to finish it (a copy
+            # of the field's bytes, not of the piece) and walk on from there.
             held = len(stash)
             if held + n - i < self._need:
                 stash += view[i:]      # the field is not whole yet: each byte is held once
