@@ -4,7 +4,7 @@ A rule file gives one client a tenant namespace (it sees ``orders``, the broker 
 ``tenant-a.orders``), refuses a topic with the Kafka error a broker with ACLs would send, and holds a
 producer to a quota whose throttle the client itself reports; then ``/metrics``, the traffic log and,
 where Java and PySpark are installed, ``kproxy report`` over that log. ``kproxy demo --plain`` is the
-smaller round trip of ``kproxy.demo``.
+smaller round trip of ``kproxy.demo``, which dispatches between the two.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kproxy.config import config_from_args
-from kproxy.demo import BROKER_PORT_COUNT, CLIENT_TIMEOUT_MS, _embedded_broker, _free_port_run, _import_kafka
+from kproxy.demo_stage import CLIENT_TIMEOUT_MS, embedded_broker, import_kafka, proxy_config
 from kproxy.server.embedded import ProxyThread
 from kproxy.tansu import HOST, free_port
 
@@ -168,7 +167,7 @@ def _line_of(result: TourResult, **want: Any) -> dict[str, Any] | None:
 
 def run_tour(out_dir: str | None, report: bool) -> int:
     wall = time.perf_counter()
-    kafka = _import_kafka()
+    kafka = import_kafka()
     work = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="kproxy-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     rules_file, log_dir = work / "rules.yaml", work / "traffic"
@@ -176,13 +175,10 @@ def run_tour(out_dir: str | None, report: bool) -> int:
     print("kproxy demo: what kproxy is for, on an embedded tansu broker (kproxy demo --plain: records only)\n",
           flush=True)
     result = TourResult()
-    with _embedded_broker() as broker:
-        listen = _free_port_run(1 + BROKER_PORT_COUNT)
+    with embedded_broker() as broker:
         admin_port = free_port(HOST)
-        config = config_from_args(
-            broker, f"{HOST}:{listen}", log_level="WARNING", rules=[str(rules_file)],
-            exposure={"advertised_host": HOST, "broker_port_count": BROKER_PORT_COUNT},
-            admin={"listen": f"{HOST}:{admin_port}"}, traffic_log={"dir": str(log_dir)})
+        config = proxy_config(broker, rules=[str(rules_file)], admin={"listen": f"{HOST}:{admin_port}"},
+                              traffic_log={"dir": str(log_dir)})
         admin_url = f"http://{HOST}:{admin_port}"
         with ProxyThread(config) as proxy:
             print(f"  tansu broker   {broker}  (embedded, memory storage)")
