@@ -224,7 +224,7 @@ def _read_log(directory: Path, result: TourResult) -> None:
 def _report_available() -> str | None:
     """None when ``kproxy report`` can run here, else what is missing."""
     if importlib.util.find_spec("pyspark") is None:
-        return "PySpark is not installed (pip install 'kproxy[analytics]')"
+        return "PySpark is not installed (pip install 'kproxy-kafka[analytics]')"
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         return "no Java runtime (Java 17 or newer; Debian: apt-get install openjdk-17-jre-headless)"
     return None
