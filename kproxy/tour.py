@@ -2,7 +2,7 @@
 
 A rule file gives one client a tenant namespace (it sees ``orders``, the broker holds
 ``tenant-a.orders``), refuses a topic with the Kafka error a broker with ACLs would send, and holds a
-producer to a quota whose throttle the client itself reports; then ``/metrics``, the traffic log and,
+producer to a quota, second by second, whose throttle the client itself reports; then ``/metrics``, the traffic log and,
 where Java and PySpark are installed, ``kproxy report`` over that log. ``kproxy demo --plain`` is the
 smaller round trip of ``kproxy.demo``, which dispatches between the two.
 """
@@ -75,7 +75,6 @@ class TourResult:
     broker_topics: list[str] = field(default_factory=list)
     denied_error: str = ""
     quota_acked: list[int] = field(default_factory=list)   # bytes acknowledged in each second
-    quota_records: int = 0
     client_throttle_ms: float = 0.0
     metrics: list[str] = field(default_factory=list)
     log_files: list[Path] = field(default_factory=list)
@@ -164,7 +163,6 @@ def _quota_step(kafka: Any, proxied: str, result: TourResult) -> None:
                 future = producer.send(topic, value=RECORD)
                 future.add_callback(lambda _metadata: acks.settled(size, None))
                 future.add_errback(lambda error: acks.settled(size, error))
-                result.quota_records += 1
         producer.flush(timeout=STEP_TIMEOUT_S)
         for group in producer.metrics().values():
             for name, value in group.items():
