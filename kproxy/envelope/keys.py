@@ -150,7 +150,7 @@ class KeyRing:
     supply should be refilled, ``on_due(kek)`` is called (and ``due`` lists them for a timer) so
     that the caller starts a KMS call, claimed with ``start`` and ended with ``add`` or ``failed``."""
 
-    def __init__(self, policy: KeyPolicy, *, on_due: Callable[[str], None] | None = None,
+    def __init__(self, policy: KeyPolicy, *, on_due: Callable[[str], object] | None = None,
                  jitter: Callable[[], float] = random.random) -> None:
         self.policy = policy
         self.on_due = on_due
