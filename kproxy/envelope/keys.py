@@ -5,7 +5,8 @@ every KMS call. Pure: the time is passed in (``now``), and the KMS calls themsel
 
 A DEK seals at most ``max_records`` records and serves at most ``max_age_s`` from when kproxy got
 it. The next one is asked for once the supply falls to ``1 - renew_at`` of a DEK's records (or to
-the largest batch seen, if that is more), or the youngest DEK has lived ``renew_at`` of its time, so a produce does not wait for a renewal while the
+the largest batch seen, or to twice what the recent rate seals during one KMS call, if more), or
+the youngest DEK has lived ``renew_at`` of its time, so a produce does not wait for a renewal while the
 KEK is in use (Kroxylicious #757, #1526). Every new DEK is wrapped with the KEK's latest version, so
 new records use a rotated KEK at most ``max_age_s`` (plus one KMS call) after the rotation (#1339);
 no KEK version is ever cached (#1767).
@@ -26,6 +27,8 @@ from kproxy.envelope.format import KeyRef
 # NIST SP 800-38D 8.3: at most 2**32 invocations per key with random 96-bit nonces. The setting may
 # not exceed a quarter of that; ``reserve`` never gives a DEK more records than the setting.
 MAX_RECORDS_PER_DEK: Final = 1 << 30
+
+RATE_WINDOW_S: Final = 0.2   # records sealed per KEK are counted over windows this long
 
 K = TypeVar("K", bound=Hashable)
 
@@ -143,6 +146,22 @@ class _Supply:
     waiting: int = 0          # the largest batch that found too few records left
     largest: int = 0          # the largest batch reserved: the supply is refilled before it runs below
     last_used: float = float("-inf")
+    # Records per second sealed lately, and how long the last KMS call took: the supply is refilled
+    # while what is left lasts twice that long at that rate.
+    rate: float = 0.0
+    window_start: float = float("-inf")
+    window_records: int = 0
+    asked_at: float | None = None
+    latency: float = 0.0
+
+    def count(self, n: int, now: float) -> None:
+        elapsed = now - self.window_start
+        if elapsed >= RATE_WINDOW_S:
+            if elapsed < 10 * RATE_WINDOW_S:
+                # A quiet spell lowers the rate gradually; a burst raises it at once.
+                self.rate = max(self.window_records / elapsed, self.rate / 2)
+            self.window_start, self.window_records = now, 0
+        self.window_records += n
 
 
 class KeyRing:
@@ -170,6 +189,7 @@ class KeyRing:
             return []
         if n > s.largest:
             s.largest = min(n, self.policy.max_records)
+        s.count(n, now)
         ready = s.ready
         self._prune(ready, now)
         limit = self.policy.max_records
@@ -197,6 +217,9 @@ class KeyRing:
         """A DEK the KMS gave for ``kek`` (``dek.created_at`` is when it arrived)."""
         s = self._supplies.setdefault(kek, _Supply())
         s.ready.append(dek)
+        if s.asked_at is not None:
+            s.latency = max(0.0, dek.created_at - s.asked_at)
+            s.asked_at = None
         self.calls.succeeded(kek)
         self.generated += 1
 
@@ -211,7 +234,10 @@ class KeyRing:
         return self.calls.failed(kek, now, error)
 
     def start(self, kek: str, now: float) -> bool:
-        return self.calls.start(kek, now)
+        if not self.calls.start(kek, now):
+            return False
+        self._supplies.setdefault(kek, _Supply()).asked_at = now
+        return True
 
     def error(self, kek: str, now: float) -> Exception | None:
         """Why ``kek`` has no DEK while its KMS calls back off."""
@@ -264,9 +290,10 @@ class KeyRing:
         if not ready:
             return True
         left = sum(p.max_records - d.used for d in ready)
-        # Ahead of need: when what is left is down to the renewal margin, or to the largest batch seen
-        # (a low max_records against large batches, Kroxylicious #1526).
-        if left - s.waiting <= max(p.renew_margin, s.largest):
+        # Ahead of need: when what is left is down to the renewal margin, to the largest batch seen, or
+        # to twice what the last KMS call's time lets through at the recent rate (a low max_records
+        # against large batches or a high rate, Kroxylicious #1526).
+        if left - s.waiting <= max(p.renew_margin, s.largest, 2 * s.rate * s.latency):
             return True
         return now - ready[-1].created_at >= p.renew_at * p.max_age_s
 

@@ -211,3 +211,18 @@ def test_unwrap_cache_is_bounded_by_time_from_the_unwrap():
         assert cache.get(d.ref, t) is d                # hits do not extend its life
     assert cache.get(d.ref, 60) is None and len(cache) == 0
     assert (cache.hits, cache.misses) == (6, 1)
+
+
+def test_a_fast_producer_and_a_slow_kms_move_the_renewal_earlier():
+    """At 1,000 records/s and a KMS that took 0.5 s, the next DEK is asked for while 1,000 records
+    (twice what one call's time lets through) are left, not at the 20% margin of 200."""
+    ring, asked = ring_with(KeyPolicy(max_records=1000, renew_at=0.8))
+    assert ring.start("k1", 0)
+    ring.add("k1", new_dek(at=0.5))
+    left = []
+    for i in range(10):
+        ring.reserve("k1", 50, 0.5 + i * 0.05)
+        if asked:
+            left.append(1000 - ring.ready("k1")[0].used)
+            break
+    assert left and left[0] > 200
