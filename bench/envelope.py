@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.quick else args.rounds
     seconds = 0.2 if args.quick else 1.0
 
-    # A wrapped DEK the size of Vault Transit's (kproxy keeps its 60 raw bytes and the key version).
-    ref = KeyRef(Kms.VAULT_TRANSIT, "payments-kek", os.urandom(61))
+    # A wrapped DEK the size of Vault Transit's in kproxy's compact form (a form byte, the key version, 60 raw bytes).
+    ref = KeyRef(Kms.VAULT_TRANSIT, "payments-kek", os.urandom(62))
     dek = DataKey(ref, os.urandom(32))
     binding = Binding("payments-eu")
     deks = {ref: dek}

