@@ -157,9 +157,8 @@ class _Supply:
     def count(self, n: int, now: float) -> None:
         elapsed = now - self.window_start
         if elapsed >= RATE_WINDOW_S:
-            if elapsed < 10 * RATE_WINDOW_S:
-                # A quiet spell lowers the rate gradually; a burst raises it at once.
-                self.rate = max(self.window_records / elapsed, self.rate / 2)
+            # A burst raises the rate at once; a quiet spell halves it per window.
+            self.rate = max(self.window_records / elapsed, self.rate / 2)
             self.window_start, self.window_records = now, 0
         self.window_records += n
 
@@ -189,7 +188,6 @@ class KeyRing:
             return []
         if n > s.largest:
             s.largest = min(n, self.policy.max_records)
-        s.count(n, now)
         ready = s.ready
         self._prune(ready, now)
         limit = self.policy.max_records
@@ -209,6 +207,7 @@ class KeyRing:
                     break
         if n >= s.waiting:
             s.waiting = 0
+        s.count(n, now)
         self._prune(ready, now)
         self._check(kek, s, now)
         return grants

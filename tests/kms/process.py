@@ -36,6 +36,7 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                cwd=self.workdir,   # moto writes its request recording to the working directory
                 # PDEATHSIG follows the forking thread; only the main thread lives as long as the process.
                 preexec_fn=die_with_parent if sys.platform == "linux" and
                 threading.current_thread() is threading.main_thread() else None)
