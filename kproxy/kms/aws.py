@@ -51,7 +51,7 @@ class AwsKms:
             import boto3
             from botocore.config import Config
         except ImportError:
-            raise KmsError("refused", "kms.aws needs boto3: pip install 'kproxy[aws]'", retriable=False) from None
+            raise KmsError("refused", "kms.aws needs boto3: pip install 'kproxy-kafka[aws]'", retriable=False) from None
         self.settings = settings
         # kproxy retries through its own backoff; botocore's would multiply the calls per DEK.
         config = Config(connect_timeout=settings.timeout_s, read_timeout=settings.timeout_s,

@@ -17,8 +17,6 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from kproxy.kms.client import KmsClient
-
 _MOUNT: Final = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 MAX_TIMEOUT_S: Final = 60.0
 
@@ -206,18 +204,3 @@ def local_key_problem(settings: KmsSettings, mode: str) -> KmsSettingError | Non
     return KmsSettingError(("kms", "local"), "a local key file is for development only and mode: gateway "
                                              "refuses it; use vault or aws, or set allow_in_gateway: true")
 
-
-def open_client(settings: KmsSettings) -> KmsClient:
-    """The client for the configured backend (imported here, so each backend loads only its own)."""
-    if settings.vault is not None:
-        from kproxy.kms.vault import VaultTransit
-
-        return VaultTransit(settings.vault)
-    if settings.aws is not None:
-        from kproxy.kms.aws import AwsKms
-
-        return AwsKms(settings.aws)
-    assert settings.local is not None
-    from kproxy.kms.local import LocalKeyFile
-
-    return LocalKeyFile(settings.local.file)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kproxy.kms.backends import open_client
 from kproxy.kms.client import KmsError
 from kproxy.kms.local import LocalKeyFile, write_key_file
 from kproxy.kms.settings import (
@@ -16,7 +17,6 @@ from kproxy.kms.settings import (
     file_problems,
     kms_settings,
     local_key_problem,
-    open_client,
 )
 from kproxy.kms.vault import compact_ciphertext, expand_ciphertext
 
