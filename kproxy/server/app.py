@@ -162,8 +162,7 @@ class ProxyServer:
                                  config.quota_share(self.workers), coordinated=coordinated)
             builtin.append(quotas)
             if coordinated:
-                # A session past the broker's re-authentication deadline is closed by the broker,
-                # and the coordinator opens a new one, which logs in anew.
+                # Its connections are opened, logged in and re-authenticated as every other one.
                 self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
                                                opener=lambda host, port: open_upstream(host, port, self.upstream))
         self.chain = FilterChain([*builtin, *filters])

@@ -53,9 +53,6 @@ from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
 log = logging.getLogger("kproxy.server")
 
 _I32 = struct.Struct(">i")
-# KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
-# client picks 85-95%), leaving time for the exchange before the broker would close the connection.
-REAUTH_AT = 0.85
 # The largest frame a client may send before it has logged in to kproxy: a SaslAuthenticate with a
 # 128 KiB token fits; a stranger cannot make kproxy hold more than this.
 PRE_LOGIN_FRAME_CAP = 256 * 1024
@@ -294,8 +291,6 @@ class ClientConnection:
         self._holding = False                       # the client pump waits out a throttle or delay
         # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
         self.prepare = prepare
-        self._reauth_at: float | None = None        # when kproxy logs in to the broker again (KIP-368)
-        self._session_end: float | None = None      # when the broker's session ends
         self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
         self._login_ids: set[int] = set()
         # A request streaming to the broker (cut-through): the broker connection its first piece went
@@ -472,8 +467,7 @@ class ClientConnection:
                         self._room = trio.Event()
                 if self.prepare is not None:
                     await self.prepare(frame)
-                reauth_at = self._reauth_at
-                if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
+                if self._login_due():
                     await self._renew_upstream_session()
                 await self._execute(session.client_frame(frame))
                 if self._pre_login and session.ctx.authenticated:
@@ -597,8 +591,7 @@ class ClientConnection:
                 while len(session.open) >= limit:
                     await self._room.wait()
                     self._room = trio.Event()
-            reauth_at = self._reauth_at
-            if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
+            if self._login_due():
                 await self._renew_upstream_session()
             # A broker connection not open yet will be one of kproxy's transports, which all stream.
             transport = self.client.can_stream and (self.upstream is None or self.upstream.can_stream)
@@ -738,19 +731,21 @@ class ClientConnection:
                     self.stats.upstream_failed(host, port)
         else:
             raise last or OSError("no upstream")
-        if s.upstream.originator is not None:
-            self._schedule_reauth(self.upstream.session_lifetime_ms)
         self._upstream_generation += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
 
-    def _schedule_reauth(self, lifetime_ms: int) -> None:
-        now = trio.current_time()
-        self._reauth_at = now + REAUTH_AT * lifetime_ms / 1000 if lifetime_ms > 0 else None
-        self._session_end = now + lifetime_ms / 1000 if lifetime_ms > 0 else None
+    def _login_due(self) -> bool:
+        """Whether kproxy's login on the broker connection is due again (KIP-368)."""
+        upstream = self.upstream
+        login = upstream.login if upstream is not None else None
+        return login is not None and login.due(trio.current_time())
 
     async def _renew_upstream_session(self) -> None:
-        end = self._session_end
+        upstream = self.upstream
+        login = upstream.login if upstream is not None else None
+        assert upstream is not None and login is not None
+        end = login.session_end
         if end is not None and trio.current_time() >= end - 0.1 and not self.session.awaiting_upstream:
             # Idle past the session's end: a broker closes an expired connection at its next request,
             # re-authentication included (KIP-368), so open a fresh one, which logs in anew.
@@ -758,7 +753,6 @@ class ClientConnection:
                       self.session.ctx.connection_id)
             async with self._upstream_lock:
                 upstream, self.upstream = self.upstream, None
-                self._reauth_at = self._session_end = None
                 if upstream is not None:
                     upstream.close()
             return
@@ -771,28 +765,24 @@ class ClientConnection:
         answers in order), and kproxy takes the answers to its own login from the upstream pump
         (which never waits for this lock while a client request is being read: questions are
         settled before the client pump reads on)."""
-        originator = self.settings.upstream.originator
-        assert originator is not None
         send, receive = trio.open_memory_channel[bytes](4)
-        timeout = self.settings.request_timeout_s
-        where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
         failed: str | None = None
         async with self._upstream_lock:
             upstream = self.upstream
-            if upstream is None:
+            if upstream is None or upstream.login is None:
                 return          # lost meanwhile: the next request reconnects and logs in anew
+            login = upstream.login
 
             async def roundtrip(req: Any) -> Any:
                 self._login_ids.add(req.correlation_id)
-                with trio.fail_after(timeout):
-                    await upstream.send(encode_request_frame(req))
-                    frame = await receive.receive()
+                await upstream.send(encode_request_frame(req))
+                frame = await receive.receive()
                 self._login_ids.discard(req.correlation_id)
                 return decode_response(frame, req.api_key, req.api_version)
 
             self._login_answers = send
             try:
-                lifetime = await originator.login(roundtrip, where)
+                await login.log_in(roundtrip)
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 failed = f"re-authentication failed: {str(e) or 'timed out'}"
             finally:
@@ -800,18 +790,16 @@ class ClientConnection:
                 self._login_ids.clear()
         if failed is not None:
             # With the lock free: the session may resume a request that must be sent at once.
-            self._reauth_at = None
             await self._upstream_lost(failed)
             return
-        log.info("connection %d: re-authenticated kproxy to %s (KIP-368)", self.session.ctx.connection_id, where)
-        self._schedule_reauth(lifetime)
+        log.info("connection %d: re-authenticated kproxy to %s (KIP-368)", self.session.ctx.connection_id,
+                 login.where)
 
     async def _upstream_lost(self, reason: str) -> None:
         """The broker connection ended: the session answers what waited on it."""
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
-        self._reauth_at = self._session_end = None
         where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
         BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
                             self.session.ctx.connection_id, where, reason)

@@ -28,7 +28,7 @@ from kproxy.quota.budgets import Budget, BudgetKey
 from kproxy.quota.engine import QuotaFilter
 from kproxy.quota.fleet import FleetShares, Load, decode_record, record_key, record_value
 from kproxy.server.transport import Transport
-from kproxy.server.upstream import UpstreamSettings, open_upstream
+from kproxy.server.upstream import UpstreamSettings, open_upstream, renew_login
 
 log = logging.getLogger("kproxy.quota.coordination")
 
@@ -75,6 +75,8 @@ class _Link:
         self.sent = self.received = 0
 
     async def call(self, api_key: int, body: Any, timeout: float) -> Any:
+        # kproxy's login on this connection is renewed before its session ends (KIP-368), as on every other.
+        await renew_login(self.transport)
         self._correlation = (self._correlation + 1) & 0x7FFFFFFF
         version = self.versions.get(api_key, 0)
         req = Request.build(api_key, version, self._correlation, "kproxy-coordination", body)
@@ -130,7 +132,8 @@ class Coordinator:
         self.interval = coord.publish_interval_ms / 1000.0
         upstream = config.upstream
         # How a broker connection is opened: the server passes its own (the same TLS, and SASL when it
-        # exists, as every other upstream connection); alone, open_upstream with the upstream settings.
+        # exists, as every other upstream connection); alone, open_upstream with the upstream settings
+        # (SASL included).
         if opener is None:
             settings = UpstreamSettings.from_config(upstream)
             self.opener: Callable[[str, int], Awaitable[Transport]] = (

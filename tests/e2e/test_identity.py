@@ -567,18 +567,23 @@ exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker
     assert tls_gate.tokens and not any(SERVICE_PASSWORD.encode() in t for t in tls_gate.tokens)  # SCRAM never sends it
 
 
+def fleet_coordination(tmp_path: Path, fleet: str, stale_after_s: float) -> str:
+    """Configuration for a quota rule and fleet coordination every 100 ms on a topic of its own."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("quotas:\n  - name: q\n    match: {client_id: x}\n    produce_bytes_per_s: 1000\n")
+    return (f"rules: [{rules}]\nquota:\n  coordination: {{fleet: {fleet}, topic: {unique_name('kproxy-quotas')}, "
+            f"publish_interval_ms: 100, stale_after_s: {stale_after_s:g}}}\n")
+
+
 def test_fleet_quota_coordination_logs_in_as_kproxy(gate: SaslGate, tmp_path: Path,
                                                     recorder: PrincipalRecorder) -> None:
     # The coordinator's own broker connections go through the same origination as every other one.
     gate.require_sasl = True
     secret = tmp_path / "password"
     secret.write_text(SERVICE_PASSWORD + "\n")
-    rules = tmp_path / "rules.yaml"
-    rules.write_text("quotas:\n  - name: q\n    match: {client_id: x}\n    produce_bytes_per_s: 1000\n")
-    extra = (f"rules: [{rules}]\nquota:\n  coordination: {{fleet: sasl, topic: {unique_name('kproxy-quotas')}, "
-             f"publish_interval_ms: 100, stale_after_s: 1}}\n")
     before = len(gate.authentications)
-    with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret), extra=extra) as proxy:
+    with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret),
+                     extra=fleet_coordination(tmp_path, "sasl", stale_after_s=1)) as proxy:
         coordinator = proxy.server.coordinator
         assert coordinator is not None
         deadline = time.monotonic() + 20
@@ -587,3 +592,35 @@ def test_fleet_quota_coordination_logs_in_as_kproxy(gate: SaslGate, tmp_path: Pa
             time.sleep(0.05)
     done = gate.authentications[before:]
     assert len(done) >= 2 and all(a.ok and a.user == SERVICE for a in done)   # discovery and coordination
+
+
+def test_fleet_quota_coordination_re_authenticates_on_its_connection(gate: SaslGate, tmp_path: Path,
+                                                                     recorder: PrincipalRecorder) -> None:
+    """The broker grants 1.5 s sessions: the coordinator's connection logs in again before each ends
+    (KIP-368), as a client's does, instead of being closed by the broker and opened anew."""
+    gate.require_sasl = True
+    gate.session_lifetime_ms = 1500
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD + "\n")
+    before, expired = len(gate.authentications), len(gate.expired)
+    try:
+        with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret),
+                         extra=fleet_coordination(tmp_path, "sasl-reauth", stale_after_s=5)) as proxy:
+            coordinator = proxy.server.coordinator
+            assert coordinator is not None
+            deadline = time.monotonic() + 30
+            while len([a for a in gate.authentications[before:] if a.reauthentication]) < 2:
+                assert time.monotonic() < deadline, (gate.authentications[before:], coordinator.last_error)
+                time.sleep(0.05)
+            up, switches, last_error = proxy.call(lambda: (coordinator.up, coordinator.switches,
+                                                           coordinator.last_error))
+    finally:
+        gate.session_lifetime_ms = 0
+    done = gate.authentications[before:]
+    assert all(a.ok and a.user == SERVICE for a in done)
+    again = [a for a in done if a.reauthentication]
+    # Both re-authentications on one connection, which had logged in first; none lapsed.
+    assert len({a.connection for a in again}) == 1
+    assert any(a.connection == again[0].connection and not a.reauthentication for a in done)
+    assert gate.expired[expired:] == []
+    assert up and switches == 1 and last_error is None, (up, switches, last_error)
