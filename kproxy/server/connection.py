@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -44,6 +45,7 @@ from kproxy.proxy.session import (
     ToUpstream,
 )
 from kproxy.server.budget import BufferBudget
+from kproxy.server.origination import OriginationError
 from kproxy.server.splice import Pipe, SinkError
 from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
@@ -287,12 +289,14 @@ class ClientConnection:
         # this platform, the settings and the client's transport allow it.
         self._splice_ok = settings.splice and isinstance(client, PlainTransport) and splice_available()
         self._pipe: Pipe | None = None
-        self._answered: trio.Event | None = None    # set when a filter's question is settled
+        self._settle: trio.Event | None = None      # set when a filter's question is settled
         self._holding = False                       # the client pump waits out a throttle or delay
         # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
         self.prepare = prepare
+        # kproxy's own login on the broker connection (upstream.sasl), kept alive by _keep_login.
         self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
         self._login_ids: set[int] = set()
+        self._login_changed: trio.Event | None = None   # wakes _keep_login for a new broker connection
         # A request streaming to the broker (cut-through): the broker connection its first piece went
         # to, whether this pump holds the broker write lock for it, and whether a piece is being sent.
         self._up_target: Transport | None = None
@@ -467,8 +471,6 @@ class ClientConnection:
                         self._room = trio.Event()
                 if self.prepare is not None:
                     await self.prepare(frame)
-                if self._login_due():
-                    await self._renew_upstream_session()
                 await self._execute(session.client_frame(frame))
                 if self._pre_login and session.ctx.authenticated:
                     self._pre_login = False
@@ -591,8 +593,6 @@ class ClientConnection:
                 while len(session.open) >= limit:
                     await self._room.wait()
                     self._room = trio.Event()
-            if self._login_due():
-                await self._renew_upstream_session()
             # A broker connection not open yet will be one of kproxy's transports, which all stream.
             transport = self.client.can_stream and (self.upstream is None or self.upstream.can_stream)
             if not session.request_stream_start(size, head, transport):
@@ -693,20 +693,26 @@ class ClientConnection:
         it: the upstream pump hands the answer to the session (which then acts on the request), and
         a lost connection settles it too. Past the request timeout the filter decides without it."""
         session = self.session
-        self._answered = trio.Event()
         await self._to_upstream(ToUpstream(action.buffers))
         timeout = self.settings.request_timeout_s
         with trio.move_on_after(timeout if timeout > 0 else float("inf")):
-            while session.asking is not None:
-                await self._answered.wait()
-                self._answered = trio.Event()
-        self._answered = None
+            await self._question_settled()
         if session.asking is not None:
             await self._execute(session.question_unanswered(f"none within {timeout:g}s"))
+            self._settled()
+
+    async def _question_settled(self) -> None:
+        """Return once the session has no question to the broker pending."""
+        while self.session.asking is not None:
+            if self._settle is None:
+                self._settle = trio.Event()
+            await self._settle.wait()
 
     def _settled(self) -> None:
-        if self._answered is not None and self.session.asking is None:
-            self._answered.set()
+        """Called whenever the session may have settled its question (an answer, a lost connection)."""
+        if self._settle is not None and self.session.asking is None:
+            self._settle.set()
+            self._settle = None
 
     async def _connect_upstream(self) -> None:
         s = self.settings
@@ -734,49 +740,59 @@ class ClientConnection:
         self._upstream_generation += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
+        login = self.upstream.login
+        if login is not None and login.reauth_at is not None:
+            if self._login_changed is None:
+                self._login_changed = trio.Event()
+                self._nursery.start_soon(self._keep_login)
+            else:
+                self._login_changed.set()
 
-    def _login_due(self) -> bool:
-        """Whether kproxy's login on the broker connection is due again (KIP-368)."""
-        upstream = self.upstream
-        login = upstream.login if upstream is not None else None
-        return login is not None and login.due(trio.current_time())
+    # -- kproxy's own login on the broker connection (KIP-368)
 
-    async def _renew_upstream_session(self) -> None:
-        upstream = self.upstream
-        login = upstream.login if upstream is not None else None
-        assert upstream is not None and login is not None
-        end = login.session_end
-        if end is not None and trio.current_time() >= end - 0.1 and not self.session.awaiting_upstream:
-            # Idle past the session's end: a broker closes an expired connection at its next request,
-            # re-authentication included (KIP-368), so open a fresh one, which logs in anew.
-            log.debug("connection %d: the broker session ended while idle; reconnecting",
-                      self.session.ctx.connection_id)
-            async with self._upstream_lock:
-                upstream, self.upstream = self.upstream, None
-                if upstream is not None:
-                    upstream.close()
-            return
-        await self._reauthenticate_upstream()
-
-    async def _reauthenticate_upstream(self) -> None:
-        """KIP-368 on the broker side: log in again on the live connection. Called from the client
-        pump between two client requests, holding the broker write lock, so no request goes out
-        during the exchange; answers to requests sent before it still reach the client (the broker
-        answers in order), and kproxy takes the answers to its own login from the upstream pump
-        (which never waits for this lock while a client request is being read: questions are
-        settled before the client pump reads on)."""
-        send, receive = trio.open_memory_channel[bytes](4)
-        failed: str | None = None
-        async with self._upstream_lock:
+    async def _keep_login(self) -> None:
+        """Log kproxy in again on the broker connection before the session the broker gave its login
+        ends, whether the client is sending or idle: KIP-368 re-authenticates a connection, it does
+        not replace it. Runs from the first broker connection whose login has a lifetime until the
+        client connection ends; a new broker connection wakes it (``_login_changed``)."""
+        while True:
             upstream = self.upstream
-            if upstream is None or upstream.login is None:
+            login = upstream.login if upstream is not None else None
+            at = login.reauth_at if login is not None and login.reauth_at is not None else math.inf
+            changed = self._login_changed = trio.Event()
+            with trio.move_on_at(at) as timer:
+                await changed.wait()
+            if timer.cancelled_caught and upstream is not None and self.upstream is upstream:
+                await self._reauthenticate_upstream(upstream)
+
+    async def _reauthenticate_upstream(self, upstream: Transport) -> None:
+        """Log in again on the live broker connection, holding the broker write lock so that no
+        request goes out during the exchange (a broker reads only SASL while it re-authenticates);
+        answers to requests sent before it still reach the client (the broker answers in order), and
+        kproxy takes the answers to its own login from the upstream pump. The lock is taken only
+        while no filter's question is pending: the upstream pump may need the lock to send the
+        request that question held, and it must never wait for the lock while the login waits for it."""
+        lock = self._upstream_lock
+        while True:
+            await self._question_settled()
+            await lock.acquire()
+            if self.session.asking is None:
+                break
+            lock.release()
+        login = upstream.login
+        failed: str | None = None
+        try:
+            if self.upstream is not upstream or login is None:
                 return          # lost meanwhile: the next request reconnects and logs in anew
-            login = upstream.login
+            send, receive = trio.open_memory_channel[bytes](4)
 
             async def roundtrip(req: Any) -> Any:
                 self._login_ids.add(req.correlation_id)
                 await upstream.send(encode_request_frame(req))
-                frame = await receive.receive()
+                try:
+                    frame = await receive.receive()
+                except trio.EndOfChannel:
+                    raise OriginationError("the broker connection was lost") from None
                 self._login_ids.discard(req.correlation_id)
                 return decode_response(frame, req.api_key, req.api_version)
 
@@ -788,9 +804,12 @@ class ClientConnection:
             finally:
                 self._login_answers = None
                 self._login_ids.clear()
+        finally:
+            lock.release()
         if failed is not None:
-            # With the lock free: the session may resume a request that must be sent at once.
-            await self._upstream_lost(failed)
+            if self.upstream is upstream:
+                # With the lock free: the session may resume a request that must be sent at once.
+                await self._upstream_lost(failed)
             return
         log.info("connection %d: re-authenticated kproxy to %s (KIP-368)", self.session.ctx.connection_id,
                  login.where)
@@ -800,6 +819,10 @@ class ClientConnection:
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
+        if self._login_answers is not None:
+            # A re-authentication waiting for its answers fails now, not at its timeout.
+            self._login_answers.close()
+            self._login_answers = None
         where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
         BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
                             self.session.ctx.connection_id, where, reason)

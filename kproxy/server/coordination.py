@@ -66,8 +66,10 @@ def instance_id() -> str:
 class _Link:
     """One connection to one broker, sequential request and response."""
 
-    def __init__(self, transport: Transport, address: tuple[str, int], max_frame: int) -> None:
+    def __init__(self, transport: Transport, address: tuple[str, int], max_frame: int,
+                 renew_ahead: float = 0.0) -> None:
         self.transport = transport
+        self.renew_ahead = renew_ahead      # the longest between two calls: the login is renewed that early
         self.address = address
         self.reader = FrameReader(max_frame)
         self.versions: dict[int, int] = {}
@@ -76,7 +78,7 @@ class _Link:
 
     async def call(self, api_key: int, body: Any, timeout: float) -> Any:
         # kproxy's login on this connection is renewed before its session ends (KIP-368), as on every other.
-        await renew_login(self.transport)
+        await renew_login(self.transport, self.renew_ahead)
         self._correlation = (self._correlation + 1) & 0x7FFFFFFF
         version = self.versions.get(api_key, 0)
         req = Request.build(api_key, version, self._correlation, "kproxy-coordination", body)
@@ -250,7 +252,7 @@ class Coordinator:
 
     async def _open(self, host: str, port: int) -> _Link:
         t = await self.opener(host, port)
-        link = _Link(t, (host, port), self.config.limits.max_frame_size)
+        link = _Link(t, (host, port), self.config.limits.max_frame_size, renew_ahead=self.interval)
         try:
             await link.negotiate(self.timeout)
         except BaseException:

@@ -12,6 +12,7 @@ subclasses of those.
 
 from __future__ import annotations
 
+import random
 import ssl
 
 import attrs
@@ -22,9 +23,10 @@ from kproxy.protocol.messages import Request, Response
 from kproxy.server.origination import OriginationError, Originator, Roundtrip, direct_roundtrip
 from kproxy.server.transport import Transport, client_context, connect
 
-# KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
-# client picks 85-95%), leaving time for the exchange before the broker would close the connection.
-REAUTH_AT = 0.85
+# KIP-368: log in again once 85-95% of the broker's session lifetime has passed, as Kafka's own
+# client does: time left for the exchange before the broker would close the connection, and a
+# random spread so that connections opened together do not all log in again at once.
+REAUTH_FROM, REAUTH_SPREAD = 0.85, 0.10
 
 
 @attrs.frozen
@@ -91,7 +93,8 @@ class UpstreamLogin:
             raise LoginTimedOut() from None
         now = trio.current_time()
         self.lifetime_ms = lifetime_ms
-        self.reauth_at = now + REAUTH_AT * lifetime_ms / 1000 if lifetime_ms > 0 else None
+        share = REAUTH_FROM + random.random() * REAUTH_SPREAD
+        self.reauth_at = now + share * lifetime_ms / 1000 if lifetime_ms > 0 else None
         self.session_end = now + lifetime_ms / 1000 if lifetime_ms > 0 else None
 
     def due(self, now: float) -> bool:
@@ -121,10 +124,12 @@ async def open_upstream(host: str, port: int, settings: UpstreamSettings) -> Tra
     return t
 
 
-async def renew_login(transport: Transport) -> None:
+async def renew_login(transport: Transport, ahead: float = 0.0) -> None:
     """Before the next request on a connection that one task uses a request at a time (discovery,
-    fleet coordination): log in again if the session is due for it (KIP-368). The errors are
+    fleet coordination): log in again if the login falls due within ``ahead`` seconds (KIP-368). A
+    caller that sends at least every so often passes that period, so the login is renewed at the
+    last request before its time rather than the first after it. The errors are
     ``UpstreamLogin.log_in``'s."""
     login = transport.login
-    if login is not None and login.due(trio.current_time()):
+    if login is not None and login.due(trio.current_time() + ahead):
         await login.log_in(direct_roundtrip(transport))
