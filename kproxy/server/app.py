@@ -45,9 +45,10 @@ from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
-from kproxy.server.connection import ClientConnection, ConnectionSettings, run_clock
+from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
+from kproxy.server.ordering import run_clock
 from kproxy.server.origination import Roundtrip, direct_roundtrip
 from kproxy.server.proxy_protocol import ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules

@@ -1,24 +1,22 @@
-"""The two pumps of one proxied connection: client -> broker and broker -> client.
+"""The tasks of one proxied connection: the client -> broker and broker -> client pumps and the
+watchdog, and the connection's life from accept to close.
 
-The connection's nursery runs both; when the client side ends, the cancel scope ends the other and
-both sockets close in ``finally``. Both pumps (and the watchdog) hand the session's actions to one
-executor. Answers reach the client in the order the session made them, whichever task made them: they
-are queued the moment the session returns them and written by one task at a time (``ClientWriter``);
-writes to the broker are serialised the same way. A broker connection that is lost is not fatal to
-the client: the session answers what was waiting with retriable errors and the next request
-reconnects. Every request the session read completes exactly once, also when the client goes away
-(``client_gone``). A connection needs no server: it gets a frozen settings snapshot, a router (where
-to connect, which ports to open) and a completion callback.
+The connection's nursery runs them; when the client side ends, the cancel scope ends the others and
+both sockets close in ``finally``. Every task hands the session's actions to the one executor
+(``executor.py``), which keeps the two orders (``ordering.py``): answers reach the client in the order
+the session made them, and writes to the broker go one at a time. A broker connection that is lost
+is not fatal to the client: the session answers what was waiting with retriable errors and the next
+request reconnects. Every request the session read completes exactly once, also when the client
+goes away (``client_gone``). A connection needs no server: it gets a frozen settings snapshot, a
+router (where to connect, which ports to open) and a completion callback.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import math
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
@@ -27,30 +25,18 @@ from kproxy.logs import safe
 from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
-from kproxy.protocol.messages import api_name, decode_response, encode_request_frame
+from kproxy.protocol.messages import api_name
 from kproxy.protocol.records import V2_HEADER_SIZE
 from kproxy.proxy.addresses import Route
-from kproxy.proxy.session import (
-    CLIENT_GONE,
-    CLOSED,
-    NO_RESPONSE,
-    Ask,
-    Close,
-    Hold,
-    InFlight,
-    Listen,
-    Session,
-    StreamUp,
-    ToClient,
-    ToUpstream,
-)
+from kproxy.proxy.session import CLIENT_GONE, CLOSED, InFlight, Session
 from kproxy.server.budget import BufferBudget
-from kproxy.server.origination import OriginationError
-from kproxy.server.splice import Pipe, SinkError
+from kproxy.server.executor import Executor
+from kproxy.server.ordering import ClientGone, ClientWriter, ConnectionClosed, run_clock
+from kproxy.server.splice import Pipe
 from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import PEEK_NOW, PlainTransport, Transport
-from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
+from kproxy.server.upstream import UpstreamSettings
 
 log = logging.getLogger("kproxy.server")
 
@@ -58,157 +44,6 @@ _I32 = struct.Struct(">i")
 # The largest frame a client may send before it has logged in to kproxy: a SaslAuthenticate with a
 # 128 KiB token fits; a stranger cannot make kproxy hold more than this.
 PRE_LOGIN_FRAME_CAP = 256 * 1024
-
-
-def run_clock() -> Callable[[], float]:
-    """``trio.current_time`` without its two layers of indirection (the run's own clock, the same
-    readings): a small request reads the time several times."""
-    try:
-        return trio.lowlevel.current_clock().current_time
-    except RuntimeError:        # outside a run (a connection built by a test before trio.run)
-        return trio.current_time
-
-
-class ConnectionClosed(Exception):
-    """Ends a connection on purpose; the reason is logged once."""
-
-
-class ClientGone(ConnectionClosed):
-    """The client's socket failed or closed while kproxy wrote to it."""
-
-
-class ClientWriter:
-    """Answers for one client socket, written in the order they were queued, whichever task queued
-    them: the first task that flushes writes everything queued (several answers in one vectored
-    send) while the others wait until what they queued is out. Queuing never waits, so the order is
-    the session's; ``complete`` is called for each answer's entries once its bytes are written."""
-
-    __slots__ = ("_failed", "_idle", "_now", "_queue", "_queued", "_waiting", "_written", "complete", "transport",
-                 "writing")
-
-    def __init__(self, transport: Transport, complete: Callable[[tuple[InFlight, ...], float], None]) -> None:
-        self.transport = transport
-        self.complete = complete
-        self._queue: list[tuple[list, tuple[InFlight, ...]]] = []
-        self._queued = 0          # answers ever queued
-        self._written = 0         # answers ever written
-        self.writing = False
-        self._idle = trio.Event()
-        self._waiting = 0         # tasks waiting for another's write to finish
-        self._now = run_clock()
-        self._failed: BaseException | None = None
-
-    @property
-    def pending(self) -> int:
-        """Answers queued and not yet written."""
-        return self._queued - self._written
-
-    def put(self, buffers: list, done: tuple[InFlight, ...]) -> None:
-        self._queue.append((buffers, done))
-        self._queued += 1
-
-    async def flush(self) -> None:
-        """Return once everything queued so far is written; ClientGone if the client went away."""
-        target = self._queued
-        while self.writing and self._written < target:
-            # Another task is writing: it writes what this one queued too.
-            self._waiting += 1
-            try:
-                await self._idle.wait()
-            finally:
-                self._waiting -= 1
-        if self._failed is not None:
-            raise ClientGone("client closed the connection") from self._failed
-        if self._written >= target:
-            return
-        self.writing = True
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                buffers = batch[0][0] if len(batch) == 1 else [b for bufs, _ in batch for b in bufs]
-                try:
-                    await self.transport.send(buffers)
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                    self._failed = e
-                    raise ClientGone(f"client connection error: {e!r}") from e
-                self._written += len(batch)
-                now = self._now()
-                for _, done in batch:
-                    if done:
-                        self.complete(done, now)
-        finally:
-            self.writing = False
-            if self._waiting:
-                idle, self._idle = self._idle, trio.Event()
-                idle.set()
-
-    async def splice(self, pipe: Pipe, src: Any, n: int) -> None:
-        """Move ``n`` bytes from socket ``src`` to the client (``Pipe.relay``), after everything queued
-        and with no other task writing meanwhile. ClientGone if the client went away; an error of
-        ``src`` propagates as it is."""
-        await self.flush()
-        assert isinstance(self.transport, PlainTransport)
-        self.writing = True
-        try:
-            await pipe.relay(src, self.transport.raw, n)
-        except SinkError as e:
-            self._failed = e
-            raise ClientGone(str(e)) from e
-        finally:
-            self.writing = False
-            if self._waiting:
-                idle, self._idle = self._idle, trio.Event()
-                idle.set()
-
-
-class FifoLock:
-    """Held by one task at a time, handed on in the order tasks asked. Taking it uncontended is a
-    flag (trio's StrictFIFOLock also records its owner for the parking-lot breaker on every take,
-    a measurable share of a small request); a waiter is woken owning it, so none can barge in."""
-
-    __slots__ = ("_held", "_waiters")
-
-    def __init__(self) -> None:
-        self._held = False
-        self._waiters: collections.deque[trio.Event] = collections.deque()
-
-    def locked(self) -> bool:
-        return self._held
-
-    def acquire_nowait(self) -> None:
-        if self._held:
-            raise trio.WouldBlock
-        self._held = True
-
-    async def acquire(self) -> None:
-        await trio.lowlevel.checkpoint()     # a cancellation lands before anything is held
-        if not self._held:
-            self._held = True
-            return
-        handed = trio.Event()
-        self._waiters.append(handed)
-        try:
-            await handed.wait()
-        except BaseException:
-            if handed.is_set():
-                self.release()      # handed over as this task was cancelled: pass it on
-            else:
-                self._waiters.remove(handed)
-            raise
-
-    def release(self) -> None:
-        if not self._held:
-            raise RuntimeError("release of a FifoLock that is not held")
-        if self._waiters:
-            self._waiters.popleft().set()     # still held: now by the first waiter
-        else:
-            self._held = False
-
-    async def __aenter__(self) -> None:
-        await self.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
 
 @attrs.frozen(slots=True)
@@ -248,13 +83,14 @@ class Router(Protocol):
 Completion = Callable[[InFlight], None]
 
 
-class ClientConnection:
+class ClientConnection(Executor):
     """One client connection and the broker connection behind it."""
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
                  prepare: Callable[[memoryview], Awaitable[None]] | None = None) -> None:
+        super().__init__()
         self.settings = settings
         self.router = router
         self.client = client
@@ -263,8 +99,6 @@ class ClientConnection:
         self.budget = budget if budget is not None else BufferBudget(None)
         self.stats = stats                          # decode errors and connect failures, for metrics
         self.route_key = route_key                  # (exposed port, SNI name) the client connected to
-        self.upstream: Transport | None = None
-        self.connected_to: tuple[str, int] | None = None
         self.unrouted: tuple[int | None, str | None] | None = None   # (port, SNI name) not yet placed
         self._now = run_clock()
         self.opened_at = self._now()
@@ -273,14 +107,11 @@ class ClientConnection:
         self.bytes_out = 0                          # response bytes to the client
         self._close_reason: str | None = None       # why another task closed the connection
         self.writer = ClientWriter(client, self._complete)
-        # One task at a time connects and writes to the broker, in the order the session asked.
-        self._upstream_lock = FifoLock()
         self.client_gone = False                    # the client went away (not kproxy closing it)
         self._room = trio.Event()                   # set when in-flight drops below the limit
         self._nursery: trio.Nursery | None = None
         self.cancel_scope: trio.CancelScope | None = None
         self.draining = False
-        self._upstream_generation = 0
         self.client_reader = FrameReader(settings.frame_cap, trust_claims=False,
                                          limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
@@ -289,19 +120,8 @@ class ClientConnection:
         # this platform, the settings and the client's transport allow it.
         self._splice_ok = settings.splice and isinstance(client, PlainTransport) and splice_available()
         self._pipe: Pipe | None = None
-        self._settle: trio.Event | None = None      # set when a filter's question is settled
-        self._holding = False                       # the client pump waits out a throttle or delay
         # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
         self.prepare = prepare
-        # kproxy's own login on the broker connection (upstream.sasl), kept alive by _keep_login.
-        self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
-        self._login_ids: set[int] = set()
-        self._login_changed: trio.Event | None = None   # wakes _keep_login for a new broker connection
-        # A request streaming to the broker (cut-through): the broker connection its first piece went
-        # to, whether this pump holds the broker write lock for it, and whether a piece is being sent.
-        self._up_target: Transport | None = None
-        self._up_locked = False
-        self._up_sending = False
         front = session.front
         self._pre_login = front is not None and front.termination is not None
         if self._pre_login:
@@ -485,81 +305,6 @@ class ClientConnection:
             await self._room.wait()
         raise ConnectionClosed("kproxy is shutting down (answered what was in flight)")
 
-    async def _execute(self, actions: list, *, flush: bool = True) -> None:
-        """Carry out the session's actions in order; the same for every task. Answers are queued at
-        once, in the session's order, before anything here can wait; ``flush=False`` leaves them
-        queued for the caller to write together with more (one vectored send for several)."""
-        writer = self.writer
-        for a in actions:
-            kind = type(a)
-            if kind is ToClient:
-                if a.buffers:
-                    writer.put(a.buffers, a.done)
-                elif a.done:
-                    self._complete(a.done, trio.current_time())
-                continue
-            if kind is Listen:
-                problem = self.router.open_ports(a.ports)
-                if problem is not None:
-                    raise ConnectionClosed(problem)
-                continue
-            if kind is ToUpstream:
-                # Not waiting for answers still being written: the queue keeps their order anyway.
-                await self._to_upstream(a)
-                continue
-            if kind is StreamUp:
-                await self._stream_up(a)
-                continue
-            if writer.pending:
-                # Earlier answers go out before kproxy waits on anything else.
-                await writer.flush()
-            if kind is Hold:
-                await self._hold(a.seconds)
-            elif kind is Close:
-                if a.undecodable is not None and self.stats is not None:
-                    self.stats.decode_errors[a.undecodable] += 1
-                if a.done:
-                    self._complete(a.done, trio.current_time())
-                raise ConnectionClosed(a.reason)
-            elif kind is Ask:
-                await self._ask(a)
-            else:  # pragma: no cover - a new action type without an executor branch is a bug
-                raise AssertionError(f"no executor for {a!r}")
-        if flush and writer.pending:
-            await writer.flush()
-
-    async def _hold(self, seconds: float) -> None:
-        # The watchdog does not count a wait kproxy imposes as the client being slow or idle.
-        self._holding = True
-        try:
-            await trio.sleep(seconds)
-        finally:
-            self._holding = False
-
-    async def _to_upstream(self, action: ToUpstream) -> None:
-        # Several tasks write to the broker (the client pump; the upstream pump resuming a request
-        # whose question it read the answer to; the watchdog through a lost connection): one at a
-        # time, first come first served, which is the session's order. Uncontended (almost always)
-        # the lock is taken without a trip through the scheduler.
-        lock = self._upstream_lock
-        if lock.locked():
-            await lock.acquire()
-        else:
-            lock.acquire_nowait()
-        try:
-            failed = await self._send_upstream(action)
-        finally:
-            lock.release()
-        if failed is not None:
-            # Handled with the lock free: the session may resume a request that must be sent now.
-            # Nothing runs between the release and the session hearing of the loss (no await).
-            reason, connecting = failed
-            await self._upstream_lost(reason)
-            entry = action.entry
-            if connecting and entry is not None and entry.outcome == NO_RESPONSE:
-                # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
-                raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection")
-
     # -- cut-through: a large request streamed to the broker while it arrives
 
     async def _stream_request(self, reader: FrameReader) -> None:
@@ -598,238 +343,6 @@ class ClientConnection:
             if not session.request_stream_start(size, head, transport):
                 return
             reader.stream_current()
-
-    async def _stream_up(self, action: StreamUp) -> None:
-        """Send one piece of a streamed request. The first takes the broker write lock (FIFO, like
-        every write to the broker) and connects if need be; it is held until the last, so no other
-        request's bytes come between the pieces. A failure drops the rest of the frame, never sends
-        it elsewhere, and the session answers the request with a retriable error once it is in."""
-        entry = action.entry
-        if action.first:
-            lock = self._upstream_lock
-            if lock.locked():
-                await lock.acquire()
-            else:
-                lock.acquire_nowait()
-            self._up_locked = True
-            self._up_target = None
-            if self.upstream is None:
-                try:
-                    await self._connect_upstream()
-                except (OSError, trio.TooSlowError) as e:
-                    await self._stream_up_failed(entry, f"cannot connect: {e or 'timed out'}", lost=True)
-                    return
-            self._up_target = self.upstream
-            entry.broker = self.connected_to
-        if not self._up_locked:
-            return
-        upstream = self.upstream
-        if upstream is None or upstream is not self._up_target:
-            # Lost by another task meanwhile (the session knows): the rest of the frame is dropped.
-            self._stream_up_over()
-            return
-        if action.last:
-            # Stamped before the last send: the answer may be read before the send returns.
-            entry.forwarded_at = trio.current_time()
-        self._up_sending = True
-        try:
-            await upstream.send(action.buffers)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            await self._stream_up_failed(entry, f"send failed: {e!r}", lost=self.upstream is upstream)
-            return
-        finally:
-            self._up_sending = False
-        if action.last:
-            self._stream_up_over()
-            if entry.outcome == NO_RESPONSE:
-                self._complete((entry,), trio.current_time())
-
-    async def _stream_up_failed(self, entry: InFlight, reason: str, *, lost: bool) -> None:
-        self._stream_up_over()
-        entry.broken = "broker"
-        log.warning("connection %d: a streamed Produce request could not reach the broker whole (%s); "
-                    "the rest of it is read and dropped, and the client told to retry",
-                    self.session.ctx.connection_id, reason)
-        if lost:
-            await self._upstream_lost(reason)
-
-    def _stream_up_over(self) -> None:
-        """The streamed request is done with the broker connection (sent, or given up)."""
-        self._up_target = None
-        if self._up_locked:
-            self._up_locked = False
-            self._upstream_lock.release()
-
-    async def _send_upstream(self, action: ToUpstream) -> tuple[str, bool] | None:
-        """Send one action's bytes (connecting first if need be); (why, while connecting) on failure."""
-        entry = action.entry
-        if entry is not None and entry.reply is not None:
-            # Already answered: the broker connection was lost while kproxy held this request (a
-            # throttle, a delay) and the client was told to retry. Sending it now would run it twice.
-            return None
-        if self.upstream is None:
-            try:
-                await self._connect_upstream()
-            except (OSError, trio.TooSlowError) as e:
-                return f"cannot connect: {str(e) or 'timed out'}", True
-        assert self.upstream is not None
-        if entry is not None:
-            # Stamped before the send: while it waits for the socket, the other pump may already
-            # read the answer, and the broker's time must never come out negative.
-            entry.forwarded_at = self._now()
-            entry.broker = self.connected_to
-        try:
-            await self.upstream.send(action.buffers)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            if entry is not None:
-                entry.forwarded_at = entry.broker = None
-            return f"send failed: {e!r}", False
-        if entry is not None and entry.outcome == NO_RESPONSE:
-            self._complete((entry,), trio.current_time())
-        return None
-
-    async def _ask(self, action: Ask) -> None:
-        """Send a filter's question and wait, not reading the client, until the session has settled
-        it: the upstream pump hands the answer to the session (which then acts on the request), and
-        a lost connection settles it too. Past the request timeout the filter decides without it."""
-        session = self.session
-        await self._to_upstream(ToUpstream(action.buffers))
-        timeout = self.settings.request_timeout_s
-        with trio.move_on_after(timeout if timeout > 0 else float("inf")):
-            await self._question_settled()
-        if session.asking is not None:
-            await self._execute(session.question_unanswered(f"none within {timeout:g}s"))
-            self._settled()
-
-    async def _question_settled(self) -> None:
-        """Return once the session has no question to the broker pending."""
-        while self.session.asking is not None:
-            if self._settle is None:
-                self._settle = trio.Event()
-            await self._settle.wait()
-
-    def _settled(self) -> None:
-        """Called whenever the session may have settled its question (an answer, a lost connection)."""
-        if self._settle is not None and self.session.asking is None:
-            self._settle.set()
-            self._settle = None
-
-    async def _connect_upstream(self) -> None:
-        s = self.settings
-        # Look the route up on every connect, not only at accept: a broker that moved (learned from
-        # a later Metadata) is then reached through the same exposed port by connections already open.
-        # No route (the bootstrap listener, or a broker not learned yet): the bootstrap servers in turn.
-        route = self.router.route_for(*self.route_key)
-        targets = [route.upstream] if route is not None else list(s.bootstrap_servers)
-        last: Exception | None = None
-        for host, port in targets:
-            try:
-                self.upstream = await open_upstream(host, port, s.upstream)
-                self.connected_to = (host, port)
-                break
-            except (OSError, trio.TooSlowError) as e:
-                if login_failed(e):
-                    # Reached, but kproxy's own login failed: the next broker would refuse it too.
-                    self.connected_to = (host, port)
-                    raise
-                last = e
-                if self.stats is not None:
-                    self.stats.upstream_failed(host, port)
-        else:
-            raise last or OSError("no upstream")
-        self._upstream_generation += 1
-        assert self._nursery is not None
-        self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
-        login = self.upstream.login
-        if login is not None and login.reauth_at is not None:
-            if self._login_changed is None:
-                self._login_changed = trio.Event()
-                self._nursery.start_soon(self._keep_login)
-            else:
-                self._login_changed.set()
-
-    # -- kproxy's own login on the broker connection (KIP-368)
-
-    async def _keep_login(self) -> None:
-        """Log kproxy in again on the broker connection before the session the broker gave its login
-        ends, whether the client is sending or idle: KIP-368 re-authenticates a connection, it does
-        not replace it. Runs from the first broker connection whose login has a lifetime until the
-        client connection ends; a new broker connection wakes it (``_login_changed``)."""
-        while True:
-            upstream = self.upstream
-            login = upstream.login if upstream is not None else None
-            at = login.reauth_at if login is not None and login.reauth_at is not None else math.inf
-            changed = self._login_changed = trio.Event()
-            with trio.move_on_at(at) as timer:
-                await changed.wait()
-            if timer.cancelled_caught and upstream is not None and self.upstream is upstream:
-                await self._reauthenticate_upstream(upstream)
-
-    async def _reauthenticate_upstream(self, upstream: Transport) -> None:
-        """Log in again on the live broker connection, holding the broker write lock so that no
-        request goes out during the exchange (a broker reads only SASL while it re-authenticates);
-        answers to requests sent before it still reach the client (the broker answers in order), and
-        kproxy takes the answers to its own login from the upstream pump. The lock is taken only
-        while no filter's question is pending: the upstream pump may need the lock to send the
-        request that question held, and it must never wait for the lock while the login waits for it."""
-        lock = self._upstream_lock
-        while True:
-            await self._question_settled()
-            await lock.acquire()
-            if self.session.asking is None:
-                break
-            lock.release()
-        login = upstream.login
-        failed: str | None = None
-        try:
-            if self.upstream is not upstream or login is None:
-                return          # lost meanwhile: the next request reconnects and logs in anew
-            send, receive = trio.open_memory_channel[bytes](4)
-
-            async def roundtrip(req: Any) -> Any:
-                self._login_ids.add(req.correlation_id)
-                await upstream.send(encode_request_frame(req))
-                try:
-                    frame = await receive.receive()
-                except trio.EndOfChannel:
-                    raise OriginationError("the broker connection was lost") from None
-                self._login_ids.discard(req.correlation_id)
-                return decode_response(frame, req.api_key, req.api_version)
-
-            self._login_answers = send
-            try:
-                await login.log_in(roundtrip)
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                failed = f"re-authentication failed: {str(e) or 'timed out'}"
-            finally:
-                self._login_answers = None
-                self._login_ids.clear()
-        finally:
-            lock.release()
-        if failed is not None:
-            if self.upstream is upstream:
-                # With the lock free: the session may resume a request that must be sent at once.
-                await self._upstream_lost(failed)
-            return
-        log.info("connection %d: re-authenticated kproxy to %s (KIP-368)", self.session.ctx.connection_id,
-                 login.where)
-
-    async def _upstream_lost(self, reason: str) -> None:
-        """The broker connection ended: the session answers what waited on it."""
-        if self.upstream is not None:
-            self.upstream.close()
-            self.upstream = None
-        if self._login_answers is not None:
-            # A re-authentication waiting for its answers fails now, not at its timeout.
-            self._login_answers.close()
-            self._login_answers = None
-        where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
-        BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
-                            self.session.ctx.connection_id, where, reason)
-        try:
-            await self._execute(self.session.upstream_lost(reason))
-        finally:
-            self._settled()
 
     # -- broker -> client
 
@@ -1056,32 +569,6 @@ def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
     if req is None:
         return request_timeout
     return request_timeout + hold_ms(req.body, req.api_key, req.api_version) / 1000.0
-
-
-class _RateLimited:
-    """A warning that repeats per key (a broker down, every client retrying) is logged once per
-    ``interval`` seconds per key, with the count of lines it held back."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
-        self.logger = logger
-        self.interval = interval
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = trio.current_time()
-        last, held = self._last.get(key, (float("-inf"), 0))
-        if now - last < self.interval:
-            self._last[key] = (last, held + 1)
-            return
-        if len(self._last) > 1000:
-            self._last.clear()
-        self._last[key] = (now, 0)
-        if held:
-            msg += f" ({held} similar lines held back in the last {self.interval:g}s)"
-        self.logger.warning(msg, *args)
-
-
-BROKER_LOST = _RateLimited(log)
 
 
 def _leaf(e: BaseException) -> BaseException:
