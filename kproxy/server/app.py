@@ -35,9 +35,10 @@ from kproxy.protocol.messages import (
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.memo import AnswerMemo
 from kproxy.proxy.reencode import ReencodeCheck
-from kproxy.proxy.session import InFlight, Session
+from kproxy.proxy.session import Session
 from kproxy.proxy.topics import TopicNames
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter

@@ -28,7 +28,8 @@ from kproxy.protocol.framing import FrameReader
 from kproxy.protocol.messages import api_name
 from kproxy.protocol.records import V2_HEADER_SIZE
 from kproxy.proxy.addresses import Route
-from kproxy.proxy.session import CLIENT_GONE, CLOSED, InFlight, Session
+from kproxy.proxy.inflight import CLIENT_GONE, CLOSED, InFlight
+from kproxy.proxy.session import Session
 from kproxy.server.budget import BufferBudget
 from kproxy.server.executor import Executor
 from kproxy.server.ordering import ClientGone, ClientWriter, ConnectionClosed, run_clock

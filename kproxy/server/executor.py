@@ -19,18 +19,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from kproxy.protocol.messages import decode_response, encode_request_frame
-from kproxy.proxy.session import (
-    NO_RESPONSE,
-    Ask,
-    Close,
-    Hold,
-    InFlight,
-    Listen,
-    Session,
-    StreamUp,
-    ToClient,
-    ToUpstream,
-)
+from kproxy.proxy.actions import Ask, Close, Hold, Listen, StreamUp, ToClient, ToUpstream
+from kproxy.proxy.inflight import NO_RESPONSE, InFlight
+from kproxy.proxy.session import Session
 from kproxy.server.ordering import ClientWriter, ConnectionClosed, FifoLock
 from kproxy.server.origination import OriginationError
 from kproxy.server.stats import ProxyStats

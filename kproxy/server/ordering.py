@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 from kproxy.server.splice import Pipe, SinkError
 from kproxy.server.transport import PlainTransport, Transport
 

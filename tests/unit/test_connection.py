@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from kproxy.protocol.messages import body_class, decode_request
 from kproxy.proxy.filters import Delay, Filter, FilterChain
-from kproxy.proxy.session import CLIENT_GONE, InFlight, Session
+from kproxy.proxy.inflight import CLIENT_GONE, InFlight
+from kproxy.proxy.session import Session
 from kproxy.server import upstream as upstream_module
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
