@@ -53,6 +53,8 @@ class Executor:
 
         async def _upstream_pump(self, upstream: Transport, generation: int) -> None: ...
 
+        def _closed(self, e: ConnectionClosed) -> None: ...
+
     def __init__(self) -> None:
         self.upstream: Transport | None = None
         self.connected_to: tuple[str, int] | None = None
@@ -333,7 +335,13 @@ class Executor:
             with trio.move_on_at(at) as timer:
                 await changed.wait()
             if timer.cancelled_caught and upstream is not None and self.upstream is upstream:
-                await self._reauthenticate_upstream(upstream)
+                try:
+                    await self._reauthenticate_upstream(upstream)
+                except ConnectionClosed as e:
+                    # A failed login ends the broker connection, and what waited on it may end the
+                    # client's (as when another task loses it).
+                    self._closed(e)
+                    return
 
     async def _reauthenticate_upstream(self, upstream: Transport) -> None:
         """Log in again on the live broker connection, holding the broker write lock so that no

@@ -9,6 +9,7 @@ so the tests see what the broker would: which requests arrive on which connectio
 from __future__ import annotations
 
 import itertools
+import logging
 import struct
 from typing import Any
 
@@ -41,12 +42,14 @@ SASL_HANDSHAKE, SASL_AUTHENTICATE = 17, 36
 class SaslBroker(Pipe):
     """A broker end that answers kproxy's SaslHandshake and SaslAuthenticate itself (PLAIN, any
     password), granting ``lifetime_ms``; ``logins`` holds when each login ended (trio time). Other
-    requests stay in ``requests`` for the test to answer. ``silent`` answers nothing."""
+    requests stay in ``requests`` for the test to answer. ``silent`` answers nothing; ``refuse``
+    refuses every login from then on."""
 
     def __init__(self, lifetime_ms: int, *, silent: bool = False) -> None:
         super().__init__()
         self.lifetime_ms = lifetime_ms
         self.silent = silent
+        self.refuse = False
         self.logins: list[float] = []
         self.requests: list = []
         self._seen = 0
@@ -64,6 +67,8 @@ class SaslBroker(Pipe):
             cls = body_class(req.api_key, "response")
             if req.api_key == SASL_HANDSHAKE:
                 body = cls(error_code=0, mechanisms=["PLAIN"])
+            elif self.refuse:
+                body = cls(error_code=58, error_message="Authentication failed", auth_bytes=b"")
             else:
                 assert bytes(req.body.auth_bytes).split(b"\x00")[1] == b"svc"
                 body = cls(error_code=0, auth_bytes=b"", session_lifetime_ms=self.lifetime_ms)
@@ -265,3 +270,21 @@ async def test_a_broker_connection_lost_during_a_login_again_ends_it_at_once(mon
         renewed = h.brokers[1]
         assert isinstance(renewed, SaslBroker) and len(renewed.logins) == 1 and len(renewed.requests) == 1
         n.cancel_scope.cancel()
+
+
+async def test_a_refused_login_again_ends_the_broker_connection_as_a_lost_one(monkeypatch, autojump_clock, caplog):
+    # A Metadata request waiting on the connection cannot be answered with a retriable error: the
+    # client connection closes (as a broker's loss would close it), with the reason, not as a fault.
+    h = proxied(monkeypatch)
+    caplog.set_level(logging.INFO, logger="kproxy.server")
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        broker, due = await connected(h, METADATA, 12, 1, metadata_request())
+        broker.refuse = True
+        await trio.sleep_until(due)
+        await settle()
+        assert broker.closed and h.client.closed
+        n.cancel_scope.cancel()
+    text = caplog.text
+    assert "re-authentication failed" in text and "the broker refused kproxy's PLAIN login" in text
+    assert "internal error" not in text
