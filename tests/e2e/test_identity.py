@@ -444,19 +444,21 @@ def produce_steadily_and_read_back(settings: dict[str, Any], topic: str, seconds
 def test_reauthentication_on_both_sides_loses_no_record(gate: SaslGate, users_file: Path, oidc: OidcProvider,
                                                          tmp_path: Path, recorder: PrincipalRecorder,
                                                          kproxy_log: pytest.LogCaptureFixture) -> None:
-    """Clients log in to kproxy by SCRAM with 2 s sessions; kproxy logs in to the broker as its
-    service account, which grants 2 s sessions too. A producer keeps sending for 7 s: both sides
-    re-authenticate on their live connections, and every record arrives once, in order."""
+    """Clients log in to kproxy by SCRAM with 3 s sessions; kproxy logs in to the broker as its
+    service account, which grants 3 s sessions too. A producer keeps sending for 8 s: both sides
+    re-authenticate on their live connections, and every record arrives once, in order. (With 2 s
+    sessions on a loaded machine, a client connection was seen closed at its session's end before
+    librdkafka's re-authentication was handled.)"""
     gate.require_sasl = True
-    gate.session_lifetime_ms = 2000
+    gate.session_lifetime_ms = 3000
     secret = tmp_path / "password"
     secret.write_text(SERVICE_PASSWORD)
     before = len(gate.authentications)
     topic = unique_name("reauth-both")
     try:
         with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret, "SCRAM-SHA-256"),
-                         sasl=termination(users_file, oidc, max_session_s=2)) as proxy:
-            produce_steadily_and_read_back(librdkafka(proxy.bootstrap), topic, 7, lambda sent: 0.02)
+                         sasl=termination(users_file, oidc, max_session_s=3)) as proxy:
+            produce_steadily_and_read_back(librdkafka(proxy.bootstrap), topic, 8, lambda sent: 0.02)
     finally:
         gate.session_lifetime_ms = 0
     upstream = gate.authentications[before:]
