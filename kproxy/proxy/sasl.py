@@ -256,7 +256,6 @@ class SessionSasl:
     front's answers into the session's actions."""
 
     ctx: ConnectionContext
-    front: SaslFront | None
     in_flight: collections.deque[InFlight]
     sasl_in_progress: bool                   # a SASL exchange has begun and is not settled
     sasl_started_at: float                   # when it began (the session's clock)
