@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kproxy.config import MetricsConfig
-from kproxy.proxy.session import STORED, STREAMED, UPSTREAM_LOST
+from kproxy.proxy.inflight import STORED, STREAMED, UPSTREAM_LOST
 from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
 
 # Seconds: from sub-millisecond metadata answers to long polls and rebalances.
