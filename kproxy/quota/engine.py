@@ -65,6 +65,12 @@ class _Quota:
     def span_s(self) -> float:
         return self.windows.samples * self.windows.window_s
 
+    @property
+    def divided(self) -> bool:
+        """Whether the quota is divided among processes (replicas, workers, a fleet). A per-connection
+        quota is not: a connection lives on one process, which holds it to the whole limit."""
+        return self.rule.per != "connection"
+
     def concerns(self, api_key: int) -> bool:
         """Whether the quota has a limit that requests of this API count against."""
         return (self.requests is not None or self.time is not None or (self.produce is not None and api_key == PRODUCE)
@@ -81,10 +87,10 @@ class _Compiled:
     def __init__(self, rule_set: RuleSet, samples: int, window_s: float, share: float) -> None:
         self.rule_set = rule_set
         self.quotas = tuple(
-            _Quota(q, Windows.for_burst(samples, window_s, q.burst_s), _scaled(q.produce_bytes_per_s, share),
-                   _scaled(q.fetch_bytes_per_s, share), _scaled(q.requests_per_s, share),
-                   _scaled(q.request_time_percent, share))
-            for q in rule_set.quotas if q.limits)
+            _Quota(q, Windows.for_burst(samples, window_s, q.burst_s), _scaled(q.produce_bytes_per_s, s),
+                   _scaled(q.fetch_bytes_per_s, s), _scaled(q.requests_per_s, s), _scaled(q.request_time_percent, s))
+            for q in rule_set.quotas if q.limits
+            for s in (share if q.per != "connection" else 1.0,))
         self._views: dict[tuple[Any, ...], tuple[_Quota, ...]] = {}
 
     def for_connection(self, key: tuple[Any, ...]) -> tuple[_Quota, ...]:
@@ -218,8 +224,6 @@ class QuotaFilter(Filter):
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         request: Request = exchange.request
-        if request.api_key == PRODUCE and request.body.acks != 0:
-            return None         # charged when its answer comes
         st = self._conn(ctx)
         if st is None:
             return None
@@ -228,13 +232,38 @@ class QuotaFilter(Filter):
             return None
         if request.api_key == FETCH:
             self._lower_fetch(ctx, st, applied, request)
-        elif request.body.acks == 0:
+            return None
+        now = ctx.clock()
+        if request.body.acks == 0:
             # No response will come to carry a throttle: charge it now, and mute the connection.
-            now = ctx.clock()
             seconds = self._charge(ctx, exchange, st, applied, request, None, now, now - exchange.started)
+        else:
+            seconds = self._charge_records(exchange, st, applied, request, now)
+        return Throttle(seconds) if seconds > 0 else None
+
+    def _charge_records(self, exchange: Any, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
+                        request: Request, now: float) -> float:
+        """Charge a Produce request's record bytes to its produce budgets as it arrives; the longest
+        throttle in seconds, which mutes the connection at once. A broker reads one request of a
+        connection at a time and mutes a throttled one before reading the next; kproxy forwards
+        requests while earlier ones are answered, so a client with many requests in flight (librdkafka
+        sends up to ten of 1 MB by default) would otherwise have them all through before the first
+        answer told it to wait. The rest of the request (its count, its time) is charged on its
+        answer, which tells the client the throttle left then."""
+        produced = _produced(exchange, request)
+        longest = 0.0
+        for q, key in applied:
+            if q.produce is None or not produced:
+                continue
+            budget = self.budgets.get(key, now, q.span_s)
+            if q.rule.per == "connection":
+                st.own_budgets.add(key)
+            rate = budget.produce or budget.new("produce")
+            seconds = rate.record_and_throttle(produced, now, q.windows, q.produce * _share(q, budget))
             if seconds > 0:
-                return Throttle(seconds)
-        return None
+                (budget.muted or budget.new("muted")).record(seconds, now, q.windows)
+                longest = max(longest, seconds)
+        return to_ms(longest) / 1000.0 if longest > 0 else 0.0
 
     def _lower_fetch(self, ctx: ConnectionContext, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
                      request: Request) -> None:
@@ -249,7 +278,8 @@ class QuotaFilter(Filter):
                 continue
             budget = self.budgets.peek(key)
             rate = budget.fetch if budget is not None else None
-            bound = q.fetch * (budget.share if budget is not None else self.budgets.initial_share)
+            bound = q.fetch * (_share(q, budget) if budget is not None
+                               else self.budgets.initial_share if q.divided else 1.0)
             if rate is None:
                 room = bound * q.windows.min_full_windows * q.windows.window_s
             else:
@@ -349,11 +379,10 @@ class QuotaFilter(Filter):
         answer (``response`` None) is known by that size before any of it is sent."""
         api_key = request.api_key
         produced = fetched = 0
+        # A Produce that gets an answer had its record bytes charged when it came (_charge_records).
+        charged = api_key == PRODUCE and request.body.acks != 0
         if api_key == PRODUCE:
-            facts = exchange.records_facts
-            # A streamed request's records are not in the decoded request: their sizes were noted.
-            produced = (sum(max(f.size, 0) for f in facts) if facts is not None
-                        else produce_record_bytes(request.body))
+            produced = _produced(exchange, request)
         elif api_key == FETCH:
             fetched = exchange.upstream_bytes
             if response is not None:
@@ -370,7 +399,7 @@ class QuotaFilter(Filter):
             budget = self.budgets.get(key, now, q.span_s)
             if q.rule.per == "connection":
                 st.own_budgets.add(key)
-            seconds = _throttle(budget, q, now, produced, fetched, spent)
+            seconds = _throttle(budget, q, now, produced, fetched, spent, charged)
             ms = to_ms(seconds) if seconds > 0 else 0
             if worst is None or ms > worst[0]:
                 worst = (ms, q, key)
@@ -412,35 +441,47 @@ def _capped(q: _Quota, key: str, connection_id: int, chosen: set[str], own: set[
     return overflow
 
 
-def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float) -> float:
-    """Record one request against each limit of ``q``; the longest throttle in seconds."""
+def _produced(exchange: Any, request: Request) -> int:
+    """A Produce request's record bytes. A streamed request's records are not in the decoded request:
+    their sizes were noted."""
+    facts = exchange.records_facts
+    return sum(max(f.size, 0) for f in facts) if facts is not None else produce_record_bytes(request.body)
+
+
+def _share(q: _Quota, budget: Budget) -> float:
+    """The part of ``q``'s limits ``budget`` is held to: 1, or this process's fleet share (set between
+    intervals); a per-connection budget always gets the whole limit."""
+    return budget.share if q.divided else 1.0
+
+
+def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float,
+              charged: bool = False) -> float:
+    """Record one request against each limit of ``q``; the longest throttle in seconds. ``charged``:
+    its record bytes were recorded when it came, and the produce limit's throttle is what is left now."""
     w = q.windows
-    share = budget.share        # 1, or this process's fleet share (set between intervals)
-    longest = 0.0
+    share = _share(q, budget)
+    longest = told = 0.0            # told: a wait not imposed before, which measures demand
     if q.produce is not None and produced:
         rate = budget.produce or budget.new("produce")
-        longest = rate.record_and_throttle(produced, now, w, q.produce * share)
+        if charged:
+            longest = rate.throttle(now, w, q.produce * share)
+        else:
+            longest = told = rate.record_and_throttle(produced, now, w, q.produce * share)
     if q.fetch is not None and fetched:
         rate = budget.fetch or budget.new("fetch")
-        t = rate.record_and_throttle(fetched, now, w, q.fetch * share)
-        if t > longest:
-            longest = t
+        told = max(told, rate.record_and_throttle(fetched, now, w, q.fetch * share))
     if q.requests is not None:
         rate = budget.requests or budget.new("requests")
-        t = rate.record_and_throttle(1, now, w, q.requests * share)
-        if t > longest:
-            longest = t
+        told = max(told, rate.record_and_throttle(1, now, w, q.requests * share))
     if q.time is not None:
         rate = budget.time or budget.new("time")
         # Kafka records thread time as percent-seconds and throttles a request quota by at most one
         # window (ClientRequestQuotaManager's maxThrottleTimeMs).
-        t = min(rate.record_and_throttle(spent * 100, now, w, q.time * share), w.window_s)
-        if t > longest:
-            longest = t
-    if longest > 0:
+        told = max(told, min(rate.record_and_throttle(spent * 100, now, w, q.time * share), w.window_s))
+    if told > 0:
         # The wait a throttle imposes is demand the budget did not let through: fleet shares weigh it.
-        (budget.muted or budget.new("muted")).record(longest, now, w)
-    return longest
+        (budget.muted or budget.new("muted")).record(told, now, w)
+    return max(longest, told)
 
 
 def _undecoded(array: Any) -> int | None:

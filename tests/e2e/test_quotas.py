@@ -102,10 +102,11 @@ def producer(bootstrap: str, client_id: str, throttles: Throttles) -> confluent_
     })
 
 
-def produce_flat_out(p: confluent_kafka.Producer, topic: str, acked: Acked, stop: threading.Event) -> None:
+def produce_flat_out(p: confluent_kafka.Producer, topic: str, acked: Acked, stop: threading.Event,
+                     value: bytes = VALUE) -> None:
     while not stop.is_set():
         try:
-            p.produce(topic, VALUE, partition=0, on_delivery=acked)
+            p.produce(topic, value, partition=0, on_delivery=acked)
             p.poll(0)
         except BufferError:
             p.poll(0.01)
