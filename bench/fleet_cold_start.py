@@ -2,12 +2,14 @@
 together through three kproxy processes of one fleet, and what a producer alone gets, over the
 first 20 s and the first ``--seconds``, against a 1 MiB/s produce quota per client id.
 
-Run from the repository root:  ``.venv/bin/python bench/fleet_cold_start.py [--rounds 3] [--seconds 40]``
+Run from the repository root:  ``.venv/bin/python bench/fleet_cold_start.py [--rounds 3] [--seconds 40]
+[--client '{"batch.size": 65536, "max.in.flight.requests.per.connection": 5}']``
 
 Each round is the scenario of ``tests/e2e/test_fleet_quotas.py::cold_start`` on a fresh tansu broker:
 three ``kproxy run`` processes (fleet ``cold``, ``quota_replicas: 3``, publish interval 500 ms, stale
 after 5 s) started, and as soon as they are ready, four confluent-kafka producers with the client's
-default settings started together, producing 512-byte records as fast as they can (three with one new
+default settings (or those ``--client`` gives, as JSON) started together, producing 512-byte
+records as fast as they can (three with one new
 client id, one through each process; one with a client id of its own through the first process).
 Rates are acknowledged record bytes from the first acknowledgement on; the medians of the rounds are
 printed with their spread.
@@ -16,6 +18,7 @@ printed with their spread.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=40.0)
+    ap.add_argument("--client", type=json.loads, default={}, help="producer settings, JSON (default: none)")
     args = ap.parse_args()
     windows = sorted({COLD_WINDOW_S, args.seconds})
     got: dict[str, list[float]] = {}
@@ -41,7 +45,7 @@ def main() -> None:
         broker.start()
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                run = cold_start(broker, Path(tmp), args.seconds)
+                run = cold_start(broker, Path(tmp), args.seconds, args.client)
         finally:
             broker.stop()
         for w in windows:

@@ -250,11 +250,11 @@ class QuotaFilter(Filter):
         sends up to ten of 1 MB by default) would otherwise have them all through before the first
         answer told it to wait. The rest of the request (its count, its time) is charged on its
         answer, which tells the client the throttle left then."""
-        produced = _produced(exchange, request)
+        limited = [(q, key) for q, key in applied if q.produce is not None]
+        produced = _produced(exchange, request) if limited else 0
         longest = 0.0
-        for q, key in applied:
-            if q.produce is None or not produced:
-                continue
+        for q, key in limited if produced else ():
+            assert q.produce is not None
             budget = self.budgets.get(key, now, q.span_s)
             if q.rule.per == "connection":
                 st.own_budgets.add(key)

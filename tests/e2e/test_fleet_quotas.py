@@ -229,8 +229,9 @@ COLD_VALUE = b"c" * 512
 COLD_WINDOW_S = 20.0
 
 
-def cold_producer(bootstrap: str, client_id: str, throttles: Throttles) -> confluent_kafka.Producer:
-    return confluent_kafka.Producer({"bootstrap.servers": bootstrap, "client.id": client_id, **COLD_SETTINGS,
+def cold_producer(bootstrap: str, client_id: str, throttles: Throttles,
+                  settings: dict[str, Any]) -> confluent_kafka.Producer:
+    return confluent_kafka.Producer({"bootstrap.servers": bootstrap, "client.id": client_id, **settings,
                                      "statistics.interval.ms": 500, "stats_cb": throttles})
 
 
@@ -257,15 +258,16 @@ class ColdStart:
                 + ", ".join(f"{n} {t.max_ms} ms" for n, (_, t) in self.runs.items()))
 
 
-def cold_start(broker: TansuBroker, tmp_path: Path, seconds: float) -> ColdStart:
+def cold_start(broker: TansuBroker, tmp_path: Path, seconds: float,
+               settings: dict[str, Any] = COLD_SETTINGS) -> ColdStart:
     """Three processes of one fleet started, and as soon as they are ready (not waiting for
-    coordination), the four producers of ``ColdStart`` started together, producing as fast as they
-    can for ``seconds`` after the first acknowledgement."""
+    coordination), the four producers of ``ColdStart`` started together (with these client
+    ``settings``), producing as fast as they can for ``seconds`` after the first acknowledgement."""
     coord_topic, data = unique_name("kproxy-quotas-cold"), unique_name("fleet-cold-data")
     shared, alone = unique_name("fleet-new"), unique_name("fleet-alone")
     with fleet(broker, tmp_path, coord_topic, (("a", "cold"), ("b", "cold"), ("c", "cold"))) as procs:
         runs = {label: (Acked(), Throttles()) for label in ("a", "b", "c", "alone")}
-        producers = {label: cold_producer(procs[via].bootstrap, client_id, runs[label][1])
+        producers = {label: cold_producer(procs[via].bootstrap, client_id, runs[label][1], settings)
                      for label, via, client_id in (("a", "a", shared), ("b", "b", shared), ("c", "c", shared),
                                                    ("alone", "a", alone))}
         stop = threading.Event()
