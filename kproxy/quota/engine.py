@@ -5,9 +5,10 @@ Every quota in the rule files (``quotas:``) that matches an answered request cha
 client in ``throttle_time_ms`` and reads nothing more from it meanwhile. A Fetch from a client near
 or over a fetch budget has its ``max_bytes`` lowered to what the budget allows (never below one
 batch), and an answer larger than that is cut to it. Accounting is per request, never per record
-(only cutting an answer walks its batch headers): a Produce is charged its record bytes, a Fetch its
-answer's size, which a streamed answer gives before any of it is sent (``on_response_head``). Pure:
-time comes from the connection's clock.
+(only cutting an answer walks its batch headers): a Produce is charged its record bytes when it
+arrives, and its throttle mutes the client at once; a Fetch is charged its answer's size, which a
+streamed answer gives before any of it is sent (``on_response_head``). Pure: time comes from the
+connection's clock.
 """
 
 from __future__ import annotations
@@ -106,6 +107,16 @@ def budget_key(per: str, ctx: ConnectionContext) -> str:
     """The key of the budget a request of this connection is charged to (``client_id=app-1``)."""
     source = ctx.client_address[0] if ctx.client_address else None
     return key_of(per, ctx.client_id, ctx.principal, source, str(ctx.connection_id))
+
+
+@attrs.frozen(slots=True)
+class _Charged:
+    """A Produce charged when it came (``QuotaFilter._charge_produce``): the quotas that applied, when,
+    and the throttle each told."""
+
+    applied: tuple[tuple[_Quota, BudgetKey], ...]
+    at: float
+    told: list[float]
 
 
 @attrs.define(slots=True, eq=False)
@@ -238,31 +249,27 @@ class QuotaFilter(Filter):
             # No response will come to carry a throttle: charge it now, and mute the connection.
             seconds = self._charge(ctx, exchange, st, applied, request, None, now, now - exchange.started)
         else:
-            seconds = self._charge_records(exchange, st, applied, request, now)
+            seconds = self._charge_produce(exchange, st, applied, request, now)
         return Throttle(seconds) if seconds > 0 else None
 
-    def _charge_records(self, exchange: Any, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
+    def _charge_produce(self, exchange: Any, st: _Conn, applied: tuple[tuple[_Quota, BudgetKey], ...],
                         request: Request, now: float) -> float:
-        """Charge a Produce request's record bytes to its produce budgets as it arrives; the longest
+        """Charge a Produce request (its record bytes and its count) as it arrives; the longest
         throttle in seconds, which mutes the connection at once. A broker reads one request of a
-        connection at a time and mutes a throttled one before reading the next; kproxy forwards
+        connection at a time and mutes a throttled one before it reads the next; kproxy forwards
         requests while earlier ones are answered, so a client with many requests in flight (librdkafka
-        sends up to ten of 1 MB by default) would otherwise have them all through before the first
-        answer told it to wait. The rest of the request (its count, its time) is charged on its
-        answer, which tells the client the throttle left then."""
-        limited = [(q, key) for q, key in applied if q.produce is not None]
-        produced = _produced(exchange, request) if limited else 0
-        longest = 0.0
-        for q, key in limited if produced else ():
-            assert q.produce is not None
+        sends up to ten of up to 1 MB by default) would otherwise have them all through before the
+        first answer told it to wait. Its time is charged on its answer (``_answer_charged``), which
+        tells the client the throttle left then."""
+        produced = _produced(exchange, request)
+        told = []
+        for q, key in applied:
             budget = self.budgets.get(key, now, q.span_s)
             if q.rule.per == "connection":
                 st.own_budgets.add(key)
-            rate = budget.produce or budget.new("produce")
-            seconds = rate.record_and_throttle(produced, now, q.windows, q.produce * _share(q, budget))
-            if seconds > 0:
-                (budget.muted or budget.new("muted")).record(seconds, now, q.windows)
-                longest = max(longest, seconds)
+            told.append(_throttle(budget, q, now, produced, 0, None))
+        exchange.keep(self, _Charged(applied, now, told))
+        longest = max(told)
         return to_ms(longest) / 1000.0 if longest > 0 else 0.0
 
     def _lower_fetch(self, ctx: ConnectionContext, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
@@ -320,6 +327,10 @@ class QuotaFilter(Filter):
         return self._on_answer(ctx, exchange, response)
 
     def _on_answer(self, ctx: ConnectionContext, exchange: Any, response: Response | None) -> float:
+        charged: _Charged | None = exchange.kept(self)
+        if charged is not None:
+            now = ctx.clock()
+            return self._answer_charged(ctx, exchange, charged, now, _spent(exchange, now))
         st = self._conn(ctx)
         if st is None:
             return 0.0
@@ -328,9 +339,25 @@ class QuotaFilter(Filter):
         if not applied:
             return 0.0
         now = ctx.clock()
-        answered = exchange.answered_at
-        spent = exchange.handling_s + (now - answered if answered is not None else 0.0)
-        return self._charge(ctx, exchange, st, applied, request, response, now, spent)
+        return self._charge(ctx, exchange, st, applied, request, response, now, _spent(exchange, now))
+
+    def _answer_charged(self, ctx: ConnectionContext, exchange: Any, charged: _Charged, now: float,
+                        spent: float) -> float:
+        """The answer to a Produce charged when it came: its time is charged now, and the client is
+        told the longest throttle left (what it was told then, less the time since, or the time's)."""
+        worst: tuple[int, _Quota, BudgetKey] | None = None
+        for (q, key), told in zip(charged.applied, charged.told, strict=True):
+            seconds = told - (now - charged.at)
+            if q.time is not None:
+                budget = self.budgets.get(key, now, q.span_s)
+                took = _time_throttle(budget, q, now, spent)
+                if took > 0:
+                    (budget.muted or budget.new("muted")).record(took, now, q.windows)
+                    seconds = max(seconds, took)
+            ms = to_ms(seconds) if seconds > 0 else 0
+            if worst is None or ms > worst[0]:
+                worst = (ms, q, key)
+        return self._noted(ctx, exchange, worst, PRODUCE)
 
     # -- streamed Fetch answers (cut-through): charged on their head, from their size
 
@@ -379,8 +406,6 @@ class QuotaFilter(Filter):
         answer (``response`` None) is known by that size before any of it is sent."""
         api_key = request.api_key
         produced = fetched = 0
-        # A Produce that gets an answer had its record bytes charged when it came (_charge_records).
-        charged = api_key == PRODUCE and request.body.acks != 0
         if api_key == PRODUCE:
             produced = _produced(exchange, request)
         elif api_key == FETCH:
@@ -399,10 +424,15 @@ class QuotaFilter(Filter):
             budget = self.budgets.get(key, now, q.span_s)
             if q.rule.per == "connection":
                 st.own_budgets.add(key)
-            seconds = _throttle(budget, q, now, produced, fetched, spent, charged)
+            seconds = _throttle(budget, q, now, produced, fetched, spent)
             ms = to_ms(seconds) if seconds > 0 else 0
             if worst is None or ms > worst[0]:
                 worst = (ms, q, key)
+        return self._noted(ctx, exchange, worst, api_key)
+
+    def _noted(self, ctx: ConnectionContext, exchange: Any, worst: tuple[int, _Quota, BudgetKey] | None,
+               api_key: int) -> float:
+        """Note the quota that throttled the request the most on its entry; its throttle in seconds."""
         if worst is None:
             return 0.0
         ms, q, key = worst
@@ -454,34 +484,49 @@ def _share(q: _Quota, budget: Budget) -> float:
     return budget.share if q.divided else 1.0
 
 
-def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float,
-              charged: bool = False) -> float:
-    """Record one request against each limit of ``q``; the longest throttle in seconds. ``charged``:
-    its record bytes were recorded when it came, and the produce limit's throttle is what is left now."""
+def _spent(exchange: Any, now: float) -> float:
+    """The seconds kproxy has spent on a request, now that its answer is here."""
+    answered = exchange.answered_at
+    return exchange.handling_s + (now - answered if answered is not None else 0.0)
+
+
+def _time_throttle(budget: Budget, q: _Quota, now: float, spent: float) -> float:
+    """Record ``spent`` seconds against ``q``'s request time limit; its throttle in seconds."""
+    assert q.time is not None
+    w = q.windows
+    rate = budget.time or budget.new("time")
+    # Kafka records thread time as percent-seconds and throttles a request quota by at most one
+    # window (ClientRequestQuotaManager's maxThrottleTimeMs).
+    return min(rate.record_and_throttle(spent * 100, now, w, q.time * _share(q, budget)), w.window_s)
+
+
+def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float | None) -> float:
+    """Record one request against each limit of ``q``, its time only when ``spent`` is given (a
+    Produce's time is charged on its answer, the rest when it comes); the longest throttle in seconds."""
     w = q.windows
     share = _share(q, budget)
-    longest = told = 0.0            # told: a wait not imposed before, which measures demand
+    longest = 0.0
     if q.produce is not None and produced:
         rate = budget.produce or budget.new("produce")
-        if charged:
-            longest = rate.throttle(now, w, q.produce * share)
-        else:
-            longest = told = rate.record_and_throttle(produced, now, w, q.produce * share)
+        longest = rate.record_and_throttle(produced, now, w, q.produce * share)
     if q.fetch is not None and fetched:
         rate = budget.fetch or budget.new("fetch")
-        told = max(told, rate.record_and_throttle(fetched, now, w, q.fetch * share))
+        t = rate.record_and_throttle(fetched, now, w, q.fetch * share)
+        if t > longest:
+            longest = t
     if q.requests is not None:
         rate = budget.requests or budget.new("requests")
-        told = max(told, rate.record_and_throttle(1, now, w, q.requests * share))
-    if q.time is not None:
-        rate = budget.time or budget.new("time")
-        # Kafka records thread time as percent-seconds and throttles a request quota by at most one
-        # window (ClientRequestQuotaManager's maxThrottleTimeMs).
-        told = max(told, min(rate.record_and_throttle(spent * 100, now, w, q.time * share), w.window_s))
-    if told > 0:
+        t = rate.record_and_throttle(1, now, w, q.requests * share)
+        if t > longest:
+            longest = t
+    if q.time is not None and spent is not None:
+        t = _time_throttle(budget, q, now, spent)
+        if t > longest:
+            longest = t
+    if longest > 0:
         # The wait a throttle imposes is demand the budget did not let through: fleet shares weigh it.
-        (budget.muted or budget.new("muted")).record(told, now, w)
-    return max(longest, told)
+        (budget.muted or budget.new("muted")).record(longest, now, w)
+    return longest
 
 
 def _undecoded(array: Any) -> int | None:

@@ -138,10 +138,6 @@ class SampledRate:
         """Record ``value``, then the throttle time in seconds (0 within the quota) as Kafka computes it
         right after recording: the usage over the quota, spread back over the measured window."""
         self.record(value, now, windows)
-        return self.throttle(now, windows, bound)
-
-    def throttle(self, now: float, windows: Windows, bound: float) -> float:
-        """The throttle time in seconds for what has been recorded, measured now (0 within the quota)."""
         if self._total <= bound * windows.min_full_windows * windows.window_s:
             return 0.0      # within the quota over the shortest window a rate is measured over
         total, window = self.measured(now, windows)

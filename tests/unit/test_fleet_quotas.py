@@ -398,11 +398,20 @@ def test_the_contract_names_load_from_yaml_and_errors_name_file_and_line(tmp_pat
         load_config(path)
 
 
-def test_per_connection_budgets_are_not_reported_to_the_fleet(tmp_path):
+def test_per_connection_budgets_are_not_reported_to_the_fleet_and_keep_the_whole_limit(tmp_path):
     base = quota_filter(tmp_path, ONE_K % ("connection", 1))
     f = type(base)(base.source, 11, 1.0, 0.5, coordinated=True)
-    produce_once(session(f), 300)
+    s = session(f)
+    produce_once(s, 300)
     assert len(f.budgets) == 1 and f.loads(100.0) == []
+    # The coordinator, down, sets every budget to the static share (a half): a connection's is whole.
+    cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092", quota_replicas=2)
+    cfg = attrs.evolve(cfg, quota=QuotaConfig(coordination=CoordinationConfig(fleet="billing")))
+    c = Coordinator(cfg, f, cfg.quota_share(), instance="me", wall=lambda: 100.0, clock=lambda: 100.0)
+    c.apply()
+    assert not c.up
+    assert produce_once(s, 700)[0].body.throttle_time_ms == 0       # 1000 of 1000/s, not of 500/s
+    assert produce_once(s, 500)[0].body.throttle_time_ms == 500     # (1500 - 1000) / 1000 s
 
 
 def test_only_peer_records_of_budgets_in_use_are_kept_and_writers_are_bounded():

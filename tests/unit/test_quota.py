@@ -336,10 +336,14 @@ def test_a_produce_over_the_budget_mutes_the_connection_when_it_arrives(tmp_path
     second = send(s, PRODUCE, 9, produce_body(3000), correlation_id=2)    # read with the first
     assert isinstance(second[0], Hold) and second[0].seconds == pytest.approx(2.0)
     assert isinstance(second[-1], ToUpstream)
-    # The first answer comes 0.5 s later: it tells the throttle left then, the second's charge included
-    # (6000 bytes measured over 1.5 s against 1000/s), and nothing is charged twice.
+    # (6000 bytes over 1 s against 1000/s: (6000 - 1000) / 1000 s for the second, from its arrival.)
+    assert s.throttled_for(100.0) == pytest.approx(5.0)
+    # The answers come 0.5 s later: each tells what is left of its own throttle, and the connection
+    # stays muted until the longest ends; nothing is charged twice.
     at(s, 100.5)
     resp = answered(broker_answers(s, forwarded(first[-1]))[-1], PRODUCE, 9)
+    assert resp.body.throttle_time_ms == 1500 and s.throttled_for(100.5) == pytest.approx(4.5)
+    resp = answered(broker_answers(s, forwarded(second[-1]))[-1], PRODUCE, 9)
     assert resp.body.throttle_time_ms == 4500
     budget = f.budgets.peek(("one-k", "client_id=app"))
     assert budget is not None and budget.produce is not None and budget.produce.total(100.5, KAFKA) == 6000
@@ -780,3 +784,10 @@ def test_the_server_enforces_this_replicas_share(tmp_path):
     # One of two worker processes of that replica enforces a quarter.
     worker = ProxyServer(server.config, worker=(1, 2))
     assert [f.share for f in worker.chain.filters if isinstance(f, QuotaFilter)] == [0.25]
+    # A per-connection quota is whole on that worker: its connection is there alone.
+    Path(rules).write_text(ONE_K % ("connection", 1))
+    worker = ProxyServer(server.config, worker=(1, 2))
+    ctx = worker.new_context(1, ("127.0.0.1", 5555))
+    ctx.clock = Clock()
+    resp, _ = produce_once(Session(ctx, worker.chain), 1000)
+    assert resp.body.throttle_time_ms == 0
