@@ -109,14 +109,16 @@ def budget_key(per: str, ctx: ConnectionContext) -> str:
     return key_of(per, ctx.client_id, ctx.principal, source, str(ctx.connection_id))
 
 
-@attrs.frozen(slots=True)
 class _Charged:
     """A Produce charged when it came (``QuotaFilter._charge_produce``): the quotas that applied, when,
-    and the throttle each told."""
+    and the throttle each told. A plain class: one is made per Produce request."""
 
-    applied: tuple[tuple[_Quota, BudgetKey], ...]
-    at: float
-    told: list[float]
+    __slots__ = ("applied", "at", "told")
+
+    def __init__(self, applied: tuple[tuple[_Quota, BudgetKey], ...], at: float, told: list[float]) -> None:
+        self.applied = applied
+        self.at = at
+        self.told = told
 
 
 @attrs.define(slots=True, eq=False)
