@@ -116,7 +116,7 @@ class FleetShares:
     ``limit / (quota_replicas x workers)``). Peer reports older than ``stale_after_s`` count for nothing.
 
     A key is *young* from this process's first report of it until ``stale_after_s`` after that report
-    was read back. A peer's silence about a young key means it does not use the key only if the peer
+    was written (by its own timestamp, read back). A peer's silence about a young key means it does not use the key only if the peer
     wrote after that report (records of one fleet are in one partition, read in order, so this needs
     no clock agreement). Until then the peer may be using the key on its static share, as a process
     new to a key or not coordinated does: each such peer, and each of the fleet's expected processes
@@ -213,14 +213,14 @@ class FleetShares:
         known = {p.instance for p in self.fresh_peers(key, now)}
         known.update(name for name, at in self._instances.items()
                      if now - at < self.stale_after_s and self._last_read.get(name, 0) > after)
-        return max(self.expected_peers, self.peer_count(now)) - len(known)
+        return max(0, max(self.expected_peers, self.peer_count(now)) - len(known))
 
     def target(self, key: BudgetKey, own_demand: float, now: float) -> float:
         """The share the rule gives without smoothing: own demand over everyone's, of what the
         processes not heard from yet leave (``unheard``, each holding ``static_share``); at least
         ``floor`` of an equal split among the instances reporting or unheard, at most the whole limit."""
         peers = list(self.fresh_peers(key, now))
-        unheard = max(0, self.unheard(key, now))
+        unheard = self.unheard(key, now)
         room = max(0.0, 1.0 - unheard * self.static_share)
         total = own_demand + sum(p.demand for p in peers)
         share = room * own_demand / total if total > 0 else room / (1 + len(peers))
