@@ -19,7 +19,7 @@ COPY kproxy ./kproxy
 # The extension is optional for pip (a user's install without a compiler still works), but not for
 # the image: stop here if the wheel came out without it.
 RUN python3 -m pip wheel --no-cache-dir --wheel-dir /wheels . \
- && python3 -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/kproxy-*.whl')[0]).namelist(); sys.exit(0 if any(n.startswith('kproxy/protocol/_accel.') and n.endswith('.so') for n in names) else 'the kproxy wheel has no compiled accelerator')"
+ && python3 -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/kproxy_kafka-*.whl')[0]).namelist(); sys.exit(0 if any(n.startswith('kproxy/protocol/_accel.') and n.endswith('.so') for n in names) else 'the kproxy wheel has no compiled accelerator')"
 
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 \
@@ -28,7 +28,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 # The wheels are mounted from the build stage for this one step, so no layer keeps them.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    python3 -m pip install --no-index --find-links /wheels kproxy
+    python3 -m pip install --no-index --find-links /wheels kproxy-kafka
 # The default configuration reads everything site-specific from the environment; the example rule
 # sets are there to copy from (no rule file is loaded unless a configuration names it).
 COPY deploy/image/kproxy.yaml /etc/kproxy/kproxy.yaml

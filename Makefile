@@ -6,9 +6,12 @@ BIN := $(VENV)/bin
 .PHONY: demo test test-fast test-slow lint bench bench-deps system-deps monitoring image-deps docs
 
 # The native codec accelerator is built by the editable install: rebuild when its source changes.
+# The distribution is kproxy-kafka (`kproxy` on the package index is someone else's): a .venv made
+# when it was still called kproxy, or one where that other package went in, loses it first.
 $(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip uninstall --quiet --yes kproxy
 	$(BIN)/python -m pip install --quiet -e '.[dev,analytics]'
 	touch $@
 

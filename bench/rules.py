@@ -38,8 +38,9 @@ from kproxy.protocol.messages import (
     encode_response_frame,
 )
 from kproxy.protocol.records import build_batch
+from kproxy.proxy.actions import ToClient, ToUpstream
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
-from kproxy.proxy.session import Session, ToClient, ToUpstream
+from kproxy.proxy.session import Session
 
 REPO = Path(__file__).resolve().parent.parent
 PRODUCE, FETCH = 0, 1

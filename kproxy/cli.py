@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             from kproxy.analytics.job import run_from_args as run_report
         except ImportError as e:
-            print(f"kproxy report needs the analytics extra (pip install 'kproxy[analytics]') and Java 17+: {e}",
+            print(f"kproxy report needs the analytics extra (pip install 'kproxy-kafka[analytics]') and Java 17+: {e}",
                   file=sys.stderr)
             return 2
         return run_report(args)

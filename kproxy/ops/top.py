@@ -319,7 +319,7 @@ def run(admin: str, once: bool, interval: float = 1.0) -> int:
         try:
             from rich.live import Live
         except ImportError:
-            print("kproxy top: the live view needs rich: pip install 'kproxy[top]' (or use --once for plain "
+            print("kproxy top: the live view needs rich: pip install 'kproxy-kafka[top]' (or use --once for plain "
                   "text)", file=sys.stderr)
             return 2
         with Live(render_rich(view(admin, before, before)), refresh_per_second=4, screen=False) as live:

@@ -146,7 +146,7 @@ RequestVerdict = Respond | Delay | Throttle | AskBroker | None
 class Filter:
     """Base class: override what you need. Hooks run in the connection's order of filters.
 
-    ``exchange`` is the request's completed-request entry (``kproxy.proxy.session.InFlight``): the
+    ``exchange`` is the request's completed-request entry (``kproxy.proxy.inflight.InFlight``): the
     decoded request is ``exchange.request``; ``exchange.note()`` records a decision for telemetry,
     ``exchange.keep()``/``kept()`` carry a filter's own state from the request to its answer.
     """
@@ -248,6 +248,10 @@ class Filter:
         could refuse or rewrite a topic it has not seen yet must say no. The default is no.
         """
         return False
+
+
+class FilterFailed(Exception):
+    """A filter hook raised; the connection closes, the proxy carries on."""
 
 
 class FilterChain:

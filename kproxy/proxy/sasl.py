@@ -1,17 +1,22 @@
-"""What the session does with SASL when kproxy handles identity itself, sans-I/O.
+"""What the session does with SASL, sans-I/O.
 
-With termination (``sasl`` in the config) kproxy answers ApiVersions, SaslHandshake and
-SaslAuthenticate, and nothing else from the client is forwarded until it has logged in. With
-origination only (``upstream.sasl``), a client's own SASL is refused: kproxy holds the cluster's
-credentials and never relays a login. Failures are answered after a fixed delay, then the
-connection closes, as a Kafka broker does.
+When kproxy handles identity itself (``SaslFront``): with termination (``sasl`` in the config) kproxy
+answers ApiVersions, SaslHandshake and SaslAuthenticate, and nothing else from the client is
+forwarded until it has logged in. With origination only (``upstream.sasl``), a client's own SASL is
+refused: kproxy holds the cluster's credentials and never relays a login. Failures are answered
+after a fixed delay, then the connection closes, as a Kafka broker does.
+
+When the client's SASL is relayed to the broker (``SessionSasl``, a part of the session), kproxy
+follows the exchange so that the principal is the user the broker accepted, never one the client
+only claims.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -25,11 +30,21 @@ from kproxy.identity.termination import (
     SaslTermination,
 )
 from kproxy.logs import safe
-from kproxy.protocol.messages import Request, api_name, body_class, supported_versions
+from kproxy.protocol.messages import (
+    Request,
+    Response,
+    api_name,
+    body_class,
+    encode_response_frame,
+    supported_versions,
+)
+from kproxy.proxy.actions import Action, Close, Hold, ToClient, ToUpstream, size_prefixed
 from kproxy.proxy.filters import ConnectionContext
+from kproxy.proxy.inflight import LOCAL, InFlight
 from kproxy.proxy.replies import error_response
 
 log = logging.getLogger("kproxy.identity")
+session_log = logging.getLogger("kproxy.session")      # the session's own lines keep its logger
 
 SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 17, 18, 36
 UNSUPPORTED_VERSION: Final = 35
@@ -205,3 +220,151 @@ class SaslFront:
         resp = error_response(req, UNSUPPORTED_VERSION, "kproxy terminates SASL and does not manage the "
                                                         "brokers' SASL credentials")
         return resp.body if resp is not None else None
+
+
+# -- following a client's own SASL exchange with the broker (passthrough)
+
+
+def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
+    """The user name in a client's first SASL token, for PLAIN and SCRAM; None otherwise.
+
+    Only the name is taken; the token (with its password or proof) is dropped right here. The name is
+    a claim: it becomes the principal only once the broker has accepted the authentication.
+    """
+    if mechanism == "PLAIN":
+        parts = bytes(token).split(b"\x00")
+        if len(parts) == 3:
+            name = parts[1] or parts[0]
+            return name.decode("utf-8", "replace")
+    elif mechanism and mechanism.startswith("SCRAM-"):
+        text = bytes(token).decode("utf-8", "replace")
+        for attr in text.split(","):
+            if attr.startswith("n="):
+                # RFC 5802: "," and "=" in names travel as =2C and =3D.
+                return attr[2:].replace("=2C", ",").replace("=3D", "=")
+    return None
+
+
+# Successful SaslAuthenticate round trips after which the broker has accepted the client.
+_SASL_ROUND_TRIPS = {"PLAIN": 1, "SCRAM-SHA-256": 2, "SCRAM-SHA-512": 2}
+
+
+class SessionSasl:
+    """The session's SASL part (a base of ``Session``, whose ``__init__`` sets the state below): it
+    follows a client's SASL exchange with the broker, relayed untouched (SaslHandshake v0's unframed
+    tokens included), so that the principal is the user the broker accepted; and it turns the
+    front's answers into the session's actions."""
+
+    ctx: ConnectionContext
+    in_flight: collections.deque[InFlight]
+    sasl_in_progress: bool                   # a SASL exchange has begun and is not settled
+    sasl_started_at: float                   # when it began (the session's clock)
+    _raw_sasl: bool                          # after SaslHandshake v0: unframed SASL tokens follow
+    _sasl_claimed_user: str | None           # from the client's token; not trusted
+    _sasl_round_trips: int
+    _sasl_handshake_ok: bool
+
+    if TYPE_CHECKING:               # the session's own parts this one calls
+        def _flush(self) -> list[Action]: ...
+
+    def _observe_sasl_request(self, req: Request) -> None:
+        ctx = self.ctx
+        if req.api_key == SASL_HANDSHAKE:
+            # A new handshake starts over (KIP-368 re-authentication too): until the broker accepts
+            # again, the connection keeps the identity it had, and a claim is only a claim.
+            ctx.sasl_mechanism = req.body.mechanism
+            self.sasl_in_progress = True
+            self.sasl_started_at = ctx.clock()
+            self._sasl_handshake_ok = False
+            self._sasl_round_trips = 0
+            self._sasl_claimed_user = None
+        elif self._sasl_round_trips == 0:
+            self._sasl_claimed_user = sasl_user(ctx.sasl_mechanism, req.body.auth_bytes)
+
+    def _observe_response(self, entry: InFlight, resp: Response) -> None:
+        if entry.api_key == SASL_HANDSHAKE:
+            if resp.body.error_code != 0:
+                self._sasl_refused()
+                return
+            self._sasl_handshake_ok = True
+            if entry.api_version == 0:
+                self._raw_sasl = True
+        elif entry.api_key == SASL_AUTHENTICATE:
+            if resp.body.error_code != 0 or not self._sasl_handshake_ok:
+                self._sasl_refused()
+                return
+            self._sasl_round_trips += 1
+            needed = _SASL_ROUND_TRIPS.get(self.ctx.sasl_mechanism or "")
+            if needed is not None and self._sasl_round_trips >= needed:
+                self._sasl_accepted()
+        elif self.sasl_in_progress and self._sasl_handshake_ok:
+            # A broker answers other requests only after authentication succeeded (mechanisms
+            # whose round trips kproxy does not count, such as OAUTHBEARER or GSSAPI).
+            self._sasl_accepted()
+
+    def _raw_sasl_token(self, frame: memoryview) -> list[Action]:
+        # The first raw token (handshake v0) names the user just as SaslAuthenticate's would.
+        if self._sasl_round_trips == 0 and self._sasl_claimed_user is None:
+            self._sasl_claimed_user = sasl_user(self.ctx.sasl_mechanism, frame)
+        return [ToUpstream(size_prefixed(frame))]
+
+    def _raw_sasl_reply(self, frame: memoryview) -> list[Action]:
+        # A Kafka broker answers each raw token it accepts (PLAIN with an empty one) and closes the
+        # connection on failure: the last expected answer is the broker's acceptance.
+        self._sasl_round_trips += 1
+        needed = _SASL_ROUND_TRIPS.get(self.ctx.sasl_mechanism or "")
+        if needed is not None and self._sasl_round_trips >= needed:
+            self._sasl_accepted()
+        return [ToClient(size_prefixed(frame))]
+
+    def _sasl_accepted(self) -> None:
+        """The broker accepted the authentication: the claimed user becomes the principal."""
+        if not self.sasl_in_progress:
+            return
+        self.sasl_in_progress = False
+        ctx = self.ctx
+        ctx.authenticated = True
+        # Only PLAIN and SCRAM name the user in a form kproxy can read; other mechanisms leave the
+        # SASL user unset, so the principal stays what a verified certificate says, or none.
+        ctx.sasl_user = self._sasl_claimed_user
+        self._sasl_claimed_user = None
+        session_log.info("connection %d authenticated as %s (%s)", ctx.connection_id, safe(ctx.principal),
+                 safe(ctx.sasl_mechanism))
+
+    def _sasl_refused(self) -> None:
+        """The broker refused: no SASL identity at all, whatever was established before."""
+        self.sasl_in_progress = False
+        self._sasl_claimed_user = None
+        ctx = self.ctx
+        if ctx.authenticated or ctx.sasl_user is not None:
+            session_log.info("connection %d: the broker refused SASL re-authentication; identity cleared",
+                     ctx.connection_id)
+        ctx.authenticated = False
+        ctx.sasl_user = None
+
+    def _front_answer(self, entry: InFlight, req: Request, answer: FrontAnswer) -> list[Action]:
+        """Answer a request kproxy's SASL front handled: in order, after ``hold_s``, maybe closing."""
+        entry.outcome = LOCAL
+        out: list[Action] = [Hold(answer.hold_s)] if answer.hold_s > 0 else []
+        if answer.body is not None:
+            resp = Response.build(req.api_key, req.api_version, entry.client_correlation_id, answer.body)
+            entry.response = resp
+            entry.reply = encode_response_frame(resp)
+        else:
+            entry.reply = []
+        if answer.close is not None:
+            entry.close_after = answer.close
+        elif answer.body is None:
+            entry.close_after = f"{api_name(req.api_key)} cannot be answered"
+        self.in_flight.append(entry)
+        return out + self._flush()
+
+    def _front_raw(self, answer: FrontAnswer) -> list[Action]:
+        # An unframed token (SaslHandshake v0) comes before any request is forwarded, so nothing is
+        # owed to the client ahead of its answer.
+        out: list[Action] = [Hold(answer.hold_s)] if answer.hold_s > 0 else []
+        if answer.close is not None:
+            return [*out, Close(answer.close)]
+        if self.ctx.authenticated:
+            self.sasl_in_progress = False
+        return [*out, ToClient(size_prefixed(answer.raw or b""))]

@@ -3,9 +3,14 @@
 The session decodes each request, runs the filters, gives it a correlation id of kproxy's own on the
 upstream connection, and remembers it until the answer comes back; answers go to the client in the
 order the client asked, whether they came from the broker or from a filter. Every request ends in
-exactly one completed ``InFlight`` entry, handed to the I/O layer on the action that finishes it. It
-also follows SASL so the principal is the one the broker accepted, never one the client claims. No
-sockets, no clock: time comes from the context's injected clock.
+exactly one completed ``InFlight`` entry (``inflight.py``), handed to the I/O layer on the action
+that finishes it (``actions.py``). No sockets, no clock: time comes from the context's injected clock.
+
+This module holds the request and answer paths, filters' questions to the broker, answers kproxy
+makes itself, and what a lost broker connection or a closing connection ends. Two parts live beside
+it as the session's bases: following SASL so the principal is the one the broker accepted
+(``sasl.py``, ``SessionSasl``), and cut-through, frames that go on while they arrive
+(``cut_through.py``, ``SessionCutThrough``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from typing import Any
 
 import attrs
 
-from kproxy.logs import safe
 from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
 from kproxy.protocol.messages import (
     Request,
@@ -37,19 +41,39 @@ from kproxy.protocol.messages import (
     supported_versions,
 )
 from kproxy.protocol.primitives import ShortBuffer, read_uvarint
-from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond, Throttle
+from kproxy.proxy.actions import (
+    Action,
+    Ask,
+    Close,
+    Hold,
+    Listen,
+    ToClient,
+    ToUpstream,
+    size_prefixed,
+)
+from kproxy.proxy.cut_through import SessionCutThrough, _UpStream
+from kproxy.proxy.filters import (
+    AskBroker,
+    ConnectionContext,
+    Delay,
+    Filter,
+    FilterChain,
+    FilterFailed,
+    Respond,
+    Throttle,
+)
+from kproxy.proxy.inflight import (
+    LOCAL,
+    NO_RESPONSE,
+    PASSTHROUGH,
+    UPSTREAM_LOST,
+    InFlight,
+)
 from kproxy.proxy.memo import AnswerMemo, Remembered
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
-from kproxy.proxy.sasl import FrontAnswer, SaslFront
-from kproxy.proxy.streaming import (
-    STREAM_MIN_BYTES,
-    FrameStream,
-    StreamError,
-    StreamHead,
-    node_endpoints_rewrite,
-    why_stored,
-)
+from kproxy.proxy.sasl import SaslFront, SessionSasl
+from kproxy.proxy.streaming import STREAM_MIN_BYTES, FrameStream
 from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.session")
@@ -64,208 +88,8 @@ _JOIN_BELOW = 16 * 1024
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
 UNSUPPORTED_VERSION = 35
 
-# Outcomes of a request (``InFlight.outcome``).
-FORWARDED = "forwarded"          # the broker answered
-LOCAL = "local"                  # kproxy answered (a filter, an unsupported version)
-NO_RESPONSE = "no_response"      # acks=0 Produce: complete once written to the broker
-UPSTREAM_LOST = "upstream_lost"  # the broker connection was lost or timed out first
-PASSTHROUGH = "passthrough"      # forwarded opaquely (passthrough_unknown_versions)
-CLIENT_GONE = "client_gone"      # the client went away before its answer was written
-CLOSED = "closed"                # kproxy closed the connection first (a bad frame, a drain timeout, a fault)
-
-# How an answer reached the client (``InFlight.path``): stored whole and then forwarded, or streamed
-# while it arrived (cut-through, kproxy.proxy.streaming).
-STORED, STREAMED = "stored", "streamed"
-
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
-
-
-class Action:
-    """Something the I/O layer must do, in order."""
-
-    __slots__ = ()
-
-
-class ToUpstream(Action):
-    """Write ``buffers`` to the broker. ``entry`` is the request they carry (None for raw SASL
-    tokens); the I/O layer stamps its ``forwarded_at`` and, for an acks=0 Produce, completes it."""
-
-    __slots__ = ("buffers", "entry")
-
-    def __init__(self, buffers: list, entry: InFlight | None = None) -> None:
-        self.buffers = buffers
-        self.entry = entry
-
-    def __repr__(self) -> str:
-        return f"ToUpstream({sum(len(b) for b in self.buffers)} bytes)"
-
-
-class StreamUp(Action):
-    """Write the next ``buffers`` of a request that goes to the broker while it arrives (cut-through,
-    ``Session.request_piece``). ``first``: the I/O layer takes the broker write lock (connecting if
-    need be) and keeps it until ``last``, so no other bytes come between the frame's pieces. The
-    pieces are views of the client's receive chunk: written before it is refilled."""
-
-    __slots__ = ("buffers", "entry", "first", "last")
-
-    def __init__(self, buffers: list, entry: InFlight, first: bool, last: bool) -> None:
-        self.buffers = buffers
-        self.entry = entry
-        self.first = first
-        self.last = last
-
-    def __repr__(self) -> str:
-        return (f"StreamUp({sum(len(b) for b in self.buffers)} bytes"
-                f"{', first' if self.first else ''}{', last' if self.last else ''})")
-
-
-class ToClient(Action):
-    """Write ``buffers`` to the client; the requests in ``done`` are complete once they are written."""
-
-    __slots__ = ("buffers", "done")
-
-    def __init__(self, buffers: list, done: tuple[InFlight, ...] = ()) -> None:
-        self.buffers = buffers
-        self.done = done
-
-    def __repr__(self) -> str:
-        return f"ToClient({sum(len(b) for b in self.buffers)} bytes, {len(self.done)} done)"
-
-
-class Hold(Action):
-    """Wait this long before doing the actions that follow (throttling, filter delays)."""
-
-    __slots__ = ("seconds",)
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def __repr__(self) -> str:
-        return f"Hold({self.seconds:.3f}s)"
-
-
-class Listen(Action):
-    """Open these broker ports before doing what follows: the next write names them to the client."""
-
-    __slots__ = ("ports",)
-
-    def __init__(self, ports: tuple[int, ...]) -> None:
-        self.ports = ports
-
-    def __repr__(self) -> str:
-        return f"Listen({', '.join(map(str, self.ports))})"
-
-
-class Ask(Action):
-    """Send ``buffers``, a question a filter asks the broker before it decides, then read nothing more
-    from the client until the session has the answer (``Session.asking`` is None again); if none
-    comes within the request timeout, tell the session with ``question_unanswered``."""
-
-    __slots__ = ("buffers",)
-
-    def __init__(self, buffers: list) -> None:
-        self.buffers = buffers
-
-    def __repr__(self) -> str:
-        return f"Ask({sum(len(b) for b in self.buffers)} bytes)"
-
-
-class Close(Action):
-    """Close the client connection, logging ``reason``; the requests in ``done`` end with it
-    (answered with the closed connection, as a broker does when it cannot answer). ``undecodable``
-    is "request" or "response" when a frame from that side could not be decoded (for metrics)."""
-
-    __slots__ = ("done", "reason", "undecodable")
-
-    def __init__(self, reason: str, done: tuple[InFlight, ...] = (), undecodable: str | None = None) -> None:
-        self.reason = reason
-        self.done = done
-        self.undecodable = undecodable
-
-    def __repr__(self) -> str:
-        return f"Close({self.reason!r})"
-
-
-@attrs.define(slots=True, eq=False)
-class InFlight:
-    """A request from the moment it is read until its answer is written: the completed-request entry.
-
-    Times come from the session's clock: ``started`` when the frame was read, ``forwarded_at`` when
-    it was written to the broker, ``answered_at`` when the response was complete, ``finished_at``
-    when the answer was written to the client (the last two stamped by the I/O layer).
-    ``handling_s`` is the time the session spent on it: from reading the request until it was
-    encoded for the broker, plus from ``answered_at`` until the answer was encoded for the client
-    (decoding, filters and encoding; no waiting). Response filters see only the first part.
-    """
-
-    client_correlation_id: int
-    api_key: int
-    api_version: int
-    started: float
-    request: Request | None = None         # None for frames forwarded opaquely
-    upstream_correlation_id: int | None = None
-    reply: list | None = None              # the encoded response, once known
-    close_after: str | None = None         # close the connection once this reply is sent
-    request_bytes: int = 0
-    response_bytes: int = 0                # as sent to the client, size prefix included
-    outcome: str = FORWARDED
-    response: Response | None = None       # the decoded answer (after filters), when there is one
-    forwarded_at: float | None = None
-    answered_at: float | None = None
-    finished_at: float | None = None
-    broker: tuple[str, int] | None = None  # the broker connection it went to
-    throttle_ms: int = 0                   # throttle_time_ms as sent to the client
-    handling_s: float = 0.0
-    seq: int = 0                           # the request's place among the connection's requests
-    # What filters decided about this request (rule names, quota keys), for metrics and logs.
-    notes: dict[str, Any] | None = None
-    # Each filter's own state from the request to its answer (keep / kept); dies with the entry.
-    kept_by: dict[Any, Any] | None = None
-    # Broker ports an answer names that no listener holds yet (the address rewriter's ``listen``).
-    ports: list[int] | None = None
-    # How the broker's answer reached the client (STORED or STREAMED); for a streamed one, what each
-    # records field held (kproxy.proxy.streaming.RecordsFacts, in the answer's order), since the
-    # decoded ``response`` then has its records left out.
-    path: str = STORED
-    records_facts: list | None = None
-    spliced_bytes: int = 0                 # of a streamed answer, bytes spliced (never in kproxy's memory)
-    # How the request reached the broker: STORED, or STREAMED while it arrived (a large Produce;
-    # ``records_facts`` then says what its records held, the decoded ``request`` has them left out).
-    request_path: str = STORED
-    # Why a request large enough to stream was stored instead (kproxy.proxy.streaming.why_stored).
-    why_stored: str | None = None
-    # A streamed frame cut off part-way: "client" (it went away mid-frame) or "broker" (lost mid-frame).
-    broken: str | None = None
-    # The broker's answer as it arrived, without its 4-byte size prefix (0 until then, and for an
-    # answer kproxy made up): what a fetch quota charges, as a Kafka broker charges a response's size.
-    upstream_bytes: int = 0
-    # Why an answer large enough to stream was stored whole instead (``why_stored``'s reason, or
-    # "order" when an earlier answer was still owed); None for one that streamed or was never a candidate.
-    response_why_stored: str | None = None
-    # A response filter changed the answer (``Filter.reports_changes``): it is encoded again.
-    response_changed: bool = False
-
-    def note(self, key: str, value: Any) -> None:
-        if self.notes is None:
-            self.notes = {}
-        self.notes[key] = value
-
-    def keep(self, owner: Any, value: Any) -> None:
-        """Carry ``owner``'s (a filter's) state for this request to its on_response and on_done."""
-        if self.kept_by is None:
-            self.kept_by = {}
-        self.kept_by[owner] = value
-
-    def kept(self, owner: Any) -> Any:
-        return self.kept_by.get(owner) if self.kept_by is not None else None
-
-    def listen(self, port: int) -> None:
-        """The answer names ``port``: it must be listening before the answer is written."""
-        if self.ports is None:
-            self.ports = [port]
-        elif port not in self.ports:
-            self.ports.append(port)
 
 
 @attrs.define(slots=True, eq=False)
@@ -285,41 +109,6 @@ class _Question:
 
 
 _ASKED = object()   # _request_filters: the request waits for a question's answer
-
-
-@attrs.define(slots=True, eq=False)
-class _UpStream:
-    """A request being streamed to the broker while it arrives (``Session.request_stream_start``)."""
-
-    stream: FrameStream
-    started: float
-    entry: InFlight | None = None    # once the filters have let it stream
-    sent_any: bool = False           # its first StreamUp has been handed out
-    lost: str | None = None          # the broker connection was lost part-way: the rest is dropped
-
-
-def sasl_user(mechanism: str | None, token: bytes | memoryview) -> str | None:
-    """The user name in a client's first SASL token, for PLAIN and SCRAM; None otherwise.
-
-    Only the name is taken; the token (with its password or proof) is dropped right here. The name is
-    a claim: it becomes the principal only once the broker has accepted the authentication.
-    """
-    if mechanism == "PLAIN":
-        parts = bytes(token).split(b"\x00")
-        if len(parts) == 3:
-            name = parts[1] or parts[0]
-            return name.decode("utf-8", "replace")
-    elif mechanism and mechanism.startswith("SCRAM-"):
-        text = bytes(token).decode("utf-8", "replace")
-        for attr in text.split(","):
-            if attr.startswith("n="):
-                # RFC 5802: "," and "=" in names travel as =2C and =3D.
-                return attr[2:].replace("=2C", ",").replace("=3D", "=")
-    return None
-
-
-# Successful SaslAuthenticate round trips after which the broker has accepted the client.
-_SASL_ROUND_TRIPS = {"PLAIN": 1, "SCRAM-SHA-256": 2, "SCRAM-SHA-512": 2}
 
 
 def future_produce_acks(frame: Any) -> int | None:
@@ -348,18 +137,8 @@ def future_produce_acks(frame: Any) -> int | None:
         return None
 
 
-@functools.cache
-def _produce_versions() -> tuple[int, int]:
-    # supported_versions() builds its table anew on every call: asked once per large Produce.
-    return supported_versions()[PRODUCE]
-
-
 def _read_order(entry: InFlight) -> int:
     return entry.seq
-
-
-def _size_prefixed(frame: Any) -> list:
-    return [_I32.pack(len(frame)), frame]
 
 
 def _frame_size(buffers: list) -> int:
@@ -367,11 +146,7 @@ def _frame_size(buffers: list) -> int:
     return _I32.unpack_from(buffers[0], 0)[0] + 4 if buffers else 0
 
 
-class FilterFailed(Exception):
-    """A filter hook raised; the connection closes, the proxy carries on."""
-
-
-class Session:
+class Session(SessionCutThrough, SessionSasl):
     """The per-connection state machine between one client and its upstream connection."""
 
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
@@ -537,7 +312,7 @@ class Session:
             req.correlation_id = upstream_id
             patched = bytearray(original[0])
             _I32.pack_into(patched, 4, upstream_id)
-            return _size_prefixed(patched)
+            return size_prefixed(patched)
         req.correlation_id = upstream_id
         return encode_request_frame(req)
 
@@ -660,84 +435,8 @@ class Session:
         if key == API_VERSIONS and req.api_version >= 3:
             ctx.client_software_name = req.body.client_software_name
             ctx.client_software_version = req.body.client_software_version
-        elif key == SASL_HANDSHAKE:
-            # A new handshake starts over (KIP-368 re-authentication too): until the broker accepts
-            # again, the connection keeps the identity it had, and a claim is only a claim.
-            ctx.sasl_mechanism = req.body.mechanism
-            self.sasl_in_progress = True
-            self.sasl_started_at = ctx.clock()
-            self._sasl_handshake_ok = False
-            self._sasl_round_trips = 0
-            self._sasl_claimed_user = None
-        elif key == SASL_AUTHENTICATE and self._sasl_round_trips == 0:
-            self._sasl_claimed_user = sasl_user(ctx.sasl_mechanism, req.body.auth_bytes)
-
-    def _raw_sasl_token(self, frame: memoryview) -> list[Action]:
-        # The first raw token (handshake v0) names the user just as SaslAuthenticate's would.
-        if self._sasl_round_trips == 0 and self._sasl_claimed_user is None:
-            self._sasl_claimed_user = sasl_user(self.ctx.sasl_mechanism, frame)
-        return [ToUpstream(_size_prefixed(frame))]
-
-    def _raw_sasl_reply(self, frame: memoryview) -> list[Action]:
-        # A Kafka broker answers each raw token it accepts (PLAIN with an empty one) and closes the
-        # connection on failure: the last expected answer is the broker's acceptance.
-        self._sasl_round_trips += 1
-        needed = _SASL_ROUND_TRIPS.get(self.ctx.sasl_mechanism or "")
-        if needed is not None and self._sasl_round_trips >= needed:
-            self._sasl_accepted()
-        return [ToClient(_size_prefixed(frame))]
-
-    def _sasl_accepted(self) -> None:
-        """The broker accepted the authentication: the claimed user becomes the principal."""
-        if not self.sasl_in_progress:
-            return
-        self.sasl_in_progress = False
-        ctx = self.ctx
-        ctx.authenticated = True
-        # Only PLAIN and SCRAM name the user in a form kproxy can read; other mechanisms leave the
-        # SASL user unset, so the principal stays what a verified certificate says, or none.
-        ctx.sasl_user = self._sasl_claimed_user
-        self._sasl_claimed_user = None
-        log.info("connection %d authenticated as %s (%s)", ctx.connection_id, safe(ctx.principal),
-                 safe(ctx.sasl_mechanism))
-
-    def _sasl_refused(self) -> None:
-        """The broker refused: no SASL identity at all, whatever was established before."""
-        self.sasl_in_progress = False
-        self._sasl_claimed_user = None
-        ctx = self.ctx
-        if ctx.authenticated or ctx.sasl_user is not None:
-            log.info("connection %d: the broker refused SASL re-authentication; identity cleared",
-                     ctx.connection_id)
-        ctx.authenticated = False
-        ctx.sasl_user = None
-
-    def _front_answer(self, entry: InFlight, req: Request, answer: FrontAnswer) -> list[Action]:
-        """Answer a request kproxy's SASL front handled: in order, after ``hold_s``, maybe closing."""
-        entry.outcome = LOCAL
-        out: list[Action] = [Hold(answer.hold_s)] if answer.hold_s > 0 else []
-        if answer.body is not None:
-            resp = Response.build(req.api_key, req.api_version, entry.client_correlation_id, answer.body)
-            entry.response = resp
-            entry.reply = encode_response_frame(resp)
-        else:
-            entry.reply = []
-        if answer.close is not None:
-            entry.close_after = answer.close
-        elif answer.body is None:
-            entry.close_after = f"{api_name(req.api_key)} cannot be answered"
-        self.in_flight.append(entry)
-        return out + self._flush()
-
-    def _front_raw(self, answer: FrontAnswer) -> list[Action]:
-        # An unframed token (SaslHandshake v0) comes before any request is forwarded, so nothing is
-        # owed to the client ahead of its answer.
-        out: list[Action] = [Hold(answer.hold_s)] if answer.hold_s > 0 else []
-        if answer.close is not None:
-            return [*out, Close(answer.close)]
-        if self.ctx.authenticated:
-            self.sasl_in_progress = False
-        return [*out, ToClient(_size_prefixed(answer.raw or b""))]
+        elif key in (SASL_HANDSHAKE, SASL_AUTHENTICATE):
+            self._observe_sasl_request(req)
 
     def _unsupported(self, frame: memoryview, api_key: int, api_version: int, correlation_id: int,
                      err: Exception, now: float) -> list[Action]:
@@ -778,10 +477,10 @@ class Session:
             self._no_response.append(upstream_id)
             entry.upstream_correlation_id = None
             entry.outcome = NO_RESPONSE
-            return [ToUpstream(_size_prefixed(patched), entry)]
+            return [ToUpstream(size_prefixed(patched), entry)]
         self.in_flight.append(entry)
         self._by_upstream[upstream_id] = entry
-        return [ToUpstream(_size_prefixed(patched), entry)]
+        return [ToUpstream(size_prefixed(patched), entry)]
 
     def _answer_locally(self, entry: InFlight, verdict: Respond) -> list[Action]:
         req = entry.request
@@ -841,7 +540,7 @@ class Session:
         if entry.request is None:
             patched = bytearray(frame)
             _I32.pack_into(patched, 0, entry.client_correlation_id)
-            entry.reply = _size_prefixed(patched)
+            entry.reply = size_prefixed(patched)
             return self._flush()
         version = entry.api_version
         if entry.api_key == API_VERSIONS and len(frame) >= 6 and frame[4:6] == b"\x00\x23":
@@ -897,7 +596,7 @@ class Session:
             # No filter changed it: the client gets the broker's bytes, not kproxy's re-encoding.
             patched = bytearray(original[0])
             _I32.pack_into(patched, 0, entry.client_correlation_id)
-            entry.reply = _size_prefixed(patched)
+            entry.reply = size_prefixed(patched)
             resp.correlation_id = entry.client_correlation_id
         else:
             resp.correlation_id = entry.client_correlation_id
@@ -973,331 +672,6 @@ class Session:
         memo.put((entry.api_key, version, self.ctx.listener, keys, seen),
                  Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms), len(seen) + 2 * len(data))
 
-    # -- cut-through: a broker answer streamed to the client while it arrives
-
-    def stream_start(self, size: int, head: memoryview, transport_streams: bool) -> bool:
-        """A broker answer of ``size`` bytes is arriving; ``head`` is what has arrived of it (at least
-        its 4-byte correlation id). True when the session takes it piece by piece (``stream_piece``)
-        rather than whole (``upstream_frame``): a large Fetch answer that is the next one owed to
-        the client, on transports that can stream, that no filter must see whole."""
-        if (self.stream_min_bytes is None or size < self.stream_min_bytes or len(head) < 4
-                or self._raw_sasl or self.streaming is not None):
-            return False
-        (upstream_id,) = _I32.unpack_from(head, 0)
-        entry = self._by_upstream.get(upstream_id)
-        if (entry is None or entry.request is None
-                or (self.asking is not None and upstream_id == self.asking.upstream_correlation_id)):
-            return False
-        if not self.in_flight or self.in_flight[0] is not entry:
-            self._stored_because(entry, "order", size)
-            return False
-        entry.upstream_bytes = size
-        ctx = self.ctx
-        consenting: list[Filter] = []
-
-        def consents(f: Filter) -> bool:
-            try:
-                ok = f.may_stream_response(ctx, entry)
-            except Exception:
-                # Asked again as on_response, which closes the connection if it fails too.
-                self._filter_failed(f, "may_stream_response", entry.api_key)
-                return False
-            if ok:
-                consenting.append(f)
-            return bool(ok)
-
-        reason = why_stored(self.chain, entry.api_key, "response", size, transport_streams=transport_streams,
-                            min_bytes=self.stream_min_bytes, consents=consents)
-        if reason is not None:
-            self._stored_because(entry, reason, size)
-            return False
-        del self._by_upstream[upstream_id]
-        version = entry.api_version
-        rewriters = [f for f in self.chain.for_response(entry.api_key) if hasattr(f, "rewrite_node_endpoints")]
-
-        def endpoints(found: list) -> bool:
-            return any([r.rewrite_node_endpoints(entry, found) for r in rewriters])
-
-        def decide(head: StreamHead) -> dict:
-            patches: dict[str, Any] = {"correlation_id": entry.client_correlation_id}
-            throttle = 0.0
-            for f in consenting:
-                try:
-                    t = f.on_response_head(ctx, entry, head)
-                except Exception as e:
-                    raise self._filter_failed(f, "on_response_head", entry.api_key) from e
-                if t > throttle:
-                    throttle = t
-            if throttle > 0:
-                # As for a stored answer (``raise_throttle``): told in the answer, whose head has not
-                # gone out yet, keeping the broker's own value when larger; the client is then muted.
-                self._mute(throttle)
-                ms = math.ceil(throttle * 1000)
-                patches["throttle_time_ms"] = lambda broker: max(broker, ms)
-            return patches
-
-        stream = FrameStream(entry.api_key, version, "response", size, decide=decide,
-                             rewrite_tail=node_endpoints_rewrite(version, endpoints) if rewriters else None)
-        entry.path = STREAMED
-        entry.response_why_stored = None
-        self.streaming = (entry, stream)
-        return True
-
-    def _stored_because(self, entry: InFlight, reason: str, size: int) -> None:
-        """A large answer is stored whole: say why on its entry (for the metrics), and in the log once
-        per answer (the reader asks again as more of it arrives)."""
-        if entry.response_why_stored == reason:
-            return
-        entry.response_why_stored = reason
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("connection %d: %s answer of %d bytes stored whole, not streamed: %s",
-                      self.ctx.connection_id, api_name(entry.api_key), size + 4, reason)
-
-    def stream_piece(self, piece: memoryview) -> list[Action]:
-        """The next bytes of the answer being streamed; its buffers to write (views of ``piece``
-        among them: written before the receive buffer is reused). The last piece completes it."""
-        assert self.streaming is not None
-        entry, stream = self.streaming
-        try:
-            buffers = stream.feed(piece)
-        except FilterFailed as e:
-            # Raised deciding on the head, before any of the answer was sent: closed as when a filter
-            # fails on a stored answer (the entry ends with the connection).
-            self.streaming = None
-            return [Close(str(e))]
-        except StreamError as e:
-            # Part of the answer is already with the client: the connection cannot go on.
-            self.streaming = None
-            entry.outcome = UPSTREAM_LOST
-            return [Close(f"malformed {api_name(entry.api_key)} v{entry.api_version} response from the broker "
-                          f"while streaming it: {e}", (entry,), undecodable="response")]
-        return self._streamed(entry, stream, buffers)
-
-    def stream_splice_room(self) -> int:
-        """Bytes of the answer being streamed that may now go to the client without kproxy seeing them
-        (the body of a record batch whose header was counted): spliced, then ``stream_skip``."""
-        return self.streaming[1].splice_room() if self.streaming is not None else 0
-
-    def stream_take_unseen(self, head: Any) -> int:
-        """``head``: the next bytes of the answer being streamed, peeked at, not taken. When they start
-        a record batch, it is counted and the bytes that may be spliced are returned (0: feed them)."""
-        return self.streaming[1].take_unseen(head) if self.streaming is not None else 0
-
-    def stream_recv_hint(self) -> int | None:
-        """How many bytes to receive next so that only a batch header comes in (its body may then be
-        spliced); None when any amount will do."""
-        return self.streaming[1].recv_hint() if self.streaming is not None else None
-
-    def stream_skip(self, n: int) -> list[Action]:
-        """``n`` bytes that ``stream_splice_room`` allowed went to the client (spliced); what to do
-        now (the end of the answer, when they were its last bytes)."""
-        assert self.streaming is not None
-        entry, stream = self.streaming
-        buffers = stream.skip(n)
-        entry.spliced_bytes += n
-        return self._streamed(entry, stream, buffers)
-
-    def _streamed(self, entry: InFlight, stream: FrameStream, buffers: list) -> list[Action]:
-        actions: list[Action] = []
-        if entry.ports:
-            # The rewritten node endpoints (in the tail, the last buffers) name ports to open first.
-            actions.append(Listen(tuple(entry.ports)))
-            entry.ports = None
-        if not stream.done:
-            if buffers:
-                actions.append(ToClient(buffers))
-            return actions
-        self.streaming = None
-        now = self.ctx.clock()
-        entry.answered_at = now
-        entry.records_facts = stream.facts
-        skeleton = stream.skeleton
-        try:
-            resp = decode_response(memoryview(skeleton), entry.api_key, entry.api_version, keep_trailing=True)
-        except DecodeError as e:
-            actions.append(Close(f"malformed {api_name(entry.api_key)} v{entry.api_version} response from "
-                                 f"the broker while streaming it: {e}", (entry,), undecodable="response"))
-            return actions
-        check = self.reencode
-        if check is not None and check.due():
-            # The transparency check over what was sent: the head and tail re-encode to the same bytes
-            # (the records went through untouched).
-            check.matches("response", entry.api_key, entry.api_version, skeleton, encode_response_frame(resp), 4)
-        entry.response = resp
-        entry.throttle_ms = getattr(resp.body, "throttle_time_ms", 0) or 0
-        entry.reply = []
-        entry.response_bytes = stream.sent
-        self.in_flight.popleft()
-        actions.append(ToClient(buffers, (entry,)))
-        return actions + self._flush()
-
-    # -- cut-through: a client's request streamed to the broker while it arrives
-
-    def request_stream_start(self, size: int, head: memoryview, transport_streams: bool) -> bool:
-        """A request of ``size`` bytes is arriving; ``head`` is what has arrived of it (at least its
-        8-byte header start). True when the session takes it piece by piece (``request_piece``): a
-        large Produce request of a version kproxy knows, on transports that can stream, while
-        nothing holds the client back. Whether it then streams is decided at its first records
-        (``may_stream_request``); until then nothing leaves, and a frame the filters want whole is
-        handed on whole as ``client_frame`` would have been."""
-        if self.stream_min_bytes is None or size < self.stream_min_bytes or len(head) < 8:
-            return False
-        api_key, api_version = _HHI(head, 0)[:2]
-        if api_key != PRODUCE:
-            return False
-        lo, hi = _produce_versions()
-        if not lo <= api_version <= hi:
-            return False
-        why = self._why_request_stored(transport_streams)
-        if why is not None:
-            self._why_next = why
-            return False
-        self._why_next = None
-        stream = FrameStream(PRODUCE, api_version, "request", size, decide=self._decide_up)
-        self.streaming_up = _UpStream(stream, self.ctx.clock())
-        return True
-
-    def _why_request_stored(self, transport_streams: bool) -> str | None:
-        """Why a large Produce request is stored before its head is even read (None: it may stream)."""
-        if not transport_streams:
-            return "transport"
-        now = self.ctx.clock()
-        if self._throttle_until > now:
-            return "throttled"          # it waits out the throttle whole (client_frame's Hold)
-        front = self.front
-        if self._raw_sasl or (front is not None and (front.raw_expected or (
-                front.termination is not None
-                and not (front.termination.authenticated and not front.termination.expired(now))))):
-            return "sasl"               # kproxy's SASL front answers it (or closes)
-        if self.asking is not None or self.streaming_up is not None:
-            return "busy"
-        return None
-
-    def _decide_up(self, head: StreamHead) -> dict | None:
-        """The head of the request streaming in is known: the filters that must see Produce requests
-        whole say whether this one may stream anyway. Patches for the walker, or None to store it."""
-        up = self.streaming_up
-        assert up is not None
-        ctx = self.ctx
-        values = head.values
-        if values.get("client_id") is not None:
-            ctx.client_id = values["client_id"]      # as _observe_request does, for the filters' selectors
-        entry = InFlight(values["correlation_id"], PRODUCE, head.api_version, up.started,
-                         request_bytes=head.size + 4)
-        for f in self.chain.whole_frame_filters(PRODUCE, "request"):
-            try:
-                ok = f.may_stream_request(ctx, entry, head)
-            except Exception:
-                log.error("connection %d: filter %r failed in may_stream_request", ctx.connection_id, f.name,
-                          exc_info=True)
-                ok = False
-            if not ok:
-                self._why_next = f"filter {f.name}"
-                log.debug("connection %d: Produce request of %d bytes stored whole (filter %s must see it)",
-                          ctx.connection_id, head.size, f.name)
-                return None
-        self.requests += 1
-        entry.seq = self.requests
-        entry.request_path = STREAMED
-        self.open.add(entry)
-        upstream_id = self._forwarding(entry, values.get("acks") == 0)
-        up.entry = entry
-        return {"correlation_id": upstream_id}
-
-    def request_piece(self, piece: memoryview) -> list[Action]:
-        """The next bytes of the request being streamed in; what to do with them (``StreamUp`` with
-        views of ``piece`` among its buffers: written before the receive chunk is refilled). The last
-        piece completes the request: its filters run on it (records left out) before its last bytes
-        are handed out, so its answer can never overtake them."""
-        up = self.streaming_up
-        assert up is not None
-        stream = up.stream
-        try:
-            buffers = stream.feed(piece)
-        except StreamError as e:
-            self.streaming_up = None
-            done: tuple[InFlight, ...] = ()
-            if up.entry is not None:
-                up.entry.outcome = CLOSED
-                done = (up.entry,)
-            return [Close(f"malformed Produce v{stream.api_version} request: {e}", done, undecodable="request")]
-        if stream.stored:
-            if not stream.done:
-                return []
-            # A filter must see it whole: it goes on as if it had been read whole.
-            self.streaming_up = None
-            return self.client_frame(memoryview(buffers[1]))
-        entry = up.entry
-        if entry is None:
-            return []       # the head is still arriving
-        actions: list[Action] = []
-        last = stream.done
-        finished: list[Action] = self._request_streamed(up) if last else []
-        if up.lost is None and (buffers or last):
-            actions.append(StreamUp(buffers, entry, not up.sent_any, last))
-            up.sent_any = True
-        return actions + finished
-
-    def _request_streamed(self, up: _UpStream) -> list[Action]:
-        """Every byte of a streamed request has arrived: decode what was sent with its records left
-        out, and let the filters see it, as they would a stored one."""
-        self.streaming_up = None
-        entry = up.entry
-        assert entry is not None
-        stream = up.stream
-        since = self.ctx.clock()
-        entry.records_facts = stream.facts
-        skeleton = stream.skeleton
-        try:
-            req = decode_request(memoryview(skeleton), keep_trailing=True)
-        except DecodeError as e:
-            # The walker followed the schema, so this is kproxy's fault or a frame it cannot judge:
-            # the broker must not be left with it either.
-            entry.outcome = CLOSED
-            return [Close(f"malformed Produce v{stream.api_version} request: {e}", (entry,),
-                          undecodable="request")]
-        entry.request = req
-        check = self.reencode
-        if check is not None and check.due():
-            # Head and tail re-encode to what was sent (the records went through untouched).
-            check.matches("request", PRODUCE, req.api_version, skeleton, encode_request_frame(req), 4)
-        self._observe_request(req)
-        if up.lost is not None:
-            return self._lost_streamed_request(entry, req, up.lost)
-        actions: list[Action] = []
-        try:
-            verdict = self._request_filters(entry, req, actions)
-        except FilterFailed as e:
-            return [Close(str(e), (entry,))]
-        if verdict is not None:
-            # It has gone to the broker already; the filter said it would not do this.
-            log.error("connection %d: filter answered a streamed Produce request after letting it stream "
-                      "(%r); the broker's answer goes to the client", self.ctx.connection_id, verdict)
-        entry.handling_s += self.ctx.clock() - since
-        return actions
-
-    def _lost_streamed_request(self, entry: InFlight, req: Request, reason: str) -> list[Action]:
-        """The broker connection was lost while the request streamed to it: the broker never had it
-        whole, so the client gets the retriable error a lost connection gets, now that kproxy knows
-        every topic and partition the answer must name."""
-        entry.outcome = UPSTREAM_LOST
-        code = lost_connection_error(PRODUCE)
-        resp = error_response(req, code, f"kproxy: broker connection lost ({reason})") if code is not None else None
-        if resp is None or (self.ctx.authenticated and self.front is None):
-            entry.reply = []
-            entry.close_after = f"broker connection lost while a Produce request streamed to it ({reason})"
-            return self._flush()
-        try:
-            self._response_filters(entry, resp)
-        except FilterFailed as e:
-            entry.reply = []
-            entry.close_after = str(e)
-            return self._flush()
-        resp.correlation_id = entry.client_correlation_id
-        entry.response = resp
-        entry.reply = encode_response_frame(resp)
-        return self._flush()
-
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""
         throttle = 0.0
@@ -1312,27 +686,6 @@ class Session:
             if t > throttle:
                 throttle = t
         return throttle
-
-    def _observe_response(self, entry: InFlight, resp: Response) -> None:
-        if entry.api_key == SASL_HANDSHAKE:
-            if resp.body.error_code != 0:
-                self._sasl_refused()
-                return
-            self._sasl_handshake_ok = True
-            if entry.api_version == 0:
-                self._raw_sasl = True
-        elif entry.api_key == SASL_AUTHENTICATE:
-            if resp.body.error_code != 0 or not self._sasl_handshake_ok:
-                self._sasl_refused()
-                return
-            self._sasl_round_trips += 1
-            needed = _SASL_ROUND_TRIPS.get(self.ctx.sasl_mechanism or "")
-            if needed is not None and self._sasl_round_trips >= needed:
-                self._sasl_accepted()
-        elif self.sasl_in_progress and self._sasl_handshake_ok:
-            # A broker answers other requests only after authentication succeeded (mechanisms
-            # whose round trips kproxy does not count, such as OAUTHBEARER or GSSAPI).
-            self._sasl_accepted()
 
     def _flush(self) -> list[Action]:
         out: list[Action] = []

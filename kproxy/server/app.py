@@ -35,9 +35,10 @@ from kproxy.protocol.messages import (
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.memo import AnswerMemo
 from kproxy.proxy.reencode import ReencodeCheck
-from kproxy.proxy.session import InFlight, Session
+from kproxy.proxy.session import Session
 from kproxy.proxy.topics import TopicNames
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
@@ -45,9 +46,10 @@ from kproxy.server import admin
 from kproxy.server.budget import BufferBudget
 from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
-from kproxy.server.connection import ClientConnection, ConnectionSettings, run_clock
+from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
+from kproxy.server.ordering import run_clock
 from kproxy.server.origination import Roundtrip, direct_roundtrip
 from kproxy.server.proxy_protocol import ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
@@ -162,8 +164,7 @@ class ProxyServer:
                                  config.quota_share(self.workers), coordinated=coordinated)
             builtin.append(quotas)
             if coordinated:
-                # A session past the broker's re-authentication deadline is closed by the broker,
-                # and the coordinator opens a new one, which logs in anew.
+                # Its connections are opened, logged in and re-authenticated as every other one.
                 self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
                                                opener=lambda host, port: open_upstream(host, port, self.upstream))
         self.chain = FilterChain([*builtin, *filters])

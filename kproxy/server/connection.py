@@ -1,23 +1,22 @@
-"""The two pumps of one proxied connection: client -> broker and broker -> client.
+"""The tasks of one proxied connection: the client -> broker and broker -> client pumps and the
+watchdog, and the connection's life from accept to close.
 
-The connection's nursery runs both; when the client side ends, the cancel scope ends the other and
-both sockets close in ``finally``. Both pumps (and the watchdog) hand the session's actions to one
-executor. Answers reach the client in the order the session made them, whichever task made them: they
-are queued the moment the session returns them and written by one task at a time (``ClientWriter``);
-writes to the broker are serialised the same way. A broker connection that is lost is not fatal to
-the client: the session answers what was waiting with retriable errors and the next request
-reconnects. Every request the session read completes exactly once, also when the client goes away
-(``client_gone``). A connection needs no server: it gets a frozen settings snapshot, a router (where
-to connect, which ports to open) and a completion callback.
+The connection's nursery runs them; when the client side ends, the cancel scope ends the others and
+both sockets close in ``finally``. Every task hands the session's actions to the one executor
+(``executor.py``), which keeps the two orders (``ordering.py``): answers reach the client in the order
+the session made them, and writes to the broker go one at a time. A broker connection that is lost
+is not fatal to the client: the session answers what was waiting with retriable errors and the next
+request reconnects. Every request the session read completes exactly once, also when the client
+goes away (``client_gone``). A connection needs no server: it gets a frozen settings snapshot, a
+router (where to connect, which ports to open) and a completion callback.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
@@ -26,190 +25,26 @@ from kproxy.logs import safe
 from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import FrameReader
-from kproxy.protocol.messages import api_name, decode_response, encode_request_frame
+from kproxy.protocol.messages import api_name
 from kproxy.protocol.records import V2_HEADER_SIZE
 from kproxy.proxy.addresses import Route
-from kproxy.proxy.session import (
-    CLIENT_GONE,
-    CLOSED,
-    NO_RESPONSE,
-    Ask,
-    Close,
-    Hold,
-    InFlight,
-    Listen,
-    Session,
-    StreamUp,
-    ToClient,
-    ToUpstream,
-)
+from kproxy.proxy.inflight import CLIENT_GONE, CLOSED, InFlight
+from kproxy.proxy.session import Session
 from kproxy.server.budget import BufferBudget
-from kproxy.server.splice import Pipe, SinkError
+from kproxy.server.executor import Executor
+from kproxy.server.ordering import ClientGone, ClientWriter, ConnectionClosed, run_clock
+from kproxy.server.splice import Pipe
 from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import PEEK_NOW, PlainTransport, Transport
-from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
+from kproxy.server.upstream import UpstreamSettings
 
 log = logging.getLogger("kproxy.server")
 
 _I32 = struct.Struct(">i")
-# KIP-368: log in again once this share of the broker's session lifetime has passed (the Java
-# client picks 85-95%), leaving time for the exchange before the broker would close the connection.
-REAUTH_AT = 0.85
 # The largest frame a client may send before it has logged in to kproxy: a SaslAuthenticate with a
 # 128 KiB token fits; a stranger cannot make kproxy hold more than this.
 PRE_LOGIN_FRAME_CAP = 256 * 1024
-
-
-def run_clock() -> Callable[[], float]:
-    """``trio.current_time`` without its two layers of indirection (the run's own clock, the same
-    readings): a small request reads the time several times."""
-    try:
-        return trio.lowlevel.current_clock().current_time
-    except RuntimeError:        # outside a run (a connection built by a test before trio.run)
-        return trio.current_time
-
-
-class ConnectionClosed(Exception):
-    """Ends a connection on purpose; the reason is logged once."""
-
-
-class ClientGone(ConnectionClosed):
-    """The client's socket failed or closed while kproxy wrote to it."""
-
-
-class ClientWriter:
-    """Answers for one client socket, written in the order they were queued, whichever task queued
-    them: the first task that flushes writes everything queued (several answers in one vectored
-    send) while the others wait until what they queued is out. Queuing never waits, so the order is
-    the session's; ``complete`` is called for each answer's entries once its bytes are written."""
-
-    __slots__ = ("_failed", "_idle", "_now", "_queue", "_queued", "_waiting", "_written", "complete", "transport",
-                 "writing")
-
-    def __init__(self, transport: Transport, complete: Callable[[tuple[InFlight, ...], float], None]) -> None:
-        self.transport = transport
-        self.complete = complete
-        self._queue: list[tuple[list, tuple[InFlight, ...]]] = []
-        self._queued = 0          # answers ever queued
-        self._written = 0         # answers ever written
-        self.writing = False
-        self._idle = trio.Event()
-        self._waiting = 0         # tasks waiting for another's write to finish
-        self._now = run_clock()
-        self._failed: BaseException | None = None
-
-    @property
-    def pending(self) -> int:
-        """Answers queued and not yet written."""
-        return self._queued - self._written
-
-    def put(self, buffers: list, done: tuple[InFlight, ...]) -> None:
-        self._queue.append((buffers, done))
-        self._queued += 1
-
-    async def flush(self) -> None:
-        """Return once everything queued so far is written; ClientGone if the client went away."""
-        target = self._queued
-        while self.writing and self._written < target:
-            # Another task is writing: it writes what this one queued too.
-            self._waiting += 1
-            try:
-                await self._idle.wait()
-            finally:
-                self._waiting -= 1
-        if self._failed is not None:
-            raise ClientGone("client closed the connection") from self._failed
-        if self._written >= target:
-            return
-        self.writing = True
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                buffers = batch[0][0] if len(batch) == 1 else [b for bufs, _ in batch for b in bufs]
-                try:
-                    await self.transport.send(buffers)
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                    self._failed = e
-                    raise ClientGone(f"client connection error: {e!r}") from e
-                self._written += len(batch)
-                now = self._now()
-                for _, done in batch:
-                    if done:
-                        self.complete(done, now)
-        finally:
-            self.writing = False
-            if self._waiting:
-                idle, self._idle = self._idle, trio.Event()
-                idle.set()
-
-    async def splice(self, pipe: Pipe, src: Any, n: int) -> None:
-        """Move ``n`` bytes from socket ``src`` to the client (``Pipe.relay``), after everything queued
-        and with no other task writing meanwhile. ClientGone if the client went away; an error of
-        ``src`` propagates as it is."""
-        await self.flush()
-        assert isinstance(self.transport, PlainTransport)
-        self.writing = True
-        try:
-            await pipe.relay(src, self.transport.raw, n)
-        except SinkError as e:
-            self._failed = e
-            raise ClientGone(str(e)) from e
-        finally:
-            self.writing = False
-            if self._waiting:
-                idle, self._idle = self._idle, trio.Event()
-                idle.set()
-
-
-class FifoLock:
-    """Held by one task at a time, handed on in the order tasks asked. Taking it uncontended is a
-    flag (trio's StrictFIFOLock also records its owner for the parking-lot breaker on every take,
-    a measurable share of a small request); a waiter is woken owning it, so none can barge in."""
-
-    __slots__ = ("_held", "_waiters")
-
-    def __init__(self) -> None:
-        self._held = False
-        self._waiters: collections.deque[trio.Event] = collections.deque()
-
-    def locked(self) -> bool:
-        return self._held
-
-    def acquire_nowait(self) -> None:
-        if self._held:
-            raise trio.WouldBlock
-        self._held = True
-
-    async def acquire(self) -> None:
-        await trio.lowlevel.checkpoint()     # a cancellation lands before anything is held
-        if not self._held:
-            self._held = True
-            return
-        handed = trio.Event()
-        self._waiters.append(handed)
-        try:
-            await handed.wait()
-        except BaseException:
-            if handed.is_set():
-                self.release()      # handed over as this task was cancelled: pass it on
-            else:
-                self._waiters.remove(handed)
-            raise
-
-    def release(self) -> None:
-        if not self._held:
-            raise RuntimeError("release of a FifoLock that is not held")
-        if self._waiters:
-            self._waiters.popleft().set()     # still held: now by the first waiter
-        else:
-            self._held = False
-
-    async def __aenter__(self) -> None:
-        await self.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
 
 @attrs.frozen(slots=True)
@@ -249,13 +84,14 @@ class Router(Protocol):
 Completion = Callable[[InFlight], None]
 
 
-class ClientConnection:
+class ClientConnection(Executor):
     """One client connection and the broker connection behind it."""
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
                  prepare: Callable[[memoryview], Awaitable[None]] | None = None) -> None:
+        super().__init__()
         self.settings = settings
         self.router = router
         self.client = client
@@ -264,8 +100,6 @@ class ClientConnection:
         self.budget = budget if budget is not None else BufferBudget(None)
         self.stats = stats                          # decode errors and connect failures, for metrics
         self.route_key = route_key                  # (exposed port, SNI name) the client connected to
-        self.upstream: Transport | None = None
-        self.connected_to: tuple[str, int] | None = None
         self.unrouted: tuple[int | None, str | None] | None = None   # (port, SNI name) not yet placed
         self._now = run_clock()
         self.opened_at = self._now()
@@ -274,14 +108,11 @@ class ClientConnection:
         self.bytes_out = 0                          # response bytes to the client
         self._close_reason: str | None = None       # why another task closed the connection
         self.writer = ClientWriter(client, self._complete)
-        # One task at a time connects and writes to the broker, in the order the session asked.
-        self._upstream_lock = FifoLock()
         self.client_gone = False                    # the client went away (not kproxy closing it)
         self._room = trio.Event()                   # set when in-flight drops below the limit
         self._nursery: trio.Nursery | None = None
         self.cancel_scope: trio.CancelScope | None = None
         self.draining = False
-        self._upstream_generation = 0
         self.client_reader = FrameReader(settings.frame_cap, trust_claims=False,
                                          limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
@@ -290,19 +121,8 @@ class ClientConnection:
         # this platform, the settings and the client's transport allow it.
         self._splice_ok = settings.splice and isinstance(client, PlainTransport) and splice_available()
         self._pipe: Pipe | None = None
-        self._answered: trio.Event | None = None    # set when a filter's question is settled
-        self._holding = False                       # the client pump waits out a throttle or delay
         # I/O a request needs before the session judges it (a JWKS refresh for a token's unknown kid).
         self.prepare = prepare
-        self._reauth_at: float | None = None        # when kproxy logs in to the broker again (KIP-368)
-        self._session_end: float | None = None      # when the broker's session ends
-        self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
-        self._login_ids: set[int] = set()
-        # A request streaming to the broker (cut-through): the broker connection its first piece went
-        # to, whether this pump holds the broker write lock for it, and whether a piece is being sent.
-        self._up_target: Transport | None = None
-        self._up_locked = False
-        self._up_sending = False
         front = session.front
         self._pre_login = front is not None and front.termination is not None
         if self._pre_login:
@@ -472,9 +292,6 @@ class ClientConnection:
                         self._room = trio.Event()
                 if self.prepare is not None:
                     await self.prepare(frame)
-                reauth_at = self._reauth_at
-                if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
-                    await self._renew_upstream_session()
                 await self._execute(session.client_frame(frame))
                 if self._pre_login and session.ctx.authenticated:
                     self._pre_login = False
@@ -488,81 +305,6 @@ class ClientConnection:
             self._room = trio.Event()
             await self._room.wait()
         raise ConnectionClosed("kproxy is shutting down (answered what was in flight)")
-
-    async def _execute(self, actions: list, *, flush: bool = True) -> None:
-        """Carry out the session's actions in order; the same for every task. Answers are queued at
-        once, in the session's order, before anything here can wait; ``flush=False`` leaves them
-        queued for the caller to write together with more (one vectored send for several)."""
-        writer = self.writer
-        for a in actions:
-            kind = type(a)
-            if kind is ToClient:
-                if a.buffers:
-                    writer.put(a.buffers, a.done)
-                elif a.done:
-                    self._complete(a.done, trio.current_time())
-                continue
-            if kind is Listen:
-                problem = self.router.open_ports(a.ports)
-                if problem is not None:
-                    raise ConnectionClosed(problem)
-                continue
-            if kind is ToUpstream:
-                # Not waiting for answers still being written: the queue keeps their order anyway.
-                await self._to_upstream(a)
-                continue
-            if kind is StreamUp:
-                await self._stream_up(a)
-                continue
-            if writer.pending:
-                # Earlier answers go out before kproxy waits on anything else.
-                await writer.flush()
-            if kind is Hold:
-                await self._hold(a.seconds)
-            elif kind is Close:
-                if a.undecodable is not None and self.stats is not None:
-                    self.stats.decode_errors[a.undecodable] += 1
-                if a.done:
-                    self._complete(a.done, trio.current_time())
-                raise ConnectionClosed(a.reason)
-            elif kind is Ask:
-                await self._ask(a)
-            else:  # pragma: no cover - a new action type without an executor branch is a bug
-                raise AssertionError(f"no executor for {a!r}")
-        if flush and writer.pending:
-            await writer.flush()
-
-    async def _hold(self, seconds: float) -> None:
-        # The watchdog does not count a wait kproxy imposes as the client being slow or idle.
-        self._holding = True
-        try:
-            await trio.sleep(seconds)
-        finally:
-            self._holding = False
-
-    async def _to_upstream(self, action: ToUpstream) -> None:
-        # Several tasks write to the broker (the client pump; the upstream pump resuming a request
-        # whose question it read the answer to; the watchdog through a lost connection): one at a
-        # time, first come first served, which is the session's order. Uncontended (almost always)
-        # the lock is taken without a trip through the scheduler.
-        lock = self._upstream_lock
-        if lock.locked():
-            await lock.acquire()
-        else:
-            lock.acquire_nowait()
-        try:
-            failed = await self._send_upstream(action)
-        finally:
-            lock.release()
-        if failed is not None:
-            # Handled with the lock free: the session may resume a request that must be sent now.
-            # Nothing runs between the release and the session hearing of the loss (no await).
-            reason, connecting = failed
-            await self._upstream_lost(reason)
-            entry = action.entry
-            if connecting and entry is not None and entry.outcome == NO_RESPONSE:
-                # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
-                raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection")
 
     # -- cut-through: a large request streamed to the broker while it arrives
 
@@ -597,228 +339,11 @@ class ClientConnection:
                 while len(session.open) >= limit:
                     await self._room.wait()
                     self._room = trio.Event()
-            reauth_at = self._reauth_at
-            if reauth_at is not None and self.upstream is not None and trio.current_time() >= reauth_at:
-                await self._renew_upstream_session()
             # A broker connection not open yet will be one of kproxy's transports, which all stream.
             transport = self.client.can_stream and (self.upstream is None or self.upstream.can_stream)
             if not session.request_stream_start(size, head, transport):
                 return
             reader.stream_current()
-
-    async def _stream_up(self, action: StreamUp) -> None:
-        """Send one piece of a streamed request. The first takes the broker write lock (FIFO, like
-        every write to the broker) and connects if need be; it is held until the last, so no other
-        request's bytes come between the pieces. A failure drops the rest of the frame, never sends
-        it elsewhere, and the session answers the request with a retriable error once it is in."""
-        entry = action.entry
-        if action.first:
-            lock = self._upstream_lock
-            if lock.locked():
-                await lock.acquire()
-            else:
-                lock.acquire_nowait()
-            self._up_locked = True
-            self._up_target = None
-            if self.upstream is None:
-                try:
-                    await self._connect_upstream()
-                except (OSError, trio.TooSlowError) as e:
-                    await self._stream_up_failed(entry, f"cannot connect: {e or 'timed out'}", lost=True)
-                    return
-            self._up_target = self.upstream
-            entry.broker = self.connected_to
-        if not self._up_locked:
-            return
-        upstream = self.upstream
-        if upstream is None or upstream is not self._up_target:
-            # Lost by another task meanwhile (the session knows): the rest of the frame is dropped.
-            self._stream_up_over()
-            return
-        if action.last:
-            # Stamped before the last send: the answer may be read before the send returns.
-            entry.forwarded_at = trio.current_time()
-        self._up_sending = True
-        try:
-            await upstream.send(action.buffers)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            await self._stream_up_failed(entry, f"send failed: {e!r}", lost=self.upstream is upstream)
-            return
-        finally:
-            self._up_sending = False
-        if action.last:
-            self._stream_up_over()
-            if entry.outcome == NO_RESPONSE:
-                self._complete((entry,), trio.current_time())
-
-    async def _stream_up_failed(self, entry: InFlight, reason: str, *, lost: bool) -> None:
-        self._stream_up_over()
-        entry.broken = "broker"
-        log.warning("connection %d: a streamed Produce request could not reach the broker whole (%s); "
-                    "the rest of it is read and dropped, and the client told to retry",
-                    self.session.ctx.connection_id, reason)
-        if lost:
-            await self._upstream_lost(reason)
-
-    def _stream_up_over(self) -> None:
-        """The streamed request is done with the broker connection (sent, or given up)."""
-        self._up_target = None
-        if self._up_locked:
-            self._up_locked = False
-            self._upstream_lock.release()
-
-    async def _send_upstream(self, action: ToUpstream) -> tuple[str, bool] | None:
-        """Send one action's bytes (connecting first if need be); (why, while connecting) on failure."""
-        entry = action.entry
-        if entry is not None and entry.reply is not None:
-            # Already answered: the broker connection was lost while kproxy held this request (a
-            # throttle, a delay) and the client was told to retry. Sending it now would run it twice.
-            return None
-        if self.upstream is None:
-            try:
-                await self._connect_upstream()
-            except (OSError, trio.TooSlowError) as e:
-                return f"cannot connect: {str(e) or 'timed out'}", True
-        assert self.upstream is not None
-        if entry is not None:
-            # Stamped before the send: while it waits for the socket, the other pump may already
-            # read the answer, and the broker's time must never come out negative.
-            entry.forwarded_at = self._now()
-            entry.broker = self.connected_to
-        try:
-            await self.upstream.send(action.buffers)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            if entry is not None:
-                entry.forwarded_at = entry.broker = None
-            return f"send failed: {e!r}", False
-        if entry is not None and entry.outcome == NO_RESPONSE:
-            self._complete((entry,), trio.current_time())
-        return None
-
-    async def _ask(self, action: Ask) -> None:
-        """Send a filter's question and wait, not reading the client, until the session has settled
-        it: the upstream pump hands the answer to the session (which then acts on the request), and
-        a lost connection settles it too. Past the request timeout the filter decides without it."""
-        session = self.session
-        self._answered = trio.Event()
-        await self._to_upstream(ToUpstream(action.buffers))
-        timeout = self.settings.request_timeout_s
-        with trio.move_on_after(timeout if timeout > 0 else float("inf")):
-            while session.asking is not None:
-                await self._answered.wait()
-                self._answered = trio.Event()
-        self._answered = None
-        if session.asking is not None:
-            await self._execute(session.question_unanswered(f"none within {timeout:g}s"))
-
-    def _settled(self) -> None:
-        if self._answered is not None and self.session.asking is None:
-            self._answered.set()
-
-    async def _connect_upstream(self) -> None:
-        s = self.settings
-        # Look the route up on every connect, not only at accept: a broker that moved (learned from
-        # a later Metadata) is then reached through the same exposed port by connections already open.
-        # No route (the bootstrap listener, or a broker not learned yet): the bootstrap servers in turn.
-        route = self.router.route_for(*self.route_key)
-        targets = [route.upstream] if route is not None else list(s.bootstrap_servers)
-        last: Exception | None = None
-        for host, port in targets:
-            try:
-                self.upstream = await open_upstream(host, port, s.upstream)
-                self.connected_to = (host, port)
-                break
-            except (OSError, trio.TooSlowError) as e:
-                if login_failed(e):
-                    # Reached, but kproxy's own login failed: the next broker would refuse it too.
-                    self.connected_to = (host, port)
-                    raise
-                last = e
-                if self.stats is not None:
-                    self.stats.upstream_failed(host, port)
-        else:
-            raise last or OSError("no upstream")
-        if s.upstream.originator is not None:
-            self._schedule_reauth(self.upstream.session_lifetime_ms)
-        self._upstream_generation += 1
-        assert self._nursery is not None
-        self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
-
-    def _schedule_reauth(self, lifetime_ms: int) -> None:
-        now = trio.current_time()
-        self._reauth_at = now + REAUTH_AT * lifetime_ms / 1000 if lifetime_ms > 0 else None
-        self._session_end = now + lifetime_ms / 1000 if lifetime_ms > 0 else None
-
-    async def _renew_upstream_session(self) -> None:
-        end = self._session_end
-        if end is not None and trio.current_time() >= end - 0.1 and not self.session.awaiting_upstream:
-            # Idle past the session's end: a broker closes an expired connection at its next request,
-            # re-authentication included (KIP-368), so open a fresh one, which logs in anew.
-            log.debug("connection %d: the broker session ended while idle; reconnecting",
-                      self.session.ctx.connection_id)
-            async with self._upstream_lock:
-                upstream, self.upstream = self.upstream, None
-                self._reauth_at = self._session_end = None
-                if upstream is not None:
-                    upstream.close()
-            return
-        await self._reauthenticate_upstream()
-
-    async def _reauthenticate_upstream(self) -> None:
-        """KIP-368 on the broker side: log in again on the live connection. Called from the client
-        pump between two client requests, holding the broker write lock, so no request goes out
-        during the exchange; answers to requests sent before it still reach the client (the broker
-        answers in order), and kproxy takes the answers to its own login from the upstream pump
-        (which never waits for this lock while a client request is being read: questions are
-        settled before the client pump reads on)."""
-        originator = self.settings.upstream.originator
-        assert originator is not None
-        send, receive = trio.open_memory_channel[bytes](4)
-        timeout = self.settings.request_timeout_s
-        where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
-        failed: str | None = None
-        async with self._upstream_lock:
-            upstream = self.upstream
-            if upstream is None:
-                return          # lost meanwhile: the next request reconnects and logs in anew
-
-            async def roundtrip(req: Any) -> Any:
-                self._login_ids.add(req.correlation_id)
-                with trio.fail_after(timeout):
-                    await upstream.send(encode_request_frame(req))
-                    frame = await receive.receive()
-                self._login_ids.discard(req.correlation_id)
-                return decode_response(frame, req.api_key, req.api_version)
-
-            self._login_answers = send
-            try:
-                lifetime = await originator.login(roundtrip, where)
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                failed = f"re-authentication failed: {str(e) or 'timed out'}"
-            finally:
-                self._login_answers = None
-                self._login_ids.clear()
-        if failed is not None:
-            # With the lock free: the session may resume a request that must be sent at once.
-            self._reauth_at = None
-            await self._upstream_lost(failed)
-            return
-        log.info("connection %d: re-authenticated kproxy to %s (KIP-368)", self.session.ctx.connection_id, where)
-        self._schedule_reauth(lifetime)
-
-    async def _upstream_lost(self, reason: str) -> None:
-        """The broker connection ended: the session answers what waited on it."""
-        if self.upstream is not None:
-            self.upstream.close()
-            self.upstream = None
-        self._reauth_at = self._session_end = None
-        where = f"{self.connected_to[0]}:{self.connected_to[1]}" if self.connected_to else "the broker"
-        BROKER_LOST.warning(where, "connection %d: lost the connection to %s: %s",
-                            self.session.ctx.connection_id, where, reason)
-        try:
-            await self._execute(self.session.upstream_lost(reason))
-        finally:
-            self._settled()
 
     # -- broker -> client
 
@@ -1045,32 +570,6 @@ def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
     if req is None:
         return request_timeout
     return request_timeout + hold_ms(req.body, req.api_key, req.api_version) / 1000.0
-
-
-class _RateLimited:
-    """A warning that repeats per key (a broker down, every client retrying) is logged once per
-    ``interval`` seconds per key, with the count of lines it held back."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
-        self.logger = logger
-        self.interval = interval
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = trio.current_time()
-        last, held = self._last.get(key, (float("-inf"), 0))
-        if now - last < self.interval:
-            self._last[key] = (last, held + 1)
-            return
-        if len(self._last) > 1000:
-            self._last.clear()
-        self._last[key] = (now, 0)
-        if held:
-            msg += f" ({held} similar lines held back in the last {self.interval:g}s)"
-        self.logger.warning(msg, *args)
-
-
-BROKER_LOST = _RateLimited(log)
 
 
 def _leaf(e: BaseException) -> BaseException:

@@ -28,7 +28,7 @@ from kproxy.quota.budgets import Budget, BudgetKey
 from kproxy.quota.engine import QuotaFilter
 from kproxy.quota.fleet import FleetShares, Load, decode_record, record_key, record_value
 from kproxy.server.transport import Transport
-from kproxy.server.upstream import UpstreamSettings, open_upstream
+from kproxy.server.upstream import UpstreamSettings, open_upstream, renew_login
 
 log = logging.getLogger("kproxy.quota.coordination")
 
@@ -66,8 +66,10 @@ def instance_id() -> str:
 class _Link:
     """One connection to one broker, sequential request and response."""
 
-    def __init__(self, transport: Transport, address: tuple[str, int], max_frame: int) -> None:
+    def __init__(self, transport: Transport, address: tuple[str, int], max_frame: int,
+                 renew_ahead: float = 0.0) -> None:
         self.transport = transport
+        self.renew_ahead = renew_ahead      # the longest between two calls: the login is renewed that early
         self.address = address
         self.reader = FrameReader(max_frame)
         self.versions: dict[int, int] = {}
@@ -75,6 +77,8 @@ class _Link:
         self.sent = self.received = 0
 
     async def call(self, api_key: int, body: Any, timeout: float) -> Any:
+        # kproxy's login on this connection is renewed before its session ends (KIP-368), as on every other.
+        await renew_login(self.transport, self.renew_ahead)
         self._correlation = (self._correlation + 1) & 0x7FFFFFFF
         version = self.versions.get(api_key, 0)
         req = Request.build(api_key, version, self._correlation, "kproxy-coordination", body)
@@ -130,7 +134,8 @@ class Coordinator:
         self.interval = coord.publish_interval_ms / 1000.0
         upstream = config.upstream
         # How a broker connection is opened: the server passes its own (the same TLS, and SASL when it
-        # exists, as every other upstream connection); alone, open_upstream with the upstream settings.
+        # exists, as every other upstream connection); alone, open_upstream with the upstream settings
+        # (SASL included).
         if opener is None:
             settings = UpstreamSettings.from_config(upstream)
             self.opener: Callable[[str, int], Awaitable[Transport]] = (
@@ -247,7 +252,7 @@ class Coordinator:
 
     async def _open(self, host: str, port: int) -> _Link:
         t = await self.opener(host, port)
-        link = _Link(t, (host, port), self.config.limits.max_frame_size)
+        link = _Link(t, (host, port), self.config.limits.max_frame_size, renew_ahead=self.interval)
         try:
             await link.negotiate(self.timeout)
         except BaseException:

@@ -130,19 +130,28 @@ class Originator:
         return lifetime
 
 
-def direct_roundtrip(transport: Transport, timeout: float, frame_cap: int = LOGIN_FRAME_CAP) -> Roundtrip:
-    """A roundtrip that reads the answer straight from ``transport`` (nothing else reads it yet):
-    kproxy's login on a new broker connection, and discovery."""
+def direct_roundtrip(transport: Transport, timeout: float | None = None,
+                     frame_cap: int = LOGIN_FRAME_CAP) -> Roundtrip:
+    """A roundtrip that reads the answer straight from ``transport`` (nothing else reads it while it
+    runs): kproxy's login on a broker connection only one task uses, and discovery. Each answer
+    within ``timeout`` (None: the caller times it, as ``UpstreamLogin`` does)."""
     reader = FrameReader(frame_cap)
 
+    async def exchange(req: Request) -> memoryview:
+        await transport.send(encode_request_frame(req))
+        while (frame := reader.next_frame()) is None:
+            n = await transport.recv_into(reader.recv_buffer())
+            if n == 0:
+                raise OriginationError("the broker closed the connection")
+            reader.received(n)
+        return frame
+
     async def roundtrip(req: Request) -> Response:
-        with trio.fail_after(timeout):
-            await transport.send(encode_request_frame(req))
-            while (frame := reader.next_frame()) is None:
-                n = await transport.recv_into(reader.recv_buffer())
-                if n == 0:
-                    raise OriginationError("the broker closed the connection")
-                reader.received(n)
+        if timeout is None:
+            frame = await exchange(req)
+        else:
+            with trio.fail_after(timeout):
+                frame = await exchange(req)
         return decode_response(frame, req.api_key, req.api_version)
 
     return roundtrip

@@ -12,7 +12,7 @@ import random
 import attrs
 
 from kproxy.protocol.messages import api_name
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 
 
 @attrs.define(slots=True)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import socket
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from kproxy.config import TlsClientSide, TlsServerSide
+
+if TYPE_CHECKING:                       # upstream.py opens transports: only the type is named here
+    from kproxy.server.upstream import UpstreamLogin
 
 # Cap on buffers per sendmsg call (IOV_MAX is 1024 on Linux).
 _IOV_MAX = 512
@@ -53,9 +56,9 @@ class Transport:
 
     peer_subject: str | None = None
     server_name: str | None = None
-    # A broker connection kproxy logged in on (upstream.sasl): the session lifetime the broker gave
-    # that login, in ms (KIP-368; 0: no limit). Set by kproxy.server.upstream.open_upstream.
-    session_lifetime_ms = 0
+    # A broker connection kproxy logged in on (upstream.sasl): that login and its session (KIP-368).
+    # Set by kproxy.server.upstream.open_upstream.
+    login: UpstreamLogin | None = None
     # Whether a large frame may be forwarded while it arrives (cut-through): the transport receives
     # into the frame reader's own chunk and sends views without copying them.
     can_stream = False

@@ -1,22 +1,32 @@
-"""Opening a connection to a broker: the one function that discovery, client connections and fleet
-quota coordination all call.
+"""Opening a connection to a broker, and keeping kproxy's login on it: the one place that discovery,
+client connections and fleet quota coordination all go through.
 
 Whatever every broker connection needs before its first request (TCP, TLS with the configured
 server name, and kproxy's own SASL login when ``upstream.sasl`` is set) is done here once, so no
-caller can open a connection that skips a step. Callers handle OSError and trio.TooSlowError as "cannot
-connect"; the two kinds that mean "connected, but the login failed" are subclasses of those.
+caller can open a connection that skips a step. The login stays on the connection (``Transport.login``)
+with what the broker said of its session, and logging in again before that session ends (KIP-368)
+is the same exchange, with the same timeouts, whoever asks for it. Callers handle OSError and
+trio.TooSlowError as "cannot connect"; the two kinds that mean "connected, but the login failed" are
+subclasses of those.
 """
 
 from __future__ import annotations
 
+import random
 import ssl
 
 import attrs
 import trio
 
 from kproxy.config import UpstreamConfig
-from kproxy.server.origination import OriginationError, Originator, direct_roundtrip
+from kproxy.protocol.messages import Request, Response
+from kproxy.server.origination import OriginationError, Originator, Roundtrip, direct_roundtrip
 from kproxy.server.transport import Transport, client_context, connect
+
+# KIP-368: log in again once 85-95% of the broker's session lifetime has passed, as Kafka's own
+# client does: time left for the exchange before the broker would close the connection, and a
+# random spread so that connections opened together do not all log in again at once.
+REAUTH_FROM, REAUTH_SPREAD = 0.85, 0.10
 
 
 @attrs.frozen
@@ -34,9 +44,13 @@ class UpstreamSettings:
     @classmethod
     def from_config(cls, cfg: UpstreamConfig, tls: ssl.SSLContext | None = None,
                     originator: Originator | None = None) -> UpstreamSettings:
-        """From ``upstream:``; ``tls`` is the context already built, else it is built here when TLS is on."""
+        """From ``upstream:``; ``tls`` is the context already built, else it is built here when TLS is
+        on, and ``originator`` the server's (which counts logins for /metrics), else one is made here
+        when ``upstream.sasl`` is set."""
         if tls is None and cfg.tls.enabled:
             tls = client_context(cfg.tls)
+        if originator is None and cfg.sasl is not None:
+            originator = Originator(cfg.sasl)
         return cls(cfg.connect_timeout_s, tls, cfg.tls.server_hostname, originator, cfg.request_timeout_s)
 
 
@@ -45,15 +59,53 @@ class LoginTimedOut(trio.TooSlowError):
 
 
 def login_failed(e: BaseException) -> bool:
-    """Whether ``e``, raised by open_upstream, means the connection was made and the login failed."""
+    """Whether ``e``, raised by open_upstream or a login, means the login failed (refused or unanswered)."""
     return isinstance(e, (OriginationError, LoginTimedOut))
+
+
+class UpstreamLogin:
+    """kproxy's login on one broker connection, and when it is due again (KIP-368): the broker's
+    session lifetime counts from the end of each login."""
+
+    __slots__ = ("lifetime_ms", "originator", "reauth_at", "session_end", "timeout", "where")
+
+    def __init__(self, originator: Originator, where: str, timeout: float) -> None:
+        self.originator = originator
+        self.where = where                      # host:port, for messages
+        self.timeout = timeout                  # for each of the login's requests
+        self.lifetime_ms = 0                    # what the broker said of the session (0: no limit)
+        self.reauth_at: float | None = None     # when to log in again (trio time); None: never
+        self.session_end: float | None = None   # when the broker ends the session
+
+    async def log_in(self, roundtrip: Roundtrip) -> None:
+        """Log in over ``roundtrip``: the first time on a fresh connection, or again on a live one
+        (KIP-368 re-authentication is the same exchange). Each answer is waited for within the
+        timeout: LoginTimedOut past it, OriginationError when refused."""
+        timeout = self.timeout
+
+        async def timed(req: Request) -> Response:
+            with trio.fail_after(timeout):
+                return await roundtrip(req)
+
+        try:
+            lifetime_ms = await self.originator.login(timed, self.where)
+        except trio.TooSlowError:
+            raise LoginTimedOut() from None
+        now = trio.current_time()
+        self.lifetime_ms = lifetime_ms
+        share = REAUTH_FROM + random.random() * REAUTH_SPREAD
+        self.reauth_at = now + share * lifetime_ms / 1000 if lifetime_ms > 0 else None
+        self.session_end = now + lifetime_ms / 1000 if lifetime_ms > 0 else None
+
+    def due(self, now: float) -> bool:
+        """Whether it is time to log in again."""
+        return self.reauth_at is not None and now >= self.reauth_at
 
 
 async def open_upstream(host: str, port: int, settings: UpstreamSettings) -> Transport:
     """A connection to the broker at ``host``:``port``, ready for Kafka requests: connected (within
     ``settings.connect_timeout_s``), TLS when configured, and logged in as kproxy when
-    ``settings.originator`` is set; ``session_lifetime_ms`` on the transport is what the broker said
-    of that login's session (KIP-368; 0: no limit, or no login).
+    ``settings.originator`` is set, with that login on the transport (``Transport.login``).
 
     OSError or trio.TooSlowError when it cannot be had; a refused login is an OriginationError (an
     OSError) and an unanswered one a LoginTimedOut (a TooSlowError), so ``login_failed`` tells them
@@ -62,13 +114,22 @@ async def open_upstream(host: str, port: int, settings: UpstreamSettings) -> Tra
     originator = settings.originator
     if originator is None:
         return t
+    login = UpstreamLogin(originator, f"{host}:{port}", settings.request_timeout_s)
     try:
-        t.session_lifetime_ms = await originator.login(direct_roundtrip(t, settings.request_timeout_s),
-                                                       f"{host}:{port}")
-    except trio.TooSlowError:
-        t.close()
-        raise LoginTimedOut() from None
+        await login.log_in(direct_roundtrip(t))
     except BaseException:
         t.close()
         raise
+    t.login = login
     return t
+
+
+async def renew_login(transport: Transport, ahead: float = 0.0) -> None:
+    """Before the next request on a connection that one task uses a request at a time (discovery,
+    fleet coordination): log in again if the login falls due within ``ahead`` seconds (KIP-368). A
+    caller that sends at least every so often passes that period, so the login is renewed at the
+    last request before its time rather than the first after it. The errors are
+    ``UpstreamLogin.log_in``'s."""
+    login = transport.login
+    if login is not None and login.due(trio.current_time() + ahead):
+        await login.log_in(direct_roundtrip(transport))

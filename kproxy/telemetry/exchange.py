@@ -17,7 +17,7 @@ from kproxy.protocol.messages import api_by_key, api_name
 from kproxy.protocol.records import LegacyMessage, iter_batches
 from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ConnectionContext
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.streaming import RecordsFacts
 from kproxy.proxy.topics import TopicNames
 

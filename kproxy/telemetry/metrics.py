@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kproxy.config import MetricsConfig
-from kproxy.proxy.session import STORED, STREAMED, UPSTREAM_LOST
+from kproxy.proxy.inflight import STORED, STREAMED, UPSTREAM_LOST
 from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
 
 # Seconds: from sub-millisecond metadata answers to long polls and rebalances.
@@ -459,3 +459,32 @@ def identity_edge_families(tls_contexts: Iterable[Any], proxy_protocol: Any, sni
         out.append(CounterMetricFamily("kproxy_sni_names_refused", "TLS handshakes ended for an SNI name "
                                        "kproxy does not serve.", value=sni_names.refused))
     return out
+
+
+def kms_families(snap: Mapping[str, Any]) -> list[Metric]:
+    """Record encryption's KMS calls and DEK cache (``kproxy.kms.service.KeyService.snapshot()``)."""
+    backend = snap["backend"]
+    h = HistogramMetricFamily("kproxy_kms_call_duration_seconds", "How long KMS calls took, by backend and "
+                              "operation (generate, unwrap, check).", labels=["backend", "op"])
+    for op, hist in sorted(snap["durations"].items()):
+        h.add_metric([backend, op], hist.cumulative(), hist.sum)
+    return [
+        _counter("kproxy_kms_calls", "KMS calls by backend, operation and outcome (ok, or why it failed: "
+                 "unreachable, timeout, server_error, throttled, token, unknown_kek, denied, refused, "
+                 "bad_answer, wrong_kms).", ["backend", "op", "outcome"],
+                 {(backend, op, outcome): n for (op, outcome), n in snap["calls"].items()}),
+        h,
+        _counter("kproxy_dek_cache_lookups", "Lookups of unwrapped DEKs for opening records, by result "
+                 "(a miss costs a KMS call).", ["result"],
+                 {("hit",): snap["cache_hits"], ("miss",): snap["cache_misses"]}),
+        CounterMetricFamily("kproxy_dek_cache_evictions", "Unwrapped DEKs dropped from the full cache.",
+                            value=snap["cache_evicted"]),
+        GaugeMetricFamily("kproxy_dek_cache_entries", "Unwrapped DEKs held for opening records.",
+                          value=snap["cache_entries"]),
+        CounterMetricFamily("kproxy_deks_generated", "DEKs the KMS made for sealing records.",
+                            value=snap["deks_generated"]),
+        CounterMetricFamily("kproxy_deks_retired", "DEKs that stopped sealing: used up, expired, or their "
+                            "KEK refused.", value=snap["deks_retired"]),
+        GaugeMetricFamily("kproxy_kms_keys_backing_off", "KEKs and wrapped DEKs whose KMS calls wait after a "
+                          "failure.", value=snap["backing_off"]),
+    ]

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from kproxy.config import ConfigError, ProxyConfig
 from kproxy.protocol.messages import apis
 from kproxy.proxy.filters import ConnectionContext
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.topics import TopicNames
 from kproxy.telemetry.exchange import Exchange, Learned
 from kproxy.telemetry.metrics import Metrics, tracing_families, traffic_log_families

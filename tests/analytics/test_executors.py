@@ -41,5 +41,5 @@ def test_an_executor_without_kproxy_is_one_line_saying_what_to_install(spark: An
     said = str(refused.value)
     assert "\n" not in said
     assert "cannot import kproxy (No module named 'kproxy')" in said
-    assert f"pip install 'kproxy=={kproxy.__version__}'" in said
+    assert f"pip install 'kproxy-kafka=={kproxy.__version__}'" in said
     assert sys.executable not in said

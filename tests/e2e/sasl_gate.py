@@ -375,6 +375,11 @@ class GateConnection:
     def _client_frame(self, frame: bytes) -> bool:
         """Handle one request; False ends the connection."""
         api_key, _version, correlation_id = _HHI.unpack_from(frame, 0)
+        if api_key == SASL_AUTHENTICATE and self.user is not None and self.server is not None and not self.server.done:
+            # A re-authentication under way takes its SaslAuthenticate steps past the old session's
+            # end, as Kafka's broker does: there the channel is not ready while it re-authenticates,
+            # and its frames go to the authenticator, which no expiry check stands in front of.
+            return self._sasl(frame)
         if self.expires_at is not None and time.monotonic() > self.expires_at:
             # KIP-368: once the session has ended, any request closes the connection, even one that
             # would start re-authentication (Kafka's Processor checks expiry before reading it).

@@ -8,8 +8,10 @@ machine with nothing running.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,44 @@ def test_the_tour_shows_a_tenant_a_refusal_a_quota_metrics_and_the_traffic_log(
     assert logged and f"traffic log: {tmp_path / 'traffic'}" in out
     assert "skipped: left out (--no-report)" in out
     assert "tour check: PASSED" in out
+    _check_the_quota_step(out, tmp_path / "traffic")
+
+
+def _check_the_quota_step(out: str, traffic: Path) -> None:
+    """The quota step shows the burst, then a rate that converges to the quota: as the client printed
+    it, and as kproxy's traffic log recorded the same requests."""
+    from kproxy.tour import QUOTA_BYTES_PER_S, QUOTA_CLIENT, QUOTA_SECONDS, STEADY_FROM_S
+
+    quota_kib, tolerance = QUOTA_BYTES_PER_S / 1024, 0.25
+    rows = [(int(second), int(kib), int(average)) for second, kib, average in
+            re.findall(r"^ +(\d+)-\d+ s +(\d+)  #* +(\d+) KiB/s", out, re.MULTILINE)]
+    assert [second for second, _, _ in rows] == list(range(QUOTA_SECONDS)), out
+    per_second = [kib for _, kib, _ in rows]
+    assert per_second[0] > quota_kib * (1 + tolerance), out           # the burst, as the client saw it
+    steady = per_second[STEADY_FROM_S:]
+    steady_kib = sum(steady) / len(steady)
+    assert abs(steady_kib - quota_kib) <= quota_kib * tolerance, out
+    assert all(abs(kib - quota_kib) <= quota_kib * 0.5 for kib in steady), out   # no pause, no catch-up
+    # The averages since the start add up from the seconds, and the last is near the quota: the
+    # burst was an advance, not extra.
+    for second, _, average in rows:
+        assert abs(average - sum(per_second[: second + 1]) / (second + 1)) <= 1, out
+    assert abs(rows[-1][2] - quota_kib) <= quota_kib * tolerance, out
+    said = re.search(r"after the burst: (\d+) KiB/s", out)
+    assert said is not None and abs(int(said.group(1)) - steady_kib) <= 1, out
+
+    # kproxy's side: the record bytes of the same Produce requests in the traffic log, over the same
+    # seconds counted from the first request after the warm-up record.
+    lines = []
+    for path in traffic.rglob("*.jsonl*"):
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as log:
+            lines += [json.loads(line) for line in log if line.strip()]
+    produced = sorted((datetime.fromisoformat(line["ts"]).timestamp(), sum(p["bytes"] for p in line["partitions"]))
+                      for line in lines if line["client_id"] == QUOTA_CLIENT and line["api"] == "produce")
+    started = produced[1][0]                       # produced[0] is the warm-up record that made the topic
+    logged = sum(size for ts, size in produced if started + STEADY_FROM_S <= ts < started + QUOTA_SECONDS)
+    logged_kib = logged / 1024 / (QUOTA_SECONDS - STEADY_FROM_S)
+    assert abs(logged_kib - quota_kib) <= quota_kib * tolerance, (logged_kib, out)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -410,49 +410,57 @@ def test_kproxy_originates_oauthbearer_with_a_client_credentials_token(
 # -- both at once, with KIP-368 on both sides
 
 
+def produce_steadily_and_read_back(settings: dict[str, Any], topic: str, seconds: float,
+                                   pause: Callable[[int], float]) -> None:
+    """librdkafka produces numbered records to partition 0 of ``topic`` for ``seconds`` (``pause(n)``
+    after the n-th), then reads them back: every one delivered without error, once, in order."""
+    import confluent_kafka
+
+    producer = confluent_kafka.Producer({**settings, "acks": "all", "linger.ms": 5})
+    delivered: list[Any] = []
+    sent = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        producer.produce(topic, value=b"%07d" % sent, partition=0, on_delivery=lambda err, msg: delivered.append(err))
+        sent += 1
+        producer.poll(pause(sent))
+    assert producer.flush(20) == 0
+    del producer
+    consumer = confluent_kafka.Consumer({**settings, "group.id": "unused", "enable.auto.commit": False})
+    try:
+        consumer.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
+        values: list[bytes] = []
+        end = time.monotonic() + 30
+        while len(values) < sent and time.monotonic() < end:
+            m = consumer.poll(0.2)
+            if m is not None and not m.error():
+                values.append(m.value() or b"")
+    finally:
+        consumer.close()
+    assert len(delivered) == sent and all(err is None for err in delivered)
+    assert values == [b"%07d" % i for i in range(sent)]
+
+
 def test_reauthentication_on_both_sides_loses_no_record(gate: SaslGate, users_file: Path, oidc: OidcProvider,
                                                          tmp_path: Path, recorder: PrincipalRecorder,
                                                          kproxy_log: pytest.LogCaptureFixture) -> None:
-    """Clients log in to kproxy by SCRAM with 2 s sessions; kproxy logs in to the broker as its
-    service account, which grants 2 s sessions too. A producer keeps sending for 7 s: both sides
-    re-authenticate on their live connections, and every record arrives once, in order."""
-    import confluent_kafka
-
+    """Clients log in to kproxy by SCRAM with 3 s sessions; kproxy logs in to the broker as its
+    service account, which grants 3 s sessions too. A producer keeps sending for 8 s: both sides
+    re-authenticate on their live connections, and every record arrives once, in order. (With 2 s
+    sessions on a loaded machine, a client connection was seen closed at its session's end before
+    librdkafka's re-authentication was handled.)"""
     gate.require_sasl = True
-    gate.session_lifetime_ms = 2000
+    gate.session_lifetime_ms = 3000
     secret = tmp_path / "password"
     secret.write_text(SERVICE_PASSWORD)
     before = len(gate.authentications)
     topic = unique_name("reauth-both")
     try:
         with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret, "SCRAM-SHA-256"),
-                         sasl=termination(users_file, oidc, max_session_s=2)) as proxy:
-            settings = librdkafka(proxy.bootstrap)
-            producer = confluent_kafka.Producer({**settings, "acks": "all", "linger.ms": 5})
-            delivered: list[Any] = []
-            sent = 0
-            deadline = time.monotonic() + 7
-            while time.monotonic() < deadline:
-                producer.produce(topic, value=b"%06d" % sent, partition=0,
-                                 on_delivery=lambda err, msg: delivered.append(err))
-                sent += 1
-                producer.poll(0.02)
-            assert producer.flush(20) == 0
-            consumer = confluent_kafka.Consumer({**settings, "group.id": "unused", "enable.auto.commit": False})
-            try:
-                consumer.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
-                values: list[bytes] = []
-                end = time.monotonic() + 20
-                while len(values) < sent and time.monotonic() < end:
-                    m = consumer.poll(0.2)
-                    if m is not None and not m.error():
-                        values.append(m.value() or b"")
-            finally:
-                consumer.close()
+                         sasl=termination(users_file, oidc, max_session_s=3)) as proxy:
+            produce_steadily_and_read_back(librdkafka(proxy.bootstrap), topic, 8, lambda sent: 0.02)
     finally:
         gate.session_lifetime_ms = 0
-    assert len(delivered) == sent and all(err is None for err in delivered)
-    assert values == [b"%06d" % i for i in range(sent)]
     upstream = gate.authentications[before:]
     assert all(a.ok and a.user == SERVICE for a in upstream)
     assert any(a.reauthentication for a in upstream), upstream   # kproxy re-authenticated to the broker
@@ -486,37 +494,73 @@ def test_before_login_a_request_or_a_big_frame_closes_the_connection(gate: SaslG
     assert recorder.snapshot() == []
 
 
-def test_an_idle_broker_session_that_ran_out_is_replaced_not_used(gate: SaslGate, tmp_path: Path,
+def test_an_idle_broker_connection_is_re_authenticated_not_replaced(gate: SaslGate, tmp_path: Path,
                                                                    recorder: PrincipalRecorder,
                                                                    kproxy_log: pytest.LogCaptureFixture) -> None:
-    """A connection idle past the broker's session lifetime would be closed at its next request
-    (KIP-368); kproxy opens a fresh, freshly logged-in one instead and the client notices nothing."""
-    import confluent_kafka
-
+    """A client that sends nothing for several of the broker's session lifetimes keeps its broker
+    connection: kproxy logs in again on it before each session ends (KIP-368), and the next request
+    goes on the same connection. The gate closes a connection whose session has ended at its next
+    request, a SaslHandshake included, so a login again that came too late would show."""
     gate.require_sasl = True
-    gate.session_lifetime_ms = 600
+    gate.session_lifetime_ms = 2000
     secret = tmp_path / "password"
     secret.write_text(SERVICE_PASSWORD)
-    topic = unique_name("idle-expiry")
+    expired = len(gate.expired)
     try:
         with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret)) as proxy:
-            producer = confluent_kafka.Producer({"bootstrap.servers": proxy.bootstrap, "log_level": 0,
-                                                 "connections.max.idle.ms": 0})
-            delivered: list[Any] = []
-            producer.produce(topic, value=b"before", on_delivery=lambda err, msg: delivered.append(err))
-            assert producer.flush(20) == 0
-            logins = len([a for a in gate.authentications if a.ok])
-            # The scenario is time passing: the broker session (0.6 s) runs out while nothing is sent.
-            time.sleep(1.0)
-            producer.produce(topic, value=b"after", on_delivery=lambda err, msg: delivered.append(err))
-            assert producer.flush(20) == 0
-            del producer
+            forwarded = len(gate.forwarded)
+            w = Wire(proxy.bootstrap, timeout=20)
+            try:
+                assert w.metadata(1).body.brokers
+                (connection,) = {c for c, api, _ in gate.forwarded[forwarded:] if api == 3}
+                accepted = gate.accepted
+
+                def again_on_it() -> int:
+                    return len([a for a in gate.authentications if a.connection == connection and a.reauthentication])
+
+                # The client idles while the broker's sessions (2 s) end one after another.
+                deadline = time.monotonic() + 30
+                while again_on_it() < 2:
+                    assert time.monotonic() < deadline, gate.authentications
+                    time.sleep(0.05)
+                assert w.metadata(2).body.brokers
+            finally:
+                w.close()
+            assert gate.accepted == accepted                          # no connection opened meanwhile
+            assert {c for c, api, _ in gate.forwarded[forwarded:] if api == 3} == {connection}
     finally:
         gate.session_lifetime_ms = 0
-    assert delivered == [None, None]
-    assert gate.expired == []                           # no request ever went on an expired session
-    assert len([a for a in gate.authentications if a.ok]) > logins
-    assert "lost the connection" not in kproxy_text(kproxy_log)
+    assert all(a.ok for a in gate.authentications if a.connection == connection)
+    assert gate.expired[expired:] == []                              # no session ever ran out
+    text = kproxy_text(kproxy_log)
+    assert "re-authenticated kproxy to" in text and "lost the connection" not in text
+
+
+def test_a_steady_producer_loses_nothing_while_kproxy_re_authenticates(gate: SaslGate, tmp_path: Path,
+                                                                       recorder: PrincipalRecorder) -> None:
+    """librdkafka with its default pipelining (five requests in flight) produces for 8 s through
+    kproxy, whose broker sessions last 3 s: kproxy logs in again on the producer's broker
+    connection at least twice, and every record arrives once, in order."""
+    gate.require_sasl = True
+    gate.session_lifetime_ms = 3000
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD)
+    topic = unique_name("reauth-steady")
+    before, expired = len(gate.authentications), len(gate.expired)
+    try:
+        with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret, "SCRAM-SHA-256")) as proxy:
+            produce_steadily_and_read_back({"bootstrap.servers": proxy.bootstrap, "log_level": 0}, topic, 8,
+                                           lambda sent: 0.002 if sent % 50 else 0.02)
+    finally:
+        gate.session_lifetime_ms = 0
+    done = gate.authentications[before:]
+    assert all(a.ok and a.user == SERVICE for a in done)
+    per_connection: dict[int, int] = {}
+    for a in done:
+        if a.reauthentication:
+            per_connection[a.connection] = per_connection.get(a.connection, 0) + 1
+    assert max(per_connection.values(), default=0) >= 2, done      # the producer's connection, again and again
+    assert gate.expired[expired:] == []
 
 
 @pytest.fixture(scope="module")
@@ -567,18 +611,23 @@ exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker
     assert tls_gate.tokens and not any(SERVICE_PASSWORD.encode() in t for t in tls_gate.tokens)  # SCRAM never sends it
 
 
+def fleet_coordination(tmp_path: Path, fleet: str, stale_after_s: float) -> str:
+    """Configuration for a quota rule and fleet coordination every 100 ms on a topic of its own."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("quotas:\n  - name: q\n    match: {client_id: x}\n    produce_bytes_per_s: 1000\n")
+    return (f"rules: [{rules}]\nquota:\n  coordination: {{fleet: {fleet}, topic: {unique_name('kproxy-quotas')}, "
+            f"publish_interval_ms: 100, stale_after_s: {stale_after_s:g}}}\n")
+
+
 def test_fleet_quota_coordination_logs_in_as_kproxy(gate: SaslGate, tmp_path: Path,
                                                     recorder: PrincipalRecorder) -> None:
     # The coordinator's own broker connections go through the same origination as every other one.
     gate.require_sasl = True
     secret = tmp_path / "password"
     secret.write_text(SERVICE_PASSWORD + "\n")
-    rules = tmp_path / "rules.yaml"
-    rules.write_text("quotas:\n  - name: q\n    match: {client_id: x}\n    produce_bytes_per_s: 1000\n")
-    extra = (f"rules: [{rules}]\nquota:\n  coordination: {{fleet: sasl, topic: {unique_name('kproxy-quotas')}, "
-             f"publish_interval_ms: 100, stale_after_s: 1}}\n")
     before = len(gate.authentications)
-    with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret), extra=extra) as proxy:
+    with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret),
+                     extra=fleet_coordination(tmp_path, "sasl", stale_after_s=1)) as proxy:
         coordinator = proxy.server.coordinator
         assert coordinator is not None
         deadline = time.monotonic() + 20
@@ -587,3 +636,35 @@ def test_fleet_quota_coordination_logs_in_as_kproxy(gate: SaslGate, tmp_path: Pa
             time.sleep(0.05)
     done = gate.authentications[before:]
     assert len(done) >= 2 and all(a.ok and a.user == SERVICE for a in done)   # discovery and coordination
+
+
+def test_fleet_quota_coordination_re_authenticates_on_its_connection(gate: SaslGate, tmp_path: Path,
+                                                                     recorder: PrincipalRecorder) -> None:
+    """The broker grants 3 s sessions: the coordinator's connection logs in again before each ends
+    (KIP-368), as a client's does, instead of being closed by the broker and opened anew."""
+    gate.require_sasl = True
+    gate.session_lifetime_ms = 3000
+    secret = tmp_path / "password"
+    secret.write_text(SERVICE_PASSWORD + "\n")
+    before, expired = len(gate.authentications), len(gate.expired)
+    try:
+        with start_proxy(gate, recorder, upstream_sasl=origination_scram(secret),
+                         extra=fleet_coordination(tmp_path, "sasl-reauth", stale_after_s=5)) as proxy:
+            coordinator = proxy.server.coordinator
+            assert coordinator is not None
+            deadline = time.monotonic() + 30
+            while len([a for a in gate.authentications[before:] if a.reauthentication]) < 2:
+                assert time.monotonic() < deadline, (gate.authentications[before:], coordinator.last_error)
+                time.sleep(0.05)
+            up, switches, last_error = proxy.call(lambda: (coordinator.up, coordinator.switches,
+                                                           coordinator.last_error))
+    finally:
+        gate.session_lifetime_ms = 0
+    done = gate.authentications[before:]
+    assert all(a.ok and a.user == SERVICE for a in done)
+    again = [a for a in done if a.reauthentication]
+    # Both re-authentications on one connection, which had logged in first; none lapsed.
+    assert len({a.connection for a in again}) == 1
+    assert any(a.connection == again[0].connection and not a.reauthentication for a in done)
+    assert gate.expired[expired:] == [], (done, gate.expired)
+    assert up and switches == 1 and last_error is None, (up, switches, last_error)

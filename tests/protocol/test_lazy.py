@@ -22,7 +22,7 @@ from kproxy.protocol.errors import DecodeError
 from kproxy.protocol.messages import Response, body_class, decode_response, encode_response, response_codecs
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 
 from .test_fuzz import mutated
 from .variants import LAZY, outcome, require_accelerator

@@ -14,8 +14,10 @@ from hypothesis import HealthCheck, given, settings
 
 from kproxy.protocol.messages import Request, api_by_key, decode_request, encode_request_frame
 from kproxy.protocol.records import build_batch, build_legacy, summarize
+from kproxy.proxy.actions import StreamUp, ToUpstream
 from kproxy.proxy.filters import ConnectionContext, FilterChain
-from kproxy.proxy.session import STREAMED, Session, StreamUp, ToUpstream
+from kproxy.proxy.inflight import STREAMED
+from kproxy.proxy.session import Session
 from kproxy.telemetry.exchange import produce_partitions
 
 from .strategies import message_strategy

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kproxy.protocol.messages import Request, Response, apis, encode_request_frame, encode_response_frame
+from kproxy.proxy.actions import Action, Close, ToUpstream
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, FilterChain
-from kproxy.proxy.session import Action, Close, Session, ToUpstream
+from kproxy.proxy.session import Session
 from kproxy.proxy.versions import ApiVersionsNarrower
 
 from .strategies import message_strategy

@@ -34,7 +34,7 @@ from kproxy.protocol.messages import (
 from kproxy.protocol.records import build_batch, summarize
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.streaming import (
     PAD_TAG,
     STREAM_MIN_BYTES,

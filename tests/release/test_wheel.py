@@ -1,11 +1,16 @@
 """The package as a user gets it: ``python -m build`` makes an sdist and a wheel from the repository,
 the wheel is installed into a fresh virtual environment outside the repository, and the ``kproxy``
 command there checks every example rule file and decodes a frame (so the schema files are inside).
-A second wheel, built from the sdist with no C compiler, runs the same on the pure-Python path."""
+A second wheel, built from the sdist with no C compiler, runs the same on the pure-Python path.
+
+The distribution is ``kproxy-kafka`` (``kproxy`` on the package index is an unrelated project); its
+files are named ``kproxy_kafka-VERSION...``, and it installs the ``kproxy`` package and command."""
 
 from __future__ import annotations
 
+import email
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +23,8 @@ import pytest
 import kproxy
 
 REPO = Path(__file__).resolve().parents[2]
+DISTRIBUTION = "kproxy-kafka"
+FILE_PREFIX = "kproxy_kafka"      # the name in wheel, sdist and .dist-info names (PEP 427, PEP 625)
 RULE_FILES = sorted((REPO / "rules").glob("*.yaml"))
 API_VERSIONS_FRAME = "00 00 00 17 00 12 00 03 00 00 00 07 00 02 63 31 00 05 6b 63 61 74 04 31 2e 37 00"
 BUILD_TIMEOUT_S = 300
@@ -65,8 +72,8 @@ def kproxy_cmd(venv: Path, *args: str, stdin: str | None = None) -> subprocess.C
 def test_build_makes_an_sdist_and_a_wheel_that_twine_accepts(dist: Path):
     names = sorted(p.name for p in dist.iterdir())
     version = kproxy.__version__
-    assert names[0].startswith(f"kproxy-{version}-cp3") and names[0].endswith(".whl"), names
-    assert names[1] == f"kproxy-{version}.tar.gz", names
+    assert names[0].startswith(f"{FILE_PREFIX}-{version}-cp3") and names[0].endswith(".whl"), names
+    assert names[1] == f"{FILE_PREFIX}-{version}.tar.gz", names
     twine = run([sys.executable, "-m", "twine", "check", "--strict", *dist.iterdir()], cwd=dist)
     assert twine.stdout.count("PASSED") == 2, twine.stdout
 
@@ -81,7 +88,7 @@ def test_the_wheel_holds_the_data_files_and_the_accelerator(dist: Path):
     assert not [n for n in names if n.endswith(".c") or n.startswith("tests/")]
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
-        assert f"kproxy-{kproxy.__version__}/kproxy/protocol/_accel.c" in tar.getnames()
+        assert f"{FILE_PREFIX}-{kproxy.__version__}/kproxy/protocol/_accel.c" in tar.getnames()
 
 
 def test_the_wheel_and_the_sdist_carry_the_license_text(dist: Path):
@@ -90,18 +97,37 @@ def test_the_wheel_and_the_sdist_carry_the_license_text(dist: Path):
     assert b"Apache License" in license_text and b"Version 2.0, January 2004" in license_text
     (wheel,) = dist.glob("*.whl")
     with zipfile.ZipFile(wheel) as whl:
-        assert whl.read(f"kproxy-{version}.dist-info/licenses/LICENSE") == license_text
-        metadata = whl.read(f"kproxy-{version}.dist-info/METADATA").decode()
+        assert whl.read(f"{FILE_PREFIX}-{version}.dist-info/licenses/LICENSE") == license_text
+        metadata = whl.read(f"{FILE_PREFIX}-{version}.dist-info/METADATA").decode()
     assert "License-Expression: Apache-2.0" in metadata.splitlines(), metadata[:2000]
     assert "License-File: LICENSE" in metadata.splitlines(), metadata[:2000]
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
-        member = tar.extractfile(f"kproxy-{version}/LICENSE")
+        member = tar.extractfile(f"{FILE_PREFIX}-{version}/LICENSE")
         assert member is not None and member.read() == license_text
+
+
+def test_the_package_index_page_names_the_distribution_and_links_out(dist: Path):
+    (wheel,) = dist.glob("*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        metadata = email.message_from_bytes(whl.read(f"{FILE_PREFIX}-{kproxy.__version__}.dist-info/METADATA"))
+    assert metadata["Name"] == DISTRIBUTION
+    urls = dict(url.split(", ", 1) for url in metadata.get_all("Project-URL", []))
+    assert {"Homepage", "Documentation", "Repository", "Changelog", "Issues"} <= urls.keys(), urls
+    description = metadata.get_payload()
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert description.startswith("# kproxy\n")
+    # The description is the README; on the index a link must be absolute to lead anywhere.
+    links = re.findall(r"\]\(([^)]+)\)", description)
+    assert links and [link for link in links if not link.startswith("https://")] == [], links
+    assert f"{urls['Documentation']}getting-started/" in links and urls["Changelog"] in links
 
 
 def test_kproxy_from_the_fresh_venv_is_the_installed_one(venv: Path):
     assert kproxy_cmd(venv, "--version").stdout.strip() == f"kproxy {kproxy.__version__}"
+    # Installed as kproxy-kafka, imported and run as kproxy.
+    pip = run([venv / "bin/python", "-m", "pip", "show", DISTRIBUTION], cwd=venv.parent, env=clean_env()).stdout
+    assert f"Name: {DISTRIBUTION}\nVersion: {kproxy.__version__}\n" in pip, pip
     where = run([venv / "bin/python", "-c", "import kproxy; print(kproxy.__file__)"], cwd=venv.parent,
                 env=clean_env()).stdout.strip()
     assert Path(where).is_relative_to(venv), where
@@ -140,7 +166,7 @@ def test_a_wheel_built_without_a_compiler_runs_in_pure_python(dist: Path, venv: 
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
         tar.extractall(tmp_path, filter="data")
-    (src,) = tmp_path.glob("kproxy-*")
+    (src,) = tmp_path.glob(f"{FILE_PREFIX}-*")
     built = run([sys.executable, "-m", "build", "--wheel", "--outdir", tmp_path / "nocc", src], cwd=tmp_path,
                 env=clean_env(CC=str(tmp_path / "no-compiler-here")))
     assert 'building extension "kproxy.protocol._accel" failed' in built.stdout + built.stderr

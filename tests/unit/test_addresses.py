@@ -15,6 +15,7 @@ from kproxy.protocol.messages import (
     encode_response_frame,
 )
 from kproxy.protocol.schema import StructSpec
+from kproxy.proxy.actions import Listen, ToClient
 from kproxy.proxy.addresses import (
     AddressMap,
     AddressMapError,
@@ -24,7 +25,8 @@ from kproxy.proxy.addresses import (
     endpoint_sites,
 )
 from kproxy.proxy.filters import ConnectionContext, FilterChain
-from kproxy.proxy.session import InFlight, Listen, Session, ToClient
+from kproxy.proxy.inflight import InFlight
+from kproxy.proxy.session import Session
 
 from ..protocol.strategies import message_strategy
 

@@ -13,11 +13,12 @@ from kproxy.protocol.messages import (
     encode_request_frame,
     encode_response_frame,
 )
+from kproxy.proxy.actions import Listen, ToClient
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.memo import AnswerMemo, Remembered
 from kproxy.proxy.reencode import ReencodeCheck
-from kproxy.proxy.session import Listen, Session, ToClient
+from kproxy.proxy.session import Session
 from kproxy.proxy.topics import TopicNames
 
 METADATA = 3

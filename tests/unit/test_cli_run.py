@@ -68,7 +68,7 @@ def test_version_comes_from_the_package_metadata(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])
     assert info.value.code == 0
-    assert capsys.readouterr().out == f"kproxy {metadata.version('kproxy')}\n"
+    assert capsys.readouterr().out == f"kproxy {metadata.version('kproxy-kafka')}\n"
 
 
 @pytest.mark.parametrize(
@@ -147,7 +147,7 @@ def test_run_configures_logging_logs_the_settings_and_serves(
     (line,) = capsys.readouterr().err.splitlines()
     entry = json.loads(line)
     assert (entry["level"], entry["logger"]) == ("INFO", "kproxy.server")
-    assert entry["msg"].startswith(f"kproxy {metadata.version('kproxy')}: listen 127.0.0.1:19092 -> upstream kafka:9092;")
+    assert entry["msg"].startswith(f"kproxy {metadata.version('kproxy-kafka')}: listen 127.0.0.1:19092 -> upstream kafka:9092;")
     assert "idle timeout 600s" in entry["msg"] and "logs INFO as json" in entry["msg"]
 
 

@@ -9,6 +9,7 @@ a fake.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 
 from kproxy.protocol.messages import body_class, decode_request
 from kproxy.proxy.filters import Delay, Filter, FilterChain
-from kproxy.proxy.session import CLIENT_GONE, InFlight, Session
+from kproxy.proxy.inflight import CLIENT_GONE, InFlight
+from kproxy.proxy.session import Session
 from kproxy.server import upstream as upstream_module
 from kproxy.server.budget import BufferBudget
 from kproxy.server.connection import ClientConnection, ConnectionSettings
@@ -107,7 +109,8 @@ class Harness:
     """A ClientConnection over a fake client, with fake broker connections made on demand."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *filters: Filter, request_timeout_s: float = 30.0,
-                 budget: BufferBudget | None = None) -> None:
+                 budget: BufferBudget | None = None, upstream: UpstreamSettings | None = None,
+                 broker: Callable[[], Pipe] = Pipe) -> None:
         from kproxy.proxy.filters import ConnectionContext
 
         self.client = Pipe()
@@ -115,12 +118,12 @@ class Harness:
         self.completed: list[InFlight] = []
         ctx = ConnectionContext(1, clock=trio.current_time)
         self.session = Session(ctx, FilterChain(filters))
-        settings = ConnectionSettings(1 << 20, 100, (("broker", 9092),), UpstreamSettings(1.0), request_timeout_s)
+        settings = ConnectionSettings(1 << 20, 100, (("broker", 9092),), upstream or UpstreamSettings(1.0),
+                                      request_timeout_s)
 
         async def fake_connect(*args, **kwargs) -> Transport:
-            broker = Pipe()
-            self.brokers.append(broker)
-            return broker
+            self.brokers.append(broker())
+            return self.brokers[-1]
 
         monkeypatch.setattr(upstream_module, "connect", fake_connect)
         self.conn = ClientConnection(settings, NoRouter(), self.client, self.session,

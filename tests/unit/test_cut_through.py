@@ -18,10 +18,12 @@ from kproxy.protocol.messages import (
     encode_response_frame,
 )
 from kproxy.protocol.records import build_batch
+from kproxy.proxy.actions import Close, Listen, ToClient, ToUpstream
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.inflight import STORED, STREAMED, UPSTREAM_LOST
 from kproxy.proxy.reencode import ReencodeCheck
-from kproxy.proxy.session import STORED, STREAMED, UPSTREAM_LOST, Close, Listen, Session, ToClient, ToUpstream
+from kproxy.proxy.session import Session
 from kproxy.proxy.streaming import PAD_TAG
 from kproxy.proxy.versions import ApiVersionsNarrower
 from kproxy.telemetry.exchange import fetch_partitions

@@ -26,9 +26,11 @@ from kproxy.protocol.messages import (
     encode_response_frame,
 )
 from kproxy.protocol.records import build_batch
+from kproxy.proxy.actions import Close, ToClient, ToUpstream
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
-from kproxy.proxy.session import STORED, STREAMED, Close, Session, ToClient, ToUpstream
+from kproxy.proxy.inflight import STORED, STREAMED
+from kproxy.proxy.session import Session
 from kproxy.proxy.topics import TopicNames
 from kproxy.proxy.versions import ApiVersionsNarrower
 from kproxy.quota.engine import QuotaFilter

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from kproxy.server.connection import FifoLock
+from kproxy.server.ordering import FifoLock
 
 
 async def test_waiters_get_the_lock_in_the_order_they_asked():

@@ -317,4 +317,4 @@ def test_the_live_view_without_rich_says_how_to_get_it(monkeypatch: pytest.Monke
     monkeypatch.setattr(top, "scrape", lambda admin: scrape(0.0, exposition(0, 0, 0, 0, 0)))
     monkeypatch.setitem(sys.modules, "rich.live", None)     # as if the top extra were not installed
     assert top.run("h:1", once=False) == 2
-    assert "pip install 'kproxy[top]'" in capsys.readouterr().err
+    assert "pip install 'kproxy-kafka[top]'" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from kproxy.protocol.errors import (
     TOPIC_AUTHORIZATION_FAILED,
 )
 from kproxy.protocol.messages import body_class
-from kproxy.proxy.session import Hold, ToClient, ToUpstream
+from kproxy.proxy.actions import Hold, ToClient, ToUpstream
 
 from .rulebook import session
 from .test_policy_filter import broker_answers, produce, send

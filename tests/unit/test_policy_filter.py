@@ -29,8 +29,8 @@ from kproxy.protocol.errors import (
 from kproxy.protocol.messages import Response, apis, body_class, decode_request, supported_versions
 from kproxy.protocol.records import build_batch
 from kproxy.protocol.schema import RESOURCE_KINDS, StructSpec, resource_type_field
+from kproxy.proxy.actions import Ask, Close, Hold, ToClient, ToUpstream
 from kproxy.proxy.replies import error_response
-from kproxy.proxy.session import Ask, Close, Hold, ToClient, ToUpstream
 from kproxy.proxy.topics import TopicNames
 
 from .rulebook import policy_filter, session, write_rules

@@ -17,7 +17,7 @@ import trio
 from kproxy.protocol.messages import Request, body_class, decode_response, encode_request_frame
 from kproxy.protocol.records import build_batch
 from kproxy.proxy.filters import Filter, FilterChain
-from kproxy.proxy.session import CLIENT_GONE, NO_RESPONSE, STORED, STREAMED, UPSTREAM_LOST
+from kproxy.proxy.inflight import CLIENT_GONE, NO_RESPONSE, STORED, STREAMED, UPSTREAM_LOST
 
 from .test_connection import Harness, Pipe, settle
 

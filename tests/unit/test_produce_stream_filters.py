@@ -9,7 +9,8 @@ import pytest
 
 from kproxy.protocol.messages import Request, body_class, encode_request_frame
 from kproxy.protocol.records import build_batch
-from kproxy.proxy.session import STORED, STREAMED, Close, StreamUp, ToClient, ToUpstream
+from kproxy.proxy.actions import Close, StreamUp, ToClient, ToUpstream
+from kproxy.proxy.inflight import STORED, STREAMED
 from kproxy.quota.engine import QuotaFilter
 
 from .rulebook import FixedRules, policy_filter, rule_set, session

@@ -15,8 +15,9 @@ from kproxy.config import config_from_args
 from kproxy.policy.engine import FixedRules
 from kproxy.policy.store import RuleStore
 from kproxy.protocol.messages import body_class
+from kproxy.proxy.actions import ToClient, ToUpstream
 from kproxy.proxy.filters import Filter
-from kproxy.proxy.session import Session, ToClient, ToUpstream
+from kproxy.proxy.session import Session
 from kproxy.quota.budgets import Budgets
 from kproxy.quota.engine import QuotaFilter, fetch_record_bytes, produce_record_bytes, trim_fetch
 from kproxy.quota.rate import SampledRate, Windows, throttle_seconds

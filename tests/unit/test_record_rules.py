@@ -21,8 +21,8 @@ from kproxy.policy.record_rules import check_bytes, traceparent
 from kproxy.protocol.errors import INVALID_RECORD, TOPIC_AUTHORIZATION_FAILED
 from kproxy.protocol.messages import body_class
 from kproxy.protocol.records import Compression, build_batch, iter_batches
+from kproxy.proxy.actions import Close, ToClient, ToUpstream
 from kproxy.proxy.reencode import ReencodeCheck
-from kproxy.proxy.session import Close, ToClient, ToUpstream
 
 from .rulebook import policy_filter, session, write_rules
 from .test_policy_filter import broker_answers, send

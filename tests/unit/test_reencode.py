@@ -9,9 +9,10 @@ import logging
 import pytest
 
 from kproxy.protocol.messages import Request, body_class
+from kproxy.proxy.actions import ToClient, ToUpstream
 from kproxy.proxy.filters import ALL, AskBroker, Filter, FilterChain
 from kproxy.proxy.reencode import ReencodeCheck, first_difference
-from kproxy.proxy.session import Session, ToClient, ToUpstream
+from kproxy.proxy.session import Session
 from tests.unit.test_session import (
     Clock,
     ConnectionContext,

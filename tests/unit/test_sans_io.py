@@ -1,4 +1,4 @@
-"""kproxy.protocol, kproxy.proxy, kproxy.quota, kproxy.identity and the pure half of kproxy.policy stay sans-I/O (h11's
+"""kproxy.protocol, kproxy.proxy, kproxy.quota, kproxy.identity, kproxy.envelope and the pure half of kproxy.policy stay sans-I/O (h11's
 rule): no module in them imports trio, sockets, TLS, clocks, event loops, OpenTelemetry, YAML or
 Spark, directly or through another kproxy module, including the package ``__init__`` files that
 every import of theirs runs."""
@@ -18,7 +18,7 @@ FORBIDDEN = frozenset(
     {"trio", "socket", "ssl", "time", "asyncio", "opentelemetry", "yaml", "pyspark", "selectors"}
 )
 KPROXY_DIR = Path(kproxy.__file__).parent
-SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy", "kproxy.quota", "kproxy.identity")
+SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy", "kproxy.quota", "kproxy.identity", "kproxy.envelope")
 # kproxy.policy's loader reads YAML and its store keeps time: only these of its modules are pure.
 SANS_IO_MODULES = ("kproxy.policy", "kproxy.policy.model", "kproxy.policy.engine", "kproxy.policy.filter",
                    "kproxy.policy.tenants")
@@ -40,14 +40,30 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def imported_names(path: Path, root: Path) -> list[tuple[str, int]]:
+def type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): never run."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+                (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            assert isinstance(node, ast.If)
+            skipped |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
+    return skipped
+
+
+def imported_names(path: Path, root: Path, *, runtime_only: bool = False) -> list[tuple[str, int]]:
     """Every module ``path`` imports (with its line), absolute; ``from a import b`` also yields
-    ``a.b`` in case ``b`` is a submodule. String arguments of import_module/__import__ count too."""
+    ``a.b`` in case ``b`` is a submodule. String arguments of import_module/__import__ count too.
+    ``runtime_only`` leaves out the imports under ``if TYPE_CHECKING:``."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    skipped = type_checking_only(tree) if runtime_only else set()
     found: list[tuple[str, int]] = []
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -225,3 +241,98 @@ def test_config_errors_are_not_a_protocol_matter():
 
     assert not hasattr(errors, "ConfigError")
     assert issubclass(config.ConfigError, errors.KProxyError)
+
+
+# --------------------------------------------------------------------------------------------------
+# No import circles among kproxy's modules: each module can be read, tested and loaded below the ones
+# that use it. An import inside a function counts (it runs, only later); one under `if TYPE_CHECKING:`
+# does not (it never runs). `from a import b` depends on the package `a` and on `a.b` if that is a module.
+
+
+def import_graph(root: Path, top: str = "kproxy") -> dict[str, set[str]]:
+    """module -> the modules under ``root/top`` it imports (itself left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.joinpath(top).rglob("*.py")):
+        name = module_name(path, root)
+        graph[name] = {imported for imported, _ in imported_names(path, root, runtime_only=True)
+                       if imported.split(".")[0] == top and imported != name
+                       and module_file(imported, root) is not None}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of two or more modules that import each other, around a circle of any length
+    (strongly connected components, Tarjan's algorithm without recursion); each group sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(sorted(group))
+    return sorted(groups)
+
+
+def test_kproxy_has_no_import_cycles():
+    graph = import_graph(KPROXY_DIR.parent)
+    assert {"kproxy.demo", "kproxy.tour", "kproxy.cli"} <= graph.keys()
+    assert "kproxy.demo" in graph["kproxy.cli"]     # the walk sees lazy imports inside functions
+    assert import_cycles(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("files", "cycles"),
+    [
+        # Two modules, one importing the other lazily inside a function (kproxy.demo <-> kproxy.tour was so).
+        ({"a": "from kproxy.b import run\n", "b": "def f():\n    from kproxy.a import X\n"},
+         [["kproxy.a", "kproxy.b"]]),
+        # Three modules around a circle, relative and plain imports.
+        ({"a": "import kproxy.b\n", "b": "from . import c\n", "c": "from kproxy.a import X\n"},
+         [["kproxy.a", "kproxy.b", "kproxy.c"]]),
+        # A package __init__ that imports its submodule, which imports the package back.
+        ({"p.__init__": "from kproxy.p.m import X\n", "p.m": "from kproxy.p import Y\n"},
+         [["kproxy.p", "kproxy.p.m"]]),
+        # Two separate circles.
+        ({"a": "import kproxy.b\n", "b": "import kproxy.a\n", "c": "import kproxy.d\n", "d": "import kproxy.c\n"},
+         [["kproxy.a", "kproxy.b"], ["kproxy.c", "kproxy.d"]]),
+        # No circle: a chain, a shared module below two others, and a type-only import back.
+        ({"a": "import kproxy.b\nimport kproxy.c\n", "b": "import kproxy.c\n",
+          "c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kproxy.a import X\n"}, []),
+        ({"a": "import kproxy.b\n", "b": "import typing\nif typing.TYPE_CHECKING:\n    import kproxy.a\n"}, []),
+    ],
+)
+def test_the_cycle_check_finds_circles_and_only_circles(tmp_path, files, cycles):
+    write(tmp_path, "kproxy.__init__", "")
+    for name, source in files.items():
+        write(tmp_path, f"kproxy.{name}", source)
+    assert import_cycles(import_graph(tmp_path)) == cycles

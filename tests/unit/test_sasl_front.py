@@ -10,9 +10,10 @@ from scramp import ScramClient
 from kproxy.identity.termination import FailedLogins, SaslTermination, TerminationSettings
 from kproxy.identity.users import UserBook, new_credential
 from kproxy.protocol.messages import body_class
+from kproxy.proxy.actions import Close, Hold, ToClient, ToUpstream
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.sasl import HIDDEN_APIS, SaslFront
-from kproxy.proxy.session import Close, Hold, Session, ToClient, ToUpstream
+from kproxy.proxy.session import Session
 from tests.unit.test_session import (
     API_VERSIONS,
     METADATA,

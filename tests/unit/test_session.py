@@ -19,17 +19,10 @@ from kproxy.protocol.messages import (
     encode_response_frame,
     supported_versions,
 )
+from kproxy.proxy.actions import Ask, Close, Hold, ToClient, ToUpstream
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Delay, Filter, FilterChain, Respond
-from kproxy.proxy.session import (
-    Ask,
-    Close,
-    Hold,
-    Session,
-    ToClient,
-    ToUpstream,
-    future_produce_acks,
-    sasl_user,
-)
+from kproxy.proxy.sasl import sasl_user
+from kproxy.proxy.session import Session, future_produce_acks
 
 PRODUCE, FETCH, METADATA, HEARTBEAT, OFFSET_COMMIT = 0, 1, 3, 12, 8
 SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 17, 18, 36

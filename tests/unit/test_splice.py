@@ -28,7 +28,8 @@ from kproxy.protocol.messages import (
 )
 from kproxy.protocol.records import build_batch, summarize
 from kproxy.proxy.filters import ConnectionContext, FilterChain
-from kproxy.proxy.session import STREAMED, UPSTREAM_LOST, InFlight, Session
+from kproxy.proxy.inflight import STREAMED, UPSTREAM_LOST, InFlight
+from kproxy.proxy.session import Session
 from kproxy.server import splice
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.transport import PlainTransport

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 from kproxy.server.stats import ProxyStats
 
 

@@ -25,7 +25,7 @@ from kproxy.config import HostPort, MetricsConfig, TracingConfig, TrafficLogConf
 from kproxy.protocol.messages import Request, Response, body_class
 from kproxy.protocol.records import Compression, build_batch
 from kproxy.proxy.filters import ConnectionContext
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 from kproxy.server import admin
 from kproxy.telemetry.exchange import Exchange, Learned
 from kproxy.telemetry.metrics import Metrics, rule_families

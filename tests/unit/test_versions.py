@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kproxy.protocol.messages import Request, Response, body_class, supported_versions
 from kproxy.proxy.filters import ConnectionContext, FilterChain
-from kproxy.proxy.session import InFlight
+from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 
 API_VERSIONS = 18

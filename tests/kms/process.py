@@ -1,0 +1,66 @@
+"""A KMS server the tests run as a child process on a free loopback port: started and waited for until
+it answers, paused and resumed with SIGSTOP/SIGCONT (an outage that keeps its in-memory state), and
+killed with its parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from kproxy.tansu import die_with_parent, free_port
+
+
+class ServerProcess:
+    name = "server"
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"{self.name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def answers(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, ready_timeout: float = 30.0) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("BAO_", "VAULT_", "AWS_"))}
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                cwd=self.workdir,   # moto writes its request recording to the working directory
+                # PDEATHSIG follows the forking thread; only the main thread lives as long as the process.
+                preexec_fn=die_with_parent if sys.platform == "linux" and
+                threading.current_thread() is threading.main_thread() else None)
+        deadline = time.monotonic() + ready_timeout
+        while not self.answers():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}: "
+                                   f"{self.log_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} did not answer on {self.url} within {ready_timeout:g}s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.resume()
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
