@@ -42,7 +42,12 @@ def wait_for(check, what: Path, timeout: float = 60.0) -> None:
 
 
 def launch_workers(broker: TansuBroker, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, int, int]:
-    """``kproxy run --config`` with ``workers: 2``, just started; (process, log, port, admin port)."""
+    """``kproxy run --config`` with ``workers: 2``, just started; (process, log, port, admin port).
+
+    The supervisor gets a session of its own, as a service manager would give it (and as it gives
+    its workers). In the test's session the kernel's autogroup scheduler would share one session's
+    CPU between it, pytest, the other xdist worker and the JVMs they start: on a loaded machine its
+    own start-up alone then took 10-20 s, while its workers, in sessions of their own, took 4."""
     port, admin = free_port_block(3), free_port()
     config = tmp_path / "kproxy.yaml"
     config.write_text(f'listen: "127.0.0.1:{port}"\nupstream: {{bootstrap_servers: "{broker.bootstrap}"}}\n'
@@ -52,7 +57,7 @@ def launch_workers(broker: TansuBroker, tmp_path: Path) -> tuple[subprocess.Pope
     log = tmp_path / "kproxy.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)],
-                                stdout=subprocess.DEVNULL, stderr=out)
+                                stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
     return proc, log, port, admin
 
 
