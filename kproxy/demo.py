@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import socket
 import sys
 import time
 import uuid
@@ -20,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kproxy.config import config_from_args
+from kproxy.localports import PortError, free_port_run
 from kproxy.server.embedded import ProxyThread
-from kproxy.tansu import HOST, Tansu, TansuError, free_port
+from kproxy.tansu import HOST, Tansu, TansuError
 
 PARTITIONS = 3
 # One broker needs one exposed port; a few spare ones keep the range honest without hunting for 64.
@@ -42,28 +42,12 @@ class DemoError(Exception):
 # Ports for kproxy
 
 
-def _ports_free(first: int, count: int) -> bool:
-    socks: list[socket.socket] = []
+def _free_port_run(count: int) -> int:
+    """A port P such that P..P+count-1 are free: kproxy's listen and broker ports (kproxy.localports)."""
     try:
-        for port in range(first, first + count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((HOST, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _free_port_run(count: int, attempts: int = 50) -> int:
-    """A port P such that P..P+count-1 were all free a moment ago: kproxy's listen and broker ports."""
-    for _ in range(attempts):
-        first = free_port(HOST)
-        if first + count - 1 <= 65535 and _ports_free(first, count):
-            return first
-    raise DemoError(f"found no {count} consecutive free ports on {HOST}")
+        return free_port_run(count, HOST)
+    except PortError as e:
+        raise DemoError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 
+from kproxy.localports import free_port
 from kproxy.protocol.messages import Response, body_class, decode_request, encode_response_frame
 
 _I32 = struct.Struct(">i")
@@ -44,13 +45,8 @@ MECHANISMS = ("PLAIN", *SCRAM_HASHES)
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free a moment ago (held together, so never the same one twice)."""
-    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    try:
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free TCP ports, handed out to nobody else (kproxy.localports)."""
+    return [free_port() for _ in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------

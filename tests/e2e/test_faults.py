@@ -22,7 +22,7 @@ from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
 from tests.e2e.sasl_gate import SaslGate, confluent_roundtrip, expected_pairs
 from tests.e2e.scenarios import confluent_create_topic, confluent_produce_consume, expected_records
-from tests.e2e.tansu import Tansu, TansuBroker, free_port
+from tests.e2e.tansu import Tansu, TansuBroker, free_port, unique_name
 from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
@@ -103,7 +103,7 @@ def test_pipelined_requests_are_answered_in_order(proxy: ProxyThread) -> None:
 
 
 def test_client_gone_with_requests_in_flight_leaks_nothing(proxy: ProxyThread, broker: TansuBroker) -> None:
-    topic = f"leak-{free_port()}"
+    topic = unique_name("leak")
     confluent_create_topic(broker.bootstrap, topic)
     fetch = body_class(1, "request")
     wires = []
@@ -262,7 +262,7 @@ def test_sigterm_drains_in_flight_requests(broker: TansuBroker) -> None:
             except OSError:
                 assert time.monotonic() < deadline and proc.poll() is None, "kproxy did not start"
                 time.sleep(0.1)
-        topic = f"drain-{port}"
+        topic = unique_name("drain")
         confluent_create_topic(broker.bootstrap, topic)
         fetch = body_class(1, "request")
         started = time.monotonic()
@@ -303,7 +303,7 @@ def test_in_flight_limit_applies_backpressure_and_keeps_order(broker: TansuBroke
 
 
 def test_acks_zero_produce_gets_no_response_and_lands(proxy: ProxyThread, broker: TansuBroker) -> None:
-    topic = f"acks0-{free_port()}"
+    topic = unique_name("acks0")
     confluent_create_topic(broker.bootstrap, topic)
     producer = confluent_kafka.Producer({"bootstrap.servers": proxy.bootstrap, "acks": "0",
                                          "enable.idempotence": False, "linger.ms": 0})

@@ -23,7 +23,7 @@ from kproxy.protocol.messages import body_class
 from tests.e2e.fake_cluster import METADATA, FakeCluster
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.scenarios import confluent_create_topic
-from tests.e2e.tansu import TansuBroker
+from tests.e2e.tansu import TansuBroker, unique_name
 from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
@@ -87,7 +87,7 @@ def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broke
                                                                            tmp_path: Path) -> None:
     port = free_port_block()
     admin = f"127.0.0.1:{free_port_block(1)}"
-    topic = f"drain-{port}"
+    topic = unique_name("drain")
     confluent_create_topic(broker.bootstrap, topic)
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
                         "--admin", admin) as (proc, log):
@@ -117,7 +117,7 @@ def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broke
 def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> None:
     port = free_port_block()
     admin = f"127.0.0.1:{free_port_block(1)}"
-    topic = f"drain2-{port}"
+    topic = unique_name("drain2")
     confluent_create_topic(broker.bootstrap, topic)
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
                         "--admin", admin) as (proc, log):
