@@ -7,6 +7,7 @@ after address rewriting. Tests use it to prove that no upstream host or port eve
 from __future__ import annotations
 
 import threading
+import urllib.request
 from typing import Any
 
 import attrs
@@ -64,6 +65,15 @@ class ResponseTap(Filter):
             for name, version, body in self.seen:
                 walk(body, f"{name}.v{version}")
         return found
+
+
+def in_flight(admin: str) -> float:
+    """kproxy_requests_in_flight from a kproxy process's /metrics (``admin`` is host:port)."""
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kproxy_requests_in_flight "):
+                return float(line.split()[1])
+    raise AssertionError("no kproxy_requests_in_flight in /metrics")
 
 
 # What a kproxy that does not set exposure.broker_port_count may bind after its listen port.
