@@ -40,7 +40,8 @@ class ProxyConfig:
     # Policy rule files, or directories of them (every *.yaml), relative to the config file.
     rules: tuple[str, ...] = ()
     chaos: bool = False    # chaos rules inject faults only when this is true
-    # Replicas of the gateway that share every quota; each process enforces quota_share() of it.
+    # Replicas of the gateway that share every quota; each process enforces quota_share() of it
+    # (per-connection quotas excepted: a connection lives on one process, which holds it whole).
     quota_replicas: int = setting(1, min=1)
     quota: QuotaConfig = QuotaConfig()
     admin: AdminConfig = AdminConfig()

@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 
+from kproxy.localports import free_port
 from kproxy.protocol.messages import Response, body_class, decode_request, encode_response_frame
 
 _I32 = struct.Struct(">i")
@@ -44,13 +45,8 @@ MECHANISMS = ("PLAIN", *SCRAM_HASHES)
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free a moment ago (held together, so never the same one twice)."""
-    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    try:
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free TCP ports, handed out to nobody else (kproxy.localports)."""
+    return [free_port() for _ in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -258,6 +254,8 @@ class SaslGate:
         self.forwarded: list[tuple[int, int, str | None]] = []  # (connection, api key, user) relayed
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
+        self._live = 0                                     # client connections still being served
+        self._idle = threading.Condition(self._lock)
         self._ids = iter(range(1, 1 << 30))
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -294,6 +292,15 @@ class SaslGate:
         for s in socks:
             _close(s)
 
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until every client connection has been served to its end, so what those connections
+        did (``authentications``, ``forwarded``...) is all recorded. A test that counts from a mark
+        calls this once its clients are gone: a connection a client dropped mid-login is still read
+        to its end here, and its login would otherwise land after the next test's mark."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._live == 0, timeout):
+                raise TimeoutError(f"{self._live} gate connections still open after {timeout:g}s")
+
     def __enter__(self) -> SaslGate:
         return self.start()
 
@@ -307,6 +314,8 @@ class SaslGate:
             except OSError:
                 return
             self.accepted += 1
+            with self._lock:
+                self._live += 1
             threading.Thread(target=self._serve, args=(client, next(self._ids)), daemon=True).start()
 
     def _track(self, sock: socket.socket) -> None:
@@ -314,16 +323,21 @@ class SaslGate:
             self._sockets.add(sock)
 
     def _serve(self, client: socket.socket, cid: int) -> None:
-        self._track(client)
-        assert self.upstream is not None
         try:
-            upstream = socket.create_connection(self.upstream, timeout=5)
-        except OSError:
-            _close(client)
-            return
-        upstream.settimeout(None)
-        self._track(upstream)
-        GateConnection(self, cid, client, upstream).run()
+            self._track(client)
+            assert self.upstream is not None
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                _close(client)
+                return
+            upstream.settimeout(None)
+            self._track(upstream)
+            GateConnection(self, cid, client, upstream).run()
+        finally:
+            with self._idle:
+                self._live -= 1
+                self._idle.notify_all()
 
 
 class GateConnection:
