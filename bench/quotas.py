@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kproxy.policy.engine import FixedRules, PolicyFilter
+from kproxy.policy.engine import FixedRules
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import load_rules
 from kproxy.protocol.messages import body_class
 from kproxy.protocol.records import build_batch

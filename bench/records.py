@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kproxy.policy.engine import FixedRules, Policy, PolicyFilter
+from kproxy.policy.engine import FixedRules, Policy
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import load_rules
 from kproxy.policy.record_rules import header_edit, rewrite_records, traceparent, validate_records
 from kproxy.protocol.records import Compression, build_batch

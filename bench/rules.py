@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kproxy.policy.engine import FixedRules, Policy, PolicyFilter
+from kproxy.policy.engine import FixedRules, Policy
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import load_rules
 from kproxy.protocol.messages import (
     Request,

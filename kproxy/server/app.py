@@ -24,7 +24,7 @@ import trio
 from kproxy.config import HostPort, ProxyConfig, TlsClientSide, TlsServerSide, effective_buffer_budget
 from kproxy.identity.principal import PrincipalMapper
 from kproxy.logs import safe
-from kproxy.policy.engine import PolicyFilter
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import describe_rules
 from kproxy.policy.store import RuleStore
 from kproxy.protocol.errors import KProxyError

@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from kproxy.policy.engine import FixedRules, PolicyFilter
+from kproxy.policy.engine import FixedRules
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import load_rules
 from kproxy.policy.model import RuleSet
 from kproxy.proxy.filters import ConnectionContext, FilterChain

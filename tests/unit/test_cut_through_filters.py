@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from kproxy.policy.engine import FixedRules, PolicyFilter
+from kproxy.policy.engine import FixedRules
+from kproxy.policy.filter import PolicyFilter
 from kproxy.protocol.messages import (
     Request,
     Response,

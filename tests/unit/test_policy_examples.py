@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kproxy.policy.engine import Facts, FixedRules, PolicyFilter, decide
+from kproxy.policy.engine import Facts, FixedRules, decide
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import load_rules
 from kproxy.protocol.errors import (
     CLUSTER_AUTHORIZATION_FAILED,

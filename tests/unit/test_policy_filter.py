@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from kproxy.policy import model as M
-from kproxy.policy.engine import FixedRules, PolicyFilter, pattern_fields
+from kproxy.policy.engine import FixedRules
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import RuleError, load_rules
 from kproxy.policy.store import RuleStore
+from kproxy.policy.tenants import pattern_fields
 from kproxy.protocol import entities
 from kproxy.protocol.compiler import message_class
 from kproxy.protocol.errors import (

@@ -13,7 +13,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kproxy.policy.engine import Facts, FixedRules, PolicyFilter, decide
+from kproxy.policy.engine import Facts, FixedRules, decide
+from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import RuleError, load_rules
 from kproxy.policy.model import ValueCheck
 from kproxy.policy.record_rules import check_bytes, traceparent

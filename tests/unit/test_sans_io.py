@@ -20,7 +20,8 @@ FORBIDDEN = frozenset(
 KPROXY_DIR = Path(kproxy.__file__).parent
 SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy", "kproxy.quota", "kproxy.identity", "kproxy.envelope")
 # kproxy.policy's loader reads YAML and its store keeps time: only these of its modules are pure.
-SANS_IO_MODULES = ("kproxy.policy", "kproxy.policy.model", "kproxy.policy.engine")
+SANS_IO_MODULES = ("kproxy.policy", "kproxy.policy.model", "kproxy.policy.engine", "kproxy.policy.filter",
+                   "kproxy.policy.tenants")
 
 
 def module_file(name: str, root: Path) -> Path | None:

@@ -1,0 +1,72 @@
+"""The proxy's settings: attrs frozen classes that check their own values, loaded from YAML.
+
+The classes hold every rule, so a config built in code, by quick mode or with ``attrs.evolve`` is
+checked exactly like a file; a broken setting is a ``SettingError`` naming it. The YAML loader adds
+the file and the 1-based line of the offending key, expands ``${VAR}`` and gives "did you mean"
+hints. The package reads the config file, checks that the TLS files it names exist and reads the
+cgroup limits; it must not open sockets, load certificates or start tasks, and it imports nothing
+from kproxy.protocol but its errors.
+
+- ``checks``: what a setting is (``setting``, ``with_checks``), the rules every value is held to,
+  ``ConfigError`` and ``SettingError``, and the values both sides share (``HostPort``).
+- ``upstream``: the brokers' side (bootstrap servers, TLS and SASL origination).
+- ``listener``: the clients' side (exposure, SNI, TLS termination and principals, the PROXY
+  protocol, SASL termination).
+- ``limits``: bounds on what connections may make kproxy hold, and the amounts derived from the
+  machine (buffer budget, workers).
+- ``telemetry``: the admin listener, metrics, the traffic log, tracing.
+- ``quotas``: how quotas measure rates and how a fleet shares them.
+- ``proxy``: ``ProxyConfig``, the whole, with the rules that span sections and its summary.
+- ``loader``: YAML (file, string, quick mode) to ``ProxyConfig``, errors with file and line.
+"""
+
+from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError
+from kproxy.config.limits import LimitsConfig, effective_buffer_budget, effective_workers
+from kproxy.config.listener import (
+    ExposureConfig,
+    PrincipalConfig,
+    ProxyProtocolConfig,
+    SaslConfig,
+    SaslOAuth,
+    SniConfig,
+    TlsServerSide,
+)
+from kproxy.config.loader import apply_overrides, config_from_args, load_config, parse_config, read_text_file
+from kproxy.config.proxy import ProxyConfig, describe_config
+from kproxy.config.quotas import CoordinationConfig, QuotaConfig
+from kproxy.config.telemetry import AdminConfig, MetricsConfig, TracingConfig, TrafficLogConfig
+from kproxy.config.upstream import TlsClientSide, UpstreamConfig, UpstreamOAuth, UpstreamSasl
+
+__all__ = [
+    "SASL_MECHANISMS",
+    "AdminConfig",
+    "ConfigError",
+    "CoordinationConfig",
+    "ExposureConfig",
+    "HostPort",
+    "LimitsConfig",
+    "MetricsConfig",
+    "PrincipalConfig",
+    "ProxyConfig",
+    "ProxyProtocolConfig",
+    "QuotaConfig",
+    "SaslConfig",
+    "SaslOAuth",
+    "SettingError",
+    "SniConfig",
+    "TlsClientSide",
+    "TlsServerSide",
+    "TracingConfig",
+    "TrafficLogConfig",
+    "UpstreamConfig",
+    "UpstreamOAuth",
+    "UpstreamSasl",
+    "apply_overrides",
+    "config_from_args",
+    "describe_config",
+    "effective_buffer_budget",
+    "effective_workers",
+    "load_config",
+    "parse_config",
+    "read_text_file",
+]

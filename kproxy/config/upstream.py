@@ -1,0 +1,106 @@
+"""The brokers' side: where the cluster is, how kproxy reaches it (TLS origination) and how it logs
+in as itself (SASL origination, with its own OAuth client credentials when OAUTHBEARER)."""
+
+import re
+from typing import Any
+
+import attrs
+
+from kproxy.config.checks import (
+    SASL_MECHANISMS,
+    HostPort,
+    SettingError,
+    check_files,
+    dotted,
+    path_of,
+    setting,
+    url_problem,
+    with_checks,
+)
+
+
+@attrs.frozen(field_transformer=with_checks)
+class TlsClientSide:
+    """TLS from kproxy to the brokers (origination)."""
+
+    enabled: bool = False
+    ca_file: str | None = setting(None, file=True)
+    cert_file: str | None = setting(None, file=True)
+    key_file: str | None = setting(None, file=True)
+    server_hostname: str | None = setting(None, name="host")
+    verify: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not self.enabled:
+            return  # charts template the paths in always and switch TLS with one flag
+        if (self.cert_file is None) != (self.key_file is None):
+            given, missing = ("cert_file", "key_file") if self.key_file is None else ("key_file", "cert_file")
+            raise SettingError(path_of(self, given), f"a client certificate needs both cert_file and key_file; "
+                                                     f"{dotted(path_of(self, missing))} is not set")
+        check_files(self)
+
+
+def _one_secret(section: Any, value: str, file: str, what: str) -> None:
+    given = [n for n in (value, file) if getattr(section, n) is not None]
+    if len(given) != 1:
+        problem = (f"give {what} as {value} (from ${{VAR}}) or {file}, not both" if given
+                   else f"needs {what}: {value} (from ${{VAR}}) or {file}")
+        raise SettingError(path_of(section, given[-1] if given else value), problem)
+
+
+@attrs.frozen(field_transformer=with_checks)
+class UpstreamOAuth:
+    """OAUTHBEARER origination: kproxy gets its own token by client credentials (RFC 6749 4.4)."""
+
+    token_endpoint_url: str = setting()
+    client_id: str = setting()
+    client_secret: str | None = None
+    client_secret_file: str | None = setting(None, file=True)
+    scope: str | None = None
+    # SASL extensions sent with the token (KIP-342), such as logicalCluster on Confluent Cloud.
+    extensions: dict[str, str] = attrs.field(factory=dict, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        problem = url_problem(self.token_endpoint_url)
+        if problem is not None:
+            raise SettingError(path_of(self, "token_endpoint_url"), problem)
+        _one_secret(self, "client_secret", "client_secret_file", "the client secret")
+        for key, value in self.extensions.items():
+            if not re.fullmatch(r"[A-Za-z]+", key) or key == "auth" or not isinstance(value, str):
+                raise SettingError((*path_of(self, "extensions"), key),
+                                   "an extension name is letters only (not 'auth'), its value a string")
+        check_files(self)
+
+
+@attrs.frozen(field_transformer=with_checks)
+class UpstreamSasl:
+    """Origination: every broker connection kproxy opens logs in as kproxy, before any request."""
+
+    mechanism: str = setting(case="upper", choices=SASL_MECHANISMS)
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = setting(None, file=True)
+    oauth: UpstreamOAuth | None = None      # read only with OAUTHBEARER
+
+    def __attrs_post_init__(self) -> None:
+        if self.mechanism == "OAUTHBEARER":
+            if self.oauth is None:
+                raise SettingError(path_of(self, "mechanism"), "OAUTHBEARER needs upstream.sasl.oauth "
+                                                               "(token_endpoint_url, client_id, client secret)")
+            return
+        if not self.username:
+            raise SettingError(path_of(self, "username"), f"{self.mechanism} needs a username")
+        _one_secret(self, "password", "password_file", "a password")
+        check_files(self)
+
+
+@attrs.frozen(field_transformer=with_checks)
+class UpstreamConfig:
+    """The real cluster: where to bootstrap, how to reach it, how long to wait for it."""
+
+    bootstrap_servers: tuple[HostPort, ...]
+    tls: TlsClientSide = TlsClientSide()
+    sasl: UpstreamSasl | None = None
+    connect_timeout_s: float = setting(10.0, above=0)
+    # A request with no response after this gets a retriable error sent back to the client.
+    request_timeout_s: float = setting(30.0, above=0)
