@@ -20,6 +20,7 @@ from kproxy.identity.termination import (
     SaslTermination,
     TerminationSettings,
 )
+from kproxy.protocol.messages import body_class
 from kproxy.server.kerberos import KerberosLogin, KerberosStats, KeytabAcceptor, failure, keytab_problem
 from tests.kdc import Realm
 
@@ -233,3 +234,70 @@ def test_kproxys_login_names_the_principal_the_kdc_does_not_know(kerberos_env: R
     assert "kproxy/deleted@KPROXY.TEST could not get a ticket from the KDC" in reason
     assert "not found in Kerberos database" in reason
     assert stats.failures[("initiate", "unknown_principal")] == 1
+
+
+def test_handshake_v0_raw_tokens_and_no_answer_to_the_last(kerberos_env: Realm, service_keytab: Path,
+                                                           tmp_path: Path) -> None:
+    """Before KIP-152 the tokens travel unframed after SaslHandshake v0; Kafka's broker sends nothing
+    after GSSAPI's last one, and neither does kproxy. Then the session's requests flow as the user."""
+    from kproxy.proxy.actions import ToClient, ToUpstream
+    from kproxy.proxy.filters import ConnectionContext, FilterChain
+    from kproxy.proxy.sasl import SaslFront
+    from kproxy.proxy.session import Session
+    from tests.unit.test_session import (
+        SASL_HANDSHAKE,
+        Clock,
+        answered,
+        kinds,
+        metadata_request,
+        request_frame,
+    )
+
+    log_in(kerberos_env, "alice", tmp_path)
+    clock = Clock()
+    ctx = ConnectionContext(1, client_address=("10.1.2.3", 5555), clock=clock)
+    t = termination(kerberos_env, service_keytab, KerberosStats())
+    t.state = SaslState.REQUIRING_HANDSHAKE
+    s = Session(ctx, FilterChain([]), front=SaslFront(ctx, t, broker_versions=lambda: [(3, 0, 12)]))
+    body = body_class(SASL_HANDSHAKE, "request")(mechanism="GSSAPI")
+    assert answered(s.client_frame(request_frame(SASL_HANDSHAKE, 0, 1, body))[0], SASL_HANDSHAKE, 0).body.error_code == 0
+
+    def raw(token: bytes) -> bytes:
+        (reply,) = s.client_frame(memoryview(token))
+        assert isinstance(reply, ToClient)
+        data = b"".join(bytes(b) for b in reply.buffers)
+        assert int.from_bytes(data[:4], "big") == len(data) - 4
+        return data[4:]
+
+    c = Client()
+    mutual = raw(c.first())
+    offer = raw(c.after_mutual(mutual))
+    assert s.client_frame(memoryview(c.choose(offer))) == []        # the last token: no answer
+    assert ctx.principal == "User:alice"
+    assert kinds(s.client_frame(request_frame(3, 12, 9, metadata_request()))) == [ToUpstream]
+
+
+def test_kproxy_check_says_which_keytab_lacks_its_principal(kerberos_env: Realm, service_keytab: Path,
+                                                            tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kproxy.cli import main
+
+    config = tmp_path / "kproxy.yaml"
+    text = f"""\
+listen: "127.0.0.1:9092"
+upstream:
+  bootstrap_servers: ["kafka:9092"]
+sasl:
+  mechanisms: [GSSAPI]
+  gssapi:
+    principal: {{principal}}
+    keytab: {service_keytab}
+"""
+    config.write_text(text.format(principal=kerberos_env.principal(SERVICE)))
+    assert main(["check", str(config)]) == 0
+    assert "ok:" in capsys.readouterr().out
+    config.write_text(text.format(principal="kafka/other.host@KPROXY.TEST"))
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{config}:8: sasl.gssapi.keytab: the keytab {service_keytab} has no usable key for "
+                          "kafka/other.host@KPROXY.TEST: "), err
+    assert "No key table entry found" in err
