@@ -182,6 +182,14 @@ class _Acceptor:
         return bytes(result.token or b"")
 
     def initiator(self) -> str:
+        try:
+            return self._initiator()
+        except GssFailure:
+            raise
+        except Exception as e:
+            raise self._failed(e, "reading the established context") from None
+
+    def _initiator(self) -> str:
         o = self.owner
         principal = self._name(self.initiator_name)
         # MIT refuses a ticket past its end plus the clock skew allowed (krb5.conf's clockskew); a
