@@ -217,7 +217,7 @@ def _check_keytabs(cfg: ProxyConfig, path: str) -> None:
     up = cfg.upstream.sasl
     if up is not None and up.mechanism == "GSSAPI" and up.principal and up.keytab:
         wanted.append((("upstream", "sasl", "keytab"), up.principal, up.keytab))
-    if cfg.sasl is not None and cfg.sasl.gssapi is not None:
+    if cfg.sasl is not None and cfg.sasl.gssapi is not None and "GSSAPI" in cfg.sasl.mechanisms:
         wanted.append((("sasl", "gssapi", "keytab"), cfg.sasl.gssapi.principal, cfg.sasl.gssapi.keytab))
     if not wanted:
         return

@@ -248,6 +248,7 @@ class ProxyServer:
             self.sni_names if self.sni else None))
         if self.identity.active:
             m.add_reader(lambda: metric_families.identity_families(self.identity))
+        m.add_reader(lambda: metric_families.kerberos_families(self.identity.kerberos))
         if self.coordinator is not None:
             coordinator = self.coordinator
             m.add_reader(lambda: metric_families.coordination_families(coordinator.snapshot()))

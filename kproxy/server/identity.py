@@ -71,7 +71,7 @@ class IdentityService:
             self.jwks = JwksCache(o.jwks_url, o.jwks_refresh_s)
             rules = TokenRules(o.issuer, o.audience, o.principal_claim, leeway_s=o.leeway_s)
         gssapi = None
-        if sasl.gssapi is not None:
+        if sasl.gssapi is not None and "GSSAPI" in sasl.mechanisms:   # read only when offered
             g = sasl.gssapi
             gssapi = GssapiSettings(KeytabAcceptor(g.principal, g.keytab, self.kerberos),
                                     KerberosMapper.from_config(g.principal_to_local, realm_of(g.principal)))
@@ -92,7 +92,7 @@ class IdentityService:
         checks = []
         if up is not None and up.mechanism == "GSSAPI" and up.principal and up.keytab:
             checks.append(("upstream.sasl", up.principal, up.keytab))
-        if sasl is not None and sasl.gssapi is not None:
+        if sasl is not None and sasl.gssapi is not None and "GSSAPI" in sasl.mechanisms:
             checks.append(("sasl.gssapi", sasl.gssapi.principal, sasl.gssapi.keytab))
         for where, principal, keytab in checks:
             problem = keytab_problem(principal, keytab)

@@ -316,6 +316,15 @@ def discovery_families(attempts: int) -> list[Metric]:
                                 "shared by every connection that needs one).", value=attempts)]
 
 
+def kerberos_families(kerberos: Any) -> list[Metric]:
+    """Kerberos failures; the family is declared (without series) when Kerberos is not configured, so
+    the dashboard's panel and the alert find it on every kproxy."""
+    return [_counter("kproxy_kerberos_failures", "Kerberos (GSSAPI) failures, by side (accept: clients' "
+                     "tickets checked with kproxy's keytab; initiate: kproxy's own tickets) and kind "
+                     "(keytab, clock_skew, unknown_principal, expired, other).", ["side", "kind"],
+                     dict(kerberos.failures) if kerberos is not None else {})]
+
+
 def identity_families(identity: Any) -> list[Metric]:
     """SASL logins kproxy judged (termination) and made (origination)."""
     out = [_counter("kproxy_sasl_logins", "Client SASL logins kproxy judged, by mechanism and outcome (ok, "
@@ -325,12 +334,6 @@ def identity_families(identity: Any) -> list[Metric]:
     if originator is not None:
         out.append(_counter("kproxy_upstream_sasl_logins", "Logins kproxy made to brokers as itself, by outcome.",
                             ["outcome"], {("ok",): originator.logins, ("failed",): originator.failures}))
-    kerberos = identity.kerberos
-    if kerberos is not None:
-        out.append(_counter("kproxy_kerberos_failures", "Kerberos (GSSAPI) failures, by side (accept: clients' "
-                            "tickets checked with kproxy's keytab; initiate: kproxy's own tickets) and kind "
-                            "(keytab, clock_skew, unknown_principal, expired, other).", ["side", "kind"],
-                            dict(kerberos.failures)))
     jwks = identity.jwks
     if jwks is not None:
         out.append(_counter("kproxy_jwks_fetches", "JWKS fetches, by outcome.", ["outcome"],

@@ -26,7 +26,7 @@ import pytest
 from kproxy.config import parse_config
 from kproxy.protocol.messages import body_class
 from kproxy.server.embedded import ProxyThread
-from kproxy.telemetry.metrics import identity_families
+from kproxy.telemetry.metrics import kerberos_families
 from tests.e2e.sasl_gate import SaslGate, expected_pairs, free_ports, kafka_python_roundtrip
 from tests.e2e.tansu import Tansu, unique_name
 from tests.e2e.test_identity import produce_steadily_and_read_back
@@ -125,7 +125,7 @@ def kafka_python(proxy: ProxyThread, **extra: Any) -> dict[str, Any]:
 
 def failures(proxy: ProxyThread) -> dict[tuple[str, str], float]:
     """kproxy_kerberos_failures as /metrics shows it."""
-    (family,) = [f for f in identity_families(proxy.server.identity) if f.name == "kproxy_kerberos_failures"]
+    (family,) = kerberos_families(proxy.server.identity.kerberos)
     return {(s.labels["side"], s.labels["kind"]): s.value for s in family.samples if s.name.endswith("_total")}
 
 
