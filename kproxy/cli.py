@@ -96,6 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="a dump of the fleet quota coordination topic, one record a line: key, value and timestamp "
                      "(ms), tab-separated, as kcat -C -e -t TOPIC -f with %%k, %%s and %%T writes it; gives per "
                      "budget key the instances that reported it and their peak rate and demand summed")
+    rep.add_argument("--virtual-cluster", metavar="NAME", help="only this virtual cluster's traffic (default: "
+                     "all, every table per virtual cluster)")
     rep.add_argument("--quota-per", choices=("client_id", "principal"), default="client_id",
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
