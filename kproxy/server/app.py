@@ -113,6 +113,9 @@ class ProxyServer:
         self.worker = worker
         self.workers = worker[1] if worker is not None else 1
         if process is None:
+            if len(config.clusters) > 1:
+                raise ValueError("a configuration of several virtual clusters runs as a ProxyProcess "
+                                 "(ProxyProcess.from_config), one ProxyServer per virtual cluster")
             from kproxy.server.process import ProxyProcess, SharedParts  # the process around this one alone
 
             shared = SharedParts(config, span_exporter=span_exporter, workers=self.workers, certificates=certificates)
