@@ -671,7 +671,7 @@ class Bench:
         """Many connections looping on Metadata v12 (bench/small_requests.py), per target and round;
         with each proxy's CPU seconds per request."""
         out: dict[str, list[tuple[LoadResult, float | None]]] = {}
-        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy", HAPROXY, BASELINE)]
+        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy", HAPROXY, BASELINE, *VIRTUAL)]
         for r in range(rounds):
             for target in targets[r % len(targets):] + targets[: r % len(targets)]:
                 self.check_alive()
