@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kproxy import __version__
+
+if TYPE_CHECKING:
+    from kproxy.config import ProxyConfig
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -92,6 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="a dump of the fleet quota coordination topic, one record a line: key, value and timestamp "
                      "(ms), tab-separated, as kcat -C -e -t TOPIC -f with %%k, %%s and %%T writes it; gives per "
                      "budget key the instances that reported it and their peak rate and demand summed")
+    rep.add_argument("--virtual-cluster", metavar="NAME", help="only this virtual cluster's traffic (default: "
+                     "all, every table per virtual cluster)")
     rep.add_argument("--quota-per", choices=("client_id", "principal"), default="client_id",
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
@@ -207,25 +213,33 @@ def check_config_file(path: str) -> int:
     """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and
     return 2. Here rather than in kproxy.config because the summary names the codec in use, and
     configuration sits above the protocol layer and must not import its compiler."""
-    from kproxy.config import ConfigError, describe_config, load_config
+    from kproxy.config import ConfigError, describe_cluster, describe_config, load_config
     from kproxy.protocol.compiler import codec_implementation
 
     try:
         cfg = load_config(path)
-        if cfg.sasl is not None and cfg.sasl.users_file is not None:
-            from kproxy.userfile import load_users_file
-
-            load_users_file(cfg.sasl.users_file)
-        rules = ""
-        if cfg.rules:
-            from kproxy.policy.loader import describe_rules, load_rules
-
-            rule_set = load_rules(cfg.rules, cfg.chaos)
-            for warning in rule_set.warnings:
-                print(f"warning: {warning}", file=sys.stderr)
-            rules = f"; rules: {describe_rules(rule_set)}"
+        rules = {vc.name: _check_cluster_files(vc) for vc in cfg.clusters}
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    print(f"ok: {path}: {describe_config(cfg, codec_implementation())}{rules}")
+    print(f"ok: {path}: {describe_config(cfg, codec_implementation())}{rules[cfg.name] if not cfg.virtual_clusters else ''}")
+    for vc in cfg.virtual_clusters:
+        print(f"  virtual cluster {vc.name}: {describe_cluster(vc)}{rules[vc.name]}")
     return 0
+
+
+def _check_cluster_files(cfg: ProxyConfig) -> str:
+    """Load one virtual cluster's users file and rule files as ``kproxy run`` would; the rules'
+    summary (``; rules: ...``), or ConfigError."""
+    if cfg.sasl is not None and cfg.sasl.users_file is not None:
+        from kproxy.userfile import load_users_file
+
+        load_users_file(cfg.sasl.users_file)
+    if not cfg.rules:
+        return ""
+    from kproxy.policy.loader import describe_rules, load_rules
+
+    rule_set = load_rules(cfg.rules, cfg.chaos)
+    for warning in rule_set.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return f"; rules: {describe_rules(rule_set)}"

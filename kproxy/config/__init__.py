@@ -17,10 +17,13 @@ from kproxy.protocol but its errors.
 - ``telemetry``: the admin listener, metrics, the traffic log, tracing.
 - ``quotas``: how quotas measure rates and how a fleet shares them.
 - ``proxy``: ``ProxyConfig``, the whole, with the rules that span sections and its summary.
+- ``clusters``: virtual clusters: which settings are each one's and which the process's, and the
+  rules across them (names, ports, SNI host names).
 - ``loader``: YAML (file, string, quick mode) to ``ProxyConfig``, errors with file and line.
 """
 
 from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError
+from kproxy.config.clusters import DEFAULT_NAME, PROCESS_SETTINGS, cluster_settings
 from kproxy.config.limits import LimitsConfig, effective_buffer_budget, effective_workers
 from kproxy.config.listener import (
     ExposureConfig,
@@ -32,12 +35,14 @@ from kproxy.config.listener import (
     TlsServerSide,
 )
 from kproxy.config.loader import apply_overrides, config_from_args, load_config, parse_config, read_text_file
-from kproxy.config.proxy import ProxyConfig, describe_config
+from kproxy.config.proxy import ProxyConfig, describe_cluster, describe_config
 from kproxy.config.quotas import CoordinationConfig, QuotaConfig
 from kproxy.config.telemetry import AdminConfig, MetricsConfig, TracingConfig, TrafficLogConfig
 from kproxy.config.upstream import TlsClientSide, UpstreamConfig, UpstreamOAuth, UpstreamSasl
 
 __all__ = [
+    "DEFAULT_NAME",
+    "PROCESS_SETTINGS",
     "SASL_MECHANISMS",
     "AdminConfig",
     "ConfigError",
@@ -62,7 +67,9 @@ __all__ = [
     "UpstreamOAuth",
     "UpstreamSasl",
     "apply_overrides",
+    "cluster_settings",
     "config_from_args",
+    "describe_cluster",
     "describe_config",
     "effective_buffer_budget",
     "effective_workers",

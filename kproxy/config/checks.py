@@ -55,7 +55,8 @@ class SettingError(ConfigError):
 
 
 def setting(default: Any = attrs.NOTHING, **rules: Any) -> Any:
-    """A field with ``rules``: min, above, max, choices, case (upper/lower), name (a kind), file."""
+    """A field with ``rules``: min, above, max, choices, case (upper/lower), name (a kind), file,
+    sections (a list of config objects)."""
     return attrs.field(default=default, metadata={RULES: rules})
 
 
@@ -126,6 +127,9 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
             return None
         (tp,) = (a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is tuple:
+        if rules.get("sections"):
+            ok = isinstance(value, tuple) and all(attrs.has(type(v)) for v in value)
+            return None if ok else f"expected a list of sections, got {value!r}"
         if rules.get("words"):
             ok = isinstance(value, tuple) and all(isinstance(w, str) and w.strip() for w in value)
             return None if ok else f"expected a list of names, got {value!r}"

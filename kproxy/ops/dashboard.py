@@ -3,8 +3,11 @@
 writes it and the Helm chart's copy). The checked-in file must equal what this prints
 (tests/monitoring checks it).
 
-Every query is filtered by the dashboard's variables (``$namespace``, ``$pod`` and, where requests
-have an API, ``$api``); the namespace and pod labels are those the Prometheus Operator adds.
+Every query is filtered by the dashboard's variables (``$namespace``, ``$pod``, ``$virtual_cluster``
+for the families of one virtual cluster and, where requests have an API, ``$api``); the namespace and
+pod labels are those the Prometheus Operator adds. The families of the process as a whole (buffers,
+the event loop, certificate files, the traffic log) carry ``virtual_cluster=""`` and are filtered by
+namespace and pod only.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ from grafana_foundation_sdk.models.dashboard import (
 
 UID = "kproxy-overview"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-# Every series of one kproxy deployment; ``API`` adds the API filter for per-request families.
+# Every series of one kproxy deployment; ``VC`` adds the virtual cluster filter for the families of
+# one virtual cluster, ``API`` the API filter for per-request families.
 SEL = 'namespace=~"$namespace", pod=~"$pod"'
-API = f'{SEL}, api=~"$api"'
+VC = f'{SEL}, virtual_cluster=~"$virtual_cluster"'
+API = f'{VC}, api=~"$api"'
 RATE = "$__rate_interval"
 
 
@@ -107,7 +112,9 @@ def build() -> dict[str, Any]:
          .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
          .with_variable(variable("namespace", "Namespace", "label_values(kproxy_requests_total, namespace)"))
          .with_variable(variable("pod", "Pod", 'label_values(kproxy_requests_total{namespace=~"$namespace"}, pod)'))
-         .with_variable(variable("api", "API", f"label_values(kproxy_requests_total{{{SEL}}}, api)")))
+         .with_variable(variable("virtual_cluster", "Virtual cluster",
+                                 f"label_values(kproxy_requests_total{{{SEL}}}, virtual_cluster)"))
+         .with_variable(variable("api", "API", f"label_values(kproxy_requests_total{{{VC}}}, api)")))
 
     d = d.with_row(Row("Traffic"))
     d = d.with_panel(series(
@@ -120,7 +127,7 @@ def build() -> dict[str, Any]:
     d = d.with_panel(series(
         "Records per second", "Records produced (acknowledged, or written with acks=0) and fetched, "
         "from batch headers.", "rps",
-        (f"sum by (direction) (rate(kproxy_records_total{{{SEL}}}[{RATE}]))", "{{direction}}"), width=8))
+        (f"sum by (direction) (rate(kproxy_records_total{{{VC}}}[{RATE}]))", "{{direction}}"), width=8))
     d = d.with_panel(series(
         "Top clients by requests", "The ten busiest client ids. Needs metrics.client_labels: true "
         "(empty otherwise; kproxy top and /clients show client ids without it).", "reqps",
@@ -135,13 +142,18 @@ def build() -> dict[str, Any]:
     d = d.with_panel(series(
         "Top topics by records", "The ten busiest topics by records produced and fetched. Needs "
         "metrics.topic_labels: true.", "rps",
-        (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_records_total{{{SEL}}}[{RATE}])))",
-         "{{topic}} {{direction}}")))
+        (f"topk(10, sum by (virtual_cluster, topic, direction) (rate(kproxy_topic_records_total{{{VC}}}[{RATE}])))",
+         "{{virtual_cluster}} {{topic}} {{direction}}")))
     d = d.with_panel(series(
         "Top topics by bytes", "The ten topics with the most record bytes produced and fetched (batch "
         "sizes). Needs metrics.topic_labels: true.", "Bps",
-        (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_bytes_total{{{SEL}}}[{RATE}])))",
-         "{{topic}} {{direction}}")))
+        (f"topk(10, sum by (virtual_cluster, topic, direction) (rate(kproxy_topic_bytes_total{{{VC}}}[{RATE}])))",
+         "{{virtual_cluster}} {{topic}} {{direction}}")))
+    d = d.with_panel(series(
+        "Requests per second by virtual cluster", "Requests completed per second, by virtual cluster (each "
+        "listener set and upstream of the process; docs/virtual-clusters.md).", "reqps",
+        (f"sum by (virtual_cluster) (rate(kproxy_requests_total{{{API}}}[{RATE}]))", "{{virtual_cluster}}"),
+        width=24))
 
     d = d.with_row(Row("Latency"))
     d = d.with_panel(series(
@@ -169,27 +181,31 @@ def build() -> dict[str, Any]:
         "that could not be decoded, per second.", "percentunit",
         (f'sum(rate(kproxy_request_outcomes_total{{{API}, outcome=~"upstream_lost|closed"}}[{RATE}])) / '
          f"sum(rate(kproxy_requests_total{{{API}}}[{RATE}]))", "error ratio"),
-        (f"sum by (direction) (rate(kproxy_decode_errors_total{{{SEL}}}[{RATE}]))",
+        (f"sum by (direction) (rate(kproxy_decode_errors_total{{{VC}}}[{RATE}]))",
          "decode errors/s ({{direction}})"),
-        (f"sum by (broker) (rate(kproxy_upstream_connect_failures_total{{{SEL}}}[{RATE}]))",
-         "connect failures/s {{broker}}"), width=8))
+        (f"sum by (virtual_cluster, broker) (rate(kproxy_upstream_connect_failures_total{{{VC}}}[{RATE}]))",
+         "connect failures/s {{virtual_cluster}} {{broker}}"), width=8))
     d = d.with_panel(series(
-        "Denials per rule", "Requests refused by a policy rule, per second, by rule.", "reqps",
-        (f"sum by (rule) (rate(kproxy_denied_requests_total{{{SEL}}}[{RATE}]))", "{{rule}}"), width=8))
+        "Denials per rule", "Requests refused by a policy rule, per second, by virtual cluster and rule.", "reqps",
+        (f"sum by (virtual_cluster, rule) (rate(kproxy_denied_requests_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{rule}}"), width=8))
     d = d.with_panel(series(
-        "Throttle time per quota", "Throttle time told to clients per second of wall time, by the quota "
-        "rule that decided it (broker: the broker's own). 1 means one client throttled all the time.", "s",
-        (f"sum by (rule) (rate(kproxy_throttle_seconds_total{{{SEL}}}[{RATE}]))", "{{rule}}"), width=24))
+        "Throttle time per quota", "Throttle time told to clients per second of wall time, by virtual cluster "
+        "and the quota rule that decided it (broker: the broker's own). 1 means one client throttled all the "
+        "time.", "s",
+        (f"sum by (virtual_cluster, rule) (rate(kproxy_throttle_seconds_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{rule}}"), width=24))
 
     d = d.with_row(Row("Connections and buffers"))
     d = d.with_panel(series(
         "Open connections by listener", "Client connections open now (bootstrap, broker-N, controller-N).",
-        "short", (f"sum by (listener) (kproxy_connections_open{{{SEL}}})", "{{listener}}"), width=8,
-        stacked=True))
+        "short", (f"sum by (virtual_cluster, listener) (kproxy_connections_open{{{VC}}})",
+                  "{{virtual_cluster}} {{listener}}"), width=8, stacked=True))
     d = d.with_panel(series(
-        "New connections per second", "Client connections accepted per second, by listener.", "cps",
-        (f"sum by (listener) (rate(kproxy_connections_opened_total{{{SEL}}}[{RATE}]))", "{{listener}}"),
-        width=8))
+        "New connections per second", "Client connections accepted per second, by virtual cluster and "
+        "listener.", "cps",
+        (f"sum by (virtual_cluster, listener) (rate(kproxy_connections_opened_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{listener}}"), width=8))
     d = d.with_panel(series(
         "Buffer budget", "Bytes held in frame buffers against the process budget "
         "(limits.max_buffered_bytes_total), and reads that waited for it.", "bytes",
@@ -198,8 +214,9 @@ def build() -> dict[str, Any]:
         (f"sum by (pod) (rate(kproxy_buffer_budget_pauses_total{{{SEL}}}[{RATE}]))", "pauses/s {{pod}}"),
         width=8))
     d = d.with_panel(single(
-        "Pods ready", "Pods whose /readyz says ready (kproxy_ready).", "short",
-        f"sum(kproxy_ready{{{SEL}}})", "ready", red_below=1))
+        "Virtual clusters ready", "Virtual clusters ready, added over the pods (kproxy_ready: each pod's "
+        "/readyz is ready only when all of its virtual clusters are).", "short",
+        f"sum(kproxy_ready{{{VC}}})", "ready", red_below=1))
     d = d.with_panel(single(
         "Earliest certificate expiry", "Days until the first certificate kproxy loaded expires "
         "(tls.* and upstream.tls.* files).", "d",
@@ -224,8 +241,10 @@ def build() -> dict[str, Any]:
     d = d.with_panel(series(
         "Rule reloads", "Rule reloads by outcome (failed: the old rules stayed in force) and the "
         "generation of the rules in force.", "short",
-        (f"sum by (outcome) (increase(kproxy_rule_reloads_total{{{SEL}}}[{RATE}]))", "reloads {{outcome}}"),
-        (f"max by (pod) (kproxy_rules_generation{{{SEL}}})", "generation {{pod}}"), width=8))
+        (f"sum by (virtual_cluster, outcome) (increase(kproxy_rule_reloads_total{{{VC}}}[{RATE}]))",
+         "reloads {{virtual_cluster}} {{outcome}}"),
+        (f"max by (pod, virtual_cluster) (kproxy_rules_generation{{{VC}}})", "generation {{pod}} {{virtual_cluster}}"),
+        width=8))
 
     built = d.build()
     # Grafana keys panel state (links, edits, alerts) by id: number them in order, rows included.

@@ -1,4 +1,5 @@
-"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules and /clients.
+"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules and /clients,
+for every virtual cluster of the process.
 
 HTTP/1.1 comes from h11 (sans-I/O); this module moves its bytes over trio in the proxy's own event
 loop, so /livez answering proves the loop is alive. It only reads the server's state: nothing here
@@ -17,10 +18,10 @@ import attrs
 import h11
 import trio
 
-from kproxy.config import HostPort, ProxyConfig
+from kproxy.config import PROCESS_SETTINGS, HostPort, ProxyConfig, cluster_settings
 from kproxy.logs import safe
 from kproxy.protocol.errors import KProxyError
-from kproxy.telemetry.metrics import Metrics, epoch_seconds
+from kproxy.telemetry.metrics import ProcessMetrics, epoch_seconds
 
 log = logging.getLogger("kproxy.admin")
 
@@ -38,25 +39,35 @@ _PATH_SUFFIX = ("_file", "_path", "_dir")
 
 
 class AdminView(Protocol):
-    """What the admin listener reads from the proxy (the server implements it)."""
+    """What the admin listener reads from the proxy (``kproxy.server.process.ProxyProcess``, every
+    virtual cluster of the process)."""
 
     config: ProxyConfig
-    rule_store: Any
-    clients: Any        # kproxy.server.clients.ClientTable
 
     def readiness(self) -> tuple[bool, str]: ...
 
     @property
-    def metrics(self) -> Metrics | None: ...
+    def metrics(self) -> ProcessMetrics | None: ...
+
+    def rules(self) -> dict[str, Any]: ...
+
+    def clients_view(self) -> dict[str, Any]: ...
 
 
 def public_config(value: Any, name: str = "") -> Any:
     """``value`` (a config object or part of it) as JSON data with every secret-looking setting
-    replaced by ``<redacted>``."""
+    replaced by ``<redacted>``. A root with virtual clusters shows the process-wide settings and,
+    under ``virtual_clusters``, each one's own."""
     if name and value is not None and _SECRET_NAME.search(name) and not name.endswith(_PATH_SUFFIX):
         return REDACTED
     if isinstance(value, HostPort):
         return str(value)
+    if isinstance(value, ProxyConfig) and value.virtual_clusters:
+        own = cluster_settings(ProxyConfig)
+        return {**{f.name: public_config(getattr(value, f.name), f.name) for f in attrs.fields(ProxyConfig)
+                   if f.name in PROCESS_SETTINGS or f.name == "source"},
+                "virtual_clusters": [{key: public_config(getattr(vc, key), key) for key in own}
+                                     for vc in value.virtual_clusters]}
     if attrs.has(type(value)):
         return {f.name: public_config(getattr(value, f.name), f.name) for f in attrs.fields(type(value))}
     if isinstance(value, dict):
@@ -195,9 +206,9 @@ class AdminServer:
         if path == "/config":
             return 200, "application/json", _json(public_config(view.config))
         if path == "/rules":
-            return 200, "application/json", _json(rules_view(view.rule_store))
+            return 200, "application/json", _json(view.rules())
         if path == "/clients":
-            return 200, "application/json", _json(view.clients.view())
+            return 200, "application/json", _json(view.clients_view())
         return 404, "text/plain; charset=utf-8", (b"not found; try /metrics, /livez, /readyz, /config, /rules "
                                                  b"or /clients\n")
 

@@ -172,14 +172,17 @@ class SupervisorAdmin(admin.AdminServer):
             texts = [body for status, _, body in answers if status == 200]
             if not texts:
                 return 503, "text/plain; charset=utf-8", b"no worker answered\n"
+            # The process group's own families: no virtual cluster (an empty label, as in each worker).
+            running = sum(1 for w in workers if w.process and w.process.returncode is None)
             extra = (f"# HELP kproxy_workers Worker processes running.\n# TYPE kproxy_workers gauge\n"
-                     f"kproxy_workers {sum(1 for w in workers if w.process and w.process.returncode is None)}\n"
+                     f'kproxy_workers{{virtual_cluster=""}} {running}\n'
                      "# HELP kproxy_workers_scraped Workers whose metrics are in this answer (the others did "
                      "not answer in time).\n# TYPE kproxy_workers_scraped gauge\n"
-                     f"kproxy_workers_scraped {len(texts)}\n"
+                     f'kproxy_workers_scraped{{virtual_cluster=""}} {len(texts)}\n'
                      "# HELP kproxy_worker_restarts_total Workers restarted after exiting unexpectedly.\n"
                      "# TYPE kproxy_worker_restarts_total counter\n"
-                     f"kproxy_worker_restarts_total {sum(w.restarts for w in workers)}\n").encode()
+                     f'kproxy_worker_restarts_total{{virtual_cluster=""}} {sum(w.restarts for w in workers)}\n'
+                     ).encode()
             return 200, admin.PROMETHEUS_TEXT, merge_expositions(texts) + extra
         if path == "/clients":
             views = []

@@ -278,6 +278,56 @@ class Metrics(Collector):
             yield from reader()
 
 
+# The label every family of a process's /metrics carries: the virtual cluster a sample is about.
+VIRTUAL_CLUSTER = "virtual_cluster"
+
+
+class ProcessMetrics(Collector):
+    """The /metrics of one process: each virtual cluster's families (its ``Metrics``, which knows
+    nothing of the others) with ``virtual_cluster="<name>"`` added to every sample, and the families
+    of what the process shares (the event loop, the buffer budget, certificate files, the traffic
+    log, the span exporter) with ``virtual_cluster=""``, which Prometheus reads as no virtual
+    cluster. Families of one name from several virtual clusters become one family."""
+
+    def __init__(self, cfg: MetricsConfig | None = None) -> None:
+        self.cfg = cfg or MetricsConfig()
+        self.clusters: list[tuple[str, Metrics]] = []
+        self._readers: list[Reader] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def cluster(self, name: str) -> Metrics:
+        """The metrics of one more virtual cluster, shown under ``name``."""
+        metrics = Metrics(self.cfg)
+        self.clusters.append((name, metrics))
+        return metrics
+
+    def add_reader(self, reader: Reader) -> None:
+        """Families of the process as a whole, read at scrape time."""
+        self._readers.append(reader)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+
+        def add(family: Metric, virtual_cluster: str) -> None:
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples.extend(s._replace(labels={**s.labels, VIRTUAL_CLUSTER: virtual_cluster})
+                               for s in family.samples)
+
+        for name, metrics in self.clusters:
+            for family in metrics.collect():
+                add(family, name)
+        for reader in self._readers:
+            for family in reader():
+                add(family, "")
+        yield from merged.values()
+
+
 # ---------------------------------------------------------------------------------------------
 # Families read from other objects at scrape time
 
@@ -435,6 +485,14 @@ def coordination_families(snap: Mapping[str, Any]) -> list[Metric]:
         out.append(GaugeMetricFamily("kproxy_quota_coordination_peer_age_seconds", "Age of the newest record "
                                      "of another process of the fleet.", value=snap["peer_age_s"]))
     return out
+
+
+def shared_port_families(refused: Mapping[tuple[str, str], int]) -> list[Metric]:
+    """Connections to a port several virtual clusters share that none of them took."""
+    return [_counter("kproxy_shared_port_refused", "Connections closed on a port several SNI virtual clusters "
+                     "share before any took them, by listener and reason (unknown_name: no virtual cluster "
+                     "serves the TLS host name; no_name: the ClientHello names none; not_tls; timeout).",
+                     ["listener", "reason"], refused)]
 
 
 def identity_edge_families(tls_contexts: Iterable[Any], proxy_protocol: Any, sni_names: Any) -> list[Metric]:
