@@ -1,6 +1,7 @@
 """The whole configuration: ``ProxyConfig``, the sections it holds, the rules that span several of
 them (ports that must not overlap, settings that exclude each other), and its one-line summary."""
 
+import re
 from typing import Final
 
 import attrs
@@ -60,10 +61,19 @@ class ProxyConfig:
     log_format: str = setting("text", case="lower", choices=("text", "json"))
     # Processes sharing the listening ports; 0 (written "auto") means one per CPU the process may use.
     workers: int = setting(1, min=0, auto=True)
+    # The cluster id clients see in every answer that carries one (Metadata, DescribeCluster, ...),
+    # the same whichever upstream cluster is active; null: derived from the virtual cluster's name.
+    cluster_id: str | None = None
     source: str | None = attrs.field(default=None, metadata={INTERNAL: True})  # file loaded from
 
     def __attrs_post_init__(self) -> None:
         _check_exposure(self)
+        if self.cluster_id is not None and not _CLUSTER_ID.fullmatch(self.cluster_id):
+            raise SettingError(("cluster_id",), f"{self.cluster_id!r} is not a cluster id (1 to 64 letters, digits, "
+                                                "'-' or '_'; Kafka's own are 22 characters of URL-safe base64)")
+        if self.upstream.several and self.quota.coordinated is not None:
+            raise SettingError(("quota", "coordination"), "fleet quotas cannot follow a switch between "
+                                                          "upstream.clusters yet; use one of the two")
         if self.rules and self.passthrough_unknown_versions:
             raise SettingError(("passthrough_unknown_versions",), "frames forwarded opaquely would bypass the "
                                                                   "policy rules; turn it off to use rules")
@@ -108,6 +118,8 @@ class ProxyConfig:
         start = self.exposure.broker_port_start
         return self.listen.port + 1 if start is None else start
 
+
+_CLUSTER_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # The first four bytes of a PROXY v2 signature (\r\n\r\n) read as a Kafka frame size; "PROXY"
 # reads larger still. Frames below this cannot be mistaken for a header.
@@ -154,14 +166,23 @@ def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
         start = cfg.broker_port_start
         brokers = f"brokers on ports {start}-{start + exp.broker_port_count - 1}"
     idle = cfg.limits.idle_timeout_s
+    up = cfg.upstream
+    if up.several:
+        clusters = ", ".join(f"{c.name} {','.join(map(str, c.bootstrap_servers))}" for c in up.clusters)
+        target = f"upstream clusters {clusters} (active {up.first_active} unless switched)"
+    else:
+        target = f"upstream {','.join(map(str, up.bootstrap_servers))}"
     parts = [
-        f"listen {cfg.listen} -> upstream {','.join(map(str, cfg.upstream.bootstrap_servers))}",
+        f"listen {cfg.listen} -> {target}",
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
-        f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        *([f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}"] if not up.several else []),
         *_identity_summary(cfg),
         f"client SASL {'terminated: ' + ', '.join(cfg.sasl.mechanisms) if cfg.sasl else 'relayed'}",
-        f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}",
+        *([f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}"]
+          if not up.several else []),
+        *([f"failover after {up.failing_over.after_s:g}s unreachable" if up.failing_over else "failover off",
+           f"offset translation {up.offset_translation}"] if up.several else []),
         f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
         f"admin {cfg.admin.listen or 'off'}",
         f"traffic log {cfg.traffic_log.dir or 'off'}",
