@@ -14,7 +14,7 @@ import functools
 import logging
 import random
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -53,7 +53,6 @@ from kproxy.protocol.errors import (
 from kproxy.protocol.messages import (
     Request,
     Response,
-    api_by_key,
     api_name,
     body_class,
     decode_request,
@@ -61,8 +60,9 @@ from kproxy.protocol.messages import (
 )
 from kproxy.protocol.primitives import ZERO_UUID
 from kproxy.protocol.records import iter_batches
-from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ALL, AskBroker, ConnectionContext, Delay, Filter, RequestVerdict, Respond
+from kproxy.proxy.names import NamePrefixes, prefixes_of, uses_patterns
+from kproxy.proxy.names import pattern_fields as pattern_fields  # imported from here before it moved
 from kproxy.proxy.replies import error_response, merge_response
 from kproxy.proxy.topics import TopicNames
 
@@ -730,8 +730,7 @@ class PolicyFilter(Filter):
                 return refusal
             tenant_names = _tenant(rewrite)
             pending.prefixes = tenant_names.prefixes
-            for entity, add in tenant_names.adding(key, version):
-                entities.rewrite(body, key, version, "request", entity, add)
+            tenant_names.put_on(req)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("connection %d: rule %r rewrote %s v%d (%s)", ctx.connection_id, top.name if top else None,
                           api_name(key), version,
@@ -921,10 +920,8 @@ class PolicyFilter(Filter):
         st: _ConnState = ctx.state_of(self, _ConnState)
         body, version = response.body, response.api_version
         if pending.prefixes:
-            for entity, inside, strip in _tenant_of(pending.prefixes).undoing(key, version):
-                # Names outside the tenant's namespace are not the tenant's to see.
-                entities.filter_elements(body, key, version, "response", entity, inside, request.body)
-                entities.rewrite(body, key, version, "response", entity, strip, request.body)
+            # Names outside the tenant's namespace are not the tenant's to see.
+            _tenant_of(pending.prefixes).take_off(response, request.body)
         if pending.asked is not None:
             # A broker may say more than it was asked (tansu reads an empty Metadata topic list as
             # "all"): kproxy answers for the refused topics itself, and nothing else is the client's.
@@ -954,49 +951,9 @@ class PolicyFilter(Filter):
 # Carrying decisions out
 
 
-@attrs.frozen
-class _TenantNames:
-    """The functions that put a tenant's prefixes on names and take them off, made once per rule."""
-
-    prefixes: dict[str, str] = attrs.field(hash=False)
-    add: tuple[tuple[str, Callable[[str], str | None]], ...] = attrs.field(hash=False)
-    undo: tuple[tuple[str, Callable[[str], bool], Callable[[str], str | None]], ...] = attrs.field(hash=False)
-    # Per (api key, version): only the kinds of names that message carries at all.
-    _adding: dict[tuple[int, int], tuple] = attrs.field(factory=dict, hash=False)
-    _undoing: dict[tuple[int, int], tuple] = attrs.field(factory=dict, hash=False)
-
-    def adding(self, api_key: int, version: int) -> tuple[tuple[str, Callable[[str], str | None]], ...]:
-        got = self._adding.get((api_key, version))
-        if got is None:
-            got = self._adding[(api_key, version)] = tuple(
-                (e, f) for e, f in self.add if entities.has_entity(api_key, version, "request", e))
-        return got
-
-    def undoing(self, api_key: int, version: int
-                ) -> tuple[tuple[str, Callable[[str], bool], Callable[[str], str | None]], ...]:
-        got = self._undoing.get((api_key, version))
-        if got is None:
-            got = self._undoing[(api_key, version)] = tuple(
-                u for u in self.undo if entities.has_entity(api_key, version, "response", u[0]))
-        return got
-
-
-_TENANTS: dict[tuple[tuple[str, str], ...], _TenantNames] = {}
-
-
-def _tenant_of(prefixes: dict[str, str]) -> _TenantNames:
-    key = tuple(prefixes.items())
-    got = _TENANTS.get(key)
-    if got is None:
-        if len(_TENANTS) >= _CACHE_LIMIT:
-            _TENANTS.clear()
-        got = _TENANTS[key] = _TenantNames(
-            prefixes,
-            tuple((e, functools.partial(_prefixed, p)) for e, p in prefixes.items()),
-            tuple((e, functools.partial(_in_namespace, p), functools.partial(_unprefixed, p))
-                  for e, p in prefixes.items()))
-    return got
-
+# A tenant's names use the one prefix mechanism of kproxy.proxy.names (a replica's topic prefix is the other).
+_TenantNames = NamePrefixes
+_tenant_of = prefixes_of
 
 _BY_REWRITE: dict[int, tuple[Rewrite, _TenantNames]] = {}
 
@@ -1010,20 +967,8 @@ def _tenant(rewrite: Rewrite) -> _TenantNames:
     return got[1]
 
 
-def _prefixed(prefix: str, name: str) -> str | None:
-    return prefix + name if name else None
-
-
-def _unprefixed(prefix: str, name: str) -> str | None:
-    return name[len(prefix):] if name.startswith(prefix) else None
-
-
 def _asked_id(ids: frozenset[uuid.UUID], topic_id: uuid.UUID) -> bool:
     return topic_id == ZERO_UUID or topic_id in ids
-
-
-def _in_namespace(prefix: str, name: str) -> bool:
-    return not name or name.startswith(prefix)
 
 
 def _names_topics(req: Request) -> bool:
@@ -1109,46 +1054,6 @@ def _log_request(ctx: ConnectionContext, rule: Rule, params: Log, req: Request) 
             req.api_version, f" topics {safe(shown)}" if shown else "")
 
 
-_PATTERNS: dict[tuple[int, int], tuple[entities.Path, ...]] = {}
-
-
-def pattern_fields(api_key: int, version: int) -> tuple[entities.Path, ...]:
-    """Paths ((field name, is an array), ... from the root) of the request's name patterns: string
-    fields named ``*_regex`` or ``*_pattern``, which the schema leaves unmarked because no prefix can
-    rewrite them."""
-    got = _PATTERNS.get((api_key, version))
-    if got is None:
-        found: list[entities.Path] = []
-
-        def walk(s: StructSpec, prefix: entities.Path) -> None:
-            for f in s.fields:
-                if version not in f.versions:
-                    continue
-                if f.type == "string" and f.name.endswith(("_regex", "_pattern")):
-                    found.append((*prefix, (f.name, f.array)))
-                if f.struct is not None:
-                    walk(f.struct, (*prefix, (f.name, f.array)))
-
-        spec = api_by_key(api_key).request
-        assert spec is not None
-        walk(spec.root, ())
-        got = _PATTERNS[(api_key, version)] = tuple(found)
-    return got
-
-
-def _values_at(obj: Any, path: entities.Path) -> Iterable[Any]:
-    if obj is None:
-        return
-    if not path:
-        yield obj
-        return
-    (name, array), rest = path[0], path[1:]
-    value = getattr(obj, name)
-    # Arrays may be lazy (kproxy.protocol.LazyArray): the schema says which fields are arrays.
-    for item in (value or ()) if array else (value,):
-        yield from _values_at(item, rest)
-
-
 def _tenant_refusal(req: Request) -> Respond | None:
     """The answer to a request a tenant prefix cannot keep inside the tenant's namespace, or None."""
     if req.api_key in (CREATE_ACLS, DELETE_ACLS):
@@ -1164,9 +1069,8 @@ def _tenant_refusal(req: Request) -> Respond | None:
                                                                   error_message=message)
                                        for _ in req.body.filters])
         return Respond(body=body)
-    for path in pattern_fields(req.api_key, req.api_version):
-        if any(_values_at(req.body, path)):
-            return Respond(error_code=INVALID_REGULAR_EXPRESSION,
-                           error_message="kproxy: name patterns cannot be used with a tenant prefix; subscribe "
-                                         "by topic names, or match them in the client")
+    if uses_patterns(req):
+        return Respond(error_code=INVALID_REGULAR_EXPRESSION,
+                       error_message="kproxy: name patterns cannot be used with a tenant prefix; subscribe "
+                                     "by topic names, or match them in the client")
     return None
