@@ -255,8 +255,9 @@ class ClientConnection:
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
-                 prepare: Callable[[memoryview], Awaitable[None]] | None = None) -> None:
+                 prepare: Callable[[memoryview], Awaitable[None]] | None = None, cluster: str = "default") -> None:
         self.settings = settings
+        self.cluster = cluster                      # the upstream cluster it uses for its life
         self.router = router
         self.client = client
         self.session = session
@@ -281,6 +282,7 @@ class ClientConnection:
         self._nursery: trio.Nursery | None = None
         self.cancel_scope: trio.CancelScope | None = None
         self.draining = False
+        self._drain_reason = "kproxy is shutting down"
         self._upstream_generation = 0
         self.client_reader = FrameReader(settings.frame_cap, trust_claims=False,
                                          limit_name=settings.frame_cap_setting)
@@ -329,7 +331,7 @@ class ClientConnection:
         if not self._room.is_set():
             self._room.set()
         if self.draining and not session.open:
-            self._close_from_task("kproxy is shutting down (answered what was in flight)")
+            self._close_from_task(f"{self._drain_reason} (answered what was in flight)")
 
     # -- the whole connection
 
@@ -394,11 +396,13 @@ class ClientConnection:
                      trio.current_time() - self.opened_at, safe(reason, 500), safe(ctx.client_id),
                      self.requests_done, _size(self.bytes_in), _size(self.bytes_out))
 
-    def drain(self) -> None:
-        """Shut down gently: answer what is in flight, take no new request, then close."""
+    def drain(self, reason: str = "kproxy is shutting down") -> None:
+        """Shut down gently: answer what is in flight, take no new request, then close (a shutdown, or
+        a switch to another upstream cluster: the client reconnects)."""
         self.draining = True
+        self._drain_reason = reason
         if not self.session.open:
-            self._close_from_task("kproxy is shutting down (nothing in flight)")
+            self._close_from_task(f"{reason} (nothing in flight)")
 
     def _account(self) -> None:
         held = 0
@@ -487,7 +491,7 @@ class ClientConnection:
         while session.open:
             self._room = trio.Event()
             await self._room.wait()
-        raise ConnectionClosed("kproxy is shutting down (answered what was in flight)")
+        raise ConnectionClosed(f"{self._drain_reason} (answered what was in flight)")
 
     async def _execute(self, actions: list, *, flush: bool = True) -> None:
         """Carry out the session's actions in order; the same for every task. Answers are queued at
