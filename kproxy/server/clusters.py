@@ -378,27 +378,37 @@ class UpstreamClusters:
                 checkpoints = {}
             for group in sorted({*commits, *checkpoints}):
                 plan = plan_group(commits.get(group, {}), syncs, checkpoints.get(group, {}), old.prefix, new.prefix)
+                log.debug("virtual cluster %s: group %s: commits seen %s, resumes at %s", self.virtual_cluster,
+                          group, commits.get(group), plan)
                 if not plan:
                     continue
                 try:
-                    done = await self._commit(target, group, {tp: t.offset for tp, t in plan.items()})
+                    current, done = await self._commit(target, group, {tp: t.offset for tp, t in plan.items()})
                 except (OSError, trio.TooSlowError, KProxyError) as e:
                     report.problems.append(f"group {group}: {safe(str(e) or 'timed out')}")
                     continue
-                report.offsets[group] = {f"{t}[{p}]": (plan[(t, p)].offset, plan[(t, p)].source) for (t, p) in done}
+                # What the group resumes from: kproxy's commit, or what the new cluster held already
+                # (MM2's own group offset sync, or the group's own commits there).
+                report.offsets[group] = {
+                    f"{t}[{p}]": ((plan[(t, p)].offset, plan[(t, p)].source) if (t, p) in done
+                                  else (current.get((t, p), plan[(t, p)].offset), "target")) for (t, p) in plan}
         finally:
             target.close()
 
     async def _commit(self, target: ClusterClient, group: str, offsets: dict[tuple[str, int], int]
-                      ) -> list[tuple[str, int]]:
+                      ) -> tuple[dict[tuple[str, int], int], list[tuple[str, int]]]:
         """Commit the offsets the target holds less of; read back and commit again (another worker
-        may have committed its own, lower view at the same moment). The partitions committed."""
+        may have committed its own, lower view at the same moment). (What the target held before,
+        the partitions committed.)"""
         done: list[tuple[str, int]] = []
+        held: dict[tuple[str, int], int] | None = None
         for _ in range(3):
             current = await target.committed(group)
+            if held is None:
+                held = current
             ahead = {tp: o for tp, o in offsets.items() if o > current.get(tp, -1)}
             if not ahead:
-                return done
+                break
             errors = await target.commit(group, ahead)
             refused = {tp: e for tp, e in errors.items() if e}
             if refused:
@@ -406,7 +416,7 @@ class UpstreamClusters:
                 raise ReplicaError(f"commit refused on {target.name} (errors "
                                    f"{sorted(set(refused.values()))}); a group with members keeps its own offsets")
             done += [tp for tp in ahead if tp not in done]
-        return done
+        return held or {}, done
 
     # -- background: probes, failover, the state file, MM2's offset syncs
 

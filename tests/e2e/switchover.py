@@ -225,3 +225,37 @@ def wait_until(check: Any, what: str, timeout: float = 60.0) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
+
+
+class Reader:
+    """One consumer of a group, in its own thread, until ``close()`` (which commits where it is)."""
+
+    def __init__(self, bootstrap: str, topic: str, group: str) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self.errors: list[Any] = []
+        self._stop = threading.Event()
+        self._config = {"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
+                        "enable.auto.commit": True, "auto.commit.interval.ms": 200, "session.timeout.ms": 6000,
+                        "max.poll.interval.ms": 6000, "heartbeat.interval.ms": 500}
+        self.topic = topic
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        c = Consumer(self._config)
+        c.subscribe([self.topic])
+        try:
+            while not self._stop.is_set():
+                m = c.poll(0.2)
+                if m is None:
+                    continue
+                if m.error() is not None:
+                    self.errors.append(m.error())
+                    continue
+                self.seen.append((m.partition(), int(m.value())))
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)

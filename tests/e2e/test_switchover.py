@@ -27,6 +27,7 @@ from tests.e2e.switchover import (
     PARTITIONS,
     Load,
     Pair,
+    Reader,
     config_text,
     only_retriable,
     pair,
@@ -48,6 +49,8 @@ def http(url: str, method: str = "GET", timeout: float = 60) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+    except OSError as e:        # not listening yet, or gone
+        return 0, str(e)
 
 
 def upstream(admin: int) -> dict:
@@ -121,6 +124,42 @@ def test_a_planned_switch_under_load_loses_nothing_and_clients_see_one_cluster(p
         assert view["carried_batches"] > 0
     state = json.loads((tmp_path / "kproxy-state.json").read_text())
     assert state["virtual_clusters"]["default"]["active"] == "secondary"
+
+
+@pytest.mark.parametrize("translation", ["mm2", "off"])
+def test_a_group_that_moves_resumes_near_its_last_commit(pair: Pair, tmp_path: Path, translation: str) -> None:
+    """The group's consumer stops on the primary (committing where it is) and a new one starts on the
+    secondary right after the switch: it re-reads what lies between the group's last commit and where
+    the secondary says the group is. With MM2's own group offset sync (off) that is up to a
+    checkpoint plus a sync interval of records; kproxy's translation of the commit it saw (mm2)
+    leaves at most what lies between the commit and MM2's last offset sync before it."""
+    text, _, admin = config_text(pair, tmp_path, translation=translation)
+    with ProxyThread(parse_config(text, str(tmp_path / "kproxy.yaml"))) as proxy:
+        load = Load(proxy.bootstrap, pair.topic).start(consume=False)
+        first = Reader(proxy.bootstrap, pair.topic, load.group)
+        wait_until(lambda: len(first.seen) > 2000, "the group reads through kproxy")
+        first.close()
+        status, body = http(f"http://127.0.0.1:{admin}/switch?cluster=secondary", "POST")
+        assert status == 200, body
+        report = json.loads(body)
+        second = Reader(proxy.bootstrap, pair.topic, load.group)
+        wait_until(lambda: len(second.seen) > 500, "the group reads on through the secondary")
+        load.stop()
+        wait_until(lambda: {(p, v) for p, v, _ in load.acked} <= {*first.seen, *second.seen},
+                   "the group reads everything acknowledged")
+        second.close()
+        reread = len(set(first.seen) & set(second.seen))
+        if translation == "mm2":
+            # The commit kproxy saw, translated (unless MM2's sync had already put as much there): at
+            # most offset.lag.max (100) records per partition back.
+            resumed = report["offsets"][load.group]
+            assert set(resumed) == {f"primary.{pair.topic}[{p}]" for p in range(PARTITIONS)}, report
+            assert {v["source"] for v in resumed.values()} <= {"kproxy", "target"}, report
+            assert reread <= PARTITIONS * 100 + 20, reread
+        else:
+            assert report["offsets"] == {}
+            assert reread <= load.rate() * GROUP_SYNC_LAG_S + 100, (reread, load.rate())
+        assert not (first.errors or second.errors)
 
 
 def test_failover_when_the_primary_dies(pair: Pair, tmp_path: Path) -> None:
@@ -217,3 +256,42 @@ def test_kproxy_switch_command(pair: Pair, tmp_path: Path) -> None:
         refused = switch("primary")
         assert refused.returncode == 1 and "does not answer" in refused.stderr
         assert upstream(admin)["active"] == "secondary"
+
+
+def test_every_worker_switches(pair: Pair, tmp_path: Path) -> None:
+    """``workers: 2``: POST /switch on the supervisor switches both workers (each drains its own
+    connections); then a failover back is decided by each worker's probes alike."""
+    text, port, admin = config_text(pair, tmp_path, translation="off", prefix=False, failover=2.0)
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(text.replace("exposure: {advertised_host: 127.0.0.1, broker_port_count: 6}",
+                                   f"exposure: {{advertised_host: 127.0.0.1, broker_port_count: 6, "
+                                   f"node_id_base: {pair.primary.node_id}}}") + "workers: 2\n")
+    log = tmp_path / "kproxy.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)],
+                                stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        wait_until(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200, log.read_text)
+        status, body = http(f"http://127.0.0.1:{admin}/switch?cluster=secondary", "POST")
+        assert status == 200, body
+        answers = json.loads(body)["workers"]
+        assert sorted(answers) == ["0", "1"] and {a["to"] for a in answers.values()} == {"secondary"}
+        # Merged over the workers, "primary" is 0 only when no worker is on it any more.
+        assert metric(admin, "kproxy_upstream_active", cluster="primary") == 0.0
+        assert metric(admin, "kproxy_upstream_active", cluster="secondary") == 1.0
+        load = Load(f"127.0.0.1:{port}", pair.topic).start(consume=False)
+        wait_until(lambda: load.acked_count() > 300, "records go through both workers")
+        load.stop()
+        assert only_retriable(load.errors) == []
+        assert sum(len(v) for v in read_log(pair.secondary.bootstrap, pair.topic).values()) >= load.acked_count()
+
+        # The secondary dies: every worker fails over to the primary by itself.
+        pair.secondary.stop()
+        wait_until(lambda: metric(admin, "kproxy_upstream_active", cluster="secondary") == 0.0,
+                   "both workers fail over", 30)
+        assert metric(admin, "kproxy_upstream_switches_total", reason="planned") == 2.0
+        state = json.loads((tmp_path / "kproxy-state.json").read_text())["virtual_clusters"]["default"]
+        assert (state["active"], state["reason"], state["abandoned"]) == ("primary", "failover", ["secondary"])
+    finally:
+        proc.terminate()
+        proc.wait(30)
