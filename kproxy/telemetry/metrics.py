@@ -455,10 +455,10 @@ def upstream_families(snap: Mapping[str, Any]) -> list[Metric]:
                  "issued, carried under a producer id kproxy got from the active one.", ["virtual_cluster"],
                  {(vc,): snap["carried_batches"]}),
     ]
-    if snap["probed"]:
-        out.append(_gauge("kproxy_upstream_reachable", "1 when a broker of the upstream cluster answered the "
-                          "last probe (a refused login counts as an answer), else 0.", ["virtual_cluster", "cluster"],
-                          {(vc, c): 1 if ok else 0 for c, ok in clusters.items() if ok is not None}))
+    # Declared always; samples once clusters are probed (only with several of them).
+    out.append(_gauge("kproxy_upstream_reachable", "1 when a broker of the upstream cluster answered the "
+                      "last probe (a refused login counts as an answer), else 0.", ["virtual_cluster", "cluster"],
+                      {(vc, c): 1 if ok else 0 for c, ok in clusters.items() if ok is not None and snap["probed"]}))
     return out
 
 

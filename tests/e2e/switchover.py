@@ -81,22 +81,24 @@ class Load:
         self.producer_kind = producer
         self.acked: list[tuple[int, int, float]] = []      # (partition, value, when acknowledged)
         self.errors: list[Any] = []                        # delivery errors (KafkaError or exceptions)
-        self.seen: list[tuple[int, int]] = []              # (partition, value) as the group got them
-        self.consumer_errors: list[Any] = []
+        self.reader: Reader | None = None                  # the consumer group's one member
         self.sent = 0
         self._stop_producing = threading.Event()
-        self._stop_consuming = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     def start(self, consume: bool = True) -> Load:
         target = self._produce_confluent if self.producer_kind == "confluent" else self._produce_kafka_python
         self._threads = [threading.Thread(target=target, daemon=True)]
+        self._threads[0].start()
         if consume:
-            self._threads.append(threading.Thread(target=self._consume, daemon=True))
-        for t in self._threads:
-            t.start()
+            self.reader = Reader(self.bootstrap, self.topic, self.group)
         return self
+
+    @property
+    def seen(self) -> list[tuple[int, int]]:
+        """(partition, value) as the group got them."""
+        return self.reader.seen if self.reader is not None else []
 
     def _ack(self, partition: int, value: int) -> None:
         with self._lock:
@@ -134,43 +136,25 @@ class Load:
         p.flush(120)
         p.close(10)
 
-    def _consume(self) -> None:
-        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group, "auto.offset.reset": "earliest",
-                      "enable.auto.commit": True, "auto.commit.interval.ms": 200, "session.timeout.ms": 6000,
-                      "max.poll.interval.ms": 6000, "heartbeat.interval.ms": 500})
-        c.subscribe([self.topic])
-        try:
-            while not self._stop_consuming.is_set():
-                m = c.poll(0.2)
-                if m is None:
-                    continue
-                if m.error() is not None:
-                    self.consumer_errors.append(m.error())
-                    continue
-                with self._lock:
-                    self.seen.append((m.partition(), int(m.value())))
-        finally:
-            c.close()
-
     def stop(self, consumed_within: float = 60.0) -> None:
         """Stop producing (everything sent is acknowledged or failed), let the group read what was
         acknowledged, then stop it."""
         self._stop_producing.set()
         self._threads[0].join(180)
         deadline = time.monotonic() + consumed_within
-        while len(self._threads) > 1 and self.missing() and time.monotonic() < deadline:
+        while self.reader is not None and self.missing() and time.monotonic() < deadline:
             time.sleep(0.2)
-        self._stop_consuming.set()
-        for t in self._threads[1:]:
-            t.join(30)
+        if self.reader is not None:
+            self.reader.close()
 
     def missing(self) -> set[tuple[int, int]]:
         with self._lock:
-            return {(p, v) for p, v, _ in self.acked} - set(self.seen)
+            acked = {(p, v) for p, v, _ in self.acked}
+        return acked - set(self.seen)
 
     def rereads(self) -> int:
-        with self._lock:
-            return len(self.seen) - len(set(self.seen))
+        seen = list(self.seen)
+        return len(seen) - len(set(seen))
 
     def acked_count(self) -> int:
         with self._lock:
