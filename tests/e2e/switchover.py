@@ -8,6 +8,7 @@ each value is one record; the consumer group records what it was given.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -83,6 +84,7 @@ class Load:
         self.errors: list[Any] = []                        # delivery errors (KafkaError or exceptions)
         self.reader: Reader | None = None                  # the consumer group's one member
         self.sent = 0
+        self.sent_at: dict[int, float] = {}                # value -> when it was handed to the producer
         self._stop_producing = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -115,6 +117,7 @@ class Load:
                 self._ack(msg.partition(), int(msg.value()))
 
         while not self._stop_producing.is_set():
+            self.sent_at[self.sent] = time.monotonic()
             p.produce(self.topic, str(self.sent).encode(), partition=self.sent % PARTITIONS, on_delivery=delivered)
             self.sent += 1
             p.poll(0)
@@ -159,6 +162,15 @@ class Load:
     def acked_count(self) -> int:
         with self._lock:
             return len(self.acked)
+
+    def stalls(self) -> tuple[float, float]:
+        """(the longest time a record waited for its acknowledgement, the longest time between two
+        acknowledgements), in seconds."""
+        with self._lock:
+            acked = sorted(self.acked, key=lambda a: a[2])
+        waits = [at - self.sent_at[v] for _, v, at in acked if v in self.sent_at]
+        gaps = [b[2] - a[2] for a, b in itertools.pairwise(acked)]
+        return max(waits, default=0.0), max(gaps, default=0.0)
 
     def rate(self) -> float:
         """Records acknowledged per second over the run."""
