@@ -34,6 +34,7 @@ from tests.e2e.switchover import (
     read_log,
     wait_until,
 )
+from tests.e2e.tansu import TansuBroker
 
 pytestmark = pytest.mark.e2e
 __all__ = ["pair"]     # the fixture: two brokers and the MM2 stand-in
@@ -295,3 +296,42 @@ def test_every_worker_switches(pair: Pair, tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_producer_id_one_cluster_issued_is_unknown_to_the_other(pair: Pair) -> None:
+    """Why kproxy carries producers: tansu refuses a producer id it did not issue, at any sequence,
+    and numbers its own from the same start, so another cluster's id may be someone else's."""
+    import trio
+
+    from kproxy.protocol.messages import Request, body_class
+    from kproxy.protocol.records import build_batch
+    from kproxy.server.origination import direct_roundtrip
+    from kproxy.server.transport import connect
+
+    async def ask(broker: TansuBroker, api_key: int, version: int, **fields: object) -> object:
+        t = await connect(broker.host, broker.port, 10, None)
+        try:
+            roundtrip = direct_roundtrip(t, 10)
+            return (await roundtrip(Request.build(api_key, version, 1, "t",
+                                                  body_class(api_key, "request")(**fields)))).body
+        finally:
+            t.close()
+
+    async def main() -> None:
+        issued = await ask(pair.primary, 22, 4, transactional_id=None, transaction_timeout_ms=60000)
+        other = await ask(pair.secondary, 22, 4, transactional_id=None, transaction_timeout_ms=60000)
+        # Both number from the same start: the first ids of one are the first ids of the other.
+        assert 0 <= issued.producer_id < 10 and 0 <= other.producer_id < 10
+        pr = body_class(0, "request")
+        topic = f"primary.{pair.topic}"
+        for sequence in (0, 7):
+            records = build_batch([(b"k", b"v")], producer_id=issued.producer_id + 100,
+                                  producer_epoch=0, base_sequence=sequence)
+            answer = await ask(pair.secondary, 0, 9, transactional_id=None, acks=-1, timeout_ms=5000, topic_data=[
+                pr.TopicProduceData(name=topic, partition_data=[pr.PartitionProduceData(index=0, records=records)])])
+            assert answer.responses[0].partition_responses[0].error_code == 59     # UNKNOWN_PRODUCER_ID
+        bump = await ask(pair.secondary, 22, 4, transactional_id=None, transaction_timeout_ms=60000,
+                         producer_id=issued.producer_id + 100, producer_epoch=0)
+        assert bump.error_code != 0         # KIP-360's epoch bump of an id it did not issue: refused
+
+    trio.run(main)
