@@ -262,7 +262,9 @@ class UpstreamClusters:
                 return report
             if planned is None:
                 planned = reason == "planned"
-            if planned:
+            if reason == "planned":
+                # Asked for here: refused rather than moving clients to a cluster that does not answer
+                # (a process following another's switch, or a failover, has decided already).
                 why = await self.probe(new)
                 if why is not None:
                     raise SwitchError(f"cluster {to} does not answer ({why}); the virtual cluster stays on "
