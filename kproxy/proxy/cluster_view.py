@@ -3,7 +3,9 @@
 - ``ClusterIdentity``: every answer that carries a cluster id (the schema says which: Metadata and
   DescribeCluster) carries the virtual cluster's own, so tools see one cluster, the same before and
   after a switch, and two virtual clusters on one upstream cluster are two clusters to them (KIP-78).
-  A request that names the virtual cluster's id gets the upstream cluster's back.
+  Requests are left alone: only KRaft's replication and quorum requests name a cluster id (Fetch's
+  tagged field, Vote...), which clients do not send, and a request filter on Fetch would cost every
+  Fetch its forwarding as received.
 - ``ReplicaNames``: a replica whose topics carry a prefix (MirrorMaker 2's default replication
   policy names the primary's ``orders`` ``primary.orders``): the prefix goes on every topic name of a
   request and comes off every name in the answer, with the tenant-prefix mechanism of
@@ -37,18 +39,18 @@ def derived_cluster_id(virtual_cluster: str) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
-def _apis_with_cluster_id(kind: str) -> frozenset[int]:
-    """Api keys whose ``kind`` message has a ``cluster_id`` string at its root, in some version."""
+def _answers_with_cluster_id() -> frozenset[int]:
+    """Api keys whose response has a ``cluster_id`` string at its root, in some version."""
     keys = set()
     for key, api in apis().items():
-        msg = api.request if kind == "request" else api.response
+        msg = api.response
         if msg is not None and any(f.name == "cluster_id" and f.type == "string" for f in msg.root.fields):
             keys.add(key)
     return frozenset(keys)
 
 
 class ClusterIdentity(Filter):
-    """Answers carry ``cluster_id`` (the virtual cluster's); requests carry the upstream's."""
+    """Answers carry ``cluster_id``: the virtual cluster's."""
 
     name = "cluster-id"
     reports_changes = True      # on_response marks each answer whose id it replaced
@@ -56,16 +58,8 @@ class ClusterIdentity(Filter):
     def __init__(self, cluster_id: str) -> None:
         self.cluster_id = cluster_id
         self.upstream_id: str | None = None      # learned from the cluster's own answers
-        self.response_api_keys = _apis_with_cluster_id("response")
-        self.request_api_keys = _apis_with_cluster_id("request")
+        self.response_api_keys = _answers_with_cluster_id()
         self._key = ("cluster-id", cluster_id)
-
-    def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
-        body = exchange.request.body
-        # Only Fetch (v12+, tagged) and the KRaft quorum requests have one; clients leave it null.
-        if getattr(body, "cluster_id", None) == self.cluster_id:
-            body.cluster_id = self.upstream_id
-        return None
 
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         body = response.body

@@ -67,19 +67,12 @@ def test_describe_cluster_carries_the_virtual_clusters_id(version: int) -> None:
     assert got.body.cluster_id == "vc-id"
 
 
-def test_the_ids_are_asked_of_the_schema() -> None:
+def test_the_ids_are_asked_of_the_schema_and_cost_produce_and_fetch_nothing() -> None:
     view = ClusterIdentity("x")
-    assert {METADATA, DESCRIBE_CLUSTER} <= view.response_api_keys
-    assert FETCH in view.request_api_keys and PRODUCE not in view.response_api_keys
-
-
-def test_a_request_naming_the_virtual_id_names_the_upstream_one() -> None:
-    view = ClusterIdentity("vc-id")
-    view.upstream_id = "upstream-id"
-    s = session(view)
-    fetch = body_class(FETCH, "request")(cluster_id="vc-id", replica_id=-1, max_wait_ms=0, min_bytes=1, topics=[])
-    up = forwarded(s.client_frame(request_frame(FETCH, 12, 7, fetch))[-1])
-    assert up.body.cluster_id == "upstream-id"
+    assert view.response_api_keys == {METADATA, DESCRIBE_CLUSTER}
+    # No request filter: Produce and Fetch requests still go out as they were received.
+    assert not view.request_api_keys
+    assert FilterChain([view]).for_request(FETCH) == ()
 
 
 # -- a replica's topic prefix
