@@ -14,7 +14,9 @@
   it through MirrorMaker 2's offset syncs and commit it on the new cluster.
 
 ``SwitchBook`` holds it per virtual cluster; ``Continuity`` is the filter (one per upstream cluster)
-that fills it and carries producers. Names are the clients' (after a tenant's prefix, before a
+that fills it, and ``ProducerCarrier`` the one that carries producers: it joins a cluster's chain
+only once the virtual cluster has switched, so until then Produce requests meet no request filter
+of this module and go out as they were received. Names are the clients' (after a tenant's prefix, before a
 replica's). Pure and bounded: time is not read; tables forget their oldest entries past their limits.
 """
 
@@ -30,7 +32,6 @@ from kproxy.protocol.errors import NOT_LEADER_OR_FOLLOWER
 from kproxy.protocol.messages import Request, Response, body_class
 from kproxy.protocol.records import RecordBatch, RecordsError, iter_batches, summarize, with_producer
 from kproxy.proxy.filters import AskBroker, ConnectionContext, Filter, RequestVerdict, Respond
-from kproxy.proxy.session import STREAMED
 
 log = logging.getLogger("kproxy.continuity")
 
@@ -123,10 +124,11 @@ class _Produced:
 
 
 class Continuity(Filter):
-    """Fills the SwitchBook of one upstream cluster and carries producers another cluster issued."""
+    """Fills the SwitchBook of one upstream cluster: producer ids it issued, acknowledged ends, group
+    commits; and asks for a new producer id where a producer names one this cluster did not issue."""
 
     name = "continuity"
-    request_api_keys = frozenset({PRODUCE, OFFSET_COMMIT, INIT_PRODUCER_ID})
+    request_api_keys = frozenset({OFFSET_COMMIT, INIT_PRODUCER_ID})
     response_api_keys = frozenset({INIT_PRODUCER_ID})
     done_api_keys = frozenset({PRODUCE, OFFSET_COMMIT})
     reports_changes = True      # it only reads answers
@@ -136,18 +138,12 @@ class Continuity(Filter):
         self.book = book
 
     def sees_whole(self, api_key: int, kind: str) -> bool:
-        return kind == "request" and api_key == PRODUCE
-
-    def may_stream_request(self, ctx: ConnectionContext, exchange: Any, head: Any) -> bool:
-        # Until a switch no batch is carried; the acknowledged ends come from the streamed facts.
-        return not self.book.switched and head.values.get("transactional_id") is None
+        return False            # it changes no frame, and reads a streamed Produce's records facts
 
     # -- requests
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         req: Request = exchange.request
-        if req.api_key == PRODUCE:
-            return self._produce(ctx, exchange, req)
         if req.api_key == OFFSET_COMMIT:
             commits = [(t.name, p.partition_index, p.committed_offset)
                        for t in req.body.topics if getattr(t, "name", None) for p in t.partitions]
@@ -161,26 +157,91 @@ class Continuity(Filter):
             body.producer_id, body.producer_epoch = -1, -1
         return None
 
+    # -- answers
+
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
+        body = response.body
+        if body.error_code == 0 and body.producer_id >= 0:
+            self.book.issue(self.cluster, _client(ctx), body.producer_id, body.producer_epoch)
+        return 0.0
+
+    def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
+        response = exchange.response
+        if response is None:
+            return
+        if exchange.api_key == OFFSET_COMMIT:
+            kept = exchange.kept(self)
+            if kept is None:
+                return
+            group, commits = kept
+            refused = {(t.name, p.partition_index) for t in response.body.topics for p in t.partitions
+                       if p.error_code != 0}
+            for topic, partition, offset in commits:
+                if (topic, partition) not in refused and offset >= 0:
+                    self.book.committed(self.cluster, group, topic, partition, offset)
+            return
+        counts = _record_counts(exchange)
+        for t in response.body.responses:
+            topic = getattr(t, "name", None) or str(getattr(t, "topic_id", ""))
+            for p in t.partition_responses:
+                n = counts.get((topic, p.index), 0)
+                if p.error_code == 0 and p.base_offset >= 0 and n > 0:
+                    self.book.acknowledged(self.cluster, topic, p.index, p.base_offset + n)
+
+
+def _record_counts(exchange: Any) -> dict[tuple[str, int], int]:
+    """Records per (topic, partition) of a Produce request: from its batch headers, or from what they
+    said as it streamed past (``records_facts``)."""
+    counts: dict[tuple[str, int], int] = {}
+    if exchange.records_facts:
+        for facts in exchange.records_facts:
+            topic, partition = facts.path
+            counts[(str(topic), partition)] = facts.records
+        return counts
+    req = exchange.request
+    if req is None:
+        return counts
+    for t in req.body.topic_data:
+        topic = getattr(t, "name", None) or str(getattr(t, "topic_id", ""))
+        for part in t.partition_data:
+            if part.records:
+                try:
+                    counts[(topic, part.index)] = summarize(part.records).record_count
+                except RecordsError:
+                    continue
+    return counts
+
+
+class ProducerCarrier(Filter):
+    """Carries producers another upstream cluster issued on this one (the module docstring); in a
+    cluster's chain only once the virtual cluster has switched."""
+
+    name = "producer-carrier"
+    request_api_keys = frozenset({PRODUCE})
+
+    def __init__(self, cluster: str, book: SwitchBook) -> None:
+        self.cluster = cluster
+        self.book = book
+
+    def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
+        return self._produce(ctx, exchange, exchange.request)
+
     def _produce(self, ctx: ConnectionContext, exchange: Any, req: Request) -> RequestVerdict:
         body = req.body
-        produced = _Produced()
-        exchange.keep(self, produced)
-        if exchange.request_path == STREAMED:
-            return None     # streamed (never while carrying): its counts are read in on_done
         client = _client(ctx)
         need: tuple[int, int] | None = None
+        if body.transactional_id is not None:
+            return None         # transactions are not carried (docs/switchover.md)
         for t in body.topic_data:
-            topic = getattr(t, "name", None) or str(getattr(t, "topic_id", ""))
             for part in t.partition_data:
                 records = part.records
                 if not records:
                     continue
                 try:
-                    produced.counts[(topic, part.index)] = summarize(records).record_count
                     first = next(iter(iter_batches(records)), None)
                 except RecordsError:
                     continue            # the broker judges what kproxy cannot read
-                if (body.transactional_id is None and isinstance(first, RecordBatch) and first.producer_id >= 0
+                if (isinstance(first, RecordBatch) and first.producer_id >= 0
                         and self.book.must_carry(self.cluster, client, first.producer_id, first.producer_epoch)):
                     need = (first.producer_id, first.producer_epoch)
         if need is None:
@@ -223,39 +284,6 @@ class Continuity(Filter):
                     out.append(with_producer(batch, carried.producer_id, carried.producer_epoch, sequence))
                     self.book.carried_batches += 1
                 part.records = b"".join(out)
-
-    # -- answers
-
-    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
-        body = response.body
-        if body.error_code == 0 and body.producer_id >= 0:
-            self.book.issue(self.cluster, _client(ctx), body.producer_id, body.producer_epoch)
-        return 0.0
-
-    def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
-        response = exchange.response
-        kept = exchange.kept(self)
-        if response is None or kept is None:
-            return
-        if exchange.api_key == OFFSET_COMMIT:
-            group, commits = kept
-            refused = {(t.name, p.partition_index) for t in response.body.topics for p in t.partitions
-                       if p.error_code != 0}
-            for topic, partition, offset in commits:
-                if (topic, partition) not in refused and offset >= 0:
-                    self.book.committed(self.cluster, group, topic, partition, offset)
-            return
-        counts = kept.counts
-        if exchange.records_facts:
-            for facts in exchange.records_facts:
-                topic, partition = facts.path
-                counts[(str(topic), partition)] = facts.records
-        for t in response.body.responses:
-            topic = getattr(t, "name", None) or str(getattr(t, "topic_id", ""))
-            for p in t.partition_responses:
-                n = counts.get((topic, p.index), 0)
-                if p.error_code == 0 and p.base_offset >= 0 and n > 0:
-                    self.book.acknowledged(self.cluster, topic, p.index, p.base_offset + n)
 
 
 def _client(ctx: ConnectionContext) -> ClientKey:

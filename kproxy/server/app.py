@@ -36,7 +36,7 @@ from kproxy.protocol.messages import (
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
 from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames, derived_cluster_id
-from kproxy.proxy.continuity import Continuity, SwitchBook
+from kproxy.proxy.continuity import Continuity, ProducerCarrier, SwitchBook
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.memo import AnswerMemo
 from kproxy.proxy.reencode import ReencodeCheck
@@ -239,19 +239,25 @@ class ProxyServer:
             prefix = up.topic_prefix(name)
             first: list[Filter] = [ClusterIdentity(cluster_id)]
             last: list[Filter] = []
+            carrying: list[Filter] = []
             if up.several:
                 last.append(Continuity(name, self.switch_book))
+                # Joins the chain only once the virtual cluster has switched: until then Produce
+                # requests meet no filter of its own and go out as they were received.
+                carrying.append(ProducerCarrier(name, self.switch_book))
+            outgoing: list[Filter] = []
             if prefix:
                 names = ReplicaNames(prefix)
                 first.insert(0, names.incoming)
-                last.append(names.outgoing)
+                outgoing.append(names.outgoing)
             alias = next((c.alias for c in up.clusters if c.name == name), name)
             out.append(Cluster(
                 name, cfg, settings, prefix, alias, tls if up.several else None,
-                FilterChain([*first, *builtin, *filters, *last]),
+                FilterChain([*first, *builtin, *filters, *last, *outgoing]),
                 attrs.evolve(self.settings, bootstrap_servers=tuple((hp.host, hp.port) for hp in cfg.bootstrap_servers),
                              upstream=settings),
-                self.topic_names.without_prefix(prefix)))
+                self.topic_names.without_prefix(prefix),
+                carrying_chain=FilterChain([*first, *builtin, *filters, *last, *carrying, *outgoing])))
         return out
 
     def switchable(self) -> dict[str, UpstreamClusters]:
@@ -266,9 +272,7 @@ class ProxyServer:
     @property
     def chain(self) -> FilterChain:
         """The filters of a connection opened now (the active upstream cluster's)."""
-        chain = self.upstreams.active.chain
-        assert chain is not None
-        return chain
+        return self.upstreams.active.chain_now(self.switch_book.switched)
 
     def _upstream_tls_contexts(self) -> list[ReloadingContext]:
         clusters = [c.tls for c in self.upstreams.clusters.values() if c.tls is not None]
@@ -281,9 +285,10 @@ class ProxyServer:
         for c in moving:
             c.drain(reason)
         with trio.move_on_after(timeout):
-            while any(c in self.connections for c in moving):
+            # Done once each has written every answer it owed (it then closes gracefully by itself).
+            while any(c in self.connections and not c.closing for c in moving):
                 await trio.sleep(0.005)
-        left = [c for c in moving if c in self.connections]
+        left = [c for c in moving if c in self.connections and not c.closing]
         if left:
             log.warning("%s: closing %d connections with requests still in flight after %gs", reason, len(left),
                         timeout)
@@ -596,9 +601,9 @@ class ProxyServer:
         # The upstream cluster it uses for its life; while a switch is under way this waits (new
         # requests are held), and nothing below waits before the connection is in self.connections.
         cluster = await self.upstreams.current()
-        assert cluster.chain is not None
+        chain = cluster.chain_now(self.switch_book.switched)
         front = self.identity.front(ctx)
-        session = Session(ctx, cluster.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
+        session = Session(ctx, chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=cluster.topic_names, front=front,
                           stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)

@@ -77,6 +77,14 @@ class Cluster:
     reachable: bool | None = None           # the last probe's answer (None: not probed yet)
     unreachable_since: float | None = None  # since when no probe has had an answer
     probe_error: str | None = None
+    # The chain once the virtual cluster has switched: with the filter that carries producers.
+    carrying_chain: FilterChain | None = None
+
+    def chain_now(self, switched: bool) -> FilterChain:
+        """The filters of a connection opening now."""
+        chain = self.carrying_chain if switched and self.carrying_chain is not None else self.chain
+        assert chain is not None
+        return chain
 
     @property
     def bootstrap(self) -> tuple[tuple[str, int], ...]:

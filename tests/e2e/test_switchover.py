@@ -79,7 +79,9 @@ def check_log(pair: Pair, load: Load) -> None:
         acked[p].add(v)
     for p in range(PARTITIONS):
         values = log[p]
-        assert len(values) == len(set(values)), f"partition {p} holds a record twice"
+        twice = sorted({v for v in values if values.count(v) > 1})[:5]
+        assert not twice, (f"partition {p} holds records twice: {twice} at "
+                           f"{[i for i, v in enumerate(values) if v in twice]} of {len(values)}")
         assert values == sorted(values), f"partition {p} is out of produce order"
         assert acked[p] <= set(values), f"partition {p} lacks {len(acked[p] - set(values))} acknowledged records"
 

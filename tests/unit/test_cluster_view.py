@@ -11,7 +11,7 @@ import pytest
 from kproxy.protocol.messages import Request, body_class, decode_request
 from kproxy.protocol.records import RecordBatch, build_batch, iter_batches
 from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames, derived_cluster_id
-from kproxy.proxy.continuity import Continuity, SwitchBook
+from kproxy.proxy.continuity import Continuity, ProducerCarrier, SwitchBook
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.session import Ask, Session, ToClient
 from kproxy.proxy.topics import TopicNames
@@ -155,9 +155,19 @@ def init_answer(producer_id: int, epoch: int = 0) -> Any:
     return body_class(INIT_PRODUCER_ID, "response")(producer_id=producer_id, producer_epoch=epoch)
 
 
+def carrying(cluster: str, book: SwitchBook) -> tuple[Continuity, ProducerCarrier]:
+    """The filters of a cluster's chain after a switch, as the server orders them."""
+    return Continuity(cluster, book), ProducerCarrier(cluster, book)
+
+
+def test_before_a_switch_produce_requests_meet_no_request_filter() -> None:
+    chain = FilterChain([Continuity("primary", SwitchBook())])
+    assert chain.for_request(PRODUCE) == () and chain.whole_frame_filter(PRODUCE, "request") is None
+
+
 def test_a_producer_issued_by_the_cluster_passes_untouched_and_its_acks_are_counted() -> None:
     book = SwitchBook()
-    s = session(Continuity("primary", book))
+    s = session(*carrying("primary", book))
     ip = body_class(INIT_PRODUCER_ID, "request")(transactional_id=None, transaction_timeout_ms=60000)
     roundtrip(s, INIT_PRODUCER_ID, 4, ip, lambda up: init_answer(7))
     assert book.issued[(("10.0.0.5", "app"), 7, 0)] == "primary"
@@ -172,7 +182,7 @@ def test_a_producer_issued_by_the_cluster_passes_untouched_and_its_acks_are_coun
 def test_a_producer_from_another_cluster_is_carried_under_an_id_kproxy_asks_for() -> None:
     book = SwitchBook()
     book.issue("primary", ("10.0.0.5", "app"), 7, 0)
-    s = session(Continuity("secondary", book))
+    s = session(*carrying("secondary", book))
     acts = s.client_frame(request_frame(PRODUCE, 9, 7, produce(batch(7, 0, 30))))
     assert [type(a) for a in acts] == [Ask]
     question = decode_request(b"".join(bytes(b) for b in acts[0].buffers)[4:])
@@ -197,7 +207,7 @@ def test_a_producer_from_another_cluster_is_carried_under_an_id_kproxy_asks_for(
 
 def test_after_a_switch_an_unknown_producer_is_carried_but_not_before() -> None:
     book = SwitchBook()
-    s = session(Continuity("secondary", book))
+    s = session(*carrying("secondary", book))
     up = forwarded(s.client_frame(request_frame(PRODUCE, 9, 7, produce(batch(5, 0, 9))))[-1])
     assert next(iter(iter_batches(up.body.topic_data[0].partition_data[0].records))).producer_id == 5
     s.upstream_frame(memoryview(response_frame(PRODUCE, 9, up.correlation_id, produce_answer(up))))
@@ -209,7 +219,7 @@ def test_after_a_switch_an_unknown_producer_is_carried_but_not_before() -> None:
 def test_a_producer_that_cannot_be_carried_yet_retries() -> None:
     book = SwitchBook()
     book.switched = True
-    s = session(Continuity("secondary", book))
+    s = session(*carrying("secondary", book))
     acts = s.client_frame(request_frame(PRODUCE, 9, 7, produce(batch(5, 0, 9))))
     question = decode_request(b"".join(bytes(b) for b in acts[0].buffers)[4:])
     failed = body_class(INIT_PRODUCER_ID, "response")(error_code=15, producer_id=-1, producer_epoch=-1)
