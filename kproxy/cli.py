@@ -1,4 +1,4 @@
-"""kproxy's command line: ``kproxy run | check | demo | decode | report | top``, parsed in this one place.
+"""kproxy's command line: ``kproxy run | check | demo | decode | report | top | switch``, parsed in this one place.
 
 Each sub-command's work lives in the module that owns it; this file only parses arguments and
 imports that module lazily, so ``kproxy decode`` never pays for trio or the server.
@@ -106,6 +106,14 @@ def _build_parser() -> argparse.ArgumentParser:
     top.add_argument("--admin", required=True, metavar="HOST:PORT", help="the admin listener (admin.listen)")
     top.add_argument("--once", action="store_true", help="print one plain-text snapshot (rates from two "
                      "scrapes a second apart) and exit")
+    sw = sub.add_parser("switch", help="move a virtual cluster to another of its upstream clusters (upstream.clusters) "
+                        "through a running kproxy's admin listener")
+    sw.add_argument("cluster", metavar="NAME", help="the upstream cluster to switch to")
+    sw.add_argument("--admin", required=True, metavar="HOST:PORT", help="the admin listener (admin.listen)")
+    sw.add_argument("--virtual-cluster", metavar="VC", help="which virtual cluster (may be left out when there "
+                    "is one)")
+    sw.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                    help="seconds to wait for the switch (default 120)")
     return p
 
 
@@ -151,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kproxy.ops.top import run as run_top
 
         return run_top(args.admin, args.once)
+    if args.command == "switch":
+        from kproxy.ops.switch import run as run_switch
+
+        return run_switch(args.cluster, args.admin, args.virtual_cluster, args.timeout)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

@@ -9,7 +9,8 @@ from kproxy.protocol but its errors.
 
 - ``checks``: what a setting is (``setting``, ``with_checks``), the rules every value is held to,
   ``ConfigError`` and ``SettingError``, and the values both sides share (``HostPort``).
-- ``upstream``: the brokers' side (bootstrap servers, TLS and SASL origination).
+- ``upstream``: the brokers' side (bootstrap servers, TLS and SASL origination), or several clusters
+  with the active one, failover and what a switch does.
 - ``listener``: the clients' side (exposure, SNI, TLS termination and principals, the PROXY
   protocol, SASL termination).
 - ``limits``: bounds on what connections may make kproxy hold, and the amounts derived from the
@@ -38,7 +39,15 @@ from kproxy.config.loader import apply_overrides, config_from_args, load_config,
 from kproxy.config.proxy import ProxyConfig, describe_cluster, describe_config
 from kproxy.config.quotas import CoordinationConfig, QuotaConfig
 from kproxy.config.telemetry import AdminConfig, MetricsConfig, TracingConfig, TrafficLogConfig
-from kproxy.config.upstream import TlsClientSide, UpstreamConfig, UpstreamOAuth, UpstreamSasl
+from kproxy.config.upstream import (
+    FailoverConfig,
+    SwitchConfig,
+    TlsClientSide,
+    UpstreamCluster,
+    UpstreamConfig,
+    UpstreamOAuth,
+    UpstreamSasl,
+)
 
 __all__ = [
     "DEFAULT_NAME",
@@ -48,6 +57,7 @@ __all__ = [
     "ConfigError",
     "CoordinationConfig",
     "ExposureConfig",
+    "FailoverConfig",
     "HostPort",
     "LimitsConfig",
     "MetricsConfig",
@@ -59,10 +69,12 @@ __all__ = [
     "SaslOAuth",
     "SettingError",
     "SniConfig",
+    "SwitchConfig",
     "TlsClientSide",
     "TlsServerSide",
     "TracingConfig",
     "TrafficLogConfig",
+    "UpstreamCluster",
     "UpstreamConfig",
     "UpstreamOAuth",
     "UpstreamSasl",

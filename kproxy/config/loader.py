@@ -27,6 +27,7 @@ from kproxy.config.checks import (
     SettingPath,
     did_you_mean,
     dotted,
+    rebased,
 )
 from kproxy.config.clusters import PROCESS_SETTINGS, cluster_settings
 from kproxy.config.proxy import ProxyConfig
@@ -275,7 +276,7 @@ class _Builder:
         try:
             return cls(**values)
         except SettingError as e:
-            self.fail(e.path, e.problem)
+            self.fail(rebased(e.path, cls, path), e.problem)
 
     def value(self, tp: Any, node: Node, path: SettingPath, rules: Mapping[str, Any]) -> Any:
         if rules.get("off") and isinstance(node, ScalarNode) and node.tag == _BOOL_TAG:
@@ -297,8 +298,11 @@ class _Builder:
         if origin is tuple:
             if rules.get("words"):
                 return self.words(node, path, rules)
-            if typing.get_args(tp)[0] is str:
+            item = typing.get_args(tp)[0]
+            if item is str:
                 return self.strings(node, path) if rules.get("text") else self.paths(node, path)
+            if attrs.has(item) and item is not HostPort:
+                return self.sections(item, node, path)
             return self.host_ports(node, path)
         if origin is dict:
             return self.mapping(typing.get_args(tp)[1], node, path)
@@ -323,6 +327,18 @@ class _Builder:
         if not ok:
             self.fail(path, f"expected {expected}, got {_describe(node)}", node)
         return value
+
+    def sections(self, cls: type[Any], node: Node, path: SettingPath) -> tuple[Any, ...]:
+        """A list of sections (``upstream.clusters``), each item's errors named by its index."""
+        if not isinstance(node, SequenceNode):
+            self.fail(path, f"expected a list, got {_describe(node)}", node)
+        out = []
+        for i, item in enumerate(node.value):
+            line = _line(item)
+            if line is not None:
+                self.lines[(*path, i)] = line
+            out.append(self.section(cls, item, (*path, i)))
+        return tuple(out)
 
     def mapping(self, value_type: type, node: Node, path: SettingPath) -> dict[str, Any]:
         """A mapping of names to scalars (traffic_log.sample); the section checks the names."""

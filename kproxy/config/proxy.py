@@ -1,6 +1,7 @@
 """The whole configuration: ``ProxyConfig``, the sections it holds, the rules that span several of
 them (ports that must not overlap, settings that exclude each other), and its one-line summary."""
 
+import re
 from collections.abc import Sequence
 from typing import Final
 
@@ -73,12 +74,21 @@ class ProxyConfig:
     # The virtual cluster's name (metrics, logs, spans, /readyz); a file without virtual_clusters
     # is one virtual cluster, named "default" unless it says otherwise.
     name: str = setting(DEFAULT_NAME, name="label")
+    # The cluster id clients see in every answer that carries one (Metadata, DescribeCluster, ...),
+    # the same whichever upstream cluster is active; null: derived from the virtual cluster's name.
+    cluster_id: str | None = None
     # Several virtual clusters in one process (kproxy/config/clusters.py): each a whole ProxyConfig.
     virtual_clusters: tuple["ProxyConfig", ...] = setting((), sections=True)
     source: str | None = attrs.field(default=None, metadata={INTERNAL: True})  # file loaded from
 
     def __attrs_post_init__(self) -> None:
         _check_exposure(self)
+        if self.cluster_id is not None and not _CLUSTER_ID.fullmatch(self.cluster_id):
+            raise SettingError(("cluster_id",), f"{self.cluster_id!r} is not a cluster id (1 to 64 letters, digits, "
+                                                "'-' or '_'; Kafka's own are 22 characters of URL-safe base64)")
+        if self.upstream.several and self.quota.coordinated is not None:
+            raise SettingError(("quota", "coordination"), "fleet quotas cannot follow a switch between "
+                                                          "upstream.clusters yet; use one of the two")
         if self.rules and self.passthrough_unknown_versions:
             raise SettingError(("passthrough_unknown_versions",), "frames forwarded opaquely would bypass the "
                                                                   "policy rules; turn it off to use rules")
@@ -139,6 +149,8 @@ class ProxyConfig:
         return self.listen.port + 1 if start is None else start
 
 
+_CLUSTER_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 # The first four bytes of a PROXY v2 signature (\r\n\r\n) read as a Kafka frame size; "PROXY"
 # reads larger still. Frames below this cannot be mistaken for a header.
 _PROXY_V2_AS_FRAME_SIZE: Final = 0x0D0A0D0A
@@ -191,14 +203,23 @@ def _cluster_summary(cfg: ProxyConfig) -> list[str]:
     else:
         start = cfg.broker_port_start
         brokers = f"brokers on ports {start}-{start + exp.broker_port_count - 1}"
+    up = cfg.upstream
+    if up.several:
+        clusters = ", ".join(f"{c.name} {','.join(map(str, c.bootstrap_servers))}" for c in up.clusters)
+        target = f"upstream clusters {clusters} (active {up.first_active} unless switched)"
+    else:
+        target = f"upstream {','.join(map(str, up.bootstrap_servers))}"
     return [
-        f"listen {cfg.listen} -> upstream {','.join(map(str, cfg.upstream.bootstrap_servers))}",
+        f"listen {cfg.listen} -> {target}",
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
-        f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        *([f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}"] if not up.several else []),
         *_identity_summary(cfg),
         f"client SASL {'terminated: ' + ', '.join(cfg.sasl.mechanisms) if cfg.sasl else 'relayed'}",
-        f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}",
+        *([f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}"]
+          if not up.several else []),
+        *([f"failover after {up.failing_over.after_s:g}s unreachable" if up.failing_over else "failover off",
+           f"offset translation {up.offset_translation}"] if up.several else []),
     ]
 
 

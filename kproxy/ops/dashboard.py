@@ -107,7 +107,8 @@ def build() -> dict[str, Any]:
     """The dashboard as the JSON data Grafana imports."""
     d = (Dashboard("kproxy").uid(UID).tags(["kafka", "kproxy"]).editable()
          .description("kproxy, the Kafka wire-protocol proxy: traffic, latency, errors, denials and "
-                      "throttles, connections and buffers, the event loop, the traffic log and rule reloads.")
+                      "throttles, connections and buffers, upstream clusters and switches, the event loop, the "
+                      "traffic log and rule reloads.")
          .refresh("30s").time("now-3h", "now").timezone("browser").tooltip(DashboardCursorSync.CROSSHAIR)
          .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
          .with_variable(variable("namespace", "Namespace", "label_values(kproxy_requests_total, namespace)"))
@@ -226,6 +227,26 @@ def build() -> dict[str, Any]:
         "Certificate expiry by file", "Days until each certificate file expires.", "d",
         (f"min by (file) (kproxy_tls_certificate_expiry_timestamp_seconds{{{SEL}}} - time()) / 86400",
          "{{file}}")))
+
+    d = d.with_row(Row("Upstream clusters"))
+    d = d.with_panel(series(
+        "Active upstream cluster", "1 for the upstream cluster each virtual cluster is on "
+        "(kproxy_upstream_active; several clusters with upstream.clusters). A step is a switch.", "short",
+        (f"max by (virtual_cluster, cluster) (kproxy_upstream_active{{{VC}}})", "{{virtual_cluster}}: {{cluster}}"),
+        width=8))
+    d = d.with_panel(series(
+        "Upstream clusters answering", "1 while a broker of the cluster answers kproxy's probes, 0 when "
+        "none does (a refused login still answers); failover moves off an active cluster at 0 for "
+        "upstream.failover.after_s.", "short",
+        (f"min by (virtual_cluster, cluster) (kproxy_upstream_reachable{{{VC}}})", "{{virtual_cluster}}: {{cluster}}"),
+        width=8))
+    d = d.with_panel(series(
+        "Switches and how long they held clients", "Switches by reason (planned: kproxy switch; failover; "
+        "followed: a worker followed another) and the seconds the last switch held new connections.", "short",
+        (f"sum by (virtual_cluster, reason) (increase(kproxy_upstream_switches_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{reason}}"),
+        (f"max by (virtual_cluster) (kproxy_upstream_switch_hold_seconds{{{VC}}})", "{{virtual_cluster}} hold s"),
+        width=8))
 
     d = d.with_row(Row("Event loop, traffic log and rules"))
     d = d.with_panel(series(

@@ -1,9 +1,11 @@
-"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules and /clients,
-for every virtual cluster of the process.
+"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules, /clients,
+/upstream and POST /switch, for every virtual cluster of the process.
 
 HTTP/1.1 comes from h11 (sans-I/O); this module moves its bytes over trio in the proxy's own event
-loop, so /livez answering proves the loop is alive. It only reads the server's state: nothing here
-changes how Kafka traffic flows. Requests are small and bounded; a slow or silent client is dropped.
+loop, so /livez answering proves the loop is alive. It only reads the server's state, with one
+exception: POST /switch moves a virtual cluster to another upstream cluster (``kproxy switch``), so
+the listener belongs on an address only operators reach. Requests are small and bounded; a slow or
+silent client is dropped.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 import re
 import socket
+import urllib.parse
 from typing import Any, Protocol
 
 import attrs
@@ -52,6 +55,9 @@ class AdminView(Protocol):
     def rules(self) -> dict[str, Any]: ...
 
     def clients_view(self) -> dict[str, Any]: ...
+
+    def switchable(self) -> dict[str, Any]:
+        """The virtual clusters by name, each its ``kproxy.server.clusters.UpstreamClusters``."""
 
 
 def public_config(value: Any, name: str = "") -> Any:
@@ -185,7 +191,40 @@ class AdminServer:
 
     async def answer(self, method: str, target: str) -> tuple[int, str, bytes]:
         """(status, content type, body); a supervisor's listener asks its workers instead."""
+        if target.split("?", 1)[0] == "/switch":
+            return await self.switch(method, target)
         return self.respond(method, target)
+
+    async def switch(self, method: str, target: str) -> tuple[int, str, bytes]:
+        """POST /switch?cluster=NAME[&virtual_cluster=VC]: move the virtual cluster (the only one, when
+        VC is left out) to upstream cluster NAME; answers once new connections go there."""
+        from kproxy.server.clusters import SwitchError, switch_answer
+
+        if method != "POST":
+            return 405, "text/plain; charset=utf-8", b"POST /switch?cluster=NAME[&virtual_cluster=VC]\n"
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+        cluster = (query.get("cluster") or [""])[0]
+        vc: str | None = query["virtual_cluster"][0] if query.get("virtual_cluster") else None
+        groups = self.view.switchable()
+        if not cluster:
+            return 400, "text/plain; charset=utf-8", b"name the cluster: /switch?cluster=NAME\n"
+        if vc is None:
+            several = [name for name, g in groups.items() if len(g.clusters) > 1]
+            if len(groups) == 1 or len(several) == 1:
+                vc = next(iter(groups)) if len(groups) == 1 else several[0]
+            else:
+                return 400, "text/plain; charset=utf-8", (f"name the virtual cluster (virtual_cluster=...): one of "
+                                                          f"{', '.join(sorted(groups))}\n").encode()
+        group = groups.get(vc)
+        if group is None:
+            return 404, "text/plain; charset=utf-8", (f"no virtual cluster {safe(vc)!r}; there are "
+                                                      f"{', '.join(sorted(groups))}\n").encode()
+        log.info("admin: switch of virtual cluster %s to cluster %s requested", safe(vc), safe(cluster))
+        try:
+            report = await group.switch(cluster, "planned")
+        except SwitchError as e:
+            return 409, "text/plain; charset=utf-8", f"{e}\n".encode()
+        return 200, "application/json", switch_answer(report)
 
     def respond(self, method: str, target: str) -> tuple[int, str, bytes]:
         """(status, content type, body) for one request: pure apart from reading the server."""
@@ -209,8 +248,10 @@ class AdminServer:
             return 200, "application/json", _json(view.rules())
         if path == "/clients":
             return 200, "application/json", _json(view.clients_view())
-        return 404, "text/plain; charset=utf-8", (b"not found; try /metrics, /livez, /readyz, /config, /rules "
-                                                 b"or /clients\n")
+        if path == "/upstream":
+            return 200, "application/json", _json({name: g.view() for name, g in view.switchable().items()})
+        return 404, "text/plain; charset=utf-8", (b"not found; try /metrics, /livez, /readyz, /config, /rules, "
+                                                 b"/clients, /upstream or POST /switch\n")
 
 
 def _json(data: Any) -> bytes:

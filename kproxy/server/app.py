@@ -21,6 +21,7 @@ import ssl
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 import trio
 
 from kproxy.config import HostPort, ProxyConfig, TlsClientSide, TlsServerSide
@@ -36,6 +37,8 @@ from kproxy.protocol.messages import (
     supported_versions,
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
+from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames, derived_cluster_id
+from kproxy.proxy.continuity import Continuity, ProducerCarrier, SwitchBook
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.memo import AnswerMemo
@@ -46,11 +49,12 @@ from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
 from kproxy.server.certificates import CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
+from kproxy.server.clusters import Cluster, UpstreamClusters
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
 from kproxy.server.ordering import run_clock
-from kproxy.server.origination import Roundtrip, direct_roundtrip
+from kproxy.server.origination import Originator, Roundtrip, direct_roundtrip
 from kproxy.server.proxy_protocol import Admission, ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
@@ -147,8 +151,6 @@ class ProxyServer:
         self.upstream_tls: ReloadingContext | None = (
             _reloading("upstream.tls", config.upstream.tls, lambda: client_context(config.upstream.tls),
                        server_side=False, expiry=self.certificates) if config.upstream.tls.enabled else None)
-        # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
-        self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls, self.identity.originator)
         self.tls_poll_interval_s = TLS_POLL_INTERVAL_S
         principal = config.tls.principal
         self.principal_mapper = PrincipalMapper.from_config(principal.mapping_rules, principal.san_uri)
@@ -175,7 +177,7 @@ class ProxyServer:
                 # Its connections are opened, logged in and re-authenticated as every other one.
                 self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
                                                opener=lambda host, port: open_upstream(host, port, self.upstream))
-        self.chain = FilterChain([*builtin, *filters])
+        self._filters = (builtin, list(filters))
         # Rewritten answers that repeat byte for byte (Metadata between cluster changes), by their bytes;
         # this virtual cluster's own, as its address map is.
         self.answer_memo = AnswerMemo()
@@ -200,8 +202,9 @@ class ProxyServer:
             # holds is at most one frame: capping frames at the buffer limit bounds both.
             frame_cap=min(limits.max_frame_size, limits.max_buffered_bytes),
             max_in_flight=limits.max_in_flight_requests,
-            bootstrap_servers=tuple((hp.host, hp.port) for hp in upstream.bootstrap_servers),
-            upstream=self.upstream,
+            # Each upstream cluster's own bootstrap servers and upstream settings replace these.
+            bootstrap_servers=(),
+            upstream=UpstreamSettings(upstream.connect_timeout_s, request_timeout_s=upstream.request_timeout_s),
             request_timeout_s=upstream.request_timeout_s,
             unauthenticated_timeout_s=limits.unauthenticated_idle_timeout_s,
             idle_timeout_s=limits.idle_timeout_s,
@@ -210,10 +213,103 @@ class ProxyServer:
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
         )
+        # Which upstream cluster is active, and switching it (kproxy.server.clusters); each cluster has
+        # its own connection settings and filter chain. Connections ask when they open.
+        self.switch_book = SwitchBook()
+        self.upstreams = UpstreamClusters(
+            self.name, config.upstream, self._build_clusters(*self._filters), self.switch_book, self,
+            state_path=_state_path(config), max_frame=limits.max_frame_size)
+        self.settings = self.upstreams.active.connection
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
         if self.metrics is not None:
             self._add_metric_readers(self.metrics)
         process.add(self)
+
+    def _build_clusters(self, builtin: list[Filter], filters: list[Filter]) -> list[Cluster]:
+        """One Cluster per upstream cluster: how its connections are opened (TLS following its files,
+        kproxy's own login), its filter chain (the server's filters between its own: the virtual
+        cluster's id, and a replica's topic prefix on last and off first) and connection settings.
+        The single-cluster form is one cluster, "default", opened as before."""
+        up = self.config.upstream
+        cluster_id = self.config.cluster_id or derived_cluster_id(self.name)
+        out = []
+        for name in up.names:
+            cfg = up.cluster(name)
+            if up.several:
+                tls = (_reloading(f"upstream.clusters[{name}].tls", cfg.tls,
+                                  functools.partial(client_context, cfg.tls), server_side=False,
+                                  expiry=self.certificates) if cfg.tls.enabled else None)
+                originator = Originator(cfg.sasl) if cfg.sasl is not None else None
+            else:
+                tls, originator = self.upstream_tls, self.identity.originator
+            # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
+            settings = UpstreamSettings.from_config(cfg, tls, originator)
+            prefix = up.topic_prefix(name)
+            first: list[Filter] = [ClusterIdentity(cluster_id)]
+            last: list[Filter] = []
+            carrying: list[Filter] = []
+            if up.several:
+                last.append(Continuity(name, self.switch_book))
+                # Joins the chain only once the virtual cluster has switched: until then Produce
+                # requests meet no filter of its own and go out as they were received.
+                carrying.append(ProducerCarrier(name, self.switch_book))
+            outgoing: list[Filter] = []
+            if prefix:
+                names = ReplicaNames(prefix)
+                first.insert(0, names.incoming)
+                outgoing.append(names.outgoing)
+            alias = next((c.alias for c in up.clusters if c.name == name), name)
+            out.append(Cluster(
+                name, cfg, settings, prefix, alias, tls if up.several else None,
+                FilterChain([*first, *builtin, *filters, *last, *outgoing]),
+                attrs.evolve(self.settings, bootstrap_servers=tuple((hp.host, hp.port) for hp in cfg.bootstrap_servers),
+                             upstream=settings),
+                self.topic_names.without_prefix(prefix),
+                carrying_chain=FilterChain([*first, *builtin, *filters, *last, *carrying, *outgoing])))
+        return out
+
+    def switchable(self) -> dict[str, UpstreamClusters]:
+        """This server's virtual cluster and its upstream clusters, for the admin listener."""
+        return {self.name: self.upstreams}
+
+    @property
+    def upstream(self) -> UpstreamSettings:
+        """How the active upstream cluster's broker connections are opened."""
+        return self.upstreams.active.settings
+
+    @property
+    def chain(self) -> FilterChain:
+        """The filters of a connection opened now (the active upstream cluster's)."""
+        return self.upstreams.active.chain_now(self.switch_book.switched)
+
+    def _upstream_tls_contexts(self) -> list[ReloadingContext]:
+        clusters = [c.tls for c in self.upstreams.clusters.values() if c.tls is not None]
+        return [c for c in (self.client_tls, self.upstream_tls, *clusters) if c is not None]
+
+    async def drain_upstream(self, cluster: str, timeout: float, reason: str) -> int:
+        """For a switch: drain the connections on ``cluster`` as on SIGTERM, and close what is left
+        after ``timeout``; how many there were."""
+        moving = [c for c in self.connections if c.cluster == cluster]
+        for c in moving:
+            c.drain(reason)
+        with trio.move_on_after(timeout):
+            # Done once each has written every answer it owed (it then closes gracefully by itself).
+            while any(c in self.connections and not c.closing for c in moving):
+                await trio.sleep(0.005)
+        left = [c for c in moving if c in self.connections and not c.closing]
+        if left:
+            log.warning("%s: closing %d connections with requests still in flight after %gs", reason, len(left),
+                        timeout)
+            for c in left:
+                c._close_from_task(f"{reason} (requests still in flight after {timeout:g}s)")
+        return len(moving)
+
+    async def retarget(self) -> None:
+        """For a switch: the old cluster's broker addresses are forgotten (a port leads nowhere until
+        the new cluster's broker of that node id is learned), and the new cluster's brokers learned."""
+        self.address_map.forget_upstreams()
+        self.discovery_ended_at = None
+        await self.discover()
 
     # -- telemetry and the admin listener
 
@@ -258,8 +354,8 @@ class ProxyServer:
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
         m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
         m.add_reader(lambda: metric_families.identity_edge_families(
-            [c for c in (self.client_tls, self.upstream_tls) if c is not None], self.proxy_protocol,
-            self.sni_names if self.sni else None))
+            self._upstream_tls_contexts(), self.proxy_protocol, self.sni_names if self.sni else None))
+        m.add_reader(lambda: metric_families.upstream_families(self.upstreams.snapshot()))
         if self.identity.active:
             m.add_reader(lambda: metric_families.identity_families(self.identity))
         if self.coordinator is not None:
@@ -367,8 +463,12 @@ class ProxyServer:
                 if not await self.discover():
                     nursery.start_soon(self._rediscover)
                 log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
-                         ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
-                tls_files = [c for c in (self.client_tls, self.upstream_tls) if c is not None]
+                         ", ".join(str(b) for b in self.upstreams.active.config.bootstrap_servers))
+                if self.config.upstream.several:
+                    log.info("virtual cluster %s: on upstream cluster %s (%s)", self.name,
+                             self.upstreams.active.name, self.upstreams.started_because)
+                await nursery.start(self.upstreams.run)
+                tls_files = self._upstream_tls_contexts()
                 if tls_files:
                     nursery.start_soon(watch_tls, tls_files, self.tls_poll_interval_s)
                 if self.rule_store is not None:
@@ -481,17 +581,22 @@ class ProxyServer:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
         if route is not None:
             ctx.listener = f"{route.role}-{route.node_id}"
+        # The upstream cluster it uses for its life; while a switch is under way this waits (new
+        # requests are held), and nothing below waits before the connection is in self.connections.
+        cluster = await self.upstreams.current()
+        chain = cluster.chain_now(self.switch_book.switched)
         front = self.identity.front(ctx)
-        session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
-                          reencode=self.reencode, topic_names=self.topic_names, front=front,
+        session = Session(ctx, chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
+                          reencode=self.reencode, topic_names=cluster.topic_names, front=front,
                           stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)
         complete = functools.partial(self._completed_with_telemetry if self.telemetry.active
                                      else self._completed, ctx, record)
-        conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
-                                budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare)
+        conn = ClientConnection(cluster.connection, self, transport, session, on_complete=complete,
+                                budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare,
+                                cluster=cluster.name)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
@@ -516,11 +621,15 @@ class ProxyServer:
             return False
         return self.rule_store.reload(reason)
 
+    async def reload_upstream(self) -> None:
+        """Read the state file again (SIGHUP): follow a switch another process recorded."""
+        if self.upstreams.state_file is not None:
+            await self.upstreams.follow_state()
+
     def reload_tls(self) -> None:
         """Look at the TLS files now (SIGHUP) instead of at the next poll; unchanged files stay loaded."""
-        for ctx in (self.client_tls, self.upstream_tls):
-            if ctx is not None:
-                ctx.check()
+        for ctx in self._upstream_tls_contexts():
+            ctx.check()
 
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""
@@ -584,7 +693,7 @@ class ProxyServer:
             done.set()
 
     async def _discover_once(self) -> bool:
-        cfg = self.config.upstream
+        cfg = self.upstreams.active.config
         for hp in cfg.bootstrap_servers:
             try:
                 t = await open_upstream(hp.host, hp.port, self.upstream)
@@ -682,10 +791,12 @@ class Serving(Protocol):
 
     def reload_tls(self) -> None: ...
 
+    async def reload_upstream(self) -> None: ...
+
 
 async def serve_until_signal(server: Serving) -> None:
     """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
-    and any changed TLS files."""
+    and any changed TLS files, and follows a switch the state file records."""
     # Signals are kproxy's before the first port is bound: /readyz says ready as soon as a bootstrap
     # server answers, while discovery may still wait for Metadata, and a SIGTERM then (a supervisor's,
     # a kubelet's) would otherwise end the process at once without a drain or a last log line. One
@@ -701,6 +812,8 @@ async def serve_until_signal(server: Serving) -> None:
                 if signum == signal.SIGHUP:
                     server.reload_rules("SIGHUP")
                     server.reload_tls()
+                    # A switch another process made since is followed now (the state file says so).
+                    nursery.start_soon(server.reload_upstream)
                     continue
                 if server.draining:
                     log.info("%s again: stopping now", name)
@@ -736,6 +849,15 @@ def _reloading(setting: str, side: TlsServerSide | TlsClientSide, build: Any, se
             expiry.observe(path)
 
     return ReloadingContext(setting, files, build, server_side=server_side, on_loaded=observe_expiry)
+
+
+def _state_path(config: ProxyConfig) -> str:
+    """upstream.state_file, else kproxy-state.json beside the configuration file (or in the cwd).
+    Every virtual cluster of a file has its own entry in it."""
+    given = config.upstream.state_file
+    if given is not None:
+        return given
+    return os.path.join(os.path.dirname(config.source) if config.source else ".", "kproxy-state.json")
 
 
 def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:

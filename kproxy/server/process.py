@@ -77,7 +77,7 @@ class SharedParts:
 
 class ProxyProcess:
     """kproxy in front of one or more Kafka clusters: a ProxyServer per virtual cluster, the admin
-    listener over all of them, and their drain. Build it with ``from_config``; the switch and any
+    listener over all of them (a switch is routed to the virtual cluster it names), and their drain. Build it with ``from_config``; the switch and any
     other per-cluster admin action find a virtual cluster with ``cluster(name)``."""
 
     def __init__(self, config: ProxyConfig, shared: SharedParts, *, worker: tuple[int, int] | None = None,
@@ -202,7 +202,7 @@ class ProxyProcess:
                 if admin_listener is not None:
                     self.admin = admin.AdminServer(self, admin_listener)
                     nursery.start_soon(self.admin.serve)
-                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules /clients",
+                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules /clients /upstream, POST /switch",
                              _hostport(*self.admin.address))
                 if self.metrics is not None:
                     nursery.start_soon(self.shared.watch_loop_lag)
@@ -243,6 +243,16 @@ class ProxyProcess:
     def reload_tls(self) -> None:
         for server in self.servers.values():
             server.reload_tls()
+
+    async def reload_upstream(self) -> None:
+        """Follow a switch another process recorded in the state file (SIGHUP), for every virtual
+        cluster with upstream.clusters."""
+        for server in self.servers.values():
+            await server.reload_upstream()
+
+    def switchable(self) -> dict[str, Any]:
+        """/upstream and POST /switch: every virtual cluster's UpstreamClusters, by name."""
+        return {name: server.upstreams for name, server in self.servers.items()}
 
 
 class SharedSniPort:

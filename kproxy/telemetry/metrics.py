@@ -495,6 +495,29 @@ def shared_port_families(refused: Mapping[tuple[str, str], int]) -> list[Metric]
                      ["listener", "reason"], refused)]
 
 
+def upstream_families(snap: Mapping[str, Any]) -> list[Metric]:
+    """Which upstream cluster the virtual cluster is on, whether each answers, and the switches
+    (``UpstreamClusters.snapshot()``). The process's /metrics adds the ``virtual_cluster`` label."""
+    clusters: Mapping[str, bool | None] = snap["clusters"]
+    out: list[Metric] = [
+        _gauge("kproxy_upstream_active", "1 for the upstream cluster the virtual cluster is on, 0 for its others.",
+               ["cluster"], {(c,): 1 if c == snap["active"] else 0 for c in clusters}),
+        _counter("kproxy_upstream_switches", "Switches of the virtual cluster to another upstream cluster, by "
+                 "reason (planned, failover, followed: another worker switched).", ["reason"],
+                 {(r,): n for r, n in {"planned": 0, "failover": 0, "followed": 0, **snap["switches"]}.items()}),
+        _gauge("kproxy_upstream_switch_hold_seconds", "How long the last switch held new connections (drain, "
+               "catch-up, offset translation, learning the new brokers).", [], {(): snap["last_hold_s"]}),
+        _counter("kproxy_upstream_carried_batches", "Record batches of producers another upstream cluster "
+                 "issued, carried under a producer id kproxy got from the active one.", [],
+                 {(): snap["carried_batches"]}),
+    ]
+    # Declared always; samples once clusters are probed (only with several of them).
+    out.append(_gauge("kproxy_upstream_reachable", "1 when a broker of the upstream cluster answered the "
+                      "last probe (a refused login counts as an answer), else 0.", ["cluster"],
+                      {(c,): 1 if ok else 0 for c, ok in clusters.items() if ok is not None and snap["probed"]}))
+    return out
+
+
 def identity_edge_families(tls_contexts: Iterable[Any], proxy_protocol: Any, sni_names: Any) -> list[Metric]:
     """Certificate reloads (``ReloadingContext``), PROXY header refusals and refused SNI names."""
     reloads: dict[tuple[str, str], float] = {}
