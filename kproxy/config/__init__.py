@@ -24,7 +24,7 @@ from kproxy.protocol but its errors.
 """
 
 from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError
-from kproxy.config.clusters import DEFAULT_NAME, PROCESS_SETTINGS, cluster_settings
+from kproxy.config.clusters import DEFAULT_NAME, PROCESS_SETTINGS, cluster_settings, derived_cluster_id
 from kproxy.config.limits import LimitsConfig, effective_buffer_budget, effective_workers
 from kproxy.config.listener import (
     ExposureConfig,
@@ -81,6 +81,7 @@ __all__ = [
     "apply_overrides",
     "cluster_settings",
     "config_from_args",
+    "derived_cluster_id",
     "describe_cluster",
     "describe_config",
     "effective_buffer_budget",

@@ -1,6 +1,6 @@
 """Virtual clusters: which settings belong to one virtual cluster and which to the whole process, and
-the rules across virtual clusters (unique names, ports and SNI host names that never collide), checked
-when the configuration is built, before anything binds.
+the rules across virtual clusters (unique names and cluster ids, ports and SNI host names that never
+collide), checked when the configuration is built, before anything binds.
 
 One virtual cluster is what a single-cluster file configures: listeners, exposure, upstream, client
 TLS and SASL, the PROXY protocol, rules and quotas. The process-wide settings (admin, metrics, the
@@ -11,6 +11,8 @@ the code that serves one cluster reads one object, as before virtual clusters.
 
 from __future__ import annotations
 
+import base64
+import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
@@ -35,6 +37,16 @@ _NOT_CLUSTER_SETTINGS: Final = frozenset({"virtual_clusters", "source"})
 DEFAULT_NAME: Final = "default"
 
 _WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::"})
+
+# A fixed namespace, so a virtual cluster's derived cluster id is the same in every process and release.
+_CLUSTER_ID_NAMESPACE: Final = uuid.UUID("6b1f6e0c-5f55-4d0e-9a34-2a1b8d3c7e41")
+
+
+def derived_cluster_id(virtual_cluster: str) -> str:
+    """The cluster id a virtual cluster presents when ``cluster_id`` is not set: a UUID made from its
+    name, written as Kafka writes one (22 characters of URL-safe base64, no padding)."""
+    raw = uuid.uuid5(_CLUSTER_ID_NAMESPACE, f"kproxy virtual cluster {virtual_cluster}").bytes
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 def cluster_settings(cls: type) -> tuple[str, ...]:
@@ -86,7 +98,25 @@ def check_virtual_clusters(root: ProxyConfig) -> None:
             raise SettingError(("virtual_clusters", i, "name"),
                                f"{vc.name!r} is already the name of virtual_clusters[{seen[key]}]")
         seen[key] = i
+    _check_cluster_ids(root)
     _check_ports(root)
+
+
+def _check_cluster_ids(root: ProxyConfig) -> None:
+    """Each virtual cluster is one cluster to clients and tools (KIP-78): no two present one id."""
+    ids: dict[str, int] = {}
+    clusters = root.virtual_clusters
+    for i, vc in enumerate(clusters):
+        presented = vc.presented_cluster_id
+        j = ids.get(presented)
+        if j is not None:
+            # Blame a cluster_id that is written (a derived one is the name's, which is unique).
+            blamed = i if vc.cluster_id is not None else j
+            other = clusters[j if blamed == i else i]
+            raise SettingError(("virtual_clusters", blamed, "cluster_id"),
+                               f"{presented!r} is also the cluster id of virtual cluster {other.name!r}; each "
+                               f"virtual cluster presents its own")
+        ids[presented] = i
 
 
 def _claims(i: int, vc: ProxyConfig) -> Iterator[_Claim]:

@@ -17,7 +17,7 @@ from kproxy.config.checks import (
     setting,
     with_checks,
 )
-from kproxy.config.clusters import DEFAULT_NAME, check_virtual_clusters, may_share
+from kproxy.config.clusters import DEFAULT_NAME, check_virtual_clusters, derived_cluster_id, may_share
 from kproxy.config.limits import LimitsConfig, effective_workers
 from kproxy.config.listener import ExposureConfig, ProxyProtocolConfig, SaslConfig, TlsServerSide
 from kproxy.config.quotas import QuotaConfig
@@ -124,6 +124,11 @@ class ProxyConfig:
         if not clusters:
             raise SettingError(("virtual_clusters",), "needs at least one virtual cluster")
         return attrs.evolve(clusters[0], virtual_clusters=tuple(clusters))
+
+    @property
+    def presented_cluster_id(self) -> str:
+        """The cluster id this virtual cluster's clients see: ``cluster_id``, else derived from its name."""
+        return self.cluster_id if self.cluster_id is not None else derived_cluster_id(self.name)
 
     @property
     def clusters(self) -> tuple["ProxyConfig", ...]:

@@ -12,15 +12,14 @@
   ``kproxy.proxy.names``. It is two filters: the prefix goes on last (after a tenant's prefix) and
   comes off first (before the tenant's comes off).
 
-Pure: the ids and prefixes are given when the server builds one filter chain per upstream cluster.
+Pure: the ids and prefixes are given when the server builds one filter chain per upstream cluster
+(the id is ``ProxyConfig.presented_cluster_id``: ``cluster_id``, else derived from the name).
 """
 
 from __future__ import annotations
 
-import base64
-import uuid
 from collections.abc import Hashable
-from typing import Any, Final
+from typing import Any
 
 from kproxy.protocol.messages import Response, apis
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter, RequestVerdict, Respond
@@ -28,16 +27,6 @@ from kproxy.proxy.names import prefixes_of, uses_patterns
 
 FETCH = 1
 INVALID_REGULAR_EXPRESSION = 128
-# A fixed namespace, so a virtual cluster's derived id is the same in every process and release.
-_CLUSTER_ID_NAMESPACE: Final = uuid.UUID("6b1f6e0c-5f55-4d0e-9a34-2a1b8d3c7e41")
-
-
-def derived_cluster_id(virtual_cluster: str) -> str:
-    """The cluster id a virtual cluster presents when ``cluster_id`` is not set: a UUID made from its
-    name, written as Kafka writes one (22 characters of URL-safe base64, no padding)."""
-    raw = uuid.uuid5(_CLUSTER_ID_NAMESPACE, f"kproxy virtual cluster {virtual_cluster}").bytes
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
 
 def _answers_with_cluster_id() -> frozenset[int]:
     """Api keys whose response has a ``cluster_id`` string at its root, in some version."""

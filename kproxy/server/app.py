@@ -37,7 +37,7 @@ from kproxy.protocol.messages import (
     supported_versions,
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
-from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames, derived_cluster_id
+from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames
 from kproxy.proxy.continuity import Continuity, ProducerCarrier, SwitchBook
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.inflight import InFlight
@@ -231,7 +231,7 @@ class ProxyServer:
         cluster's id, and a replica's topic prefix on last and off first) and connection settings.
         The single-cluster form is one cluster, "default", opened as before."""
         up = self.config.upstream
-        cluster_id = self.config.cluster_id or derived_cluster_id(self.name)
+        cluster_id = self.config.presented_cluster_id
         out = []
         for name in up.names:
             cfg = up.cluster(name)

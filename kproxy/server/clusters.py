@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -176,29 +177,48 @@ class StateFile:
             return None
 
     def write(self, virtual_cluster: str, state: VirtualClusterState) -> bool:
-        states = self.read()
-        states[virtual_cluster] = state
+        """Change this virtual cluster's entry, keeping every other one as it is in the file now."""
         directory = os.path.dirname(os.path.abspath(self.path))
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".kproxy-state-", dir=directory)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(render_state(states))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            with _locked(directory):
+                return self._write(directory, virtual_cluster, state)
         except OSError as e:
             self.error = f"cannot write {self.path}: {e.strerror or e}"
             log.error("state file: %s; the switch holds in this process but will not survive a restart",
                       self.error)
             return False
+
+    def _write(self, directory: str, virtual_cluster: str, state: VirtualClusterState) -> bool:
+        # Read again under the lock: another worker (or another virtual cluster's switch in one)
+        # may have written its own entry since, and that entry must survive this write.
+        states = self.read()
+        states[virtual_cluster] = state
+        fd, tmp = tempfile.mkstemp(prefix=".kproxy-state-", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(render_state(states))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         self.error = None
         self.writes += 1
         return True
+
+
+@contextlib.contextmanager
+def _locked(directory: str) -> Any:
+    """An exclusive lock on the state file's directory for one read-change-write, between the worker
+    processes (and processes of other virtual clusters) that share the file; held for microseconds."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)     # releases the lock
 
 
 class UpstreamClusters:

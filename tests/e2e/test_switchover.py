@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from kproxy.config import parse_config
-from kproxy.proxy.cluster_view import derived_cluster_id
+from kproxy.config import derived_cluster_id, parse_config
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.switchover import (
     PARTITIONS,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kproxy.proxy.cluster_view import derived_cluster_id
+from kproxy.config import derived_cluster_id
 from kproxy.server.embedded import ProxyThread
 from tests.e2e import kcat
 from tests.e2e.proxied import ResponseTap, start_proxy

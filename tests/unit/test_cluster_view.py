@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from kproxy.config import derived_cluster_id
 from kproxy.protocol.messages import Request, body_class, decode_request
 from kproxy.protocol.records import RecordBatch, build_batch, iter_batches
-from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames, derived_cluster_id
+from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames
 from kproxy.proxy.continuity import Continuity, ProducerCarrier, SwitchBook
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.session import Ask, Session, ToClient
