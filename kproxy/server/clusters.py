@@ -314,6 +314,8 @@ class UpstreamClusters:
                         report.problems.append(f"offset translation stopped after {TRANSLATE_BUDGET_S:g}s")
                 self.active = new
                 self.epoch += 1
+                # Counted as it is made, so /metrics never shows the new cluster active and no switch.
+                self.switches[reason] += 1
                 self.book.switched = True
                 self.abandoned = () if planned else tuple(dict.fromkeys((*self.abandoned, old.name)))
                 if persist and self.state_file is not None:
@@ -329,7 +331,6 @@ class UpstreamClusters:
                 self._idle.set()
             report.epoch = self.epoch
             report.took_s = self.last_hold_s
-            self.switches[reason] += 1
             self.last = report
             log.warning("virtual cluster %s: switched from cluster %s to %s (%s, switch %d) in %.2fs: %d connections "
                         "drained%s%s", self.virtual_cluster, old.name, new.name, reason, self.epoch, report.took_s,
