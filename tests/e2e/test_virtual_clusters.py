@@ -39,7 +39,7 @@ import trustme
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kproxy.config import ProxyConfig, parse_config
+from kproxy.config import ProxyConfig, derived_cluster_id, parse_config
 from kproxy.protocol.messages import Request, body_class, decode_response, encode_request_frame
 from kproxy.server.embedded import ProxyThread
 from kproxy.telemetry.traffic_log import SCHEMA_PATH
@@ -61,6 +61,9 @@ pytestmark = pytest.mark.e2e
 METADATA, PRODUCE, FIND_COORDINATOR, API_VERSIONS = 3, 0, 10, 18
 TOPIC_AUTHORIZATION_FAILED = 29
 TANSU_NODE = 111
+# The cluster id each virtual cluster presents (its own, derived from its name: never its broker's,
+# so the id in an answer says which virtual cluster answered).
+ID = {name: derived_cluster_id(name) for name in ("team-a", "team-b", "team-c", "team-d")}
 # Broker ports by node id from the first one (node_id_base 0), so node 111 and the fake cluster's
 # nodes 1..3 each have a port in every virtual cluster's range.
 PORTS = 112
@@ -198,8 +201,8 @@ def test_each_virtual_cluster_serves_its_own_cluster_to_real_clients(three: Thre
     assert confluent_produce_consume(three.bootstrap["team-a"], topic_a) == expected_records()
     assert kafka_python_produce_consume(three.bootstrap["team-b"], topic_b) == expected_records()
     # Each virtual cluster shows its own cluster: its id, its topics, never the other's.
-    assert confluent_describe_cluster(three.bootstrap["team-a"]).cluster_id == "cluster-a"
-    assert confluent_describe_cluster(three.bootstrap["team-b"]).cluster_id == "cluster-b"
+    assert confluent_describe_cluster(three.bootstrap["team-a"]).cluster_id == ID["team-a"]
+    assert confluent_describe_cluster(three.bootstrap["team-b"]).cluster_id == ID["team-b"]
     seen_a, seen_b = topic_names(three.bootstrap["team-a"]), topic_names(three.bootstrap["team-b"])
     assert topic_a in seen_a and topic_b not in seen_a
     assert topic_b in seen_b and topic_a not in seen_b
@@ -221,7 +224,7 @@ def test_a_client_of_one_on_anothers_broker_port_is_served_as_that_one(three: Th
     wire = Wire(f"127.0.0.1:{b_port}")
     try:
         meta = metadata_all(wire)
-        assert meta.cluster_id == "cluster-b"
+        assert meta.cluster_id == ID["team-b"]
         assert [(br.node_id, br.port) for br in meta.brokers] == [(TANSU_NODE, b_port)]
         assert not any(br.port in a_range for br in meta.brokers)
         # team-b's rules: a topic team-b refuses is refused here.
@@ -233,7 +236,7 @@ def test_a_client_of_one_on_anothers_broker_port_is_served_as_that_one(three: Th
     wire = Wire(f"127.0.0.1:{broker_port(three.cfg, 'team-a', TANSU_NODE)}")
     try:
         allowed = metadata_topic(wire, "secret-plans", 1)
-        assert allowed.cluster_id == "cluster-a" and allowed.topics[0].error_code != TOPIC_AUTHORIZATION_FAILED
+        assert allowed.cluster_id == ID["team-a"] and allowed.topics[0].error_code != TOPIC_AUTHORIZATION_FAILED
     finally:
         wire.close()
     after = three.metrics()
@@ -253,7 +256,7 @@ def test_node_ids_of_another_cluster_lead_to_the_bootstrap_of_the_one_asked(thre
     wire = Wire(f"127.0.0.1:{broker_port(three.cfg, 'team-a', 2)}")
     try:
         meta = metadata_all(wire)
-        assert meta.cluster_id == "cluster-a"
+        assert meta.cluster_id == ID["team-a"]
         assert [br.node_id for br in meta.brokers] == [TANSU_NODE]
         cls: Any = body_class(FIND_COORDINATOR, "request")
         wire.send(FIND_COORDINATOR, 2, 2, cls(key="group-of-c", key_type=0))
@@ -267,7 +270,7 @@ def test_node_ids_of_another_cluster_lead_to_the_bootstrap_of_the_one_asked(thre
     wire = Wire(f"127.0.0.1:{broker_port(three.cfg, 'team-c', TANSU_NODE)}")
     try:
         meta = metadata_all(wire)
-        assert meta.cluster_id == "fake-cluster"
+        assert meta.cluster_id == ID["team-c"]
         assert sorted((br.node_id, br.port) for br in meta.brokers) == \
             [(n, broker_port(three.cfg, "team-c", n)) for n in (1, 2, 3)]
     finally:
@@ -432,7 +435,7 @@ def sni_names_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("sni_names_resolve")
 def test_two_virtual_clusters_share_a_port_by_host_name_with_kafka_python(sni: Sni) -> None:
-    for domain, cluster_id in ((DOMAIN_A, "cluster-a"), (DOMAIN_B, "cluster-b")):
+    for domain, cluster_id in ((DOMAIN_A, ID["team-a"]), (DOMAIN_B, ID["team-b"])):
         topic = unique_name(f"sni-{domain[0]}")
         settings = {"bootstrap_servers": f"bootstrap.{domain}:{sni.shared}", "security_protocol": "SSL",
                     "ssl_cafile": str(sni.ca), "request_timeout_ms": 30000}
@@ -496,7 +499,7 @@ def test_another_clusters_name_on_a_port_of_its_own_is_never_that_cluster(sni: S
     with ctx.wrap_socket(socket.create_connection(("127.0.0.1", sni.alone), timeout=10),
                          server_hostname=b_name) as sock:
         meta = tls_metadata(sock)
-        assert meta.cluster_id == "cluster-a"
+        assert meta.cluster_id == ID["team-d"]
         assert [(br.host, br.port) for br in meta.brokers] == [(f"broker-{TANSU_NODE}.{DOMAIN_D}", sni.alone)]
     with pytest.raises(ssl.SSLCertVerificationError):
         tls_wire(sni.alone, b_name, sni.ca)
@@ -531,7 +534,7 @@ def test_two_workers_serve_two_virtual_clusters(tansus: tuple[ClusterTansu, Clus
                  timeout=60)
         assert proc.poll() is None, log.read_text()
         assert http(f"http://{admin}/readyz")[1] == "ready (2 workers)\n"
-        for port, cluster_id in ((pa, "cluster-a"), (pb, "cluster-b")):
+        for port, cluster_id in ((pa, ID["team-a"]), (pb, ID["team-b"])):
             for cid in range(8):     # enough connections that both workers take some
                 with contextlib.closing(Wire(f"127.0.0.1:{port}")) as wire:
                     assert wire.metadata(cid).body.cluster_id == cluster_id
