@@ -139,13 +139,16 @@ class Load:
         p.flush(120)
         p.close(10)
 
-    def stop(self, consumed_within: float = 60.0) -> None:
+    def stop(self, consumed_within: float = 60.0, may_lose: tuple[float, float] | None = None) -> None:
         """Stop producing (everything sent is acknowledged or failed), let the group read what was
-        acknowledged, then stop it."""
+        acknowledged, then stop it. ``may_lose``: (from, to), monotonic times; records acknowledged
+        then may never come (a failover's loss), so the group is not waited for on their account."""
         self._stop_producing.set()
         self._threads[0].join(180)
+        with self._lock:
+            lossy = {(p, v) for p, v, at in self.acked if may_lose is not None and may_lose[0] <= at <= may_lose[1]}
         deadline = time.monotonic() + consumed_within
-        while self.reader is not None and self.missing() and time.monotonic() < deadline:
+        while self.reader is not None and self.missing() - lossy and time.monotonic() < deadline:
             time.sleep(0.2)
         if self.reader is not None:
             self.reader.close()
