@@ -105,7 +105,9 @@ def _load(text: str, file: str, base_dir: str | None, env: Mapping[str, str] | N
     if node is None or (isinstance(node, ScalarNode) and node.tag == _NULL_TAG and not node.value):
         raise ConfigError("the file is empty; it needs at least 'listen' and 'upstream'", file=file, line=1)
     cfg = _Builder(file=file, base_dir=base_dir, env=os.environ if env is None else env).build(node)
-    return attrs.evolve(cfg, source=file)
+    # Each virtual cluster knows its file too (its default state file sits beside it).
+    clusters = tuple(attrs.evolve(vc, source=file) for vc in cfg.virtual_clusters)
+    return attrs.evolve(cfg, source=file, virtual_clusters=clusters)
 
 
 def _yaml_error(e: yaml.MarkedYAMLError, file: str | None) -> ConfigError:

@@ -127,6 +127,16 @@ def test_mistakes_name_file_line_and_the_virtual_cluster(tmp_path: Path, text: s
     assert message in str(err) and err.line == line, str(err)
 
 
+def test_the_default_state_file_of_every_virtual_cluster_is_beside_the_configuration(tmp_path: Path) -> None:
+    path = tmp_path / "conf" / "kproxy.yaml"
+    path.parent.mkdir()
+    path.write_text(CONTRACT)
+    process = ProxyProcess.from_config(load_config(path))
+    state = process.cluster("dr-app").upstreams.state_file
+    assert state is not None and state.path == str(tmp_path / "conf" / "kproxy-state.json")
+    assert process.cluster("team-a").upstreams.state_file is None       # one cluster: nothing to keep
+
+
 # -- the admin listener of a process with several virtual clusters --------------------------------------
 
 
