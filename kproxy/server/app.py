@@ -776,7 +776,7 @@ class ProxyServer:
 
 
 class Serving(Protocol):
-    """What ``serve_until_signal`` runs: a ProxyProcess (or one ProxyServer, the process of itself)."""
+    """What ``serve_until_signal`` runs: a ProxyProcess (or one of its ProxyServers, which serves the whole process)."""
 
     worker: tuple[int, int] | None
 
