@@ -110,8 +110,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "through a running kproxy's admin listener")
     sw.add_argument("cluster", metavar="NAME", help="the upstream cluster to switch to")
     sw.add_argument("--admin", required=True, metavar="HOST:PORT", help="the admin listener (admin.listen)")
-    sw.add_argument("--virtual-cluster", metavar="VC", help="which virtual cluster (may be left out when there "
-                    "is one)")
+    sw.add_argument("--virtual-cluster", metavar="VC", help="which virtual cluster (virtual_clusters[].name); may be "
+                    "left out when only one has several upstream clusters")
     sw.add_argument("--timeout", type=float, default=120.0, metavar="S",
                     help="seconds to wait for the switch (default 120)")
     return p
