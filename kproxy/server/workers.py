@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 
@@ -34,6 +35,7 @@ WORKER_ADMIN_ENV = "KPROXY_WORKER_ADMIN"    # host:port of this worker's private
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 PROBE_BUDGET_S = 1.5        # all workers asked at once, for /readyz
 SCRAPE_BUDGET_S = 5.0       # for /metrics, /config and /rules
+SWITCH_BUDGET_S = 120.0     # for POST /switch (drain, catch-up and offset translation in every worker)
 # Gauges that are states or times, not amounts: the workers' values are not added up. The earliest
 # certificate expiry and "ready only if every worker is" (min); the latest rule load, the longest lag,
 # "a reload failing in any worker", and the rule count every worker has (max).
@@ -46,6 +48,11 @@ MERGED_BY = {
     "kproxy_rules_loaded_timestamp_seconds": max,
     "kproxy_tls_loaded_timestamp_seconds": max,
     "kproxy_rules_reload_failing": max,
+    # Upstream clusters: a worker still on the old cluster shows as 1 too until it follows; a
+    # cluster is reachable only if every worker's probe reached it.
+    "kproxy_upstream_active": max,
+    "kproxy_upstream_reachable": min,
+    "kproxy_upstream_switch_hold_seconds": max,
 }
 
 
@@ -161,9 +168,11 @@ class SupervisorAdmin(admin.AdminServer):
 
     async def answer(self, method: str, target: str) -> tuple[int, str, bytes]:
         path = target.split("?", 1)[0]
-        if method not in ("GET", "HEAD"):
-            return 405, "text/plain; charset=utf-8", b"only GET and HEAD\n"
         workers = self.supervisor.workers
+        if path == "/switch" and method == "POST":
+            return await self._switch(target)
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain; charset=utf-8", b"only GET and HEAD (and POST /switch)\n"
         if path == "/livez":
             dead = [w.index for w in workers if w.process is None or w.process.returncode is not None]
             if dead:
@@ -177,14 +186,17 @@ class SupervisorAdmin(admin.AdminServer):
             texts = [body for status, _, body in answers if status == 200]
             if not texts:
                 return 503, "text/plain; charset=utf-8", b"no worker answered\n"
+            # The process group's own families: no virtual cluster (an empty label, as in each worker).
+            running = sum(1 for w in workers if w.process and w.process.returncode is None)
             extra = (f"# HELP kproxy_workers Worker processes running.\n# TYPE kproxy_workers gauge\n"
-                     f"kproxy_workers {sum(1 for w in workers if w.process and w.process.returncode is None)}\n"
+                     f'kproxy_workers{{virtual_cluster=""}} {running}\n'
                      "# HELP kproxy_workers_scraped Workers whose metrics are in this answer (the others did "
                      "not answer in time).\n# TYPE kproxy_workers_scraped gauge\n"
-                     f"kproxy_workers_scraped {len(texts)}\n"
+                     f'kproxy_workers_scraped{{virtual_cluster=""}} {len(texts)}\n'
                      "# HELP kproxy_worker_restarts_total Workers restarted after exiting unexpectedly.\n"
                      "# TYPE kproxy_worker_restarts_total counter\n"
-                     f"kproxy_worker_restarts_total {sum(w.restarts for w in workers)}\n").encode()
+                     f'kproxy_worker_restarts_total{{virtual_cluster=""}} {sum(w.restarts for w in workers)}\n'
+                     ).encode()
             return 200, admin.PROMETHEUS_TEXT, merge_expositions(texts) + extra
         if path == "/clients":
             views = []
@@ -203,17 +215,35 @@ class SupervisorAdmin(admin.AdminServer):
             if not_ready:
                 return 503, "text/plain; charset=utf-8", ("; ".join(not_ready) + "\n").encode()
             return 200, "text/plain; charset=utf-8", f"ready ({len(workers)} workers)\n".encode()
-        # /config and /rules are the same in every worker: worker 0's answer.
+        # /config, /rules and /upstream are the same in every worker: worker 0's answer.
         return answers[0]
 
+    async def _switch(self, target: str) -> tuple[int, str, bytes]:
+        """Every worker switches (each drains its own connections); the answer is theirs, by worker.
+        A worker that did not answer still follows the switch through the state file."""
+        workers = self.supervisor.workers
+        answers = await fetch_all([w.admin_address for w in workers], target, SWITCH_BUDGET_S, method="POST")
+        out: dict[str, Any] = {}
+        failed = []
+        for w, (status, _, body) in zip(workers, answers, strict=True):
+            try:
+                out[str(w.index)] = json.loads(body) if status == 200 else body.decode(errors="replace").strip()
+            except ValueError:
+                out[str(w.index)] = body.decode(errors="replace").strip()
+            if status != 200:
+                failed.append(status)
+        status = 200 if not failed else (failed[0] if len(failed) == len(workers) else 502)
+        return status, "application/json", (json.dumps({"workers": out}, indent=2) + "\n").encode()
 
-async def fetch_all(addresses: Sequence[str | None], target: str, timeout: float) -> list[tuple[int, str, bytes]]:
-    """GET ``target`` from every worker's private admin listener at once: one (status, content type,
-    body) per address, in order, all within ``timeout`` seconds."""
+
+async def fetch_all(addresses: Sequence[str | None], target: str, timeout: float,
+                    method: str = "GET") -> list[tuple[int, str, bytes]]:
+    """GET (or POST) ``target`` from every worker's private admin listener at once: one (status,
+    content type, body) per address, in order, all within ``timeout`` seconds."""
     answers: list[tuple[int, str, bytes]] = [(503, "text/plain; charset=utf-8", b"no answer\n")] * len(addresses)
 
     async def one(i: int, address: str | None) -> None:
-        answers[i] = await _fetch(address, target, timeout)
+        answers[i] = await _fetch(address, target, timeout, method)
 
     async with trio.open_nursery() as nursery:
         for i, address in enumerate(addresses):
@@ -221,8 +251,8 @@ async def fetch_all(addresses: Sequence[str | None], target: str, timeout: float
     return answers
 
 
-async def _fetch(address: str | None, target: str, timeout: float) -> tuple[int, str, bytes]:
-    """GET ``target`` from a worker's private admin listener: (status, content type, body)."""
+async def _fetch(address: str | None, target: str, timeout: float, method: str = "GET") -> tuple[int, str, bytes]:
+    """GET (or POST) ``target`` from a worker's private admin listener: (status, content type, body)."""
     if address is None:
         return 503, "text/plain; charset=utf-8", b"no admin listener\n"
     host, _, port = address.rpartition(":")
@@ -230,7 +260,8 @@ async def _fetch(address: str | None, target: str, timeout: float) -> tuple[int,
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, int(port))
             async with stream:
-                await stream.send_all(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                length = "Content-Length: 0\r\n" if method == "POST" else ""
+                await stream.send_all(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{length}Connection: close\r\n\r\n"
                                       .encode())
                 data = bytearray()
                 while chunk := await stream.receive_some(65536):

@@ -71,8 +71,8 @@ def in_flight(admin: str) -> float:
     """kproxy_requests_in_flight from a kproxy process's /metrics (``admin`` is host:port)."""
     with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("kproxy_requests_in_flight "):
-                return float(line.split()[1])
+            if line.startswith(("kproxy_requests_in_flight ", "kproxy_requests_in_flight{")):
+                return float(line.rpartition(" ")[2])
     raise AssertionError("no kproxy_requests_in_flight in /metrics")
 
 

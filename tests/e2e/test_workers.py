@@ -85,9 +85,9 @@ def test_two_workers_share_the_ports_and_are_supervised(broker: TansuBroker, tmp
         # /metrics adds the workers up: every Metadata above is counted once.
         status, metrics = http(f"http://127.0.0.1:{admin}/metrics")
         assert status == 200
-        counted = re.search(r'^kproxy_requests_total\{api="metadata"\} (\d+)', metrics, re.MULTILINE)
+        counted = re.search(r'^kproxy_requests_total\{api="metadata",virtual_cluster="default"\} (\d+)', metrics, re.MULTILINE)
         assert counted is not None and int(counted.group(1)) >= 24
-        assert "kproxy_workers 2" in metrics
+        assert 'kproxy_workers{virtual_cluster=""} 2' in metrics
         for w in wires:
             w.close()
 

@@ -301,3 +301,36 @@ sasl:
     assert err.startswith(f"{config}:8: sasl.gssapi.keytab: the keytab {service_keytab} has no usable key for "
                           "kafka/other.host@KPROXY.TEST: "), err
     assert "No key table entry found" in err
+
+
+def test_kproxy_check_finds_the_keytab_of_a_virtual_cluster_and_ignores_gssapi_not_offered(
+        kerberos_env: Realm, service_keytab: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each virtual cluster's keytab is checked at its own line; a gssapi section whose virtual cluster
+    does not offer GSSAPI is not read (the example configuration carries one)."""
+    from kproxy.cli import main
+
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(f"""\
+virtual_clusters:
+  - name: plain
+    listen: "127.0.0.1:9092"
+    exposure: {{broker_port_start: 9093}}
+    upstream: {{bootstrap_servers: ["a:9092"]}}
+    sasl:
+      mechanisms: [OAUTHBEARER]
+      oauth: {{jwks_url: "https://idp.example/jwks", issuer: "https://idp.example", audience: kafka}}
+      gssapi: {{principal: "kafka/nowhere@KPROXY.TEST", keytab: {tmp_path / "missing.keytab"}}}
+  - name: kerberos
+    listen: "127.0.0.1:9192"
+    exposure: {{broker_port_start: 9193}}
+    upstream: {{bootstrap_servers: ["b:9092"]}}
+    sasl:
+      mechanisms: [GSSAPI]
+      gssapi:
+        principal: "kafka/other.host@KPROXY.TEST"
+        keytab: {service_keytab}
+""")
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{config}:18: virtual_clusters[1].sasl.gssapi.keytab: the keytab {service_keytab} "
+                          "has no usable key for kafka/other.host@KPROXY.TEST: "), err
