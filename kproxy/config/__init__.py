@@ -15,12 +15,14 @@ from kproxy.protocol but its errors.
 - ``limits``: bounds on what connections may make kproxy hold, and the amounts derived from the
   machine (buffer budget, workers).
 - ``telemetry``: the admin listener, metrics, the traffic log, tracing.
+- ``kms``: the KMS holding record encryption's KEKs, and data key lifetimes.
 - ``quotas``: how quotas measure rates and how a fleet shares them.
 - ``proxy``: ``ProxyConfig``, the whole, with the rules that span sections and its summary.
 - ``loader``: YAML (file, string, quick mode) to ``ProxyConfig``, errors with file and line.
 """
 
 from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError
+from kproxy.config.kms import AwsKmsConfig, KmsConfig, LocalKmsConfig, VaultKmsConfig
 from kproxy.config.limits import LimitsConfig, effective_buffer_budget, effective_workers
 from kproxy.config.listener import (
     ExposureConfig,
@@ -40,11 +42,14 @@ from kproxy.config.upstream import TlsClientSide, UpstreamConfig, UpstreamOAuth,
 __all__ = [
     "SASL_MECHANISMS",
     "AdminConfig",
+    "AwsKmsConfig",
     "ConfigError",
     "CoordinationConfig",
     "ExposureConfig",
     "HostPort",
+    "KmsConfig",
     "LimitsConfig",
+    "LocalKmsConfig",
     "MetricsConfig",
     "PrincipalConfig",
     "ProxyConfig",
@@ -61,6 +66,7 @@ __all__ = [
     "UpstreamConfig",
     "UpstreamOAuth",
     "UpstreamSasl",
+    "VaultKmsConfig",
     "apply_overrides",
     "config_from_args",
     "describe_config",

@@ -140,7 +140,22 @@ class AskBroker:
     then: Callable[[Response | None], RequestVerdict]
 
 
-RequestVerdict = Respond | Delay | Throttle | AskBroker | None
+@attrs.frozen(slots=True)
+class AskKeys:
+    """Ask the process's key service for data keys before deciding (record encryption: a DEK to seal
+    with, or DEKs to open a Fetch answer's records). ``question`` is the filter's own description of
+    what it needs (``kproxy.policy.crypto.SealKeys`` / ``OpenKeys``); the I/O layer answers it within
+    the request timeout and calls ``then`` with the answer. The session never awaits a KMS itself.
+
+    As a request verdict, the client is not read meanwhile and ``then`` returns the filter's verdict,
+    as for ``AskBroker``. From ``question_for_response``, the answer waits (and the answers behind it,
+    in order) and ``then`` returns nothing; ``on_response`` runs afterwards."""
+
+    question: Any
+    then: Callable[[Any], Any]
+
+
+RequestVerdict = Respond | Delay | Throttle | AskBroker | AskKeys | None
 
 
 class Filter:
@@ -181,6 +196,14 @@ class Filter:
         requests already forwarded still go out, in order.
         """
         return 0.0
+
+    # True when question_for_response may ask something before on_response sees an answer.
+    asks_for_response: bool = False
+
+    def question_for_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> AskKeys | None:
+        """Before ``on_response``, on filters that set ``asks_for_response``: what the filter must
+        know first (``AskKeys``), or None. The answer, and those after it, wait for it."""
+        return None
 
     def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
         """The request is over, once and whatever its outcome (answered, refused, lost with the broker

@@ -214,3 +214,106 @@ def edit_headers(batch: RecordBatch, edit: HeaderEdit,
     if not changed:
         return None
     return rebuild_batch(batch, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Replacing keys and values (record encryption and masking)
+
+
+def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+                  ) -> tuple[list[memoryview], list[memoryview | None], list[memoryview | None], list[memoryview]]:
+    """A v2 batch's records as four lists: each record's head (attributes, timestamp and offset
+    deltas, as received), key, value (None for null) and tail (its headers, as received). Views into
+    the batch or its decompressed payload; ``join_records`` puts them back together. RecordsError
+    when a record does not fit its batch."""
+    compressed = batch.compression is not Compression.NONE
+    buf = batch.payload(max_decompressed_bytes)
+    base = batch._at + V2_HEADER_SIZE
+    count = batch.record_count
+    end = len(buf)
+    if count > end // MIN_RECORD_SIZE:
+        raise records_error(f"record count {count} cannot fit in {end} bytes", 0, base, compressed)
+    heads: list[memoryview] = []
+    keys: list[memoryview | None] = []
+    values: list[memoryview | None] = []
+    tails: list[memoryview] = []
+    pos = 0
+    start = 0
+    try:
+        for _ in range(count):
+            start = pos
+            b = buf[pos]
+            if b < 0x80:
+                length, p = (b >> 1) ^ -(b & 1), pos + 1
+            else:
+                length, p = read_varint(buf, pos)
+            if length < MIN_RECORD_SIZE - 1 or length > end - p:
+                raise records_error(f"record length {length} outside 6..{end - p}", start, base, compressed)
+            stop = p + length
+            q = p + 1                              # attributes
+            if buf[q] < 0x80:                      # timestamp delta
+                q += 1
+            else:
+                _, q = read_varlong(buf, q)
+            if buf[q] < 0x80:                      # offset delta
+                q += 1
+            else:
+                _, q = read_varint(buf, q)
+            heads.append(buf[p:q])
+            for out in (keys, values):
+                b = buf[q]
+                if b < 0x80:
+                    n, q = (b >> 1) ^ -(b & 1), q + 1
+                else:
+                    n, q = read_varint(buf, q)
+                if n < 0:
+                    out.append(None)
+                elif n > stop - q:
+                    raise records_error("key or value overruns its record", start, base, compressed)
+                else:
+                    out.append(buf[q:q + n])
+                    q += n
+            if q >= stop:
+                raise records_error("key or value overruns its record", start, base, compressed)
+            tails.append(buf[q:stop])
+            pos = stop
+    except IndexError:
+        raise records_error("record runs past the end of the batch", start, base, compressed) from None
+    except ShortBuffer as exc:
+        raise records_error(str(exc), start, base, compressed) from None
+    if pos != end:
+        raise records_error(f"{end - pos} bytes remain after the last of {count} records", pos, base, compressed)
+    return heads, keys, values, tails
+
+
+def _sized(value: object) -> bytes:
+    if value is None:
+        return b"\x01"      # zig-zag -1: null
+    return write_varint(len(value))  # type: ignore[arg-type]
+
+
+def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tails: list,
+                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> bytes:
+    """``batch`` rebuilt (``rebuild_batch``: same codec and producer fields) from records' heads,
+    keys, values and tails, as ``split_records`` gives them with keys or values replaced."""
+    parts: list = []
+    append = parts.append
+    total = 0
+    for head, key, value, tail in zip(heads, keys, values, tails, strict=True):
+        ks = _sized(key)
+        vs = _sized(value)
+        length = len(head) + len(ks) + len(vs) + len(tail) + (len(key) if key is not None else 0) \
+            + (len(value) if value is not None else 0)
+        append(write_varint(length))
+        append(head)
+        append(ks)
+        if key is not None:
+            append(key)
+        append(vs)
+        if value is not None:
+            append(value)
+        append(tail)
+        total += length + 5
+        if total > max_decompressed_bytes:
+            raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
+    return rebuild_batch(batch, b"".join(parts))
