@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kproxy import __version__
 
@@ -203,6 +204,33 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def _check_encryption(cfg: Any, rule_set: Any) -> list[str]:
+    """Encrypt rules need a kms: section, and the KMS must have the KEKs they name (asked now);
+    raises ConfigError at the rule's file and line, returns warnings (a KMS that cannot be reached)."""
+    from kproxy.server.encryption import encrypt_without_kms, kek_problems, open_key_service
+
+    problem = encrypt_without_kms(cfg, rule_set)
+    if problem is not None:
+        raise problem
+    if cfg.kms is None or not any(r.action == "encrypt" for r in rule_set.rules):
+        return []
+    import trio
+
+    async def ask() -> tuple[list[Any], list[str]]:
+        opened = open_key_service(cfg)
+        assert opened is not None
+        service = opened[0]
+        try:
+            return await kek_problems(service, rule_set)
+        finally:
+            await service.kms.aclose()
+
+    errors, warnings = trio.run(ask)
+    if errors:
+        raise errors[0]
+    return warnings
+
+
 def check_config_file(path: str) -> int:
     """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and
     return 2. Here rather than in kproxy.config because the summary names the codec in use, and
@@ -224,6 +252,8 @@ def check_config_file(path: str) -> int:
             for warning in rule_set.warnings:
                 print(f"warning: {warning}", file=sys.stderr)
             rules = f"; rules: {describe_rules(rule_set)}"
+            for warning in _check_encryption(cfg, rule_set):
+                print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from kproxy.envelope import Binding, DataKey, KeyRef, Part, key_refs, open_values, seal
-from kproxy.envelope.format import MAGIC, TamperedRecord
+from kproxy.envelope.format import MAGIC, MissingDataKey, TamperedRecord
 from kproxy.envelope.keys import KeyRing, UnwrapCache
 from kproxy.policy.model import Mask
 from kproxy.protocol.errors import RecordsError
@@ -50,9 +50,22 @@ class RecordCrypto:
         self.mask_not_json = 0
         # Partitions refused, by reason: unreachable, timeout, unknown_kek, denied, tampered, ...
         self.failures: dict[str, int] = {}
+        self._logged: dict[tuple[Any, ...], float] = {}
 
     def failed(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
+
+    def worth_logging(self, what: tuple[Any, ...], every_s: float = 60.0) -> bool:
+        """Whether a refusal is logged now: a client asks again and again for a partition kproxy
+        refuses, and each distinct one is logged once a minute (the metric counts them all)."""
+        now = self.clock()
+        last = self._logged.get(what)
+        if last is not None and now - last < every_s:
+            return False
+        if len(self._logged) >= 1024:
+            self._logged.clear()
+        self._logged[what] = now
+        return True
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -217,9 +230,10 @@ def refs_of(batches: Sequence[FetchedBatch | Any]) -> list[KeyRef]:
 def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapping[KeyRef, DataKey],
                    masks: Sequence[Mask], crypto: RecordCrypto | None, cap: int) -> bytes | None:
     """The partition's records with sealed keys and values opened and ``masks`` applied, or None
-    when nothing changed. Raises Tampered for a record that fails authentication (the whole
-    partition is refused: never delivered, not even empty) and MissingDataKey for a DEK not in
-    ``deks``."""
+    when nothing changed. A batch that cannot be opened ends the records there: the batches before
+    it are delivered, and the client's next Fetch starts at it. When it is the first, Tampered
+    (a record fails authentication: it is never delivered, not even empty) or MissingDataKey (a
+    DEK not in ``deks``) refuses the partition."""
     value_binding = Binding(topic, Part.VALUE)
     key_binding = Binding(topic, Part.KEY)
     out: list[Any] = []
@@ -235,7 +249,12 @@ def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapp
                 if any(k is not None and k[:4] == MAGIC for k in keys):
                     keys, _ = open_values(keys, key_binding, deks)
                 values, plain = open_values(values, value_binding, deks, keys)
-            except TamperedRecord as e:
+            except (TamperedRecord, MissingDataKey) as e:
+                if out:
+                    # The batches before this one go to the client; its next Fetch starts here.
+                    return b"".join(bytes(x) for x in out)
+                if isinstance(e, MissingDataKey):
+                    raise
                 raise Tampered(base + e.index, e.reason) from None
             if crypto is not None:
                 crypto.records_decrypted += len(values) - plain

@@ -697,8 +697,9 @@ class PolicyFilter(Filter):
             if crypto is not None:
                 crypto.failed(reason)
             at = f" at offset {offset}" if offset >= 0 else ""
-            log.warning("record encryption: refused %s[%d]%s to connection %d (%s, %s): %s", safe(name),
-                        p.partition_index, at, ctx.connection_id, reason, error_name(code), why)
+            if crypto is None or crypto.worth_logging((name, p.partition_index, offset, reason)):
+                log.warning("record encryption: refused %s[%d]%s to connection %d (%s, %s): %s", safe(name),
+                            p.partition_index, at, ctx.connection_id, reason, error_name(code), why)
             p.error_code = code
             p.records = None
             changed = True

@@ -368,6 +368,8 @@ class ProxyServer:
         self._listeners[listen.port] = boot
         self.telemetry.start(trio.current_time())
         try:
+            if self.keys is not None:
+                await self._check_keks()       # before anything starts: a KEK that does not exist is fatal
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if admin_listener is not None:
@@ -378,7 +380,6 @@ class ProxyServer:
                 await self.identity.run(nursery)
                 if self.keys is not None:
                     await nursery.start(self.keys.run)
-                    await self._check_keks()
                 nursery.start_soon(self._accept_loop, boot, None)
                 if self.metrics is not None:
                     nursery.start_soon(self._watch_loop_lag)
@@ -417,6 +418,9 @@ class ProxyServer:
             if admin_listener is not None:
                 admin_listener.socket.close()
             self.telemetry.close()
+            if self.keys is not None:
+                with trio.CancelScope(shield=True):
+                    await self.keys.kms.aclose()
 
     async def _rediscover(self) -> None:
         # Until a bootstrap server answers once (readiness waits for it), try again with a backoff.
