@@ -180,6 +180,7 @@ def _run_decode(args: argparse.Namespace) -> int:
             return fail(f"cannot read {args.file}: {e.strerror or e}")
         data = raw if args.raw else parse_hex(raw.decode("utf-8", "replace"))
         result = dissect(data, response=args.response, api_key=args.api_key, api_version=args.api_version)
+        _show_envelopes(result)
     except DecodeError as e:
         where = [f"offset {e.offset}"] if e.offset is not None else []
         if e.path:
@@ -190,6 +191,33 @@ def _run_decode(args: argparse.Namespace) -> int:
         print(f"kproxy decode: note: {result['trailing_bytes']} more bytes follow the frame its size prefix "
               "describes (only the first frame was decoded; more than one frame pasted?)", file=sys.stderr)
     return 0
+
+
+def _show_envelopes(node: Any) -> None:
+    """Record keys and values sealed by an encrypt rule shown as their envelope (KEK, KMS, wrapped
+    DEK size, nonce, ciphertext size), never opened: the dissector prints them as base64."""
+    import base64
+
+    from kproxy.envelope import MAGIC, EnvelopeError, describe
+
+    if isinstance(node, list):
+        for item in node:
+            _show_envelopes(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for name in ("key", "value"):
+        v = node.get(name)
+        if isinstance(v, dict) and isinstance(v.get("base64"), str) and "offset" in node:
+            raw = base64.b64decode(v["base64"])
+            if raw[:4] == MAGIC:
+                try:
+                    node[name] = {"envelope": describe(raw)}
+                except EnvelopeError as e:
+                    node[name] = {"envelope": {"malformed": str(e)}, "base64": v["base64"]}
+    for child in node.values():
+        if isinstance(child, dict | list):
+            _show_envelopes(child)
 
 
 def _read_input(name: str) -> bytes:

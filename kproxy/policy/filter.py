@@ -677,6 +677,7 @@ class PolicyFilter(Filter):
         cap = ctx.max_decompressed_batch_bytes
         refused = list(work.refused)
         changed = False
+        opened_before = crypto.batches_decrypted if crypto is not None else 0
         for name, p, batches, masks, _sealed in work.parts:
             try:
                 new = C.open_partition(batches, name, work.deks, masks, crypto, cap)
@@ -705,6 +706,10 @@ class PolicyFilter(Filter):
             changed = True
         if changed:
             exchange.response_changed = True
+            if crypto is not None and crypto.batches_decrypted > opened_before:
+                exchange.note("decrypted_batches", crypto.batches_decrypted - opened_before)
+            if any(masks for _, _, _, masks, _ in work.parts):
+                exchange.note("record_rule", "mask")
 
     # -- responses
 

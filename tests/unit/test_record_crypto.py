@@ -305,3 +305,24 @@ def test_a_fetch_answer_waits_for_dek_and_refuses_only_the_partitions_it_cannot_
     cache.put(d, 0.0)
     p0 = first_partition(again())
     assert p0.error_code == 0 and values(bytes(p0.records)) == [b"secret"]
+
+
+def test_kproxy_decode_shows_an_envelope_without_opening_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kproxy.cli import main
+
+    d = dek()
+    records = C.seal_partition(C.sealable_batches(build_batch([(b"k", b"card 4111")])), "pay", C.Grants([(d, 1)]),
+                               False, 1 << 24)[0]
+    frame = b"".join(bytes(b) for b in encode_request_frame(Request.build(0, 9, 7, "c", body_class(0, "request")(
+        acks=-1, timeout_ms=5000, topic_data=[body_class(0, "request").TopicProduceData(
+            name="pay", partition_data=[body_class(0, "request").PartitionProduceData(index=0, records=records)])]))))
+    path = tmp_path / "frame.bin"
+    path.write_bytes(frame)
+    assert main(["decode", "--raw", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "card 4111" not in out
+    result = json.loads(out)
+    (record,) = result["body"]["topic_data"][0]["partition_data"][0]["records"]["batches"][0]["records"]
+    env = record["value"]["envelope"]
+    assert env["kek"] == "kek" and env["kms"] == "local_file" and env["ciphertext_bytes"] == len(b"card 4111")
+    assert env["key_bound"] is True and record["key"] == "k"
