@@ -237,14 +237,20 @@ def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_
     keys: list[memoryview | None] = []
     values: list[memoryview | None] = []
     tails: list[memoryview] = []
+    add_head, add_key, add_value, add_tail = heads.append, keys.append, values.append, tails.append
     pos = 0
     start = 0
+    # Varints of one and two bytes (a 1 KiB record's length and value size) are read inline: this
+    # loop is most of what opening or sealing a batch costs in Python.
     try:
         for _ in range(count):
             start = pos
             b = buf[pos]
             if b < 0x80:
                 length, p = (b >> 1) ^ -(b & 1), pos + 1
+            elif buf[pos + 1] < 0x80:
+                z = (b & 0x7F) | (buf[pos + 1] << 7)
+                length, p = (z >> 1) ^ -(z & 1), pos + 2
             else:
                 length, p = read_varint(buf, pos)
             if length < MIN_RECORD_SIZE - 1 or length > end - p:
@@ -257,25 +263,41 @@ def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_
                 _, q = read_varlong(buf, q)
             if buf[q] < 0x80:                      # offset delta
                 q += 1
+            elif buf[q + 1] < 0x80:
+                q += 2
             else:
                 _, q = read_varint(buf, q)
-            heads.append(buf[p:q])
-            for out in (keys, values):
-                b = buf[q]
-                if b < 0x80:
-                    n, q = (b >> 1) ^ -(b & 1), q + 1
-                else:
-                    n, q = read_varint(buf, q)
-                if n < 0:
-                    out.append(None)
-                elif n > stop - q:
-                    raise records_error("key or value overruns its record", start, base, compressed)
-                else:
-                    out.append(buf[q:q + n])
-                    q += n
+            add_head(buf[p:q])
+            b = buf[q]                             # key
+            if b < 0x80:
+                n, q = (b >> 1) ^ -(b & 1), q + 1
+            else:
+                n, q = read_varint(buf, q)
+            if n < 0:
+                add_key(None)
+            elif n > stop - q:
+                raise records_error("key overruns its record", start, base, compressed)
+            else:
+                add_key(buf[q:q + n])
+                q += n
+            b = buf[q]                             # value
+            if b < 0x80:
+                n, q = (b >> 1) ^ -(b & 1), q + 1
+            elif buf[q + 1] < 0x80:
+                z = (b & 0x7F) | (buf[q + 1] << 7)
+                n, q = (z >> 1) ^ -(z & 1), q + 2
+            else:
+                n, q = read_varint(buf, q)
+            if n < 0:
+                add_value(None)
+            elif n > stop - q:
+                raise records_error("value overruns its record", start, base, compressed)
+            else:
+                add_value(buf[q:q + n])
+                q += n
             if q >= stop:
                 raise records_error("key or value overruns its record", start, base, compressed)
-            tails.append(buf[q:stop])
+            add_tail(buf[q:stop])
             pos = stop
     except IndexError:
         raise records_error("record runs past the end of the batch", start, base, compressed) from None
@@ -286,10 +308,17 @@ def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_
     return heads, keys, values, tails
 
 
-def _sized(value: object) -> bytes:
-    if value is None:
-        return b"\x01"      # zig-zag -1: null
-    return write_varint(len(value))  # type: ignore[arg-type]
+class _Varints(dict[int, bytes]):
+    """Zig-zag varints by value, made once: a batch's records mostly share a few lengths."""
+
+    def __missing__(self, n: int) -> bytes:
+        got = write_varint(n)
+        if len(self) < 4096:
+            self[n] = got
+        return got
+
+
+_VARINTS = _Varints()
 
 
 def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tails: list,
@@ -298,13 +327,22 @@ def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tail
     keys, values and tails, as ``split_records`` gives them with keys or values replaced."""
     parts: list = []
     append = parts.append
+    varint = _VARINTS
+    null = b"\x01"       # zig-zag -1
     total = 0
     for head, key, value, tail in zip(heads, keys, values, tails, strict=True):
-        ks = _sized(key)
-        vs = _sized(value)
-        length = len(head) + len(ks) + len(vs) + len(tail) + (len(key) if key is not None else 0) \
-            + (len(value) if value is not None else 0)
-        append(write_varint(length))
+        if key is None:
+            kl, ks = 0, null
+        else:
+            kl = len(key)
+            ks = varint[kl]
+        if value is None:
+            vl, vs = 0, null
+        else:
+            vl = len(value)
+            vs = varint[vl]
+        length = len(head) + len(ks) + kl + len(vs) + vl + len(tail)
+        append(varint[length])
         append(head)
         append(ks)
         if key is not None:
@@ -313,7 +351,7 @@ def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tail
         if value is not None:
             append(value)
         append(tail)
-        total += length + 5
-        if total > max_decompressed_bytes:
-            raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
+        total += length
+    if total > max_decompressed_bytes:
+        raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
     return rebuild_batch(batch, b"".join(parts))
