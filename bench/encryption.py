@@ -35,10 +35,10 @@ from confluent_kafka.admin import AdminClient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from proxy import HOST, Child, consume, create_topic, free_port_pair, produce  # noqa: E402
+from proxy import HOST, Child, consume, create_topic, free_port_pair, produce
 
-from kproxy.tansu import Tansu  # noqa: E402
-from tests.kms.openbao import OpenBao  # noqa: E402
+from kproxy.tansu import Tansu
+from tests.kms.openbao import OpenBao
 
 VALUE_SIZE = 1024
 KEK = "bench-kek"
