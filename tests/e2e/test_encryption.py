@@ -311,3 +311,28 @@ def test_rules_naming_an_unknown_kek_are_refused_at_start_and_on_reload(stack: S
         assert [r.name for r in store.rule_set.rules] == ["encrypt-pay", "encrypt-own", "mask-cards"]
     finally:
         proxy.stop()
+
+
+def test_a_transactional_producer_writes_sealed_records_read_committed_through_kproxy(stack: Stack):
+    topic = unique_name("pay")
+    create_topics(stack.proxy.bootstrap, topic)
+    p = ck_producer(stack.proxy.bootstrap, "ck-txn", **{"transactional.id": unique_name("txn")})
+    p.init_transactions(TIMEOUT)
+    p.begin_transaction()
+    for i in range(5):
+        p.produce(topic, key=b"k%d" % i, value=card(i), partition=0)
+    p.commit_transaction(TIMEOUT)
+    c = confluent_kafka.Consumer({"bootstrap.servers": stack.proxy.bootstrap, "group.id": unique_name("g"),
+                                  "isolation.level": "read_committed", "enable.auto.commit": False})
+    try:
+        c.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
+        got: list[bytes] = []
+        deadline = time.monotonic() + TIMEOUT
+        while len(got) < 5 and time.monotonic() < deadline:
+            m = c.poll(0.2)
+            if m is not None and m.error() is None:
+                got.append(m.value())
+    finally:
+        c.close()
+    assert got == [card(i) for i in range(5)]
+    assert all(is_sealed(m.value()) for m in read(stack.tansu.bootstrap, topic, 5, "direct"))
