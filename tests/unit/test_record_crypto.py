@@ -326,3 +326,39 @@ def test_kproxy_decode_shows_an_envelope_without_opening_it(tmp_path: Path, caps
     env = record["value"]["envelope"]
     assert env["kek"] == "kek" and env["kms"] == "local_file" and env["ciphertext_bytes"] == len(b"card 4111")
     assert env["key_bound"] is True and record["key"] == "k"
+
+
+# -- the C accelerator's split and join hold to the Python ones ----------------------------------------
+
+
+def test_native_split_and_join_match_python_on_valid_and_broken_records() -> None:
+    import random
+
+    from kproxy.protocol.errors import RecordsError
+    from kproxy.protocol.records import rewrite
+
+    if rewrite._native_split is None or rewrite._native_join is None:
+        pytest.skip("the C accelerator is not built here")
+    rng = random.Random(28)
+    for _ in range(200):
+        recs = []
+        for i in range(rng.randrange(1, 40)):
+            key = None if rng.random() < 0.2 else rng.randbytes(rng.choice([0, 1, 70, 300]))
+            value = None if rng.random() < 0.2 else rng.randbytes(rng.choice([0, 5, 63, 64, 1024, 20000]))
+            headers = [("h%d" % j, rng.randbytes(rng.randrange(0, 90))) for j in range(rng.randrange(0, 3))]
+            recs.append((key, value, headers, 1000 + rng.randrange(0, 1 << 40)))
+        (batch,) = list(iter_batches(build_batch(recs, base_timestamp=1000)))
+        buf = batch.payload()
+        native = rewrite._native_split(buf, batch.record_count)
+        python = rewrite._split_records(buf, batch.record_count, 0, False)
+        assert [[None if x is None else bytes(x) for x in part] for part in native] == \
+               [[None if x is None else bytes(x) for x in part] for part in python]
+        assert rewrite._native_join(*native) == rewrite._join_records(*python) == bytes(buf)
+        # Cut short, or with bytes left over: both refuse.
+        for broken, count in ((buf[:rng.randrange(0, len(buf))], batch.record_count),
+                              (bytes(buf) + b"\x00", batch.record_count),
+                              (buf, batch.record_count + 1)):
+            with pytest.raises(ValueError):
+                rewrite._native_split(memoryview(bytes(broken)), count)
+            with pytest.raises((RecordsError, IndexError)):
+                rewrite._split_records(memoryview(bytes(broken)), count, 0, False)

@@ -6,7 +6,9 @@ control batches are never changed.
 
 from __future__ import annotations
 
+import importlib
 import struct
+from typing import Any
 
 import crc32c
 
@@ -225,7 +227,7 @@ def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_
     """A v2 batch's records as four lists: each record's head (attributes, timestamp and offset
     deltas, as received), key, value (None for null) and tail (its headers, as received). Views into
     the batch or its decompressed payload; ``join_records`` puts them back together. RecordsError
-    when a record does not fit its batch."""
+    when a record does not fit its batch. The C accelerator does it where it was built."""
     compressed = batch.compression is not Compression.NONE
     buf = batch.payload(max_decompressed_bytes)
     base = batch._at + V2_HEADER_SIZE
@@ -233,6 +235,18 @@ def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_
     end = len(buf)
     if count > end // MIN_RECORD_SIZE:
         raise records_error(f"record count {count} cannot fit in {end} bytes", 0, base, compressed)
+    if _native_split is not None:
+        try:
+            return _native_split(buf, count)  # type: ignore[no-any-return]
+        except ValueError as e:
+            reason, pos = e.args
+            raise records_error(reason, pos, base, compressed) from None
+    return _split_records(buf, count, base, compressed)
+
+
+def _split_records(buf: memoryview, count: int, base: int, compressed: bool
+                   ) -> tuple[list[memoryview], list[memoryview | None], list[memoryview | None], list[memoryview]]:
+    end = len(buf)
     heads: list[memoryview] = []
     keys: list[memoryview | None] = []
     values: list[memoryview | None] = []
@@ -325,11 +339,18 @@ def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tail
                  max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> bytes:
     """``batch`` rebuilt (``rebuild_batch``: same codec and producer fields) from records' heads,
     keys, values and tails, as ``split_records`` gives them with keys or values replaced."""
+    payload = (_native_join(heads, keys, values, tails) if _native_join is not None
+               else _join_records(heads, keys, values, tails))
+    if len(payload) > max_decompressed_bytes:
+        raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
+    return rebuild_batch(batch, payload)
+
+
+def _join_records(heads: list, keys: list, values: list, tails: list) -> bytes:
     parts: list = []
     append = parts.append
     varint = _VARINTS
     null = b"\x01"       # zig-zag -1
-    total = 0
     for head, key, value, tail in zip(heads, keys, values, tails, strict=True):
         if key is None:
             kl, ks = 0, null
@@ -351,7 +372,17 @@ def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tail
         if value is not None:
             append(value)
         append(tail)
-        total += length
-    if total > max_decompressed_bytes:
-        raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
-    return rebuild_batch(batch, b"".join(parts))
+    return b"".join(parts)
+
+
+def _native() -> tuple[Any, Any]:
+    """The C accelerator's split and join (kproxy/protocol/_accel.c), or (None, None) where it was
+    not built or is older than they are: the Python functions above then do the work."""
+    try:
+        accel = importlib.import_module("kproxy.protocol._accel")
+    except ImportError:
+        return None, None
+    return getattr(accel, "split_records", None), getattr(accel, "join_records", None)
+
+
+_native_split, _native_join = _native()
