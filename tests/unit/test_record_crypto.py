@@ -342,10 +342,10 @@ def test_native_split_and_join_match_python_on_valid_and_broken_records() -> Non
     rng = random.Random(28)
     for _ in range(200):
         recs = []
-        for i in range(rng.randrange(1, 40)):
+        for _ in range(rng.randrange(1, 40)):
             key = None if rng.random() < 0.2 else rng.randbytes(rng.choice([0, 1, 70, 300]))
             value = None if rng.random() < 0.2 else rng.randbytes(rng.choice([0, 5, 63, 64, 1024, 20000]))
-            headers = [("h%d" % j, rng.randbytes(rng.randrange(0, 90))) for j in range(rng.randrange(0, 3))]
+            headers = [(f"h{j}", rng.randbytes(rng.randrange(0, 90))) for j in range(rng.randrange(0, 3))]
             recs.append((key, value, headers, 1000 + rng.randrange(0, 1 << 40)))
         (batch,) = list(iter_batches(build_batch(recs, base_timestamp=1000)))
         buf = batch.payload()

@@ -237,7 +237,7 @@ def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_
         raise records_error(f"record count {count} cannot fit in {end} bytes", 0, base, compressed)
     if _native_split is not None:
         try:
-            return _native_split(buf, count)  # type: ignore[no-any-return]
+            return _native_split(buf, count)
         except ValueError as e:
             reason, pos = e.args
             raise records_error(reason, pos, base, compressed) from None
