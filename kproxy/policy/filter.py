@@ -73,6 +73,9 @@ from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.policy")
 
+SHARE_FETCH = 78                 # share groups' Fetch (KIP-932): its answers carry records too
+FETCH_MASK_VERSION = 13          # mask rules for a ShareFetch answer are those of Fetch v13 (topics by id)
+
 
 @attrs.define(slots=True, eq=False)
 class _Pending:
@@ -556,11 +559,13 @@ class PolicyFilter(Filter):
             return verdict
         body, version = req.body, req.api_version
         for t, part, code, message, rule, reason in refused:
+            topic = t.name if version < 13 else str(t.topic_id)
             if crypto is not None:
                 crypto.failed(reason)
-            log.warning("rule %r: refused a Produce to %s[%d] from connection %d (%s): %s", rule.name,
-                        safe(t.name if version < 13 else str(t.topic_id)), part.index, ctx.connection_id,
-                        error_name(code), message)
+            if crypto is None or crypto.worth_logging((topic, part.index, reason)):
+                # Once a minute per partition and reason: clients retry a KMS outage many times a second.
+                log.warning("rule %r: refused a Produce to %s[%d] from connection %d (%s): %s", rule.name,
+                            safe(topic), part.index, ctx.connection_id, error_name(code), message)
         if exchange is not None:
             exchange.note("record_rule", refused[0][4].name)
         if body.acks == 0:
@@ -614,13 +619,14 @@ class PolicyFilter(Filter):
         if not decrypting and not policy.masking:
             return None
         version = response.api_version
+        share = response.api_key == SHARE_FETCH    # KIP-932: topics by id, the same partition fields
         cap = ctx.max_decompressed_batch_bytes
         work = _Fetched()
         refs: list[KeyRef] = []
         for t in response.body.responses:
-            name = t.topic if version < 13 else self.topic_ids.get(t.topic_id)
+            name = t.topic if not share and version < 13 else self.topic_ids.get(t.topic_id)
             opening = decrypting and (name is None or policy.encrypts(name))
-            masks = self._masks(ctx, version, name) if name is not None and policy.masking else ()
+            masks = self._masks(ctx, FETCH_MASK_VERSION if share else version, name) if name is not None and policy.masking else ()
             if not opening and not masks:
                 continue
             for p in t.partitions:
@@ -655,7 +661,7 @@ class PolicyFilter(Filter):
 
     def question_for_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> AskKeys | None:
         """A Fetch answer with sealed records whose DEKs are not cached waits for the key service."""
-        if response.api_key != FETCH:
+        if response.api_key not in (FETCH, SHARE_FETCH):
             return None
         work = self._fetched(ctx, response)
         if work is None:
@@ -702,7 +708,8 @@ class PolicyFilter(Filter):
                 log.warning("record encryption: refused %s[%d]%s to connection %d (%s, %s): %s", safe(name),
                             p.partition_index, at, ctx.connection_id, reason, error_name(code), why)
             p.error_code = code
-            p.records = None
+            # ShareFetch's records are not nullable from v1: an empty records field says the same.
+            p.records = b"" if exchange.api_key == SHARE_FETCH else None
             changed = True
         if changed:
             exchange.response_changed = True
@@ -734,7 +741,7 @@ class PolicyFilter(Filter):
 
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         pending: _Pending | None = exchange.kept(self)
-        if response.api_key == FETCH:
+        if response.api_key in (FETCH, SHARE_FETCH):
             # Record rules see the broker's names, before a tenant's prefix comes off.
             work = pending.fetched if pending is not None else None
             if work is None and (self.crypto is not None or self.source.policy.masking):

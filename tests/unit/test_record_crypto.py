@@ -362,3 +362,36 @@ def test_native_split_and_join_match_python_on_valid_and_broken_records() -> Non
                 rewrite._native_split(memoryview(bytes(broken)), count)
             with pytest.raises((RecordsError, IndexError)):
                 rewrite._split_records(memoryview(bytes(broken)), count, 0, False)
+
+
+def test_a_share_fetch_answer_is_opened_too(tmp_path: Path) -> None:
+    import types
+    import uuid
+
+    from kproxy.protocol.messages import Response, encode_response_frame
+
+    cache = UnwrapCache(4, 60)
+    crypto = C.RecordCrypto(KeyRing(KeyPolicy()), cache, lambda: 0.0)
+    s = session_with(tmp_path, crypto)
+    policy_filter = s.chain.filters[0]
+    tid = uuid.uuid4()
+    policy_filter.topic_ids.learn([types.SimpleNamespace(name="pay-1", topic_id=tid)])
+    d = dek()
+    cache.put(d, 0.0)
+    sealed = C.seal_partition(C.sealable_batches(build_batch([(b"k", b"secret")])), "pay-1", C.Grants([(d, 1)]),
+                              False, 1 << 24)[0]
+    req_cls: Any = body_class(78, "request")
+    req = Request.build(78, 1, 9, "c", req_cls(group_id="g", member_id="m", share_session_epoch=0, max_wait_ms=0,
+                                               min_bytes=1, max_records=10, batch_size=10, topics=[
+        req_cls.FetchTopic(topic_id=tid, partitions=[req_cls.FetchPartition(partition_index=0)])]))
+    frame = b"".join(bytes(b) for b in encode_request_frame(req))
+    (up,) = s.client_frame(memoryview(frame)[4:])
+    upstream_id = decode_request(memoryview(b"".join(bytes(b) for b in up.buffers))[4:]).correlation_id
+    cls: Any = body_class(78, "response")
+    body = cls(responses=[cls.ShareFetchableTopicResponse(topic_id=tid, partitions=[
+        cls.PartitionData(partition_index=0, records=sealed, current_leader=cls.LeaderIdAndEpoch(leader_id=1,
+                                                                                                 leader_epoch=0))])])
+    answer = b"".join(bytes(b) for b in encode_response_frame(Response.build(78, 1, upstream_id, body)))
+    (to_client,) = [a for a in s.upstream_frame(memoryview(answer)[4:]) if isinstance(a, ToClient)]
+    got = decode_response(memoryview(b"".join(bytes(b) for b in to_client.buffers))[4:], 78, 1)
+    assert values(bytes(got.body.responses[0].partitions[0].records)) == [b"secret"]
