@@ -280,8 +280,8 @@ class FilterFailed(Exception):
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_reported", "_whole", "_whole_all",
-                 "filters")
+    __slots__ = ("_askers", "_by_done_key", "_by_request_key", "_by_response_key", "_reported", "_whole",
+                 "_whole_all", "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
         self.filters = tuple(filters)
@@ -291,6 +291,7 @@ class FilterChain:
         self._whole_all: dict[tuple[int, str, str], tuple[Filter, ...]] = {}
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
         self._reported: dict[int, bool] = {}
+        self._askers: dict[int, tuple[Filter, ...]] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
@@ -302,6 +303,13 @@ class FilterChain:
         got = self._by_response_key.get(api_key)
         if got is None:
             got = self._by_response_key[api_key] = self._select(api_key, "response_api_keys")
+        return got
+
+    def askers_for_response(self, api_key: int) -> tuple[Filter, ...]:
+        """The response filters of ``api_key`` that may ask something first (``asks_for_response``)."""
+        got = self._askers.get(api_key)
+        if got is None:
+            got = self._askers[api_key] = tuple(f for f in self.for_response(api_key) if f.asks_for_response)
         return got
 
     def changes_reported(self, api_key: int) -> bool:

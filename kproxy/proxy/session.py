@@ -607,9 +607,7 @@ class Session(SessionCutThrough, SessionSasl):
         if names is not None and self._learns_names(entry.api_key, version):
             # The broker's own names, before any filter changes them (a tenant prefix comes off).
             names.learn(resp.body.topics)
-        for f in self.chain.for_response(entry.api_key):
-            if not f.asks_for_response:
-                continue
+        for f in self.chain.askers_for_response(entry.api_key):
             try:
                 ask = f.question_for_response(self.ctx, entry, resp)
             except Exception:
@@ -629,7 +627,7 @@ class Session(SessionCutThrough, SessionSasl):
         try:
             then(answer)
         except Exception:
-            asker = next(f for f in self.chain.for_response(entry.api_key) if f.asks_for_response)
+            asker = self.chain.askers_for_response(entry.api_key)[0]
             return [Close(str(self._filter_failed(asker, "question_for_response", entry.api_key)))]
         return self._answer(entry, resp, frame, version, original, seen, answered)
 
