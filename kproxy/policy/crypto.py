@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from kproxy.envelope import Binding, DataKey, KeyRef, Part, key_refs, open_values, seal
+from kproxy.envelope import Binding, DataKey, KeyRef, Part, open_values, seal
 from kproxy.envelope.format import MAGIC, MissingDataKey, TamperedRecord
 from kproxy.envelope.keys import KeyRing, UnwrapCache
 from kproxy.policy.model import Mask
@@ -190,50 +190,41 @@ class FetchedBatch(NamedTuple):
     keys: list[Any]
     values: list[Any]
     tails: list[memoryview]
-    sealed: bool
 
 
-def read_fetched(records: Any, cap: int) -> tuple[list[FetchedBatch | Any], bool]:
-    """A fetched partition's batches (FetchedBatch for data batches v2, the raw bytes of the others)
-    and whether any record is sealed. A partial trailing batch (a Fetch cut at its size limit) is
-    left out: the client would drop it, and asks again from there."""
+def read_fetched(records: Any, cap: int) -> list[FetchedBatch | Any]:
+    """A fetched partition's batches: FetchedBatch for data batches v2, the raw bytes of the others.
+    A partial trailing batch (a Fetch cut at its size limit) is left out: the client would drop it,
+    and asks again from there."""
     out: list[FetchedBatch | Any] = []
-    sealed_any = False
-    it = iter_batches(records, allow_truncated=True)
-    for b in it:
+    for b in iter_batches(records, allow_truncated=True):
         if not isinstance(b, RecordBatch) or b.is_control:
             out.append(b.raw)
             continue
-        heads, keys, values, tails = split_records(b, cap)
-        sealed = any(v is not None and v[:4] == MAGIC for v in values) or \
-            any(k is not None and k[:4] == MAGIC for k in keys)
-        sealed_any = sealed_any or sealed
-        out.append(FetchedBatch(b, heads, keys, values, tails, sealed))
-    return out, sealed_any
+        out.append(FetchedBatch(b, *split_records(b, cap)))
+    return out
 
 
-def refs_of(batches: Sequence[FetchedBatch | Any]) -> list[KeyRef]:
-    """The DEK references a partition's sealed records name. Tampered if a header is malformed."""
-    refs: list[KeyRef] = []
-    for fb in batches:
-        if isinstance(fb, FetchedBatch) and fb.sealed:
-            try:
-                found = (*key_refs(fb.keys), *key_refs(fb.values))
-            except TamperedRecord as e:
-                raise Tampered(fb.batch.base_offset + e.index, e.reason) from None
-            for ref in found:
-                if ref not in refs:
-                    refs.append(ref)
-    return refs
+class CachedKeys:
+    """The unwrap cache as the mapping ``open_values`` reads DEKs from, at one moment."""
+
+    __slots__ = ("cache", "now")
+
+    def __init__(self, cache: UnwrapCache, now: float) -> None:
+        self.cache = cache
+        self.now = now
+
+    def get(self, ref: KeyRef) -> DataKey | None:
+        return self.cache.get(ref, self.now)
 
 
-def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapping[KeyRef, DataKey],
-                   masks: Sequence[Mask], crypto: RecordCrypto | None, cap: int) -> bytes | None:
-    """The partition's records with sealed keys and values opened and ``masks`` applied, or None
-    when nothing changed. A batch that cannot be opened ends the records there: the batches before
-    it are delivered, and the client's next Fetch starts at it. When it is the first, Tampered
-    (a record fails authentication: it is never delivered, not even empty) or MissingDataKey (a
-    DEK not in ``deks``) refuses the partition."""
+def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapping[KeyRef, DataKey] | CachedKeys,
+                   masks: Sequence[Mask], crypto: RecordCrypto | None, cap: int, opening: bool = True) -> bytes | None:
+    """The partition's records with sealed keys and values opened (when ``opening``: the topic is
+    encrypted) and ``masks`` applied, or None when nothing changed. A batch that cannot be opened
+    ends the records there: the batches before it are delivered, and the client's next Fetch starts
+    at it. When it is the first, Tampered (a record fails authentication: it is never delivered, not
+    even empty) or MissingDataKey (a DEK not in ``deks``) refuses the partition."""
     value_binding = Binding(topic, Part.VALUE)
     key_binding = Binding(topic, Part.KEY)
     out: list[Any] = []
@@ -243,26 +234,33 @@ def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapp
             out.append(fb)
             continue
         keys, values = fb.keys, fb.values
-        base = fb.batch.base_offset
-        if fb.sealed:
+        opened = False
+        if opening:
             try:
-                if any(k is not None and k[:4] == MAGIC for k in keys):
-                    keys, _ = open_values(keys, key_binding, deks)
-                values, plain = open_values(values, value_binding, deks, keys)
+                # kproxy seals all of a batch's keys or none: the first says which (a batch mixed on
+                # the broker fails authentication below, its values being bound to the plain keys).
+                first = next((k for k in keys if k is not None), None)
+                if first is not None and first[:4] == MAGIC:
+                    keys, _ = open_values(keys, key_binding, deks)  # type: ignore[arg-type]
+                    opened = True
+                values, plain = open_values(values, value_binding, deks, keys)  # type: ignore[arg-type]
             except (TamperedRecord, MissingDataKey) as e:
                 if out:
                     # The batches before this one go to the client; its next Fetch starts here.
                     return b"".join(bytes(x) for x in out)
                 if isinstance(e, MissingDataKey):
                     raise
-                raise Tampered(base + e.index, e.reason) from None
-            if crypto is not None:
-                crypto.records_decrypted += len(values) - plain
-                crypto.batches_decrypted += 1
+                raise Tampered(fb.batch.base_offset + e.index, e.reason) from None
+            sealed = len(values) - plain - values.count(None)
+            if sealed or opened:
+                opened = True
+                if crypto is not None:
+                    crypto.records_decrypted += sealed
+                    crypto.batches_decrypted += 1
         masked = False
         if masks:
             values, masked = mask_values(values, masks, crypto)
-        if fb.sealed or masked:
+        if opened or masked:
             out.append(join_records(fb.batch, fb.heads, keys, values, fb.tails, cap))
             changed = True
         else:

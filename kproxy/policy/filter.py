@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from kproxy.envelope import DataKey, KeyRef, MissingDataKey
+from kproxy.envelope import DataKey, KeyRef, MissingDataKey, is_sealed
 from kproxy.logs import safe
 from kproxy.policy import crypto as C
 from kproxy.policy.engine import (
@@ -94,18 +94,24 @@ class _Pending:
 
 @attrs.define(slots=True, eq=False)
 class _Fetched:
-    """A Fetch answer's partitions that record rules change: (topic, partition data, batches read,
-    masks), the DEKs they need, and why some could not be had."""
+    """A Fetch answer's partitions that record rules change, opened and masked as far as the DEKs in
+    the cache allow (``question_for_response``); those still waiting for a DEK, and what the key
+    service answered for them."""
 
+    # (topic, partition data, batches read, masks, whether the topic is encrypted)
     parts: list[tuple[str, Any, list[Any], tuple[Mask, ...], bool]] = attrs.field(factory=list)
+    results: dict[int, bytes | None] = attrs.field(factory=dict)    # index in parts -> records, or unchanged
+    waiting: list[int] = attrs.field(factory=list)                   # indexes of parts that need a DEK
+    missing: list[KeyRef] = attrs.field(factory=list)                # the DEKs they need
     deks: dict[KeyRef, DataKey] = attrs.field(factory=dict)
     errors: dict[KeyRef, Any] = attrs.field(factory=dict)
     # Partitions refused: (topic, partition data, offset or -1, reason, message, retriable).
     refused: list[tuple[str, Any, int, str, str, bool]] = attrs.field(factory=list)
-    missing: tuple[KeyRef, ...] = ()
+    done: bool = False
+    opened_batches: int = 0
 
-    def answered(self, missing: tuple[KeyRef, ...], answer: Mapping[KeyRef, Any] | None) -> None:
-        for ref in missing:
+    def answered(self, answer: Mapping[KeyRef, Any] | None) -> None:
+        for ref in self.missing:
             got = answer.get(ref) if answer is not None else None
             if isinstance(got, DataKey):
                 self.deks[ref] = got
@@ -611,8 +617,8 @@ class PolicyFilter(Filter):
         return False
 
     def _fetched(self, ctx: ConnectionContext, response: Response) -> _Fetched | None:
-        """The partitions of a Fetch answer that record rules open or mask, read once, and the DEKs
-        they need: those in the cache, and the references that are not (``missing``)."""
+        """The partitions of a Fetch (or ShareFetch) answer that record rules open or mask, opened and
+        masked with the DEKs the cache holds; those that need another DEK wait in ``waiting``."""
         policy = self.source.policy
         crypto = self.crypto
         decrypting = crypto is not None and bool(policy.encrypting)
@@ -622,42 +628,59 @@ class PolicyFilter(Filter):
         share = response.api_key == SHARE_FETCH    # KIP-932: topics by id, the same partition fields
         cap = ctx.max_decompressed_batch_bytes
         work = _Fetched()
-        refs: list[KeyRef] = []
         for t in response.body.responses:
             name = t.topic if not share and version < 13 else self.topic_ids.get(t.topic_id)
             opening = decrypting and (name is None or policy.encrypts(name))
-            masks = self._masks(ctx, FETCH_MASK_VERSION if share else version, name) if name is not None and policy.masking else ()
+            masks = (self._masks(ctx, FETCH_MASK_VERSION if share else version, name)
+                     if name is not None and policy.masking else ())
             if not opening and not masks:
                 continue
             for p in t.partitions:
                 if p.error_code or not p.records:
                     continue
                 try:
-                    batches, sealed = C.read_fetched(p.records, cap)
+                    batches = C.read_fetched(p.records, cap)
                 except RecordsError:
                     continue        # the client cannot read it either; it is the broker's to answer
-                sealed = sealed and opening
-                if sealed and name is None:
-                    work.refused.append((str(t.topic_id), p, -1, "unknown_topic",
-                                         "the topic's name is not known yet (the associated data binds it)", True))
+                if name is None:
+                    if any(isinstance(b, C.FetchedBatch) and any(map(is_sealed, (*b.values, *b.keys)))
+                           for b in batches):
+                        work.refused.append((str(t.topic_id), p, -1, "unknown_topic", "the topic's name is not "
+                                             "known yet (the associated data binds it)", True))
                     continue
-                assert name is not None
-                if sealed:
-                    try:
-                        found = C.refs_of(batches)
-                    except C.Tampered as e:
-                        work.refused.append((name, p, e.offset, "tampered", e.reason, False))
-                        continue
-                    refs.extend(r for r in found if r not in refs)
-                work.parts.append((name, p, batches, masks, sealed))
+                work.parts.append((name, p, batches, masks, opening))
         if not work.parts and not work.refused:
             return None
-        if refs:
-            assert crypto is not None
-            found_deks, missing = crypto.cache.lookup(refs, crypto.clock())
-            work.deks = found_deks
-            work.missing = tuple(missing)
+        keys: Any = C.CachedKeys(crypto.cache, crypto.clock()) if crypto is not None else {}
+        self._open_parts(work, range(len(work.parts)), keys, crypto, cap)
         return work
+
+    def _open_parts(self, work: _Fetched, indexes: Any, deks: Any, crypto: C.RecordCrypto | None, cap: int) -> None:
+        before = crypto.batches_decrypted if crypto is not None else 0
+        try:
+            self._open_each(work, indexes, deks, crypto, cap)
+        finally:
+            if crypto is not None:
+                work.opened_batches += crypto.batches_decrypted - before
+
+    def _open_each(self, work: _Fetched, indexes: Any, deks: Any, crypto: C.RecordCrypto | None, cap: int) -> None:
+        for i in indexes:
+            name, p, batches, masks, opening = work.parts[i]
+            try:
+                work.results[i] = C.open_partition(batches, name, deks, masks, crypto, cap, opening)
+            except MissingDataKey as e:
+                if work.done:
+                    err = work.errors.get(e.ref)
+                    work.refused.append((name, p, -1, err.reason if err is not None else "timeout",
+                                         str(err) if err is not None else "the KMS did not answer within the "
+                                                                          "request timeout",
+                                         err is None or err.retriable))
+                else:
+                    work.waiting.append(i)
+                    if e.ref not in work.missing:
+                        work.missing.append(e.ref)
+            except C.Tampered as e:
+                work.refused.append((name, p, e.offset, "tampered", e.reason, False))
 
     def question_for_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> AskKeys | None:
         """A Fetch answer with sealed records whose DEKs are not cached waits for the key service."""
@@ -673,33 +696,32 @@ class PolicyFilter(Filter):
         pending.fetched = work
         if not work.missing:
             return None
-        return AskKeys(C.OpenKeys(work.missing), functools.partial(work.answered, work.missing))
+        return AskKeys(C.OpenKeys(tuple(work.missing)), work.answered)
 
     def _open_fetched(self, ctx: ConnectionContext, exchange: Any, work: _Fetched) -> None:
-        """Open and mask the partitions ``work`` holds; refuse those that cannot be opened (a DEK
-        the KMS could not give: retriable; an unknown KEK or a record that fails authentication:
+        """Put the opened and masked records in the answer; open the partitions that waited for a DEK
+        with the key service's answer, and refuse those that still cannot be opened (a DEK the KMS
+        could not give: retriable; an unknown KEK or a record that fails authentication:
         INVALID_RECORD). Other partitions are unaffected; nothing sealed is delivered as a value."""
         crypto = self.crypto
-        cap = ctx.max_decompressed_batch_bytes
-        refused = list(work.refused)
+        waiting, work.waiting = work.waiting, []
+        work.done = True
+        if waiting:
+            # Some DEKs came from the key service; a miss is refused this time (the client asks again).
+            deks = dict(work.deks)
+            if crypto is not None:
+                now = crypto.clock()
+                for ref in work.missing:
+                    cached = crypto.cache.get(ref, now)
+                    if cached is not None:
+                        deks.setdefault(ref, cached)
+            self._open_parts(work, waiting, deks, crypto, ctx.max_decompressed_batch_bytes)
         changed = False
-        opened_before = crypto.batches_decrypted if crypto is not None else 0
-        for name, p, batches, masks, _sealed in work.parts:
-            try:
-                new = C.open_partition(batches, name, work.deks, masks, crypto, cap)
-            except MissingDataKey as e:
-                err = work.errors.get(e.ref)
-                refused.append((name, p, -1, err.reason if err is not None else "timeout",
-                                str(err) if err is not None else "the KMS did not answer within the request timeout",
-                                err is None or err.retriable))
-                continue
-            except C.Tampered as e:
-                refused.append((name, p, e.offset, "tampered", e.reason, False))
-                continue
+        for i, new in work.results.items():
             if new is not None:
-                p.records = new
+                work.parts[i][1].records = new
                 changed = True
-        for name, p, offset, reason, why, retriable in refused:
+        for name, p, offset, reason, why, retriable in work.refused:
             code = KAFKA_STORAGE_ERROR if retriable else INVALID_RECORD
             if crypto is not None:
                 crypto.failed(reason)
@@ -713,8 +735,8 @@ class PolicyFilter(Filter):
             changed = True
         if changed:
             exchange.response_changed = True
-            if crypto is not None and crypto.batches_decrypted > opened_before:
-                exchange.note("decrypted_batches", crypto.batches_decrypted - opened_before)
+            if work.opened_batches:
+                exchange.note("decrypted_batches", work.opened_batches)
             if any(masks for _, _, _, masks, _ in work.parts):
                 exchange.note("record_rule", "mask")
 

@@ -113,8 +113,7 @@ def dek(n: int = 1) -> DataKey:
 
 
 def open_all(records: bytes, topic: str, deks: dict[KeyRef, DataKey], masks: tuple[Mask, ...] = ()) -> bytes | None:
-    batches, _ = C.read_fetched(records, 1 << 24)
-    return C.open_partition(batches, topic, deks, masks, None, 1 << 24)
+    return C.open_partition(C.read_fetched(records, 1 << 24), topic, deks, masks, None, 1 << 24)
 
 
 def values(records: bytes) -> list[Any]:
