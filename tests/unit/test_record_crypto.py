@@ -394,3 +394,20 @@ def test_a_share_fetch_answer_is_opened_too(tmp_path: Path) -> None:
     (to_client,) = [a for a in s.upstream_frame(memoryview(answer)[4:]) if isinstance(a, ToClient)]
     got = decode_response(memoryview(b"".join(bytes(b) for b in to_client.buffers))[4:], 78, 1)
     assert values(bytes(got.body.responses[0].partitions[0].records)) == [b"secret"]
+
+
+def test_the_traffic_log_and_the_span_name_the_encrypt_rule() -> None:
+    import jsonschema
+
+    from kproxy.telemetry.exchange import Exchange, Learned
+    from kproxy.telemetry.spans import span_attributes
+    from kproxy.telemetry.traffic_log import SCHEMA_PATH, traffic_line
+    from tests.unit.test_telemetry import ctx, produce_entry
+
+    e = produce_entry({("pay", 0): build_batch([(b"k", b"v")])}, {("pay", 0): 0})
+    e.notes = {"rewritten_batches": 1, "encrypted_batches": 1, "record_rule": "encrypt-payments"}
+    line = traffic_line(Exchange(e, ctx(), Learned()), 0.0)
+    jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(line)
+    assert line["record_rule"] == "encrypt-payments" and line["encrypted_batches"] == 1
+    attributes = span_attributes(Exchange(e, ctx(), Learned()))
+    assert attributes["kproxy.record_rule"] == "encrypt-payments" and attributes["kproxy.encrypted_batches"] == 1
