@@ -336,3 +336,21 @@ def test_a_transactional_producer_writes_sealed_records_read_committed_through_k
         c.close()
     assert got == [card(i) for i in range(5)]
     assert all(is_sealed(m.value()) for m in read(stack.tansu.bootstrap, topic, 5, "direct"))
+
+
+def test_kproxy_check_asks_the_kms_for_the_keks(stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from kproxy.cli import check_config_file
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text('rules:\n  - name: typo\n    match: {topic: "p-*"}\n    action: encrypt\n'
+                     '    encrypt: {kek: "pay-kekk"}\n')
+    vault = stack.kms["vault"]
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(f'listen: "127.0.0.1:19092"\nupstream: {{bootstrap_servers: ["{stack.tansu.bootstrap}"]}}\n'
+                      f'mode: sidecar\nrules: [{rules}]\n'
+                      f'kms:\n  vault: {{url: "{vault["url"]}", token_file: "{vault["token_file"]}"}}\n')
+    assert check_config_file(str(config)) == 2
+    assert f"{rules}:2: encrypt.kek: rule 'typo' names KEK 'pay-kekk'" in capsys.readouterr().err
+    rules.write_text(rules.read_text().replace("pay-kekk", KEK))
+    assert check_config_file(str(config)) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {config}")
