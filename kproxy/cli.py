@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kproxy import __version__
+
+if TYPE_CHECKING:
+    from kproxy.config import ProxyConfig
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -259,6 +262,28 @@ def _check_encryption(cfg: Any, rule_set: Any) -> list[str]:
     return warnings
 
 
+def _check_keytabs(cfg: ProxyConfig, path: str) -> None:
+    """Each configured keytab holds the principal the configuration names (it is read, no KDC asked);
+    a ConfigError at the setting's line when not."""
+    from kproxy.config import ConfigError
+    from kproxy.config.loader import setting_line
+
+    wanted: list[tuple[tuple[str, ...], str, str]] = []
+    up = cfg.upstream.sasl
+    if up is not None and up.mechanism == "GSSAPI" and up.principal and up.keytab:
+        wanted.append((("upstream", "sasl", "keytab"), up.principal, up.keytab))
+    if cfg.sasl is not None and cfg.sasl.gssapi is not None:
+        wanted.append((("sasl", "gssapi", "keytab"), cfg.sasl.gssapi.principal, cfg.sasl.gssapi.keytab))
+    if not wanted:
+        return
+    from kproxy.server.kerberos import keytab_problem
+
+    for setting, principal, keytab in wanted:
+        problem = keytab_problem(principal, keytab)
+        if problem is not None:
+            raise ConfigError(f"{'.'.join(setting)}: {problem}", file=path, line=setting_line(path, setting))
+
+
 def check_config_file(path: str) -> int:
     """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and
     return 2. Here rather than in kproxy.config because the summary names the codec in use, and
@@ -272,6 +297,7 @@ def check_config_file(path: str) -> int:
             from kproxy.userfile import load_users_file
 
             load_users_file(cfg.sasl.users_file)
+        _check_keytabs(cfg, path)
         rules = ""
         if cfg.rules:
             from kproxy.policy.loader import describe_rules, load_rules

@@ -262,7 +262,20 @@ class HostPort:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+# A Kerberos principal with its realm: primary[/instance]@REALM (Kafka's KerberosName).
+_KERBEROS_PRINCIPAL: Final = re.compile(r"[^/@\s]+(/[^/@\s]+)?@[^/@\s]+")
+
+
+def kerberos_principal_problem(principal: str, *, instance: bool) -> str | None:
+    """Why ``principal`` cannot be a configured Kerberos principal, or None; ``instance``: it must
+    have the ``/host`` part (a service principal)."""
+    if not _KERBEROS_PRINCIPAL.fullmatch(principal):
+        return (f"{principal!r} is not a Kerberos principal; write it whole, with its realm: "
+                f"{'service/host@REALM' if instance else 'name[/instance]@REALM'}")
+    if instance and "/" not in principal:
+        return f"{principal!r} is not a service principal; write service/host@REALM (e.g. kafka/localhost@EXAMPLE.COM)"
+    return None
 _LOOPBACK: Final = re.compile(r"^(localhost|127(\.\d{1,3}){3}|\[::1\]|::1)$", re.IGNORECASE)
 
 

@@ -51,6 +51,24 @@ def read_text_file(file: str, what: str = "the file") -> str:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file=file) from None
 
 
+def setting_line(file: str, path: SettingPath) -> int | None:
+    """The 1-based line of setting ``path`` in the YAML file ``file``, or of the nearest enclosing key
+    written there: for problems found after loading (a keytab without the principal it should hold)."""
+    try:
+        node = yaml.compose(read_text_file(file), Loader=yaml.SafeLoader)
+    except (ConfigError, yaml.YAMLError):
+        return None
+    line = None
+    for key in path:
+        if not isinstance(node, MappingNode):
+            break
+        found = next(((k, v) for k, v in node.value if isinstance(k, ScalarNode) and k.value == key), None)
+        if found is None:
+            break
+        line, node = _line(found[0]), found[1]
+    return line
+
+
 def parse_config(text: str, source: str = "<string>", env: Mapping[str, str] | None = None) -> ProxyConfig:
     """Validate YAML ``text``; errors name ``source``. Relative TLS file paths are taken from the cwd."""
     return _load(text, source, None, env)

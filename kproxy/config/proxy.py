@@ -43,7 +43,8 @@ class ProxyConfig:
     chaos: bool = False    # chaos rules inject faults only when this is true
     # The KMS holding the KEKs of encrypt rules (docs/encryption.md); None: no rule may encrypt.
     kms: KmsConfig | None = None
-    # Replicas of the gateway that share every quota; each process enforces quota_share() of it.
+    # Replicas of the gateway that share every quota; each process enforces quota_share() of it
+    # (per-connection quotas excepted: a connection lives on one process, which holds it whole).
     quota_replicas: int = setting(1, min=1)
     quota: QuotaConfig = QuotaConfig()
     admin: AdminConfig = AdminConfig()

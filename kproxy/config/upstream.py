@@ -12,6 +12,7 @@ from kproxy.config.checks import (
     SettingError,
     check_files,
     dotted,
+    kerberos_principal_problem,
     path_of,
     setting,
     url_problem,
@@ -81,8 +82,20 @@ class UpstreamSasl:
     password: str | None = None
     password_file: str | None = setting(None, file=True)
     oauth: UpstreamOAuth | None = None      # read only with OAUTHBEARER
+    # GSSAPI (Kerberos): kproxy's own principal, the keytab holding its key, and the service name of
+    # the brokers' principals, <service_name>/<broker host>@<kproxy's realm> (Kafka's
+    # sasl.kerberos.service.name).
+    principal: str | None = None
+    keytab: str | None = setting(None, file=True)
+    service_name: str = "kafka"
 
     def __attrs_post_init__(self) -> None:
+        if self.mechanism == "GSSAPI":
+            _check_gssapi_origination(self)
+            return
+        for name in ("principal", "keytab"):
+            if getattr(self, name) is not None:
+                raise SettingError(path_of(self, name), f"is read only with mechanism: GSSAPI (this is {self.mechanism})")
         if self.mechanism == "OAUTHBEARER":
             if self.oauth is None:
                 raise SettingError(path_of(self, "mechanism"), "OAUTHBEARER needs upstream.sasl.oauth "
@@ -92,6 +105,24 @@ class UpstreamSasl:
             raise SettingError(path_of(self, "username"), f"{self.mechanism} needs a username")
         _one_secret(self, "password", "password_file", "a password")
         check_files(self)
+
+
+def _check_gssapi_origination(section: UpstreamSasl) -> None:
+    for name in ("principal", "keytab"):
+        if getattr(section, name) is None:
+            raise SettingError(path_of(section, "mechanism"), f"GSSAPI needs upstream.sasl.{name} (kproxy's "
+                                                              "principal and the keytab that holds its key)")
+    for name in ("username", "password", "password_file", "oauth"):
+        if getattr(section, name) is not None:
+            raise SettingError(path_of(section, name), "GSSAPI logs in with principal and keytab; remove it")
+    assert section.principal is not None
+    problem = kerberos_principal_problem(section.principal, instance=False)
+    if problem is not None:
+        raise SettingError(path_of(section, "principal"), problem)
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", section.service_name):
+        raise SettingError(path_of(section, "service_name"), f"{section.service_name!r} is not a service name "
+                                                             "(the first part of the brokers' principals, e.g. kafka)")
+    check_files(section)
 
 
 @attrs.frozen(field_transformer=with_checks)

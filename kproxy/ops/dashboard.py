@@ -226,6 +226,12 @@ def build() -> dict[str, Any]:
         "generation of the rules in force.", "short",
         (f"sum by (outcome) (increase(kproxy_rule_reloads_total{{{SEL}}}[{RATE}]))", "reloads {{outcome}}"),
         (f"max by (pod) (kproxy_rules_generation{{{SEL}}})", "generation {{pod}}"), width=8))
+    d = d.with_panel(series(
+        "Kerberos failures", "Kerberos (GSSAPI) failures per second, by side (accept: clients' tickets "
+        "checked with kproxy's keytab; initiate: kproxy's own tickets) and kind (keytab, clock_skew, "
+        "unknown_principal, expired, other).", "short",
+        (f"sum by (side, kind) (rate(kproxy_kerberos_failures_total{{{SEL}}}[{RATE}]))", "{{side}} {{kind}}"),
+        width=24))
 
     d = d.with_row(Row("Record encryption"))
     d = d.with_panel(series(

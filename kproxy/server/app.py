@@ -731,6 +731,11 @@ class ProxyServer:
             self._nursery.cancel_scope.cancel()
 
 
+# The signals kproxy handles. A supervisor starts its workers with them blocked (Worker.start), and
+# serve_until_signal unblocks them once it listens for them.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 async def serve_until_signal(server: ProxyServer) -> None:
     """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
     and any changed TLS files."""
@@ -738,7 +743,10 @@ async def serve_until_signal(server: ProxyServer) -> None:
     # server answers, while discovery may still wait for Metadata, and a SIGTERM then (a supervisor's,
     # a kubelet's) would otherwise end the process at once without a drain or a last log line. One
     # that arrives during start-up waits here until the server has started, then drains it.
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        # A worker's signals were held (blocked) since its supervisor started it, so one passed on
+        # while it was still importing and reading its settings waited: it is delivered from here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             if server.worker is not None:

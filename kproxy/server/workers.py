@@ -24,6 +24,7 @@ import trio
 
 from kproxy.config import ProxyConfig, effective_workers
 from kproxy.server import admin
+from kproxy.server.app import SIGNALS
 from kproxy.server.clients import MAX_LISTED
 
 log = logging.getLogger("kproxy.supervisor")
@@ -75,9 +76,12 @@ class Worker:
         # worker that got it twice would stop at once instead of draining). A worker whose supervisor
         # was killed outright notices and stops by itself (PR_SET_PDEATHSIG cannot be used: trio
         # starts processes from a worker thread, and the signal follows that thread, not the process).
+        # It starts with SIGNALS blocked: one passed on before it handles them (it is importing, or
+        # reading its settings) stays pending until serve_until_signal unblocks it, instead of ending
+        # the worker outright, without a drain or its last log line.
         self.process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "kproxy", *self.argv], env=env, stdin=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_hold_signals)
         log.info("worker %d started (pid %d)", self.index, self.process.pid)
 
     def signal(self, signum: int) -> None:
@@ -97,8 +101,9 @@ class Supervisor:
 
     async def run(self) -> int:
         # Signals are the supervisor's before the first worker starts: one that arrives meanwhile is
-        # passed on once they all run, instead of ending the supervisor and orphaning them.
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        # passed on once they all are started (each holds it until it handles signals), instead of
+        # ending the supervisor and orphaning them.
+        with trio.open_signal_receiver(*SIGNALS) as signals:
             async with trio.open_nursery() as nursery:
                 for w in self.workers:
                     await w.start()
@@ -321,6 +326,11 @@ def merge_clients(views: Sequence[tuple[int, dict]], limit: int = MAX_LISTED) ->
 
 def _number(v: float) -> str:
     return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+
+
+def _hold_signals() -> None:
+    # In the new worker between fork and exec: the signal mask survives exec (see Worker.start).
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 
 
 def _private_address() -> str:

@@ -325,6 +325,12 @@ def identity_families(identity: Any) -> list[Metric]:
     if originator is not None:
         out.append(_counter("kproxy_upstream_sasl_logins", "Logins kproxy made to brokers as itself, by outcome.",
                             ["outcome"], {("ok",): originator.logins, ("failed",): originator.failures}))
+    kerberos = identity.kerberos
+    if kerberos is not None:
+        out.append(_counter("kproxy_kerberos_failures", "Kerberos (GSSAPI) failures, by side (accept: clients' "
+                            "tickets checked with kproxy's keytab; initiate: kproxy's own tickets) and kind "
+                            "(keytab, clock_skew, unknown_principal, expired, other).", ["side", "kind"],
+                            dict(kerberos.failures)))
     jwks = identity.jwks
     if jwks is not None:
         out.append(_counter("kproxy_jwks_fetches", "JWKS fetches, by outcome.", ["outcome"],
