@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kproxy import __version__
 
@@ -197,6 +197,7 @@ def _run_decode(args: argparse.Namespace) -> int:
             return fail(f"cannot read {args.file}: {e.strerror or e}")
         data = raw if args.raw else parse_hex(raw.decode("utf-8", "replace"))
         result = dissect(data, response=args.response, api_key=args.api_key, api_version=args.api_version)
+        _show_envelopes(result)
     except DecodeError as e:
         where = [f"offset {e.offset}"] if e.offset is not None else []
         if e.path:
@@ -209,6 +210,33 @@ def _run_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_envelopes(node: Any) -> None:
+    """Record keys and values sealed by an encrypt rule shown as their envelope (KEK, KMS, wrapped
+    DEK size, nonce, ciphertext size), never opened: the dissector prints them as base64."""
+    import base64
+
+    from kproxy.envelope import MAGIC, EnvelopeError, describe
+
+    if isinstance(node, list):
+        for item in node:
+            _show_envelopes(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for name in ("key", "value"):
+        v = node.get(name)
+        if isinstance(v, dict) and isinstance(v.get("base64"), str) and "offset" in node:
+            raw = base64.b64decode(v["base64"])
+            if raw[:4] == MAGIC:
+                try:
+                    node[name] = {"envelope": describe(raw)}
+                except EnvelopeError as e:
+                    node[name] = {"envelope": {"malformed": str(e)}, "base64": v["base64"]}
+    for child in node.values():
+        if isinstance(child, dict | list):
+            _show_envelopes(child)
+
+
 def _read_input(name: str) -> bytes:
     if name == "-":
         stream = getattr(sys.stdin, "buffer", None)
@@ -219,6 +247,33 @@ def _read_input(name: str) -> bytes:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _check_encryption(cfg: Any, rule_set: Any) -> list[str]:
+    """Encrypt rules need a kms: section, and the KMS must have the KEKs they name (asked now);
+    raises ConfigError at the rule's file and line, returns warnings (a KMS that cannot be reached)."""
+    from kproxy.server.encryption import encrypt_without_kms, kek_problems, open_key_service
+
+    problem = encrypt_without_kms(cfg, rule_set)
+    if problem is not None:
+        raise problem
+    if cfg.kms is None or not any(r.action == "encrypt" for r in rule_set.rules):
+        return []
+    import trio
+
+    async def ask() -> tuple[list[Any], list[str]]:
+        opened = open_key_service(cfg)
+        assert opened is not None
+        service = opened[0]
+        try:
+            return await kek_problems(service, rule_set)
+        finally:
+            await service.kms.aclose()
+
+    errors, warnings = trio.run(ask)
+    if errors:
+        raise errors[0]
+    return warnings
 
 
 def _check_keytabs(cfg: ProxyConfig, path: str, prefix: tuple[str | int, ...] = ()) -> None:
@@ -280,5 +335,7 @@ def _check_cluster_files(cfg: ProxyConfig, path: str, prefix: tuple[str | int, .
 
     rule_set = load_rules(cfg.rules, cfg.chaos)
     for warning in rule_set.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    for warning in _check_encryption(cfg, rule_set):
         print(f"warning: {warning}", file=sys.stderr)
     return f"; rules: {describe_rules(rule_set)}"

@@ -167,6 +167,7 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
         got["incidents_per_minute"] = t.write("incidents_per_minute", TB.incidents_per_minute(rpm), small=True)
     with progress.stage(STAGES[6]):
         got["fleet"] = t.write("fleet", TB.fleet_table(requests), small=True)
+        got["encrypted_topics"] = t.write("encrypted_topics", TB.encrypted_topics_table(requests), small=True)
         versions = t.write("api_versions", TB.api_versions_table(requests), small=True)
         got["upgrade_risk"] = t.write(
             "upgrade_risk", TB.upgrade_risk_table(versions, TB.removed_versions_frame(spark)), small=True)
@@ -465,6 +466,16 @@ def _fleet(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
         ("connections", "connections", R.fmt_int), ("requests", "requests", R.fmt_int),
         ("first_seen", "first seen", R.fmt_text), ("last_seen", "last seen", R.fmt_text)],
         counts["fleet"], "tables/fleet"))
+    encrypted = got["encrypted_topics"]
+    sec.parts.append("<h3>Encrypted topics</h3><p>Topics whose records kproxy sealed on Produce (encrypt rules) "
+                     "or opened in Fetch answers; see docs/encryption.md.</p>" + R.table(
+        rows(encrypted.orderBy(F.desc("batches_sealed"), F.desc("batches_opened")), 50), [
+            ("topic", "topic", R.fmt_text), ("rule", "encrypt rule", R.fmt_text),
+            ("produce_requests", "produce requests", R.fmt_int), ("batches_sealed", "batches sealed", R.fmt_int),
+            ("producers", "producers", R.fmt_int), ("fetch_requests", "fetch requests", R.fmt_int),
+            ("batches_opened", "batches opened", R.fmt_int), ("consumers", "consumers", R.fmt_int),
+            ("last_seen", "last seen", R.fmt_text)],
+        counts["encrypted_topics"], "tables/encrypted_topics"))
     return sec
 
 

@@ -67,7 +67,9 @@ def requests_table(lines: DataFrame) -> DataFrame:
         (F.col("duration_ms") - F.coalesce("broker_ms", F.lit(0.0))).alias("kproxy_ms"),
         F.coalesce("throttle_ms", F.lit(0)).alias("throttle_ms"),
         "max_wait_ms", F.coalesce("error_code", F.lit(0)).alias("error_code"), "error", "partition_errors",
-        "rule", "action", "records_refused",
+        "rule", "action", "records_refused", "record_rule",
+        F.coalesce("encrypted_batches", F.lit(0)).alias("encrypted_batches"),
+        F.coalesce("decrypted_batches", F.lit(0)).alias("decrypted_batches"),
         F.col("quota.rule").alias("quota_rule"), F.col("quota.key").alias("quota_key"),
         F.col("quota.throttle_ms").alias("quota_throttle_ms"),
         "group", "transactional_id", "acks", "topics", "partitions",
@@ -221,6 +223,25 @@ def record_refusals_table(requests: DataFrame) -> DataFrame:
     return refused.groupBy(VC, "client_id", F.col("r.topic").alias("topic"), F.col("r.rule").alias("rule")).agg(
         F.count(F.lit(1)).alias("batches"), F.sum("r.records").alias("records"),
         F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
+
+
+def encrypted_topics_table(requests: DataFrame) -> DataFrame:
+    """Per topic with records sealed or opened by kproxy: the encrypt rule, the Produce requests that
+    sealed batches and how many, the Fetch requests that opened batches and how many, the producers
+    and consumers. A request naming several topics counts for each (the log has batches per request)."""
+    touched = requests.where((F.col("encrypted_batches") > 0) | (F.col("decrypted_batches") > 0)).select(
+        "ts", "api", "client_id", "record_rule", "encrypted_batches", "decrypted_batches",
+        F.explode("topics").alias("topic"))
+    produce, fetch = F.col("api") == "produce", F.col("api").isin("fetch", "share_fetch")
+    return touched.groupBy("topic").agg(
+        F.max(F.when(produce, F.col("record_rule"))).alias("rule"),
+        _sum_if(produce, F.lit(1)).alias("produce_requests"),
+        F.sum("encrypted_batches").alias("batches_sealed"),
+        _sum_if(fetch, F.lit(1)).alias("fetch_requests"),
+        F.sum("decrypted_batches").alias("batches_opened"),
+        F.countDistinct(F.when(produce, F.col("client_id"))).alias("producers"),
+        F.countDistinct(F.when(fetch, F.col("client_id"))).alias("consumers"),
+        F.max("ts").alias("last_seen"))
 
 
 def throttles_table(requests: DataFrame) -> DataFrame:

@@ -16,6 +16,7 @@ from kproxy.protocol but its errors.
 - ``limits``: bounds on what connections may make kproxy hold, and the amounts derived from the
   machine (buffer budget, workers).
 - ``telemetry``: the admin listener, metrics, the traffic log, tracing.
+- ``kms``: the KMS holding record encryption's KEKs, and data key lifetimes.
 - ``quotas``: how quotas measure rates and how a fleet shares them.
 - ``proxy``: ``ProxyConfig``, the whole, with the rules that span sections and its summary.
 - ``clusters``: virtual clusters: which settings are each one's and which the process's, and the
@@ -25,6 +26,7 @@ from kproxy.protocol but its errors.
 
 from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError
 from kproxy.config.clusters import DEFAULT_NAME, PROCESS_SETTINGS, cluster_settings, derived_cluster_id
+from kproxy.config.kms import AwsKmsConfig, KmsConfig, LocalKmsConfig, VaultKmsConfig
 from kproxy.config.limits import LimitsConfig, effective_buffer_budget, effective_workers
 from kproxy.config.listener import (
     ExposureConfig,
@@ -55,12 +57,15 @@ __all__ = [
     "PROCESS_SETTINGS",
     "SASL_MECHANISMS",
     "AdminConfig",
+    "AwsKmsConfig",
     "ConfigError",
     "CoordinationConfig",
     "ExposureConfig",
     "FailoverConfig",
     "HostPort",
+    "KmsConfig",
     "LimitsConfig",
+    "LocalKmsConfig",
     "MetricsConfig",
     "PrincipalConfig",
     "ProxyConfig",
@@ -80,6 +85,7 @@ __all__ = [
     "UpstreamConfig",
     "UpstreamOAuth",
     "UpstreamSasl",
+    "VaultKmsConfig",
     "apply_overrides",
     "cluster_settings",
     "config_from_args",

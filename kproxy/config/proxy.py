@@ -18,6 +18,7 @@ from kproxy.config.checks import (
     with_checks,
 )
 from kproxy.config.clusters import DEFAULT_NAME, check_virtual_clusters, derived_cluster_id, may_share
+from kproxy.config.kms import KmsConfig
 from kproxy.config.limits import LimitsConfig, effective_workers
 from kproxy.config.listener import ExposureConfig, ProxyProtocolConfig, SaslConfig, TlsServerSide
 from kproxy.config.quotas import QuotaConfig
@@ -51,6 +52,8 @@ class ProxyConfig:
     # Policy rule files, or directories of them (every *.yaml), relative to the config file.
     rules: tuple[str, ...] = ()
     chaos: bool = False    # chaos rules inject faults only when this is true
+    # The KMS holding the KEKs of encrypt rules (docs/encryption.md); None: no rule may encrypt.
+    kms: KmsConfig | None = None
     # Replicas of the gateway that share every quota; each process enforces quota_share() of it
     # (per-connection quotas excepted: a connection lives on one process, which holds it whole).
     quota_replicas: int = setting(1, min=1)
@@ -108,6 +111,10 @@ class ProxyConfig:
             raise SettingError(("limits", "max_frame_size"), "with proxy_protocol.mode: optional, frames must stay "
                                                              f"under {_PROXY_V2_AS_FRAME_SIZE} bytes, or a frame's "
                                                              "size could read as a PROXY v2 signature")
+        local = self.kms.local if self.kms is not None else None
+        if local is not None and self.mode == "gateway" and not local.allow_in_gateway:
+            raise SettingError(("kms", "local"), "a local key file is for development only and mode: gateway "
+                                                 "refuses it; use vault or aws, or set allow_in_gateway: true")
         admin = self.admin.listen
         if admin is not None and may_share(admin.host, self.listen.host):
             taken = {self.listen.port}

@@ -182,6 +182,22 @@ class KeyService:
             del self._calls[(UNWRAP, ref)]
             call.ended.set()
 
+    # -- the sessions' questions (kproxy.policy.crypto.SealKeys / OpenKeys)
+
+    async def answer(self, question: Any) -> dict[Any, Any]:
+        """A connection's question: for ``SealKeys``, each KEK's grants or its KmsError; for
+        ``OpenKeys``, each reference's DEK or its KmsError."""
+        needs = getattr(question, "needs", None)
+        if needs is not None:
+            out: dict[Any, Any] = {}
+            for kek, records in needs:
+                try:
+                    out[kek] = await self.data_keys(kek, records)
+                except KmsError as e:
+                    out[kek] = e
+            return out
+        return dict(await self.unwrap_all(question.refs))
+
     # -- checks
 
     async def check_keks(self, keks: Iterable[str]) -> dict[str, KmsError | None]:

@@ -274,6 +274,23 @@ def build() -> dict[str, Any]:
          "{{virtual_cluster}} {{side}} {{kind}}"),
         width=24))
 
+    d = d.with_row(Row("Record encryption"))
+    d = d.with_panel(series(
+        "Records sealed and opened", "Record values encrypt rules sealed on Produce and kproxy opened in "
+        "Fetch answers, per second.", "short",
+        (f"sum(rate(kproxy_records_encrypted_total{{{SEL}, unit=\"records\"}}[{RATE}]))", "sealed/s"),
+        (f"sum(rate(kproxy_records_decrypted_total{{{SEL}, unit=\"records\"}}[{RATE}]))", "opened/s"), width=8))
+    d = d.with_panel(series(
+        "Partitions refused by encryption", "Produce and Fetch partitions record encryption refused, by "
+        "reason (unreachable, timeout: the KMS; unknown_kek, denied; tampered: a record that fails "
+        "authentication).", "short",
+        (f"sum by (reason) (increase(kproxy_record_encryption_failures_total{{{SEL}}}[{RATE}]))", "{{reason}}"),
+        width=8))
+    d = d.with_panel(series(
+        "KMS calls", "KMS calls per second by operation and outcome, and their p99 time.", "short",
+        (f"sum by (op, outcome) (rate(kproxy_kms_calls_total{{{SEL}}}[{RATE}]))", "{{op}} {{outcome}}"),
+        (quantile(0.99, "kproxy_kms_call_duration_seconds", "op, ", SEL), "p99 s {{op}}"), width=8))
+
     built = d.build()
     # Grafana keys panel state (links, edits, alerts) by id: number them in order, rows included.
     for number, panel in enumerate(built.panels or [], start=1):

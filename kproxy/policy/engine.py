@@ -17,7 +17,18 @@ from typing import Any, Protocol
 
 import attrs
 
-from kproxy.policy.model import COMPRESSIONS, DECIDING, RECORD_ACTIONS, Deny, Require, Rewrite, Rule, RuleSet
+from kproxy.policy.model import (
+    COMPRESSIONS,
+    DECIDING,
+    FETCH_RECORD_ACTIONS,
+    RECORD_ACTIONS,
+    Deny,
+    Encrypt,
+    Require,
+    Rewrite,
+    Rule,
+    RuleSet,
+)
 from kproxy.protocol import entities
 from kproxy.protocol.errors import (
     CLUSTER_AUTHORIZATION_FAILED,
@@ -248,6 +259,8 @@ def _can_apply(rule: Rule, api_key: int, kinds: frozenset[str] | None) -> bool:
     if (m.acks is not None or m.compression is not None or rule.action == "require"
             or rule.action in RECORD_ACTIONS) and api_key != PRODUCE:
         return False        # acks and produced batches exist in Produce only
+    if rule.action in FETCH_RECORD_ACTIONS and api_key != FETCH:
+        return False        # masks act on Fetch answers only
     if kinds is None:
         return True
     if m.group is not None and "group" not in kinds:
@@ -382,7 +395,30 @@ class Policy:
         # Topic ids need names when a rule looks at topics or a tenant's namespace must be kept.
         self.uses_topic_names = any(
             r.match.topic is not None or (isinstance(r.params, Rewrite) and r.params.topic_prefix)
-            or r.action in RECORD_ACTIONS for r in rule_set.rules) or self.default_deny
+            or r.action in RECORD_ACTIONS or r.action in FETCH_RECORD_ACTIONS
+            for r in rule_set.rules) or self.default_deny
+        # Encrypt rules by topic: Fetch answers of the topics they name are opened, whoever reads.
+        self.encrypting = tuple(r for r in rule_set.rules if r.action == "encrypt")
+        self.masking = any(r.action == "mask" for r in rule_set.rules)
+        self._encrypted: dict[str, bool] = {}
+
+    def encrypts(self, topic: str) -> bool:
+        """Whether an encrypt rule names ``topic`` (its Fetch answers may hold sealed records)."""
+        got = self._encrypted.get(topic)
+        if got is None:
+            if len(self._encrypted) >= CACHE_LIMIT:
+                self._encrypted.clear()
+            got = self._encrypted[topic] = any(r.match.topic is None or r.match.topic(topic) for r in self.encrypting)
+        return got
+
+    def keks(self) -> list[str]:
+        """The KEK names encrypt rules give whole (a ``${topic}`` template is known only per topic)."""
+        out: list[str] = []
+        for r in self.encrypting:
+            assert isinstance(r.params, Encrypt)
+            if "${" not in r.params.kek and r.params.kek not in out:
+                out.append(r.params.kek)
+        return out
 
     def view(self, key: ConnectionKey) -> View:
         """The rules for a connection (client id, principal, source address, listener, client

@@ -16,7 +16,9 @@ from typing import Any
 
 import attrs
 
+from kproxy.envelope import DataKey, KeyRef, MissingDataKey, is_sealed
 from kproxy.logs import safe
+from kproxy.policy import crypto as C
 from kproxy.policy.engine import (
     FETCH,
     METADATA,
@@ -30,18 +32,49 @@ from kproxy.policy.engine import (
     View,
     refusal_error,
 )
-from kproxy.policy.model import ANONYMOUS, MAX_LATENCY_S, Cap, Chaos, Headers, Log, Require, Rewrite, Rule
+from kproxy.policy.model import (
+    ANONYMOUS,
+    MAX_LATENCY_S,
+    Cap,
+    Chaos,
+    Encrypt,
+    Headers,
+    Log,
+    Mask,
+    Require,
+    Rewrite,
+    Rule,
+)
 from kproxy.policy.record_rules import Verdict, header_edit, rewrite_records, traceparent, validate_records
 from kproxy.policy.tenants import tenant_of, tenant_of_rewrite, tenant_refusal
 from kproxy.protocol import entities
-from kproxy.protocol.errors import INVALID_RECORD, UNKNOWN_TOPIC_ID, RecordsError, error_name
+from kproxy.protocol.errors import (
+    INVALID_RECORD,
+    KAFKA_STORAGE_ERROR,
+    POLICY_VIOLATION,
+    UNKNOWN_TOPIC_ID,
+    RecordsError,
+    error_name,
+)
 from kproxy.protocol.messages import Request, Response, api_name, body_class, decode_request, encode_request
 from kproxy.protocol.primitives import ZERO_UUID
-from kproxy.proxy.filters import ALL, AskBroker, ConnectionContext, Delay, Filter, RequestVerdict, Respond
+from kproxy.proxy.filters import (
+    ALL,
+    AskBroker,
+    AskKeys,
+    ConnectionContext,
+    Delay,
+    Filter,
+    RequestVerdict,
+    Respond,
+)
 from kproxy.proxy.replies import error_response, merge_response
 from kproxy.proxy.topics import TopicNames
 
 log = logging.getLogger("kproxy.policy")
+
+SHARE_FETCH = 78                 # share groups' Fetch (KIP-932): its answers carry records too
+FETCH_MASK_VERSION = 13          # mask rules for a ShareFetch answer are those of Fetch v13 (topics by id)
 
 
 @attrs.define(slots=True, eq=False)
@@ -53,6 +86,37 @@ class _Pending:
     hide: tuple[Plan, tuple[int, ...], RequestFacts] | None = None  # a listing: hide topics the rules refuse
     # After a split: the topic names and ids the broker was asked about; it answers for those only.
     asked: tuple[frozenset[str], frozenset[uuid.UUID]] | None = None
+    # Produced partitions an encrypt rule reaches: (topic as the client names it, topic, partition, rule).
+    seal: list[tuple[str, Any, Any, Rule]] = attrs.field(factory=list)
+    # A Fetch answer's partitions that record rules open or mask (question_for_response).
+    fetched: _Fetched | None = None
+
+
+@attrs.define(slots=True, eq=False)
+class _Fetched:
+    """A Fetch answer's partitions that record rules change, opened and masked as far as the DEKs in
+    the cache allow (``question_for_response``); those still waiting for a DEK, and what the key
+    service answered for them."""
+
+    # (topic, partition data, batches read, masks, whether the topic is encrypted)
+    parts: list[tuple[str, Any, list[Any], tuple[Mask, ...], bool]] = attrs.field(factory=list)
+    results: dict[int, bytes | None] = attrs.field(factory=dict)    # index in parts -> records, or unchanged
+    waiting: list[int] = attrs.field(factory=list)                   # indexes of parts that need a DEK
+    missing: list[KeyRef] = attrs.field(factory=list)                # the DEKs they need
+    deks: dict[KeyRef, DataKey] = attrs.field(factory=dict)
+    errors: dict[KeyRef, Any] = attrs.field(factory=dict)
+    # Partitions refused: (topic, partition data, offset or -1, reason, message, retriable).
+    refused: list[tuple[str, Any, int, str, str, bool]] = attrs.field(factory=list)
+    done: bool = False
+    opened_batches: int = 0
+
+    def answered(self, answer: Mapping[KeyRef, Any] | None) -> None:
+        for ref in self.missing:
+            got = answer.get(ref) if answer is not None else None
+            if isinstance(got, DataKey):
+                self.deks[ref] = got
+            else:
+                self.errors[ref] = got
 
 
 @attrs.define(slots=True, eq=False)
@@ -70,9 +134,13 @@ class PolicyFilter(Filter):
     response_api_keys = ALL
     reports_changes = True    # on_response marks every answer it may have changed
 
+    asks_for_response = True   # a Fetch answer with sealed records may need DEKs first
+
     def __init__(self, source: RuleSource, rng: random.Random | None = None,
-                 topic_ids: TopicNames | None = None) -> None:
+                 topic_ids: TopicNames | None = None, crypto: C.RecordCrypto | None = None) -> None:
         self.source = source
+        # The process's data keys (record encryption); None when no KMS is configured.
+        self.crypto = crypto
         self.rng = rng if rng is not None else random.Random()
         # The process's table of topic names, which the session fills from the broker's answers
         # while rules name topics.
@@ -245,7 +313,10 @@ class PolicyFilter(Filter):
         if (pending.prefixes or pending.parts or pending.hide) and not (key == PRODUCE and body.acks == 0):
             # Read back when the answer comes; gone with the request if another filter answers it.
             exchange.keep(self, pending)
-        return Delay(delay, None) if delay else None
+        verdict = Delay(delay, None) if delay else None
+        if pending.seal:
+            return self._sealing(ctx, exchange, req, pending, verdict)
+        return verdict
 
     def _record_rules(self, ctx: ConnectionContext, exchange: Any, req: Request, outcome: Outcome,
                       id_names: Mapping[uuid.UUID, str | None], pending: _Pending) -> Respond | None:
@@ -265,6 +336,7 @@ class PolicyFilter(Filter):
                 continue
             validators = [r for r in rules if r.action == "validate"]
             stampers = tuple(r for r in rules if r.action == "headers")
+            encrypter = next((r for r in rules if r.action == "encrypt"), None)
             kept = []
             for part in t.partition_data:
                 records = part.records
@@ -301,6 +373,10 @@ class PolicyFilter(Filter):
                 if new is not None:
                     part.records = new
                     rebuilt += n
+            if encrypter is not None:
+                # Sealed last, once validate and headers rules have seen the plaintext.
+                assert name is not None
+                pending.seal.extend((name, t, part, encrypter) for part in kept if part.records)
             if len(kept) != len(t.partition_data):
                 t.partition_data = kept
         if exchange is not None and rebuilt:
@@ -391,6 +467,278 @@ class PolicyFilter(Filter):
         delay, _ = self._roll(ctx, policy, outcome, req)
         return Delay(delay, verdict) if delay else verdict
 
+    # -- record encryption (encrypt rules) on produced records
+
+    def _sealing(self, ctx: ConnectionContext, exchange: Any, req: Request, pending: _Pending,
+                 verdict: RequestVerdict) -> RequestVerdict:
+        """Seal the partitions encrypt rules reach with DEKs the ring holds; when it is short, ask the
+        key service (the client is not read meanwhile) and seal with its answer. A partition that
+        cannot be sealed is refused, never forwarded in plaintext."""
+        crypto = self.crypto
+        version = req.api_version
+        jobs: list[tuple[str, str, Any, Any, Rule, str, list[Any]]] = []
+        refused: list[tuple[Any, Any, int, str, Rule, str]] = []
+        for name, t, part, rule in pending.seal:
+            params = rule.params
+            assert isinstance(params, Encrypt)
+            # The associated data binds the topic as the broker names it (a tenant's prefix included).
+            bound = t.name if version < 13 else (self.topic_ids.get(t.topic_id) or name)
+            if crypto is None:
+                refused.append((t, part, POLICY_VIOLATION, "kproxy: an encrypt rule needs a kms: section in the "
+                                                           "configuration", rule, "no_kms"))
+                continue
+            try:
+                batches = C.sealable_batches(part.records)
+            except C.Unsealable as e:
+                refused.append((t, part, INVALID_RECORD, f"kproxy: {e}", rule, "unreadable"))
+                continue
+            jobs.append((name, bound, t, part, rule, params.kek_for(name), batches))
+        pending.seal = []
+        grants: dict[str, Any] = {}
+        missing: list[tuple[str, int]] = []
+        if crypto is not None and jobs:
+            needs: dict[str, int] = {}
+            for _, _, _, _, rule, kek, batches in jobs:
+                assert isinstance(rule.params, Encrypt)
+                needs[kek] = needs.get(kek, 0) + C.units(batches, rule.params.keys)
+            now = crypto.clock()
+            for kek, n in needs.items():
+                got = crypto.ring.reserve(kek, n, now)
+                if got is None:
+                    missing.append((kek, n))
+                else:
+                    grants[kek] = got
+        if missing:
+            def then(answer: Any) -> RequestVerdict:
+                errors: dict[str, Any] = {}
+                for kek, _ in missing:
+                    got = answer.get(kek) if answer is not None else None
+                    if isinstance(got, list):
+                        grants[kek] = got
+                    else:
+                        errors[kek] = got
+                return self._sealed(ctx, exchange, req, pending, verdict, jobs, refused, grants, errors)
+
+            return AskKeys(C.SealKeys(tuple(missing)), then)
+        return self._sealed(ctx, exchange, req, pending, verdict, jobs, refused, grants, {})
+
+    def _sealed(self, ctx: ConnectionContext, exchange: Any, req: Request, pending: _Pending,
+                verdict: RequestVerdict, jobs: list[tuple[str, str, Any, Any, Rule, str, list[Any]]],
+                refused: list[tuple[Any, Any, int, str, Rule, str]], grants: Mapping[str, Any],
+                errors: Mapping[str, Any]) -> RequestVerdict:
+        crypto = self.crypto
+        cap = ctx.max_decompressed_batch_bytes
+        by_kek = {kek: C.Grants(g) for kek, g in grants.items()}
+        sealed_batches = sealed_records = 0
+        first_rule: Rule | None = None
+        for _name, bound, t, part, rule, kek, batches in jobs:
+            params = rule.params
+            assert isinstance(params, Encrypt)
+            if kek in errors:
+                e = errors[kek]
+                retriable = e is None or e.retriable
+                refused.append((t, part, KAFKA_STORAGE_ERROR if retriable else POLICY_VIOLATION,
+                                f"kproxy: no data key for KEK {kek!r}: "
+                                f"{e if e is not None else 'the KMS did not answer within the request timeout'}",
+                                rule, e.reason if e is not None else "timeout"))
+                continue
+            try:
+                new, nb, nr = C.seal_partition(batches, bound, by_kek[kek], params.keys, cap)
+            except RecordsError as e:
+                refused.append((t, part, INVALID_RECORD, f"kproxy: cannot read the records to encrypt them: {e}",
+                                rule, "unreadable"))
+                continue
+            part.records = new
+            sealed_batches += nb
+            sealed_records += nr
+            first_rule = first_rule or rule
+        if crypto is not None:
+            crypto.batches_encrypted += sealed_batches
+            crypto.records_encrypted += sealed_records
+        if exchange is not None and sealed_batches:
+            notes = exchange.notes or {}
+            exchange.note("rewritten_batches", notes.get("rewritten_batches", 0) + sealed_batches)
+            exchange.note("encrypted_batches", sealed_batches)
+            exchange.note("record_rule", first_rule.name if first_rule is not None else None)
+        if not refused:
+            return verdict
+        body, version = req.body, req.api_version
+        for t, part, code, message, rule, reason in refused:
+            topic = t.name if version < 13 else str(t.topic_id)
+            if crypto is not None:
+                crypto.failed(reason)
+            if crypto is None or crypto.worth_logging((topic, part.index, reason)):
+                # Once a minute per partition and reason: clients retry a KMS outage many times a second.
+                log.warning("rule %r: refused a Produce to %s[%d] from connection %d (%s): %s", rule.name,
+                            safe(topic), part.index, ctx.connection_id, error_name(code), message)
+        if exchange is not None:
+            exchange.note("record_rule", refused[0][4].name)
+        if body.acks == 0:
+            # No answer can carry per-partition errors; refused as a whole, the connection closes.
+            return Respond(error_code=refused[0][2])
+        gone = {id(p) for _, p, *_ in refused}
+        answer = _partition_errors_answer(version, [(t, p, code, message) for t, p, code, message, _, _ in refused])
+        for t in body.topic_data:
+            t.partition_data = [p for p in t.partition_data if id(p) not in gone]
+        body.topic_data = [t for t in body.topic_data if t.partition_data]
+        if not body.topic_data:
+            for part in pending.parts:
+                merge_response(PRODUCE, version, answer, part)
+            pending.parts = []
+            return Respond(body=answer)
+        pending.parts.append(answer)
+        exchange.keep(self, pending)
+        return verdict
+
+    # -- record encryption and masks on Fetch answers
+
+    def _masks(self, ctx: ConnectionContext, version: int, topic: str) -> tuple[Mask, ...]:
+        st, _ = self._state(ctx)
+        assert st.view is not None
+        return tuple(r.params for r in st.view.plan(FETCH, version).rules
+                     if r.action == "mask" and isinstance(r.params, Mask)
+                     and (r.match.topic is None or r.match.topic(topic)))
+
+    def _fetch_touched(self, ctx: ConnectionContext, exchange: Any) -> bool:
+        """Whether record rules may change this Fetch's answer (it must then be stored whole)."""
+        policy = self.source.policy
+        decrypting = self.crypto is not None and bool(policy.encrypting)
+        if not decrypting and not policy.masking:
+            return False
+        req: Request = exchange.request
+        version = req.api_version
+        for t in req.body.topics:
+            name = t.topic if version < 13 else self.topic_ids.get(t.topic_id)
+            if name is None:
+                return True
+            if (decrypting and policy.encrypts(name)) or (policy.masking and self._masks(ctx, version, name)):
+                return True
+        return False
+
+    def _fetched(self, ctx: ConnectionContext, response: Response) -> _Fetched | None:
+        """The partitions of a Fetch (or ShareFetch) answer that record rules open or mask, opened and
+        masked with the DEKs the cache holds; those that need another DEK wait in ``waiting``."""
+        policy = self.source.policy
+        crypto = self.crypto
+        decrypting = crypto is not None and bool(policy.encrypting)
+        if not decrypting and not policy.masking:
+            return None
+        version = response.api_version
+        share = response.api_key == SHARE_FETCH    # KIP-932: topics by id, the same partition fields
+        cap = ctx.max_decompressed_batch_bytes
+        work = _Fetched()
+        for t in response.body.responses:
+            name = t.topic if not share and version < 13 else self.topic_ids.get(t.topic_id)
+            opening = decrypting and (name is None or policy.encrypts(name))
+            masks = (self._masks(ctx, FETCH_MASK_VERSION if share else version, name)
+                     if name is not None and policy.masking else ())
+            if not opening and not masks:
+                continue
+            for p in t.partitions:
+                if p.error_code or not p.records:
+                    continue
+                try:
+                    batches = C.read_fetched(p.records, cap)
+                except RecordsError:
+                    continue        # the client cannot read it either; it is the broker's to answer
+                if name is None:
+                    if any(isinstance(b, C.FetchedBatch) and any(map(is_sealed, (*b.values, *b.keys)))
+                           for b in batches):
+                        work.refused.append((str(t.topic_id), p, -1, "unknown_topic", "the topic's name is not "
+                                             "known yet (the associated data binds it)", True))
+                    continue
+                work.parts.append((name, p, batches, masks, opening))
+        if not work.parts and not work.refused:
+            return None
+        keys: Any = C.CachedKeys(crypto.cache, crypto.clock()) if crypto is not None else {}
+        self._open_parts(work, range(len(work.parts)), keys, crypto, cap)
+        return work
+
+    def _open_parts(self, work: _Fetched, indexes: Any, deks: Any, crypto: C.RecordCrypto | None, cap: int) -> None:
+        before = crypto.batches_decrypted if crypto is not None else 0
+        try:
+            self._open_each(work, indexes, deks, crypto, cap)
+        finally:
+            if crypto is not None:
+                work.opened_batches += crypto.batches_decrypted - before
+
+    def _open_each(self, work: _Fetched, indexes: Any, deks: Any, crypto: C.RecordCrypto | None, cap: int) -> None:
+        for i in indexes:
+            name, p, batches, masks, opening = work.parts[i]
+            try:
+                work.results[i] = C.open_partition(batches, name, deks, masks, crypto, cap, opening)
+            except MissingDataKey as e:
+                if work.done:
+                    err = work.errors.get(e.ref)
+                    work.refused.append((name, p, -1, err.reason if err is not None else "timeout",
+                                         str(err) if err is not None else "the KMS did not answer within the "
+                                                                          "request timeout",
+                                         err is None or err.retriable))
+                else:
+                    work.waiting.append(i)
+                    if e.ref not in work.missing:
+                        work.missing.append(e.ref)
+            except C.Tampered as e:
+                work.refused.append((name, p, e.offset, "tampered", e.reason, False))
+
+    def question_for_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> AskKeys | None:
+        """A Fetch answer with sealed records whose DEKs are not cached waits for the key service."""
+        if response.api_key not in (FETCH, SHARE_FETCH):
+            return None
+        work = self._fetched(ctx, response)
+        if work is None:
+            return None
+        pending: _Pending | None = exchange.kept(self)
+        if pending is None:
+            pending = _Pending()
+            exchange.keep(self, pending)
+        pending.fetched = work
+        if not work.missing:
+            return None
+        return AskKeys(C.OpenKeys(tuple(work.missing)), work.answered)
+
+    def _open_fetched(self, ctx: ConnectionContext, exchange: Any, work: _Fetched) -> None:
+        """Put the opened and masked records in the answer; open the partitions that waited for a DEK
+        with the key service's answer, and refuse those that still cannot be opened (a DEK the KMS
+        could not give: retriable; an unknown KEK or a record that fails authentication:
+        INVALID_RECORD). Other partitions are unaffected; nothing sealed is delivered as a value."""
+        crypto = self.crypto
+        waiting, work.waiting = work.waiting, []
+        work.done = True
+        if waiting:
+            # Some DEKs came from the key service; a miss is refused this time (the client asks again).
+            deks = dict(work.deks)
+            if crypto is not None:
+                now = crypto.clock()
+                for ref in work.missing:
+                    cached = crypto.cache.get(ref, now)
+                    if cached is not None:
+                        deks.setdefault(ref, cached)
+            self._open_parts(work, waiting, deks, crypto, ctx.max_decompressed_batch_bytes)
+        changed = False
+        for i, new in work.results.items():
+            if new is not None:
+                work.parts[i][1].records = new
+                changed = True
+        for name, p, offset, reason, why, retriable in work.refused:
+            code = KAFKA_STORAGE_ERROR if retriable else INVALID_RECORD
+            if crypto is not None:
+                crypto.failed(reason)
+            at = f" at offset {offset}" if offset >= 0 else ""
+            if crypto is None or crypto.worth_logging((name, p.partition_index, offset, reason)):
+                log.warning("record encryption: refused %s[%d]%s to connection %d (%s, %s): %s", safe(name),
+                            p.partition_index, at, ctx.connection_id, reason, error_name(code), why)
+            p.error_code = code
+            # ShareFetch's records are not nullable from v1: an empty records field says the same.
+            p.records = b"" if exchange.api_key == SHARE_FETCH else None
+            changed = True
+        if changed:
+            exchange.response_changed = True
+            if work.opened_batches:
+                exchange.note("decrypted_batches", work.opened_batches)
+            if any(masks for _, _, _, masks, _ in work.parts):
+                exchange.note("record_rule", "mask")
+
     # -- responses
 
     def may_stream_response(self, ctx: ConnectionContext, exchange: Any) -> bool:
@@ -399,6 +747,8 @@ class PolicyFilter(Filter):
         carries (Fetch from v13 names topics by id only). Record rules judge produced records only:
         none reads a Fetch answer."""
         if exchange.api_key != FETCH:
+            return False
+        if self._fetch_touched(ctx, exchange):
             return False
         pending: _Pending | None = exchange.kept(self)
         if pending is None:
@@ -412,6 +762,14 @@ class PolicyFilter(Filter):
 
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         pending: _Pending | None = exchange.kept(self)
+        if response.api_key in (FETCH, SHARE_FETCH):
+            # Record rules see the broker's names, before a tenant's prefix comes off.
+            work = pending.fetched if pending is not None else None
+            if work is None and (self.crypto is not None or self.source.policy.masking):
+                # Not asked before (an answer kproxy made up): what the cache holds, the rest retriable.
+                work = self._fetched(ctx, response)
+            if work is not None:
+                self._open_fetched(ctx, exchange, work)
         if pending is None:
             return 0.0
         if pending.prefixes or pending.asked is not None or pending.hide is not None or pending.parts:
@@ -511,6 +869,22 @@ def _invalid_record_answer(version: int, refused: list[tuple[Any, Any, Rule, Ver
             record_errors=[cls.BatchIndexAndErrorMessage(batch_index=e.batch_index, batch_index_error_message=e.message)
                            for e in verdict.errors],
             error_message=verdict.message))
+    return cls(responses=list(topics.values()))
+
+
+def _partition_errors_answer(version: int, refused: list[tuple[Any, Any, int, str]]) -> Any:
+    """kproxy's Produce answer for partitions it refused, each with its error code and message
+    (``error_message`` exists from v8)."""
+    cls: Any = body_class(PRODUCE, "response")
+    topics: dict[int, Any] = {}
+    for t, part, code, message in refused:
+        entry = topics.get(id(t))
+        if entry is None:
+            entry = topics[id(t)] = (cls.TopicProduceResponse(name=t.name, partition_responses=[]) if version < 13
+                                     else cls.TopicProduceResponse(topic_id=t.topic_id, partition_responses=[]))
+        entry.partition_responses.append(cls.PartitionProduceResponse(
+            index=part.index, error_code=code, base_offset=-1, log_append_time_ms=-1, log_start_offset=-1,
+            record_errors=[], error_message=message))
     return cls(responses=list(topics.values()))
 
 

@@ -408,7 +408,8 @@ class _File:
             if other in raw and other != action:
                 self.fail(path, f"'{other}:' settings do nothing in a rule whose action is {action}; "
                                 f"remove them", at=(*path, other))
-        if action in ("rewrite", "require", "cap", "chaos", "validate", "headers") and action not in raw:
+        if action in ("rewrite", "require", "cap", "chaos", "validate", "headers", "encrypt", "mask") \
+                and action not in raw:
             self.fail(path, f"action {action} needs '{action}:' settings")
         match = self._match(raw.get("match") or {}, (*path, "match"))
         params = self._params(action, raw.get(action), (*path, action))
@@ -419,6 +420,9 @@ class _File:
         if action in M.RECORD_ACTIONS and match is not None and match.api is not None and not match.api(0):
             self.fail((*path, "match", "api"), f"a {action} rule acts on produced records: its api selector "
                                                "must include produce", key=True)
+        if action in M.FETCH_RECORD_ACTIONS and match is not None and match.api is not None and not match.api(1):
+            self.fail((*path, "match", "api"), f"a {action} rule acts on fetched records: its api selector "
+                                               "must include fetch", key=True)
         if len(self.problems) > before or match is None:
             return None
         return M.Rule(raw["name"], match, action, params, self._where(path))
@@ -474,6 +478,20 @@ class _File:
                                   + ", ".join(f"${{{v}}}" for v in M.HEADER_VARIABLES) + ")")
             return M.Headers(tuple((str(k), str(v)) for k, v in (raw.get("set") or {}).items()),
                              raw.get("traceparent") == "inject")
+        if action == "encrypt":
+            kek = str(raw.get("kek", ""))
+            for m in _TEMPLATE.finditer(kek):
+                if m.group(1) != "topic":
+                    self.fail((*path, "kek"), f"unknown variable ${{{m.group(1)}}} (use ${{topic}})")
+            return M.Encrypt(kek, bool(raw.get("keys", False)))
+        if action == "mask":
+            fields = []
+            for i, f in enumerate(raw.get("fields") or ()):
+                parts = tuple(str(f).split("."))
+                if any(not p for p in parts):
+                    self.fail((*path, "fields", i), f"{f!r} is not a dotted path (card.number)")
+                fields.append(parts)
+            return M.Mask(tuple(fields), raw.get("with", "****"))
         if action == "log":
             return M.Log(_LOG_LEVELS[raw.get("level", "INFO")], raw.get("sample", 1.0))
         return None

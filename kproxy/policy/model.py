@@ -93,10 +93,13 @@ def api_group_keys(group: str) -> frozenset[int]:
 
 ACKS = {"all": -1, "-1": -1, "0": 0, "1": 1}
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")   # the codec ids 0-4 of a batch header
-ACTIONS = ("allow", "deny", "rewrite", "require", "cap", "chaos", "log", "validate", "headers")
+ACTIONS = ("allow", "deny", "rewrite", "require", "cap", "chaos", "log", "validate", "headers", "encrypt", "mask")
 # Actions on the records a producer writes (Produce only): validate refuses a partition's batch when a
 # record breaks it; headers changes the records and lets the evaluation go on.
-RECORD_ACTIONS = frozenset({"validate", "headers"})
+# encrypt seals the values (and optionally keys) of produced records; Fetch answers are opened again.
+RECORD_ACTIONS = frozenset({"validate", "headers", "encrypt"})
+# Actions on the records a consumer reads (Fetch answers): mask replaces JSON fields.
+FETCH_RECORD_ACTIONS = frozenset({"mask"})
 # What a headers rule's values may name, filled in per connection.
 HEADER_VARIABLES = ("client_id", "principal", "rule")
 # Actions that decide what they match; the others act and let the evaluation go on (require decides
@@ -414,7 +417,28 @@ class Headers:
     traceparent: bool = False
 
 
-Params = Deny | Rewrite | Require | Cap | Chaos | Log | Validate | Headers | None
+@attrs.frozen(slots=True)
+class Encrypt:
+    """Seal produced records with a data key wrapped by the KEK ``kek`` (``${topic}`` is the
+    record's topic): values always, keys too when ``keys`` (a sealed key is bound to its value,
+    so the broker can no longer compact by key)."""
+
+    kek: str
+    keys: bool = False
+
+    def kek_for(self, topic: str) -> str:
+        return self.kek.replace("${topic}", topic)
+
+
+@attrs.frozen(slots=True)
+class Mask:
+    """Replace JSON fields (dotted paths into objects) of fetched record values with ``with_``."""
+
+    fields: tuple[tuple[str, ...], ...]
+    with_: Any = "****"
+
+
+Params = Deny | Rewrite | Require | Cap | Chaos | Log | Validate | Headers | Encrypt | Mask | None
 
 
 @attrs.frozen(slots=True)

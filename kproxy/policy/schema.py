@@ -189,6 +189,23 @@ def rules_schema() -> dict[str, Any]:
             "traceparent": _enum("traceparent", ["inject"], "inject: a W3C traceparent naming kproxy's produce "
                                                             "span on every record that has none"),
         }},
+        "encrypt": {"type": "object", "additionalProperties": False, "required": ["kek"],
+                    "description": "seal every produced record value (and key, with keys: true) with "
+                                   "AES-256-GCM under a data key the KMS wraps with this KEK; Fetch answers "
+                                   "are opened again for clients of kproxy (docs/encryption.md)",
+                    "properties": {
+            "kek": {"type": "string", "minLength": 1,
+                    "description": "the KEK's name in the KMS; ${topic} is the record's topic"},
+            "keys": {"type": "boolean", "description": "seal record keys too (default false; a sealed key "
+                                                       "defeats compaction by key)"},
+        }},
+        "mask": {"type": "object", "additionalProperties": False, "required": ["fields"],
+                 "description": "replace fields of JSON record values in Fetch answers (after decryption)",
+                 "properties": {
+            "fields": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
+                       "description": "dotted paths into JSON objects (card.number)"},
+            "with": {"description": "the value put in their place (default \"****\")"},
+        }},
         "log": {"type": "object", "additionalProperties": False, "properties": {
             "level": _enum("log level", list(LOG_LEVELS)),
             "sample": {"type": "number", "minimum": 0, "maximum": 1,

@@ -67,19 +67,33 @@ class RuleStore:
 
         Logs the outcome either way; returns whether the new set is in force.
         """
-        try:
-            rule_set = load_rules(self.paths, self.chaos)
-        except RuleError as e:
-            self.reloads_failed += 1
-            self.last_error = str(e)
-            log.error("rules reload (%s) rejected; generation %d (%d rules) stays in force:\n%s", reason,
-                      self.generation, self.rule_count, e)
+        rule_set = self.load(reason)
+        if rule_set is None:
             return False
+        self.install(rule_set, reason)
+        return True
+
+    def load(self, reason: str) -> RuleSet | None:
+        """The files loaded again, not yet in force; None (counted and logged as a rejected reload)
+        when they do not load. ``install`` or ``refuse`` it next (a caller may check it first, as
+        the server checks that the KMS has the KEKs its encrypt rules name)."""
+        try:
+            return load_rules(self.paths, self.chaos)
+        except RuleError as e:
+            self.refuse(reason, str(e))
+            return None
+
+    def refuse(self, reason: str, message: str) -> None:
+        self.reloads_failed += 1
+        self.last_error = message
+        log.error("rules reload (%s) rejected; generation %d (%d rules) stays in force:\n%s", reason,
+                  self.generation, self.rule_count, message)
+
+    def install(self, rule_set: RuleSet, reason: str) -> None:
         self.policy = self._install(rule_set)
         self.reloads_ok += 1
         self.last_error = None
         log.info("rules reloaded (%s): generation %d, %s", reason, self.generation, describe_rules(rule_set))
-        return True
 
     def describe(self) -> dict[str, Any]:
         """The store's state as plain values (for an admin endpoint and metrics)."""

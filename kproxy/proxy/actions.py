@@ -108,6 +108,21 @@ class Ask(Action):
         return f"Ask({sum(len(b) for b in self.buffers)} bytes)"
 
 
+class Keys(Action):
+    """Ask the key service ``question`` (a filter's ``AskKeys``) within the request timeout, reading
+    nothing more meanwhile from the side that asked, then carry out the actions ``then(answer)``
+    returns. The answer is the service's (``KeyService.answer``), or None when none came in time."""
+
+    __slots__ = ("question", "then")
+
+    def __init__(self, question: Any, then: Any) -> None:
+        self.question = question
+        self.then = then
+
+    def __repr__(self) -> str:
+        return f"Keys({self.question!r})"
+
+
 class Close(Action):
     """Close the client connection, logging ``reason``; the requests in ``done`` end with it
     (answered with the closed connection, as a broker does when it cannot answer). ``undecodable``

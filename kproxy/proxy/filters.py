@@ -140,7 +140,22 @@ class AskBroker:
     then: Callable[[Response | None], RequestVerdict]
 
 
-RequestVerdict = Respond | Delay | Throttle | AskBroker | None
+@attrs.frozen(slots=True)
+class AskKeys:
+    """Ask the process's key service for data keys before deciding (record encryption: a DEK to seal
+    with, or DEKs to open a Fetch answer's records). ``question`` is the filter's own description of
+    what it needs (``kproxy.policy.crypto.SealKeys`` / ``OpenKeys``); the I/O layer answers it within
+    the request timeout and calls ``then`` with the answer. The session never awaits a KMS itself.
+
+    As a request verdict, the client is not read meanwhile and ``then`` returns the filter's verdict,
+    as for ``AskBroker``. From ``question_for_response``, the answer waits (and the answers behind it,
+    in order) and ``then`` returns nothing; ``on_response`` runs afterwards."""
+
+    question: Any
+    then: Callable[[Any], Any]
+
+
+RequestVerdict = Respond | Delay | Throttle | AskBroker | AskKeys | None
 
 
 class Filter:
@@ -181,6 +196,14 @@ class Filter:
         requests already forwarded still go out, in order.
         """
         return 0.0
+
+    # True when question_for_response may ask something before on_response sees an answer.
+    asks_for_response: bool = False
+
+    def question_for_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> AskKeys | None:
+        """Before ``on_response``, on filters that set ``asks_for_response``: what the filter must
+        know first (``AskKeys``), or None. The answer, and those after it, wait for it."""
+        return None
 
     def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
         """The request is over, once and whatever its outcome (answered, refused, lost with the broker
@@ -257,8 +280,8 @@ class FilterFailed(Exception):
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_by_done_key", "_by_request_key", "_by_response_key", "_reported", "_whole", "_whole_all",
-                 "filters")
+    __slots__ = ("_askers", "_by_done_key", "_by_request_key", "_by_response_key", "_reported", "_whole",
+                 "_whole_all", "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
         self.filters = tuple(filters)
@@ -268,6 +291,7 @@ class FilterChain:
         self._whole_all: dict[tuple[int, str, str], tuple[Filter, ...]] = {}
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
         self._reported: dict[int, bool] = {}
+        self._askers: dict[int, tuple[Filter, ...]] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
@@ -279,6 +303,13 @@ class FilterChain:
         got = self._by_response_key.get(api_key)
         if got is None:
             got = self._by_response_key[api_key] = self._select(api_key, "response_api_keys")
+        return got
+
+    def askers_for_response(self, api_key: int) -> tuple[Filter, ...]:
+        """The response filters of ``api_key`` that may ask something first (``asks_for_response``)."""
+        got = self._askers.get(api_key)
+        if got is None:
+            got = self._askers[api_key] = tuple(f for f in self.for_response(api_key) if f.asks_for_response)
         return got
 
     def changes_reported(self, api_key: int) -> bool:

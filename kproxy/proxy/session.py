@@ -46,6 +46,7 @@ from kproxy.proxy.actions import (
     Ask,
     Close,
     Hold,
+    Keys,
     Listen,
     ToClient,
     ToUpstream,
@@ -54,6 +55,7 @@ from kproxy.proxy.actions import (
 from kproxy.proxy.cut_through import SessionCutThrough, _UpStream
 from kproxy.proxy.filters import (
     AskBroker,
+    AskKeys,
     ConnectionContext,
     Delay,
     Filter,
@@ -109,6 +111,19 @@ class _Question:
 
 
 _ASKED = object()   # _request_filters: the request waits for a question's answer
+_KEYS = object()    # _request_filters: the request waits for the key service (AskKeys)
+
+
+@attrs.define(slots=True, eq=False)
+class _KeyWait:
+    """A request waiting for the key service's answer to a filter's ``AskKeys``."""
+
+    entry: InFlight
+    request: Request
+    asker: Filter
+    next_filter: int
+    then: Callable[[Any], Any]
+    original: tuple[memoryview, bytes] | None = None
 
 
 def future_produce_acks(frame: Any) -> int | None:
@@ -195,6 +210,8 @@ class Session(SessionCutThrough, SessionSasl):
         self.closed = False
         # A request whose filter asked the broker something; the client is not read meanwhile.
         self.asking: _Question | None = None
+        # A request whose filter asked the key service (AskKeys); the client is not read meanwhile.
+        self._key_wait: _KeyWait | None = None
         # The frame of the request being dispatched, when no request filter could change it.
         self._untouched: memoryview | None = None
 
@@ -276,6 +293,10 @@ class Session(SessionCutThrough, SessionSasl):
             assert self.asking is not None
             self.asking.original = original
             return actions
+        if verdict is _KEYS:
+            assert self._key_wait is not None
+            self._key_wait.original = original
+            return actions
         if verdict is not None:
             return actions + self._answer_locally(entry, verdict)
         upstream_id = self._forwarding(entry, req.api_key == PRODUCE and req.body.acks == 0)
@@ -342,6 +363,10 @@ class Session(SessionCutThrough, SessionSasl):
             if isinstance(verdict, AskBroker):
                 self._ask(entry, req, f, i, verdict, actions)
                 return _ASKED
+            if isinstance(verdict, AskKeys):
+                wait = self._key_wait = _KeyWait(entry, req, f, i, verdict.then)
+                actions.append(Keys(verdict.question, functools.partial(self._keys_answered, wait)))
+                return _KEYS
             if isinstance(verdict, Delay):
                 if verdict.seconds > 0:
                     actions.append(Hold(verdict.seconds))
@@ -378,6 +403,22 @@ class Session(SessionCutThrough, SessionSasl):
         except FilterFailed as e:
             return [Close(str(e))]
         return self._dispatch(q.entry, q.request, verdict, actions, q.original, since)
+
+    def _keys_answered(self, wait: _KeyWait, answer: Any) -> list[Action]:
+        """The key service answered a request filter's ``AskKeys``: the filter decides with it, and
+        the request goes on as it would have."""
+        if self._key_wait is wait:
+            self._key_wait = None
+        if wait.entry not in self.open:
+            return []       # the connection ended meanwhile
+        since = self.ctx.clock()
+        actions: list[Action] = []
+        try:
+            verdict = self._request_filters(wait.entry, wait.request, actions, wait.next_filter,
+                                            (wait.asker, functools.partial(wait.then, answer)))
+        except FilterFailed as e:
+            return [Close(str(e))]
+        return self._dispatch(wait.entry, wait.request, verdict, actions, wait.original, since)
 
     def _question_answered(self, frame: memoryview) -> list[Action]:
         q = self.asking
@@ -566,6 +607,33 @@ class Session(SessionCutThrough, SessionSasl):
         if names is not None and self._learns_names(entry.api_key, version):
             # The broker's own names, before any filter changes them (a tenant prefix comes off).
             names.learn(resp.body.topics)
+        for f in self.chain.askers_for_response(entry.api_key):
+            try:
+                ask = f.question_for_response(self.ctx, entry, resp)
+            except Exception:
+                return [Close(str(self._filter_failed(f, "question_for_response", entry.api_key)))]
+            if ask is not None:
+                # This answer (and the ones behind it, in order) waits for the key service.
+                return [Keys(ask.question, functools.partial(self._response_keys, ask.then, entry, resp, frame,
+                                                             version, original, seen, answered))]
+        return self._answer(entry, resp, frame, version, original, seen, answered)
+
+    def _response_keys(self, then: Callable[[Any], Any], entry: InFlight, resp: Response, frame: memoryview,
+                       version: int, original: tuple[memoryview, bytes] | None, seen: bytes | None,
+                       answered: float, answer: Any) -> list[Action]:
+        """The key service answered a response filter's question: the answer goes on."""
+        if entry not in self.open:
+            return []
+        try:
+            then(answer)
+        except Exception:
+            asker = self.chain.askers_for_response(entry.api_key)[0]
+            return [Close(str(self._filter_failed(asker, "question_for_response", entry.api_key)))]
+        return self._answer(entry, resp, frame, version, original, seen, answered)
+
+    def _answer(self, entry: InFlight, resp: Response, frame: memoryview, version: int,
+                original: tuple[memoryview, bytes] | None, seen: bytes | None, answered: float) -> list[Action]:
+        """The response filters, then the answer to the client (in order)."""
         try:
             throttle = self._response_filters(entry, resp)
         except FilterFailed as e:
@@ -807,6 +875,7 @@ class Session(SessionCutThrough, SessionSasl):
         self.in_flight.clear()
         self._by_upstream.clear()
         self.asking = None
+        self._key_wait = None
         self.streaming = None
         up, self.streaming_up = self.streaming_up, None
         if up is not None and up.entry is not None and up.entry.broken is None:

@@ -52,6 +52,7 @@ from kproxy.server.clients import ClientRecord, ClientTable
 from kproxy.server.clusters import Cluster, UpstreamClusters
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.coordination import Coordinator
+from kproxy.server.encryption import encrypt_without_kms, kek_problems, open_key_service
 from kproxy.server.identity import IdentityService
 from kproxy.server.ordering import run_clock
 from kproxy.server.origination import Originator, Roundtrip, direct_roundtrip
@@ -166,8 +167,16 @@ class ProxyServer:
         if not config.passthrough_unknown_versions:
             builtin.insert(0, ApiVersionsNarrower())
         # Policy rules, when configured: judged after the built-in filters, before any given here.
+        # Record encryption: the key service (kms:) and the policy filter's view of its data keys.
+        keys = open_key_service(config)
+        self.keys = keys[0] if keys is not None else None
+        self.record_crypto = keys[1] if keys is not None else None
         if self.rule_store is not None:
-            builtin.append(PolicyFilter(self.rule_store, topic_ids=self.topic_names))
+            missing_kms = encrypt_without_kms(config, self.rule_store.rule_set)
+            if missing_kms is not None:
+                raise missing_kms
+        if self.rule_store is not None:
+            builtin.append(PolicyFilter(self.rule_store, topic_ids=self.topic_names, crypto=self.record_crypto))
             # Quotas come from the same files; they count what the policy lets through.
             coordinated = config.quota.coordinated is not None
             quotas = QuotaFilter(self.rule_store, config.quota.samples, config.quota.window_s,
@@ -210,6 +219,7 @@ class ProxyServer:
             idle_timeout_s=limits.idle_timeout_s,
             frame_timeout_s=limits.frame_timeout_s,
             splice=config.cut_through_splice,
+            keys=self.keys,
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
         )
@@ -351,6 +361,10 @@ class ProxyServer:
         m.add_reader(connections)
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
         m.add_reader(lambda: metric_families.memo_families(self.answer_memo))
+        keys, crypto = self.keys, self.record_crypto
+        if keys is not None and crypto is not None:
+            m.add_reader(lambda: metric_families.kms_families(keys.snapshot()))
+            m.add_reader(lambda: metric_families.record_crypto_families(crypto.snapshot()))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
         m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
         m.add_reader(lambda: metric_families.identity_edge_families(
@@ -444,9 +458,13 @@ class ProxyServer:
         else:
             self.bootstrap_address = self.shared_listener
         try:
+            if self.keys is not None:
+                await self._check_keks()       # before anything starts: a KEK that does not exist is fatal
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.identity.run(nursery)
+                if self.keys is not None:
+                    await nursery.start(self.keys.run)
                 if boot is not None:
                     nursery.start_soon(self._accept_loop, boot, None)
                 exposure = self.config.exposure
@@ -475,7 +493,8 @@ class ProxyServer:
                 if self.rule_store is not None:
                     log.info("rules in force: %s (watching %s)", describe_rules(self.rule_store.rule_set),
                              ", ".join(self.rule_store.paths))
-                    nursery.start_soon(watch_rules, self.rule_store, self.rules_poll_interval_s)
+                    nursery.start_soon(watch_rules, self.rule_store, self.rules_poll_interval_s,
+                                       self.reload_rules_checked)
                 if self.coordinator is not None:
                     # Background only: the data path reads each budget's share, never waits on this.
                     nursery.start_soon(self.coordinator.run)
@@ -484,6 +503,9 @@ class ProxyServer:
         finally:
             for s in self._listeners.values():
                 s.close()
+            if self.keys is not None:
+                with trio.CancelScope(shield=True):
+                    await self.keys.kms.aclose()
 
     async def _rediscover(self) -> None:
         # Until a bootstrap server answers once (readiness waits for it), try again with a backoff.
@@ -614,6 +636,36 @@ class ProxyServer:
             self.connections.discard(conn)
             self.clients.closed(record)
             self.stats.connections_open -= 1
+
+    async def _check_keks(self) -> None:
+        """At start: every KEK the encrypt rules name must exist in the KMS (ConfigError if not);
+        a KMS that cannot be reached now is a warning (records wait for it, retriably)."""
+        assert self.keys is not None
+        if self.rule_store is None:
+            return
+        errors, warnings = await kek_problems(self.keys, self.rule_store.rule_set)
+        for w in warnings:
+            log.warning("kms: %s", w)
+        if errors:
+            raise errors[0]
+
+    async def reload_rules_checked(self, reason: str) -> bool:
+        """Reload the rule files; with a KMS, the new set goes in force only if every KEK its
+        encrypt rules name exists (a failed reload keeps the old set)."""
+        store = self.rule_store
+        if store is None or self.keys is None:
+            return self.reload_rules(reason)
+        rule_set = store.load(reason)
+        if rule_set is None:
+            return False
+        errors, warnings = await kek_problems(self.keys, rule_set)
+        for w in warnings:
+            log.warning("kms: %s", w)
+        if errors:
+            store.refuse(reason, "\n".join(str(e) for e in errors))
+            return False
+        store.install(rule_set, reason)
+        return True
 
     def reload_rules(self, reason: str) -> bool:
         """Load the rule files again (SIGHUP); the old rules stay if the new ones do not load."""
@@ -795,6 +847,8 @@ class Serving(Protocol):
 
     def reload_rules(self, reason: str) -> bool: ...
 
+    async def reload_rules_checked(self, reason: str) -> bool: ...
+
     def reload_tls(self) -> None: ...
 
     async def reload_upstream(self) -> None: ...
@@ -819,7 +873,7 @@ async def serve_until_signal(server: Serving) -> None:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
-                    server.reload_rules("SIGHUP")
+                    await server.reload_rules_checked("SIGHUP")
                     server.reload_tls()
                     # A switch another process made since is followed now (the state file says so).
                     nursery.start_soon(server.reload_upstream)

@@ -19,7 +19,7 @@ import socket
 import struct
 import termios
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -74,6 +74,9 @@ class ConnectionSettings:
     frame_cap_setting: str | None = None     # the setting that sets frame_cap, named in errors
     # Streamed record batch bodies go broker -> client by splice(2) where the platform allows.
     splice: bool = False
+    # The process's key service (``kproxy.kms.service.KeyService``) when a KMS is configured: it
+    # answers the sessions' ``Keys`` actions.
+    keys: Any = None
 
     @property
     def watchdog_period(self) -> float | None:

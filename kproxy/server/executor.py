@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from kproxy.protocol.messages import decode_response, encode_request_frame
-from kproxy.proxy.actions import Ask, Close, Hold, Listen, StreamUp, ToClient, ToUpstream
+from kproxy.proxy.actions import Ask, Close, Hold, Keys, Listen, StreamUp, ToClient, ToUpstream
 from kproxy.proxy.inflight import NO_RESPONSE, InFlight
 from kproxy.proxy.session import Session
 from kproxy.server.ordering import ClientWriter, ConnectionClosed, FifoLock
@@ -111,6 +111,8 @@ class Executor:
                 raise ConnectionClosed(a.reason)
             elif kind is Ask:
                 await self._ask(a)
+            elif kind is Keys:
+                await self._keys(a)
             else:  # pragma: no cover - a new action type without an executor branch is a bug
                 raise AssertionError(f"no executor for {a!r}")
         if flush and writer.pending:
@@ -190,6 +192,22 @@ class Executor:
         if session.asking is not None:
             await self._execute(session.question_unanswered(f"none within {timeout:g}s"))
             self._settled()
+
+    async def _keys(self, action: Keys) -> None:
+        """Ask the key service (record encryption) and hand its answer to the session, within the
+        request timeout; the task that met the action reads nothing more meanwhile, so requests and
+        answers keep their order. No answer in time is None: the filter answers with a retriable error."""
+        service = self.settings.keys
+        answer: Any = None
+        if service is not None:
+            timeout = self.settings.request_timeout_s
+            self._holding = True
+            try:
+                with trio.move_on_after(timeout if timeout > 0 else float("inf")):
+                    answer = await service.answer(action.question)
+            finally:
+                self._holding = False
+        await self._execute(action.then(answer), flush=False)
 
     async def _question_settled(self) -> None:
         """Return once the session has no question to the broker pending."""

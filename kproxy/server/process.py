@@ -240,6 +240,11 @@ class ProxyProcess:
         """Load every virtual cluster's rule files again (SIGHUP); True when any loaded."""
         return any([server.reload_rules(reason) for server in self.servers.values()])
 
+    async def reload_rules_checked(self, reason: str) -> bool:
+        """Load every virtual cluster's rule files again (SIGHUP), each new set in force only if the
+        KEKs its encrypt rules name exist in that virtual cluster's KMS; True when any went in force."""
+        return any([await server.reload_rules_checked(reason) for server in self.servers.values()])
+
     def reload_tls(self) -> None:
         for server in self.servers.values():
             server.reload_tls()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -39,12 +40,17 @@ def fingerprint(paths: tuple[str, ...]) -> Fingerprint:
     return tuple(seen)
 
 
-async def watch_rules(store: RuleStore, interval: float = POLL_INTERVAL_S) -> None:
-    """Reload ``store`` whenever its files change; runs until cancelled."""
+async def watch_rules(store: RuleStore, interval: float = POLL_INTERVAL_S,
+                      reload: Callable[[str], Awaitable[object]] | None = None) -> None:
+    """Reload ``store`` whenever its files change (through ``reload`` when given: the server's,
+    which checks the KEKs of encrypt rules first); runs until cancelled."""
     last = fingerprint(store.paths)
     while True:
         await trio.sleep(interval)
         now = fingerprint(store.paths)
         if now != last:
             last = now
-            store.reload("a rule file changed")
+            if reload is not None:
+                await reload("a rule file changed")
+            else:
+                store.reload("a rule file changed")

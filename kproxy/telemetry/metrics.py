@@ -578,3 +578,21 @@ def kms_families(snap: Mapping[str, Any]) -> list[Metric]:
         GaugeMetricFamily("kproxy_kms_keys_backing_off", "KEKs and wrapped DEKs whose KMS calls wait after a "
                           "failure.", value=snap["backing_off"]),
     ]
+
+
+def record_crypto_families(snap: Mapping[str, Any]) -> list[Metric]:
+    """What encrypt and mask rules did to records (``kproxy.policy.crypto.RecordCrypto.snapshot()``)."""
+    return [
+        _counter("kproxy_records_encrypted", "Record values sealed by encrypt rules (batches: the batches "
+                 "rebuilt).", ["unit"], {("records",): snap["records_encrypted"],
+                                          ("batches",): snap["batches_encrypted"]}),
+        _counter("kproxy_records_decrypted", "Sealed record values opened in Fetch answers (batches: the "
+                 "batches rebuilt).", ["unit"], {("records",): snap["records_decrypted"],
+                                                  ("batches",): snap["batches_decrypted"]}),
+        _counter("kproxy_record_encryption_failures", "Partitions refused by record encryption, by reason "
+                 "(unreachable, timeout, unknown_kek, denied, tampered, unknown_topic, unreadable, ...).",
+                 ["reason"], {(k,): v for k, v in snap["failures"].items()}),
+        _counter("kproxy_records_masked", "Fetched record values mask rules changed (not_json: values that "
+                 "are not JSON, passed unchanged).", ["result"],
+                 {("masked",): snap["records_masked"], ("not_json",): snap["mask_not_json"]}),
+    ]

@@ -101,9 +101,13 @@ def span_attributes(x: Exchange) -> dict[str, Any]:
     if error is not None:
         a["error.type"] = error
     notes = e.notes or {}
-    for key in ("rule", "action"):
+    for key in ("rule", "action", "record_rule"):
         if notes.get(key) is not None:
             a[f"kproxy.{key}"] = str(notes[key])
+    for key in ("encrypted_batches", "decrypted_batches"):
+        if notes.get(key):
+            # Record encryption acted on this request's batches (docs/encryption.md).
+            a[f"kproxy.{key}"] = int(notes[key])
     quota = notes.get("quota")
     if isinstance(quota, dict):
         a["kproxy.quota.rule"] = str(quota.get("rule", ""))

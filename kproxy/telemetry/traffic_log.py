@@ -97,6 +97,10 @@ def traffic_line(x: Exchange, epoch_offset: float, proxy: str | None = None) -> 
         "partition_errors": {error_name(code): n for code, n in nested.items()},
         "rule": notes.get("rule"),
         "action": notes.get("action"),
+        # The record rule that changed the records (encrypt, mask) or refused them.
+        "record_rule": notes.get("record_rule"),
+        "encrypted_batches": notes.get("encrypted_batches"),
+        "decrypted_batches": notes.get("decrypted_batches"),
         "quota": _quota(notes.get("quota")),
         "records_refused": _records_refused(notes.get("records_refused")),
         "group": x.group,

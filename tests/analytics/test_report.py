@@ -73,6 +73,13 @@ def planted_lines() -> list[dict[str, Any]]:
                                partitions=[{"topic": "orders-planted", "partition": 0, "records": 5, "bytes": 400,
                                             "first_offset": None, "last_offset": None, "first_timestamp": None,
                                             "max_timestamp": None, "compression": "none", "error_code": 87}]))
+    # An encrypt rule sealed three producers' batches on one topic; a consumer had them opened.
+    for i in range(3):
+        lines.append(base_line(START + dt.timedelta(minutes=52, seconds=i), f"pay-producer-{i % 2}", "produce", 9,
+                               acks=-1, topics=["pay-planted"], record_rule="encrypt-pay", encrypted_batches=2))
+    for i in range(2):
+        lines.append(base_line(START + dt.timedelta(minutes=53, seconds=i), "pay-reader", "fetch", 13,
+                               topics=["pay-planted"], decrypted_batches=3))
     return sorted(lines, key=lambda line: line["ts"])
 
 
@@ -438,6 +445,14 @@ def test_validation_refusals_per_client_topic_and_rule(spark: Any, report: Path)
            for r in table(spark, report, "record_refusals")]
     assert got == [("bad-json-producer", "orders-planted", "orders-json", 2, 6)]
     assert "Records refused by validate rules" in (report / "report.html").read_text()
+
+
+def test_encrypted_topics_in_the_fleet_report(spark: Any, report: Path) -> None:
+    (row,) = table(spark, report, "encrypted_topics")
+    assert (row["topic"], row["rule"], row["produce_requests"], row["batches_sealed"], row["producers"],
+            row["fetch_requests"], row["batches_opened"], row["consumers"]) == (
+        "pay-planted", "encrypt-pay", 3, 6, 2, 2, 6, 1)
+    assert "Encrypted topics" in (report / "report.html").read_text()
 
 
 def test_the_record_rule_dry_run_refuses_only_what_the_log_proves(spark: Any, report: Path) -> None:

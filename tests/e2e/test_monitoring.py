@@ -17,6 +17,7 @@ from cryptography import x509
 from prometheus_client.parser import text_string_to_metric_families
 
 from kproxy.config import parse_config
+from kproxy.kms.local import write_key_file
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.sasl_gate import confluent_roundtrip, expected_pairs, free_ports
 from tests.e2e.tansu import TansuBroker, unique_name
@@ -63,8 +64,12 @@ def test_every_metric_of_the_dashboard_and_the_alerts_is_exported(broker: TansuB
     ca.cert_pem.write_to_path(str(ca_file))
     rules = tmp_path / "rules.yaml"
     rules.write_text("default: allow\nrules:\n  - name: nobody-deletes-topics\n    match: {api: delete_topics}\n"
-                     "    action: deny\nquotas:\n  - name: per-client\n    match: {client_id: '*'}\n"
+                     "    action: deny\n  - name: seal\n    match: {topic: 'sealed-*'}\n    action: encrypt\n"
+                     "    encrypt: {kek: monitoring-kek}\nquotas:\n  - name: per-client\n    match: {client_id: '*'}\n"
                      "    per: client_id\n    produce_bytes_per_s: 104857600\n")
+    # Record encryption's metrics: a development key file is enough to export them.
+    keys = tmp_path / "keks.json"
+    write_key_file(str(keys), ["monitoring-kek"])
     logs = tmp_path / "traffic"
     logs.mkdir()
     port, broker_port, admin = free_ports(3)
@@ -78,6 +83,7 @@ metrics: {{client_labels: true, topic_labels: true}}
 traffic_log: {{dir: "{logs}"}}
 limits: {{max_buffered_bytes_total: 268435456}}
 rules: ["{rules}"]
+kms: {{local: {{file: "{keys}", allow_in_gateway: true}}}}
 """)
     with ProxyThread(config) as proxy:
         settings = {"bootstrap.servers": proxy.bootstrap, "security.protocol": "SSL",

@@ -41,7 +41,8 @@ def test_rows_and_variables() -> None:
     data = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in data["panels"] if p["type"] == "row"]
     assert rows == ["Traffic", "Latency", "Errors, denials and throttles", "Connections and buffers",
-                    "Upstream clusters", "Event loop, traffic log and rules"]
+                    "Upstream clusters", "Event loop, traffic log and rules",
+                    "Record encryption"]
     variables = {v["name"]: v for v in data["templating"]["list"]}
     assert {"namespace", "pod", "api"} <= set(variables)
     titles = " | ".join(p["title"] for p in data["panels"])

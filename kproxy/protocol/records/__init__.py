@@ -7,7 +7,8 @@ decompressed, the caller's cap.
   summary) and the formats' constants;
 - ``compression``: the codecs, bounded by the caller's cap;
 - ``rewrite``: a received batch rebuilt for record rules (same codec and producer fields, new
-  records, CRC32C again), header edits, and a batch carried under another producer id (a switch);
+  records, CRC32C again), header edits, records split and joined again with new keys or values
+  (encryption, masking), and a batch carried under another producer id (a switch);
 - ``build``: batches encoded from values (kproxy's own records for fleet quota coordination, tests,
   benchmarks, broker stand-ins).
 """
@@ -18,7 +19,9 @@ from kproxy.protocol.records.rewrite import (
     TRACEPARENT,
     HeaderEdit,
     edit_headers,
+    join_records,
     rebuild_batch,
+    split_records,
     with_producer,
 )
 from kproxy.protocol.records.view import (
@@ -56,7 +59,9 @@ __all__ = [
     "build_legacy",
     "edit_headers",
     "iter_batches",
+    "join_records",
     "rebuild_batch",
+    "split_records",
     "summarize",
     "with_producer",
 ]

