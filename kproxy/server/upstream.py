@@ -27,6 +27,20 @@ from kproxy.server.transport import Transport, client_context, connect
 # client does: time left for the exchange before the broker would close the connection, and a
 # random spread so that connections opened together do not all log in again at once.
 REAUTH_FROM, REAUTH_SPREAD = 0.85, 0.10
+# ...but at least this long before the session ends: 5-15% of a short session (a 3 s one left
+# 150-450 ms) is less than a busy machine can take to wake the timer and send the handshake, and a
+# broker closes a connection whose session has ended at its next request. Never before half the
+# lifetime, though: a broker starts at most one re-authentication a second on a connection.
+REAUTH_MARGIN_S = 1.0
+
+
+def reauth_after(lifetime_s: float, draw: float) -> float:
+    """Seconds into a session of ``lifetime_s`` to log in again, for a ``draw`` in [0, 1): 85-95% of
+    a long session, as Kafka's client; a short one moves earlier to keep REAUTH_MARGIN_S before its
+    end, with the same spread, down to half its lifetime."""
+    latest = max(0.5, min(REAUTH_FROM + REAUTH_SPREAD, 1.0 - REAUTH_MARGIN_S / lifetime_s))
+    earliest = max(0.5, min(REAUTH_FROM, latest - REAUTH_SPREAD))
+    return (earliest + draw * (latest - earliest)) * lifetime_s
 
 
 @attrs.frozen
@@ -65,7 +79,9 @@ def login_failed(e: BaseException) -> bool:
 
 class UpstreamLogin:
     """kproxy's login on one broker connection, and when it is due again (KIP-368): the broker's
-    session lifetime counts from the end of each login."""
+    session lifetime counts from when the login's last request was sent. The broker starts the
+    session when it reads that request, so this is never later than the broker's own count; timing
+    from the answer would add the answer's way back, which a busy machine stretches."""
 
     __slots__ = ("lifetime_ms", "originator", "reauth_at", "session_end", "timeout", "where")
 
@@ -82,8 +98,11 @@ class UpstreamLogin:
         (KIP-368 re-authentication is the same exchange). Each answer is waited for within the
         timeout: LoginTimedOut past it, OriginationError when refused."""
         timeout = self.timeout
+        last_sent = trio.current_time()
 
         async def timed(req: Request) -> Response:
+            nonlocal last_sent
+            last_sent = trio.current_time()
             with trio.fail_after(timeout):
                 return await roundtrip(req)
 
@@ -91,11 +110,12 @@ class UpstreamLogin:
             lifetime_ms = await self.originator.login(timed, self.where)
         except trio.TooSlowError:
             raise LoginTimedOut() from None
-        now = trio.current_time()
         self.lifetime_ms = lifetime_ms
-        share = REAUTH_FROM + random.random() * REAUTH_SPREAD
-        self.reauth_at = now + share * lifetime_ms / 1000 if lifetime_ms > 0 else None
-        self.session_end = now + lifetime_ms / 1000 if lifetime_ms > 0 else None
+        if lifetime_ms > 0:
+            self.reauth_at = last_sent + reauth_after(lifetime_ms / 1000, random.random())
+            self.session_end = last_sent + lifetime_ms / 1000
+        else:
+            self.reauth_at = self.session_end = None
 
     def due(self, now: float) -> bool:
         """Whether it is time to log in again."""

@@ -445,7 +445,8 @@ class GateConnection:
             return self._sasl(frame)
         if self.expires_at is not None and time.monotonic() > self.expires_at:
             # KIP-368: once the session has ended, any request closes the connection, even one that
-            # would start re-authentication (Kafka's Processor checks expiry before reading it).
+            # would start re-authentication. Stricter than Kafka's broker, whose Processor lets a
+            # SaslHandshake begin re-authentication before it checks expiry: a late start fails here.
             self.gate.expired.append(self.cid)
             return False
         if api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE):

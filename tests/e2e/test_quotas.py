@@ -35,6 +35,7 @@ TOLERANCE = 0.15             # above the quota: what kproxy lets through beyond 
 SLOWER = 0.35                # below it: a busy machine may run a client slower than its quota
 VALUE = b"q" * 16384         # large records keep the clients' Python loops light beside kproxy
 FREE_PACE = 4 * MIB          # the unthrottled producer's own pace (see test docstring)
+PACE_CATCH_UP_S = 0.1        # how far behind its pace it may fall and still make it up
 METADATA = 3
 PURGED = (confluent_kafka.KafkaError._PURGE_QUEUE, confluent_kafka.KafkaError._PURGE_INFLIGHT)
 
@@ -116,10 +117,19 @@ def produce_flat_out(p: confluent_kafka.Producer, topic: str, acked: Acked, stop
 
 
 def produce_paced(p: confluent_kafka.Producer, topic: str, acked: Acked, stop: threading.Event) -> None:
+    """Produce at FREE_PACE: a pace, not a debt. A full local queue (the client still starting, or
+    answers slow on a busy machine) waits for deliveries instead of ending the thread, and what a
+    stall left unsent is dropped from the pace, not sent in one burst that would fill the queue."""
     start, sent = time.monotonic(), 0
     while not stop.is_set():
+        behind = FREE_PACE * (time.monotonic() - start) - sent
+        if behind > FREE_PACE * PACE_CATCH_UP_S:
+            sent += int(behind - FREE_PACE * PACE_CATCH_UP_S)
         while sent < FREE_PACE * (time.monotonic() - start):
-            p.produce(topic, VALUE, partition=0, on_delivery=acked)
+            try:
+                p.produce(topic, VALUE, partition=0, on_delivery=acked)
+            except BufferError:
+                break
             sent += len(VALUE)
         p.poll(0.02)
     p.flush(10)
@@ -169,9 +179,15 @@ def test_produce_and_fetch_quotas_hold_their_clients_and_spare_the_others(proxy:
     free_acked, free_throttles = Acked(), Throttles()
     free = run(produce_paced, producer(proxy.bootstrap, "quota-free-producer", free_throttles), free_topic,
                free_acked, stop_free)
-    time.sleep(5.0)
+    # Measured alone once its first records are in (its topic made, a busy machine slower at it),
+    # past its start-up.
+    started = time.monotonic() + 30
+    while not free_acked.at and time.monotonic() < started:
+        time.sleep(0.1)
+    assert free_acked.at and free.is_alive(), "the unthrottled producer never got going"
+    time.sleep(4.0)
     alone_end = time.monotonic()
-    alone = bytes_between(free_acked.at, alone_end - 3.0, alone_end) / 3.0     # past its start-up
+    alone = bytes_between(free_acked.at, alone_end - 3.0, alone_end) / 3.0
 
     slow_acked, slow_throttles = Acked(), Throttles()
     read: list[tuple[float, int]] = []
@@ -198,7 +214,7 @@ def test_produce_and_fetch_quotas_hold_their_clients_and_spare_the_others(proxy:
               f"throttle seen {slow_throttles.max_ms} / {read_throttles.max_ms} / {free_throttles.max_ms} ms")
     assert (1 - SLOWER) * RATE <= produced <= (1 + TOLERANCE) * RATE, report
     assert (1 - SLOWER) * RATE <= fetched <= (1 + TOLERANCE) * RATE, report
-    assert together >= 0.75 * alone, report
+    assert alone >= 0.25 * FREE_PACE and together >= 0.75 * alone, report
     assert slow_throttles.max_ms > 0 and read_throttles.max_ms > 0 and free_throttles.max_ms == 0, report
     assert not (slow_acked.errors or free_acked.errors), report
 

@@ -352,6 +352,23 @@ def test_a_produce_over_the_budget_mutes_the_connection_when_it_arrives(tmp_path
     assert budget.muted is not None and budget.muted.total(100.5, KAFKA) == pytest.approx(2.0 + 5.0)
 
 
+def test_a_produce_muted_on_arrival_mutes_its_own_connection_only(tmp_path):
+    """The throttle a Produce earns as it arrives is its own connection's: another connection with
+    another client id, on the same process, is neither muted nor told to wait, even at once after."""
+    f = quota_filter(tmp_path, ONE_K % ("client_id", 1))
+    slow, free = session(f, connection_id=1), session(f, connection_id=2)
+    send(slow, PRODUCE, 9, produce_body(3000), correlation_id=1)
+    assert slow.throttled_for(100.0) == pytest.approx(2.0)
+    out = send(free, PRODUCE, 9, produce_body(3000), "other", correlation_id=1)
+    assert not any(isinstance(a, Hold) for a in out) and isinstance(out[-1], ToUpstream)
+    assert free.throttled_for(100.0) == 0.0
+    resp = answered(broker_answers(free, forwarded(out[-1]))[-1], PRODUCE, 9)
+    assert resp.body.throttle_time_ms == 0 and free.throttled_for(100.0) == 0.0
+    # The throttled connection's next request, read with the first, waits; the other's does not.
+    assert isinstance(send(slow, PRODUCE, 9, produce_body(10), correlation_id=2)[0], Hold)
+    assert not any(isinstance(a, Hold) for a in send(free, PRODUCE, 9, produce_body(10), "other", correlation_id=2))
+
+
 def test_a_quota_for_each_replica(tmp_path):
     s = session(quota_filter(tmp_path, ONE_K % ("client_id", 1), share=0.5))
     assert produce_once(s, 1000)[0].body.throttle_time_ms == 1000     # 1000 of 500/s
