@@ -5,9 +5,10 @@ Every quota in the rule files (``quotas:``) that matches an answered request cha
 client in ``throttle_time_ms`` and reads nothing more from it meanwhile. A Fetch from a client near
 or over a fetch budget has its ``max_bytes`` lowered to what the budget allows (never below one
 batch), and an answer larger than that is cut to it. Accounting is per request, never per record
-(only cutting an answer walks its batch headers): a Produce is charged its record bytes, a Fetch its
-answer's size, which a streamed answer gives before any of it is sent (``on_response_head``). Pure:
-time comes from the connection's clock.
+(only cutting an answer walks its batch headers): a Produce is charged its record bytes when it
+arrives, and its throttle mutes the client at once; a Fetch is charged its answer's size, which a
+streamed answer gives before any of it is sent (``on_response_head``). Pure: time comes from the
+connection's clock.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class _Quota:
     def span_s(self) -> float:
         return self.windows.samples * self.windows.window_s
 
+    @property
+    def divided(self) -> bool:
+        """Whether the quota is divided among processes (replicas, workers, a fleet). A per-connection
+        quota is not: a connection lives on one process, which holds it to the whole limit."""
+        return self.rule.per != "connection"
+
     def concerns(self, api_key: int) -> bool:
         """Whether the quota has a limit that requests of this API count against."""
         return (self.requests is not None or self.time is not None or (self.produce is not None and api_key == PRODUCE)
@@ -81,10 +88,10 @@ class _Compiled:
     def __init__(self, rule_set: RuleSet, samples: int, window_s: float, share: float) -> None:
         self.rule_set = rule_set
         self.quotas = tuple(
-            _Quota(q, Windows.for_burst(samples, window_s, q.burst_s), _scaled(q.produce_bytes_per_s, share),
-                   _scaled(q.fetch_bytes_per_s, share), _scaled(q.requests_per_s, share),
-                   _scaled(q.request_time_percent, share))
-            for q in rule_set.quotas if q.limits)
+            _Quota(q, Windows.for_burst(samples, window_s, q.burst_s), _scaled(q.produce_bytes_per_s, s),
+                   _scaled(q.fetch_bytes_per_s, s), _scaled(q.requests_per_s, s), _scaled(q.request_time_percent, s))
+            for q in rule_set.quotas if q.limits
+            for s in (share if q.per != "connection" else 1.0,))
         self._views: dict[tuple[Any, ...], tuple[_Quota, ...]] = {}
 
     def for_connection(self, key: tuple[Any, ...]) -> tuple[_Quota, ...]:
@@ -100,6 +107,18 @@ def budget_key(per: str, ctx: ConnectionContext) -> str:
     """The key of the budget a request of this connection is charged to (``client_id=app-1``)."""
     source = ctx.client_address[0] if ctx.client_address else None
     return key_of(per, ctx.client_id, ctx.principal, source, str(ctx.connection_id))
+
+
+class _Charged:
+    """A Produce charged when it came (``QuotaFilter._charge_produce``): the quotas that applied, when,
+    and the throttle each told. A plain class: one is made per Produce request."""
+
+    __slots__ = ("applied", "at", "told")
+
+    def __init__(self, applied: tuple[tuple[_Quota, BudgetKey], ...], at: float, told: list[float]) -> None:
+        self.applied = applied
+        self.at = at
+        self.told = told
 
 
 @attrs.define(slots=True, eq=False)
@@ -218,8 +237,6 @@ class QuotaFilter(Filter):
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         request: Request = exchange.request
-        if request.api_key == PRODUCE and request.body.acks != 0:
-            return None         # charged when its answer comes
         st = self._conn(ctx)
         if st is None:
             return None
@@ -228,13 +245,34 @@ class QuotaFilter(Filter):
             return None
         if request.api_key == FETCH:
             self._lower_fetch(ctx, st, applied, request)
-        elif request.body.acks == 0:
+            return None
+        now = ctx.clock()
+        if request.body.acks == 0:
             # No response will come to carry a throttle: charge it now, and mute the connection.
-            now = ctx.clock()
             seconds = self._charge(ctx, exchange, st, applied, request, None, now, now - exchange.started)
-            if seconds > 0:
-                return Throttle(seconds)
-        return None
+        else:
+            seconds = self._charge_produce(exchange, st, applied, request, now)
+        return Throttle(seconds) if seconds > 0 else None
+
+    def _charge_produce(self, exchange: Any, st: _Conn, applied: tuple[tuple[_Quota, BudgetKey], ...],
+                        request: Request, now: float) -> float:
+        """Charge a Produce request (its record bytes and its count) as it arrives; the longest
+        throttle in seconds, which mutes the connection at once. A broker reads one request of a
+        connection at a time and mutes a throttled one before it reads the next; kproxy forwards
+        requests while earlier ones are answered, so a client with many requests in flight (librdkafka
+        sends up to ten of up to 1 MB by default) would otherwise have them all through before the
+        first answer told it to wait. Its time is charged on its answer (``_answer_charged``), which
+        tells the client the throttle left then."""
+        produced = _produced(exchange, request)
+        told = []
+        for q, key in applied:
+            budget = self.budgets.get(key, now, q.span_s)
+            if q.rule.per == "connection":
+                st.own_budgets.add(key)
+            told.append(_throttle(budget, q, now, produced, 0, None))
+        exchange.keep(self, _Charged(applied, now, told))
+        longest = max(told)
+        return to_ms(longest) / 1000.0 if longest > 0 else 0.0
 
     def _lower_fetch(self, ctx: ConnectionContext, st: _Conn, applied: Iterable[tuple[_Quota, BudgetKey]],
                      request: Request) -> None:
@@ -249,7 +287,8 @@ class QuotaFilter(Filter):
                 continue
             budget = self.budgets.peek(key)
             rate = budget.fetch if budget is not None else None
-            bound = q.fetch * (budget.share if budget is not None else self.budgets.initial_share)
+            bound = q.fetch * (_share(q, budget) if budget is not None
+                               else self.budgets.initial_share if q.divided else 1.0)
             if rate is None:
                 room = bound * q.windows.min_full_windows * q.windows.window_s
             else:
@@ -290,6 +329,10 @@ class QuotaFilter(Filter):
         return self._on_answer(ctx, exchange, response)
 
     def _on_answer(self, ctx: ConnectionContext, exchange: Any, response: Response | None) -> float:
+        charged: _Charged | None = exchange.kept(self)
+        if charged is not None:
+            now = ctx.clock()
+            return self._answer_charged(ctx, exchange, charged, now, _spent(exchange, now))
         st = self._conn(ctx)
         if st is None:
             return 0.0
@@ -298,9 +341,25 @@ class QuotaFilter(Filter):
         if not applied:
             return 0.0
         now = ctx.clock()
-        answered = exchange.answered_at
-        spent = exchange.handling_s + (now - answered if answered is not None else 0.0)
-        return self._charge(ctx, exchange, st, applied, request, response, now, spent)
+        return self._charge(ctx, exchange, st, applied, request, response, now, _spent(exchange, now))
+
+    def _answer_charged(self, ctx: ConnectionContext, exchange: Any, charged: _Charged, now: float,
+                        spent: float) -> float:
+        """The answer to a Produce charged when it came: its time is charged now, and the client is
+        told the longest throttle left (what it was told then, less the time since, or the time's)."""
+        worst: tuple[int, _Quota, BudgetKey] | None = None
+        for (q, key), told in zip(charged.applied, charged.told, strict=True):
+            seconds = told - (now - charged.at)
+            if q.time is not None:
+                budget = self.budgets.get(key, now, q.span_s)
+                took = _time_throttle(budget, q, now, spent)
+                if took > 0:
+                    (budget.muted or budget.new("muted")).record(took, now, q.windows)
+                    seconds = max(seconds, took)
+            ms = to_ms(seconds) if seconds > 0 else 0
+            if worst is None or ms > worst[0]:
+                worst = (ms, q, key)
+        return self._noted(ctx, exchange, worst, PRODUCE)
 
     # -- streamed Fetch answers (cut-through): charged on their head, from their size
 
@@ -350,10 +409,7 @@ class QuotaFilter(Filter):
         api_key = request.api_key
         produced = fetched = 0
         if api_key == PRODUCE:
-            facts = exchange.records_facts
-            # A streamed request's records are not in the decoded request: their sizes were noted.
-            produced = (sum(max(f.size, 0) for f in facts) if facts is not None
-                        else produce_record_bytes(request.body))
+            produced = _produced(exchange, request)
         elif api_key == FETCH:
             fetched = exchange.upstream_bytes
             if response is not None:
@@ -374,6 +430,11 @@ class QuotaFilter(Filter):
             ms = to_ms(seconds) if seconds > 0 else 0
             if worst is None or ms > worst[0]:
                 worst = (ms, q, key)
+        return self._noted(ctx, exchange, worst, api_key)
+
+    def _noted(self, ctx: ConnectionContext, exchange: Any, worst: tuple[int, _Quota, BudgetKey] | None,
+               api_key: int) -> float:
+        """Note the quota that throttled the request the most on its entry; its throttle in seconds."""
         if worst is None:
             return 0.0
         ms, q, key = worst
@@ -412,10 +473,40 @@ def _capped(q: _Quota, key: str, connection_id: int, chosen: set[str], own: set[
     return overflow
 
 
-def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float) -> float:
-    """Record one request against each limit of ``q``; the longest throttle in seconds."""
+def _produced(exchange: Any, request: Request) -> int:
+    """A Produce request's record bytes. A streamed request's records are not in the decoded request:
+    their sizes were noted."""
+    facts = exchange.records_facts
+    return sum(max(f.size, 0) for f in facts) if facts is not None else produce_record_bytes(request.body)
+
+
+def _share(q: _Quota, budget: Budget) -> float:
+    """The part of ``q``'s limits ``budget`` is held to: 1, or this process's fleet share (set between
+    intervals); a per-connection budget always gets the whole limit."""
+    return budget.share if q.divided else 1.0
+
+
+def _spent(exchange: Any, now: float) -> float:
+    """The seconds kproxy has spent on a request, now that its answer is here."""
+    answered = exchange.answered_at
+    return exchange.handling_s + (now - answered if answered is not None else 0.0)
+
+
+def _time_throttle(budget: Budget, q: _Quota, now: float, spent: float) -> float:
+    """Record ``spent`` seconds against ``q``'s request time limit; its throttle in seconds."""
+    assert q.time is not None
     w = q.windows
-    share = budget.share        # 1, or this process's fleet share (set between intervals)
+    rate = budget.time or budget.new("time")
+    # Kafka records thread time as percent-seconds and throttles a request quota by at most one
+    # window (ClientRequestQuotaManager's maxThrottleTimeMs).
+    return min(rate.record_and_throttle(spent * 100, now, w, q.time * _share(q, budget)), w.window_s)
+
+
+def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int, spent: float | None) -> float:
+    """Record one request against each limit of ``q``, its time only when ``spent`` is given (a
+    Produce's time is charged on its answer, the rest when it comes); the longest throttle in seconds."""
+    w = q.windows
+    share = _share(q, budget)
     longest = 0.0
     if q.produce is not None and produced:
         rate = budget.produce or budget.new("produce")
@@ -430,11 +521,8 @@ def _throttle(budget: Budget, q: _Quota, now: float, produced: int, fetched: int
         t = rate.record_and_throttle(1, now, w, q.requests * share)
         if t > longest:
             longest = t
-    if q.time is not None:
-        rate = budget.time or budget.new("time")
-        # Kafka records thread time as percent-seconds and throttles a request quota by at most one
-        # window (ClientRequestQuotaManager's maxThrottleTimeMs).
-        t = min(rate.record_and_throttle(spent * 100, now, w, q.time * share), w.window_s)
+    if q.time is not None and spent is not None:
+        t = _time_throttle(budget, q, now, spent)
         if t > longest:
             longest = t
     if longest > 0:

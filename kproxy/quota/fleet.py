@@ -3,7 +3,8 @@
 Every process reports, per active budget key, its measured rate and its demand (both as fractions of
 the quota's whole limit); ``FleetShares`` keeps the latest report of every other process and turns
 them into this process's share: ``own demand / total demand``, floored, capped at the whole limit and
-smoothed between intervals, or the static share when coordination is down. The records' wire format
+smoothed between intervals, or the static share when coordination is down. A key new to this process
+keeps room for the processes not yet heard from since it reported the key. The records' wire format
 is here too. Pure: wall-clock times are passed in; nothing here reads a clock or a socket.
 """
 
@@ -113,6 +114,15 @@ class FleetShares:
     ``up`` means coordination works end to end: a record this process wrote has been read back from
     the topic within ``stale_after_s``. While it is not, every share is ``static_share`` (today's
     ``limit / (quota_replicas x workers)``). Peer reports older than ``stale_after_s`` count for nothing.
+
+    A key is *young* from this process's first report of it until ``stale_after_s`` after that report
+    was written (by its own timestamp, read back). A peer's silence about a young key means it does not use the key only if the peer
+    wrote after that report (records of one fleet are in one partition, read in order, so this needs
+    no clock agreement). Until then the peer may be using the key on its static share, as a process
+    new to a key or not coordinated does: each such peer, and each of the fleet's expected processes
+    (``1 / static_share``) not heard from at all, keeps ``static_share`` of the limit out of this
+    process's reach. So a fleet whose clients all start on a new key starts from the static shares,
+    and a client alone on one process gets the whole limit once the others have written.
     """
 
     def __init__(self, fleet: str, instance: str, static_share: float, stale_after_s: float, *,
@@ -128,6 +138,11 @@ class FleetShares:
         self._peers: dict[BudgetKey, dict[str, PeerRecord]] = {}
         self._shares: dict[BudgetKey, float] = {}
         self.own_seen_at: float | None = None     # the timestamp of the newest own record read back
+        # Other processes the fleet is expected to have: the static share is one of 1 / static_share.
+        self.expected_peers = max(0, round(1.0 / static_share) - 1) if static_share > 0 else 0
+        self._read = 0                              # records of this fleet read so far
+        self._since: dict[BudgetKey, tuple[int, float]] = {}    # key -> (read count, time) of own first report
+        self._last_read: dict[str, int] = {}        # other instance -> read count of its newest record
         # Budgets this process uses (None: every one). Only their peer records are kept: what others
         # write about other budgets changes no share here, and the topic is not trusted to be small.
         self.interest: set[BudgetKey] | None = None
@@ -140,15 +155,20 @@ class FleetShares:
         """Take in one record read from the topic (any fleet, any instance, in any order)."""
         if report.fleet != self.fleet:
             return
+        self._read += 1
         if report.instance == self.instance:
             if self.own_seen_at is None or report.at > self.own_seen_at:
                 self.own_seen_at = report.at
+            if report.key and report.budget not in self._since and (
+                    self.interest is None or report.budget in self.interest):
+                self._since[report.budget] = (self._read, report.at)
             return
         seen = self._instances.get(report.instance)
         if seen is None and len(self._instances) >= self.max_instances:
             return          # more writers than a fleet has: ignore the new names until old ones go stale
         if seen is None or report.at > seen:
             self._instances[report.instance] = report.at
+        self._last_read[report.instance] = self._read
         if self.interest is not None and report.budget not in self.interest:
             return
         peers = self._peers.setdefault(report.budget, {})
@@ -182,13 +202,29 @@ class FleetShares:
 
     # -- the sharing rule
 
+    def unheard(self, key: BudgetKey, now: float) -> int:
+        """How many processes of the fleet may be using young ``key`` without this one knowing: the
+        fresh peers that have neither reported it nor written since this process first reported it,
+        and the expected processes not heard from at all. 0 once the key is no longer young."""
+        since = self._since.get(key)
+        if since is not None and now - since[1] >= self.stale_after_s:
+            return 0
+        after = since[0] if since is not None else self._read
+        known = {p.instance for p in self.fresh_peers(key, now)}
+        known.update(name for name, at in self._instances.items()
+                     if now - at < self.stale_after_s and self._last_read.get(name, 0) > after)
+        return max(0, max(self.expected_peers, self.peer_count(now)) - len(known))
+
     def target(self, key: BudgetKey, own_demand: float, now: float) -> float:
-        """The share the rule gives without smoothing: own demand over everyone's, at least ``floor``
-        of an equal split among the instances reporting, at most the whole limit."""
+        """The share the rule gives without smoothing: own demand over everyone's, of what the
+        processes not heard from yet leave (``unheard``, each holding ``static_share``); at least
+        ``floor`` of an equal split among the instances reporting or unheard, at most the whole limit."""
         peers = list(self.fresh_peers(key, now))
+        unheard = self.unheard(key, now)
+        room = max(0.0, 1.0 - unheard * self.static_share)
         total = own_demand + sum(p.demand for p in peers)
-        share = own_demand / total if total > 0 else 1.0 / (1 + len(peers))
-        return min(1.0, max(share, self.floor / (1 + len(peers))))
+        share = room * own_demand / total if total > 0 else room / (1 + len(peers))
+        return min(1.0, max(share, self.floor / (1 + len(peers) + unheard)))
 
     def share(self, key: BudgetKey, own_demand: float, now: float) -> float:
         """This interval's share of budget ``key`` (a fraction of the limit): the static share while
@@ -212,5 +248,8 @@ class FleetShares:
         keep = set(active)
         for key in [k for k in self._shares if k not in keep]:
             del self._shares[key]
+        for key in [k for k in self._since if k not in keep]:
+            del self._since[key]
         for name in [n for n, at in self._instances.items() if now - at >= self.stale_after_s]:
             del self._instances[name]
+            self._last_read.pop(name, None)

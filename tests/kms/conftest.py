@@ -17,7 +17,7 @@ from kproxy.kms.aws import AwsKms
 from kproxy.kms.settings import AwsKmsSettings, VaultSettings
 from kproxy.kms.vault import VaultTransit
 from tests.kms.moto import CREDENTIALS, REGION, MotoKms
-from tests.kms.openbao import ROOT_TOKEN, OpenBao
+from tests.kms.openbao import OpenBao
 from tests.kms.process import ServerProcess
 
 KMS_DIR = Path(__file__).parent
@@ -56,9 +56,9 @@ def kek(openbao: OpenBao) -> str:
 
 
 @pytest.fixture
-def token_file(tmp_path: Path) -> Path:
+def token_file(tmp_path: Path, openbao: OpenBao) -> Path:
     path = tmp_path / "vault-token"
-    path.write_text(f"  {ROOT_TOKEN}\n")     # surrounding whitespace is stripped
+    path.write_text(f"  {openbao.root_token}\n")     # surrounding whitespace is stripped
     return path
 
 

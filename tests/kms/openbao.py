@@ -6,6 +6,7 @@ server itself received. Nothing here knows about pytest.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,6 @@ from typing import Any
 import httpx
 
 from tests.kms.process import ServerProcess
-
-ROOT_TOKEN = "kproxy-test-root"
 
 
 def bao_binary() -> str:
@@ -33,16 +32,20 @@ class OpenBao(ServerProcess):
         super().__init__(workdir)
         self.binary = binary or bao_binary()
         self.audit_path = workdir / "audit.log"
+        # A root token of this server's own: a test can never be answered by another run's server
+        # that took the port this one was given (answers() asks the server to know the token).
+        self.root_token = f"kproxy-test-{secrets.token_hex(8)}"
 
     def command(self) -> list[str]:
         config = self.workdir / "audit.hcl"
         config.write_text(f'audit "file" "calls" {{\n  options {{\n    file_path = "{self.audit_path}"\n  }}\n}}\n')
-        return [self.binary, "server", "-dev", f"-dev-root-token-id={ROOT_TOKEN}",
+        return [self.binary, "server", "-dev", f"-dev-root-token-id={self.root_token}",
                 f"-dev-listen-address=127.0.0.1:{self.port}", f"-config={config}"]
 
     def answers(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/v1/sys/health", timeout=1.0).status_code == 200
+            return httpx.get(f"{self.url}/v1/auth/token/lookup-self", timeout=1.0,
+                             headers={"X-Vault-Token": self.root_token}).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -52,8 +55,9 @@ class OpenBao(ServerProcess):
         return self
 
     def api(self, method: str, path: str, body: dict[str, Any] | None = None,
-            token: str = ROOT_TOKEN) -> dict[str, Any]:
-        r = httpx.request(method, f"{self.url}/v1/{path}", json=body, headers={"X-Vault-Token": token}, timeout=10)
+            token: str | None = None) -> dict[str, Any]:
+        r = httpx.request(method, f"{self.url}/v1/{path}", json=body,
+                          headers={"X-Vault-Token": token or self.root_token}, timeout=10)
         if r.status_code >= 400:
             raise RuntimeError(f"{method} {path}: HTTP {r.status_code} {r.text}")
         return r.json() if r.content else {}

@@ -49,6 +49,9 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"{self.name} did not answer on {self.url} within {ready_timeout:g}s")
             time.sleep(0.05)
+        if self.process.poll() is not None:     # what answered is not this process (its port was taken)
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode} while {self.url} answered: "
+                               f"{self.log_path.read_text()[-2000:]}")
 
     def stop(self) -> None:
         if self.process is not None:

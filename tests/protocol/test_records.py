@@ -29,12 +29,12 @@ from kproxy.protocol.records import (
     Record,
     RecordBatch,
     TimestampType,
-    _xxh32,
     build_batch,
     build_legacy,
     iter_batches,
     summarize,
 )
+from kproxy.protocol.records.compression import _xxh32
 
 with warnings.catch_warnings():
     # kafka-python 3.0 calls the deprecated importlib.resources.read_text while importing; the

@@ -32,6 +32,12 @@ def report(instance: str, demand: float, at: float, key: tuple[str, str] = KEY, 
     return Report(fleet, key[0], key[1], instance, rate=demand, demand=demand, at=at)
 
 
+def known_for_a_while(fs: FleetShares, now: float) -> FleetShares:
+    """This process first reported KEY ``stale_after_s`` before ``now``: no longer young then."""
+    fs.observe(report("me", 0.5, now - STALE))
+    return fs
+
+
 def settle(fs: FleetShares, own_demand: float, peers: dict[str, float], now: float, rounds: int = 30) -> float:
     """Run ``rounds`` intervals of 0.5 s with these demands (every instance reporting each interval)."""
     share = 0.0
@@ -85,14 +91,125 @@ def test_the_cap_is_the_whole_limit_and_a_lone_instance_gets_nearly_all_of_it():
 def test_shares_move_smoothly_without_overshoot():
     fs = shares()
     fs.observe(report("me", 0.5, 1000.0))
-    seen = [fs.share(KEY, 0.5, 1000.0 + 0.5 * i) for i in range(8)]     # alone: from 1/3 towards 1
+    for peer in ("p1", "p2"):       # the other two of the fleet wrote since, not about this key
+        fs.observe(report(peer, 0.0, 1000.2, key=("", "")))
+    seen = [fs.share(KEY, 0.5, 1000.5 + 0.5 * i) for i in range(8)]     # alone: from 1/3 towards 1
     assert seen[0] == pytest.approx(STATIC + 0.5 * (1 - STATIC))
     assert all(a < b <= 1.0 for a, b in itertools.pairwise(seen))
     assert seen[3] > 0.9
 
 
-def test_stale_peers_are_ignored():
+# -- a key new to the fleet (issue 27: from a cold start, three processes each took the whole limit)
+
+
+HEARTBEAT = ("", "")
+
+
+class Fleet:
+    """Processes of one fleet writing to one partition every 0.5 s, each a tenth of a second after
+    the one before, reading it to the end, then taking their share (as ``Coordinator._session``)."""
+
+    def __init__(self, names: tuple[str, ...], static: float = STATIC) -> None:
+        self.processes = {n: FleetShares("billing", n, static, STALE) for n in names}
+        self.log: list[Report] = []
+        self.read = dict.fromkeys(names, 0)
+        self.shares: dict[str, float] = {}
+
+    def interval(self, now: float, demands: dict[str, float]) -> dict[str, float]:
+        """One interval from ``now``: ``demands`` says who uses KEY and how much; the others write a
+        heartbeat. The shares in force after each process's turn, the fleet's sum among them."""
+        sums = []
+        for i, (name, fs) in enumerate(self.processes.items()):
+            t = now + 0.1 * i
+            used = name in demands
+            self.log.append(report(name, demands[name], t) if used else report(name, 0.0, t, key=HEARTBEAT))
+            fs.observe_all(self.log[self.read[name]:])
+            self.read[name] = len(self.log)
+            if used:
+                self.shares[name] = fs.share(KEY, demands[name], t)
+            else:
+                fs.forget(t, ())
+                self.shares.pop(name, None)
+            sums.append(sum(self.shares.values()))
+        return {**self.shares, "most": max(sums)}
+
+
+def test_a_key_new_to_every_process_starts_from_the_static_shares():
+    fleet = Fleet(("a", "b", "c"))
+    for i in range(4):              # coordinated for a while, no client yet
+        fleet.interval(1000.0 + 0.5 * i, {})
+    everyone = dict.fromkeys("abc", 1.0)
+    seen = [fleet.interval(1002.0 + 0.5 * i, everyone) for i in range(20)]
+    assert seen[0] == pytest.approx({"a": STATIC, "b": STATIC, "c": STATIC, "most": 1.0})
+    # Never more than the whole limit among them on the way (before: each took 2/3 on its first turn).
+    assert max(s["most"] for s in seen) <= 1.0 + 1e-9
+    assert all(seen[-1][n] == pytest.approx(STATIC) for n in "abc")
+
+
+def test_a_key_used_on_one_process_grows_to_the_whole_limit_once_the_others_have_written():
+    fleet = Fleet(("a", "b", "c"))
+    for i in range(4):
+        fleet.interval(1000.0 + 0.5 * i, {})
+    seen = [fleet.interval(1002.0 + 0.5 * i, {"a": 1.0})["a"] for i in range(8)]
+    # Its first turn: b and c last wrote before a reported the key. Its second: they wrote since, not
+    # about the key. Then half of the way to the whole limit each interval.
+    assert seen[:3] == pytest.approx([STATIC, STATIC + (1 - STATIC) / 2, STATIC + 3 * (1 - STATIC) / 4])
+    assert seen[4] > 0.95 and seen[-1] <= 1.0
+
+
+def test_a_process_that_starts_before_the_rest_of_its_fleet_keeps_their_static_shares_free():
+    fs = shares()               # expected: two more processes (the static share is a third)
+    fs.observe(report("me", 1.0, 1000.0))
+    assert fs.share(KEY, 1.0, 1000.0) == pytest.approx(STATIC)
+    fs.observe(report("me", 1.0, 1000.5))
+    fs.observe(report("p1", 1.0, 1000.6))        # one of them comes, using the key as much
+    assert fs.target(KEY, 1.0, 1001.0) == pytest.approx(1 / 3)     # (1 - 1/3 for the one missing) / 2
+    # The third never comes (it is down, or not coordinated): after stale_after_s, no room kept for it.
+    for i in range(1, 9):
+        fs.observe(report("me", 1.0, 1000.5 + 0.5 * i))
+        fs.observe(report("p1", 1.0, 1000.6 + 0.5 * i))
+    assert fs.unheard(KEY, 1005.0 - 0.01) == 1 and fs.unheard(KEY, 1005.0) == 0
+    assert fs.target(KEY, 1.0, 1005.0) == pytest.approx(0.5)
+
+
+def test_the_order_written_not_the_clocks_says_who_has_been_heard_since():
     fs = shares()
+    fs.observe(report("p1", 0.0, 1003.0, key=HEARTBEAT))   # p1's clock is ahead: written before our report
+    fs.observe(report("me", 1.0, 1000.0))
+    fs.observe(report("p2", 0.0, 998.0, key=HEARTBEAT))    # p2's clock is behind: written after it
+    assert fs.unheard(KEY, 1000.5) == 1                       # p1 may still be using the key
+    fs.observe(report("p1", 0.0, 1003.5, key=HEARTBEAT))
+    assert fs.unheard(KEY, 1000.5) == 0
+
+
+def test_a_peer_already_using_the_key_counts_with_its_demand():
+    fs = shares()
+    fs.observe(report("p1", 0.6, 999.8))          # p1 was using it before we were
+    fs.observe(report("me", 0.2, 1000.0))
+    # p2, expected but not heard since, keeps a third; the rest is split 1:3 with p1.
+    assert fs.target(KEY, 0.2, 1000.0) == pytest.approx((1 - STATIC) * 0.25)
+
+
+def test_a_key_idle_long_enough_to_be_forgotten_is_new_again():
+    fs = known_for_a_while(shares(), 1000.0)
+    fs.observe(report("me", 0.5, 1000.0))
+    assert fs.unheard(KEY, 1000.0) == 0
+    fs.forget(1001.0, ())                         # the budget was dropped (idle past the quota's span)
+    fs.observe(report("me", 0.5, 1030.0))
+    assert fs.unheard(KEY, 1030.0) == 2
+
+
+def test_with_a_static_share_of_the_whole_limit_an_unheard_peer_leaves_only_the_floor():
+    # quota_replicas: 1 on every sidecar: a peer new to the key may take the whole limit itself.
+    fs = FleetShares("billing", "me", 1.0, STALE)
+    fs.observe(report("p1", 0.0, 999.0, key=HEARTBEAT))
+    fs.observe(report("me", 1.0, 1000.0))
+    assert fs.expected_peers == 0 and fs.unheard(KEY, 1000.0) == 1
+    assert fs.target(KEY, 1.0, 1000.0) == pytest.approx(0.5 / 2)
+
+
+def test_stale_peers_are_ignored():
+    fs = known_for_a_while(shares(), 1010.0)
     fs.observe(report("me", 0.5, 1010.0))
     fs.observe(report("old", 0.5, 1010.0 - STALE))      # exactly stale_after_s old: ignored
     fs.observe(report("fresh", 0.5, 1009.0))
@@ -117,7 +234,7 @@ def test_a_peer_that_disappears_stops_counting_after_stale_after_s():
 
 
 def test_only_the_newest_record_of_a_peer_counts_whatever_the_order_read():
-    fs = shares()
+    fs = known_for_a_while(shares(), 1000.0)
     fs.observe(report("me", 0.5, 1000.0))
     fs.observe(report("p1", 0.9, 1000.0))
     fs.observe(report("p1", 0.1, 999.0))        # an older record read later (two partitions, a replay)
@@ -125,7 +242,7 @@ def test_only_the_newest_record_of_a_peer_counts_whatever_the_order_read():
 
 
 def test_other_fleets_do_not_count():
-    fs = shares()
+    fs = known_for_a_while(shares(), 1000.0)
     fs.observe(report("me", 0.5, 1000.0))
     fs.observe(report("p1", 0.5, 1000.0, fleet="other"))
     fs.observe(report("me", 0.5, 1000.0, fleet="other"))
@@ -281,15 +398,24 @@ def test_the_contract_names_load_from_yaml_and_errors_name_file_and_line(tmp_pat
         load_config(path)
 
 
-def test_per_connection_budgets_are_not_reported_to_the_fleet(tmp_path):
+def test_per_connection_budgets_are_not_reported_to_the_fleet_and_keep_the_whole_limit(tmp_path):
     base = quota_filter(tmp_path, ONE_K % ("connection", 1))
     f = type(base)(base.source, 11, 1.0, 0.5, coordinated=True)
-    produce_once(session(f), 300)
+    s = session(f)
+    produce_once(s, 300)
     assert len(f.budgets) == 1 and f.loads(100.0) == []
+    # The coordinator, down, sets every budget to the static share (a half): a connection's is whole.
+    cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092", quota_replicas=2)
+    cfg = attrs.evolve(cfg, quota=QuotaConfig(coordination=CoordinationConfig(fleet="billing")))
+    c = Coordinator(cfg, f, cfg.quota_share(), instance="me", wall=lambda: 100.0, clock=lambda: 100.0)
+    c.apply()
+    assert not c.up
+    assert produce_once(s, 700)[0].body.throttle_time_ms == 0       # 1000 of 1000/s, not of 500/s
+    assert produce_once(s, 500)[0].body.throttle_time_ms == 500     # (1500 - 1000) / 1000 s
 
 
 def test_only_peer_records_of_budgets_in_use_are_kept_and_writers_are_bounded():
-    fs = FleetShares("billing", "me", STATIC, STALE, max_instances=3)
+    fs = known_for_a_while(FleetShares("billing", "me", STATIC, STALE, max_instances=3), 1000.0)
     fs.interest = {KEY}
     fs.observe(report("me", 0.5, 1000.0))
     for i in range(100):        # someone writes about budgets this process never uses

@@ -15,11 +15,11 @@ from kproxy.config import config_from_args
 from kproxy.policy.engine import FixedRules
 from kproxy.policy.store import RuleStore
 from kproxy.protocol.messages import body_class
-from kproxy.proxy.actions import ToClient, ToUpstream
+from kproxy.proxy.actions import Hold, ToClient, ToUpstream
 from kproxy.proxy.filters import Filter
 from kproxy.proxy.session import Session
 from kproxy.quota.budgets import Budgets
-from kproxy.quota.engine import QuotaFilter, fetch_record_bytes, produce_record_bytes, trim_fetch
+from kproxy.quota.engine import QuotaFilter, fetch_record_bytes, produce_record_bytes, quotas_of, trim_fetch
 from kproxy.quota.rate import SampledRate, Windows, throttle_seconds
 
 from .rulebook import Clock, rule_set, session, write_rules
@@ -325,11 +325,54 @@ def test_a_reload_keeps_the_usage_and_applies_the_new_rate_from_the_next_request
     assert produce_once(s, 1000)[0].body.throttle_time_ms == 0
 
 
+def test_a_produce_over_the_budget_mutes_the_connection_when_it_arrives(tmp_path):
+    """A broker reads a connection's next request only once the last was answered and its throttle
+    served; kproxy forwards requests while earlier ones are answered, so it charges a Produce's
+    records when the request comes: requests the client pipelined behind it wait out the throttle."""
+    f = quota_filter(tmp_path, ONE_K % ("client_id", 1))
+    s = session(f)
+    first = send(s, PRODUCE, 9, produce_body(3000), correlation_id=1)
+    assert isinstance(first[-1], ToUpstream)
+    assert s.throttled_for(100.0) == pytest.approx(2.0)          # (3000 - 1000) / 1000 * 1 s, at once
+    second = send(s, PRODUCE, 9, produce_body(3000), correlation_id=2)    # read with the first
+    assert isinstance(second[0], Hold) and second[0].seconds == pytest.approx(2.0)
+    assert isinstance(second[-1], ToUpstream)
+    # (6000 bytes over 1 s against 1000/s: (6000 - 1000) / 1000 s for the second, from its arrival.)
+    assert s.throttled_for(100.0) == pytest.approx(5.0)
+    # The answers come 0.5 s later: each tells what is left of its own throttle, and the connection
+    # stays muted until the longest ends; nothing is charged twice.
+    at(s, 100.5)
+    resp = answered(broker_answers(s, forwarded(first[-1]))[-1], PRODUCE, 9)
+    assert resp.body.throttle_time_ms == 1500 and s.throttled_for(100.5) == pytest.approx(4.5)
+    resp = answered(broker_answers(s, forwarded(second[-1]))[-1], PRODUCE, 9)
+    assert resp.body.throttle_time_ms == 4500
+    budget = f.budgets.peek(("one-k", "client_id=app"))
+    assert budget is not None and budget.produce is not None and budget.produce.total(100.5, KAFKA) == 6000
+    # The client was told to wait twice, when each request came (demand for fleet shares), not again.
+    assert budget.muted is not None and budget.muted.total(100.5, KAFKA) == pytest.approx(2.0 + 5.0)
+
+
 def test_a_quota_for_each_replica(tmp_path):
     s = session(quota_filter(tmp_path, ONE_K % ("client_id", 1), share=0.5))
     assert produce_once(s, 1000)[0].body.throttle_time_ms == 1000     # 1000 of 500/s
     cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092", quota_replicas=4)
     assert cfg.quota_share() == 0.25 and cfg.quota_share(workers=2) == 0.125
+
+
+def test_a_per_connection_quota_is_whole_on_every_replica_and_worker(tmp_path):
+    """A connection lives on one process: a per-connection limit holds it there whole, however many
+    replicas and workers the deployment has, while a per-client-id limit is divided among them."""
+    both = (ONE_K % ("connection", 1)) + (ONE_K % ("client_id", 1)).replace("quotas:\n", "").replace(
+        "name: one-k", "name: each-client").replace("1000", "8000")
+    rules = rule_set(tmp_path, both)
+    by_name = {q.rule.name: q for q in quotas_of(rules, share=0.25)}          # also what the dry run uses
+    assert (by_name["one-k"].produce, by_name["each-client"].produce) == (1000, 2000)
+    for coordinated in (False, True):
+        f = QuotaFilter(FixedRules.of(rules), 11, 1.0, 0.25, coordinated=coordinated)
+        resp, entry = produce_once(session(f), 1500)
+        # one-k: (1500 - 1000) / 1000 s, not (1500 - 250) / 250 s; each-client: 1500 of its 2000/s.
+        assert entry.notes["quota"] == {"rule": "one-k", "key": "connection=1", "throttle_ms": 500}, coordinated
+        assert resp.body.throttle_time_ms == 500
 
 
 METADATA_RATE = """\
@@ -742,3 +785,10 @@ def test_the_server_enforces_this_replicas_share(tmp_path):
     # One of two worker processes of that replica enforces a quarter.
     worker = ProxyServer(server.config, worker=(1, 2))
     assert [f.share for f in worker.chain.filters if isinstance(f, QuotaFilter)] == [0.25]
+    # A per-connection quota is whole on that worker: its connection is there alone.
+    Path(rules).write_text(ONE_K % ("connection", 1))
+    worker = ProxyServer(server.config, worker=(1, 2))
+    ctx = worker.new_context(1, ("127.0.0.1", 5555))
+    ctx.clock = Clock()
+    resp, _ = produce_once(Session(ctx, worker.chain), 1000)
+    assert resp.body.throttle_time_ms == 0
