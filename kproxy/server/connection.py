@@ -274,10 +274,11 @@ class ClientConnection(Executor):
                 self.client_gone = True
                 return
             reader.received(n)
-            streams = session.stream_min_bytes is not None
+            min_bytes = session.stream_min_bytes
             while True:
-                if streams or reader.streaming_left:
-                    # A large Produce request starting (or going on) here may go out as it arrives.
+                if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
+                    # A large Produce request starting (or going on) here may go out as it arrives
+                    # (a frame too small to stream costs no coroutine).
                     await self._stream_request(reader)
                     if self.draining:
                         break
@@ -363,9 +364,7 @@ class ClientConnection(Executor):
                 reader.received(n)
                 min_bytes = session.stream_min_bytes
                 while True:
-                    if reader.streaming_left or (
-                            min_bytes is not None and (starting := reader.frame_starting(whole=True)) is not None
-                            and starting[0] >= min_bytes):
+                    if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
                         # A large answer starting (or going on) here may go out as it arrives (one
                         # too small to stream costs no coroutine).
                         await self._stream_pieces(reader, upstream)
