@@ -430,8 +430,12 @@ class Session(SessionCutThrough, SessionSasl):
         ctx = self.ctx
         key = req.api_key
         # Header v0 (ControlledShutdown v0) has no client id: it does not clear the one the client gave.
-        if req.client_id is not None and request_header_version(key, req.api_version) > 0:
-            ctx.client_id = req.client_id
+        header = req.header
+        if header.client_id is not None:
+            # A decoded header knows its version; one built in code asks the registry.
+            v = header._version
+            if (v if v is not None else request_header_version(key, req.api_version)) > 0:
+                ctx.client_id = header.client_id
         if key == API_VERSIONS and req.api_version >= 3:
             ctx.client_software_name = req.body.client_software_name
             ctx.client_software_version = req.body.client_software_version
