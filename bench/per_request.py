@@ -4,7 +4,8 @@ calls (perf's syscall tracepoints) per request, for this tree and, side by side,
 (``--baseline DIR``).
 
 Run from the repository root:  ``.venv/bin/python bench/per_request.py [--baseline DIR] [--n 2000]``
-(``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce``).
+(``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce``; ``--metrics``
+runs kproxy with an admin listener, so that every request is also recorded in its metrics).
 
 One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level WARNING) in front.
 
@@ -51,6 +52,11 @@ _I32 = struct.Struct(">i")
 SYSCALLS = ("recvfrom", "sendto", "sendmsg", "epoll_wait", "epoll_ctl")
 
 
+# kproxy's own options for every run (``--metrics`` adds an admin listener: metrics are recorded per
+# request only when one is configured).
+EXTRA_ARGS: list[str] = []
+
+
 def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, name: str,
                  timeout: float) -> tuple[subprocess.Popen[bytes], int]:
     kp = free_port()
@@ -59,7 +65,8 @@ def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, nam
         # As bench/proxy.py's kproxy-base: the other tree first on the path, the working directory off it.
         env.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
     argv = [*wrap, sys.executable, "-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}",
-            "--listen", f"{HOST}:{kp}", "--log-level", "WARNING"]
+            "--listen", f"{HOST}:{kp}", "--log-level", "WARNING",
+            *(a.replace("{admin_port}", str(free_port())) for a in EXTRA_ARGS)]
     with open(workdir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -162,10 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=100, help="connections for the system-call count (default 100)")
     ap.add_argument("--seconds", type=float, default=4.0, help="seconds per system-call count (default 4)")
     ap.add_argument("--rounds", type=int, default=3, help="system-call counts per tree and loop (default 3)")
+    ap.add_argument("--metrics", action="store_true",
+                    help="run kproxy with an admin listener, so that each request is recorded in its metrics")
     ap.add_argument("--no-callgrind", action="store_true")
     ap.add_argument("--no-syscalls", action="store_true")
     args = ap.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
+    if args.metrics:
+        EXTRA_ARGS[:] = ["--admin", HOST + ":{admin_port}"]
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds: one or more of {', '.join(KINDS)}")
     trees: dict[str, Path | None] = {"kproxy": None}
@@ -205,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {kind:<9}{name:<13} round {r + 1}: {got['all']:.2f} system calls/request "
                               f"({got['req/s']:,.0f} req/s)", file=sys.stderr, flush=True)
     print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {load_before} before, "
-          "load average {:.2f} {:.2f} {:.2f} after".format(*os.getloadavg()))
+          "load average {:.2f} {:.2f} {:.2f} after".format(*os.getloadavg())
+          + ("; kproxy with an admin listener (metrics)" if args.metrics else ""))
     if ir:
         print()
         print(f"Instructions per request in kproxy's process (callgrind, user space), {args.n:,} requests one "
