@@ -8,9 +8,14 @@ and one period of warm-up, kproxy's own CPU time (user + system, from /proc) is 
 ``--seconds`` (default 30). The same connections sending nothing give the floor (timers, the
 watchdog); the difference over the heartbeats answered is the CPU per heartbeat.
 
+With ``--instructions``, the idle part is counted instead: kproxy runs under valgrind's callgrind,
+every connection heartbeats once (so each has its broker connection, as a consumer's has), then the
+instructions kproxy executes over ``--seconds`` with every connection quiet are counted. Timers fire
+by the wall clock, so the count per second does not move with the machine's load.
+
 Run from the repository root:  ``.venv/bin/python bench/heartbeats.py [--connections 1000]
-[--period 3] [--seconds 30] [--baseline DIR]`` (``--baseline DIR``: also the kproxy in DIR/kproxy,
-as bench/per_request.py takes it).
+[--period 3] [--seconds 30] [--baseline DIR] [--instructions]`` (``--baseline DIR``: also the kproxy in
+DIR/kproxy, as bench/per_request.py takes it).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import selectors
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +86,7 @@ class Group:
         while True:
             now = time.monotonic()
             if now >= end:
+                self.answers += answered
                 return answered
             if send:
                 # Connections in order of their slot: the next due is always the oldest.
@@ -135,17 +142,61 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
             "per_request": (busy - idle) / rate if rate else float("nan")}
 
 
+def idle_instructions(bp: int, tree: Path | None, name: str, args: argparse.Namespace, workdir: Path) -> float:
+    """Instructions per second of kproxy holding ``--connections`` quiet connections (callgrind)."""
+    out = workdir / f"callgrind.{name}.out"
+    wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+    proc, kp = start_kproxy(bp, tree, wrap, workdir, f"{name}-callgrind", timeout=300)
+    try:
+        group = Group(kp, args.connections, args.period)
+        try:
+            # Every connection once (spread over a period), and every answer in, before counting:
+            # under callgrind kproxy takes a while to catch up, and none of that may be counted.
+            group.run(args.period, send=True)
+            deadline = time.monotonic() + 600
+            while group.answers < args.connections and time.monotonic() < deadline:
+                group.run(1.0, send=False)
+            if group.answers < args.connections:
+                raise RuntimeError(f"{name}: {group.answers} of {args.connections} heartbeats answered")
+            group.run(5.0, send=False)
+            subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True)
+            t0 = time.monotonic()
+            group.run(args.seconds, send=False)
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            elapsed = time.monotonic() - t0
+        finally:
+            group.close()
+    finally:
+        stop(proc)
+    counts = [int(line.split()[1]) for line in Path(f"{out}.1").read_text(errors="replace").splitlines()
+              if line.startswith("summary:")]
+    return sum(counts) / elapsed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=1000)
     ap.add_argument("--period", type=float, default=3.0, help="seconds between one connection's heartbeats")
     ap.add_argument("--seconds", type=float, default=30.0, help="seconds measured, idle and heartbeating")
     ap.add_argument("--baseline", type=Path, metavar="DIR", help="also measure the kproxy in DIR/kproxy")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count kproxy's instructions per second with the connections quiet (callgrind)")
     args = ap.parse_args(argv)
     trees: dict[str, Path | None] = {"kproxy": None}
     if args.baseline is not None:
         trees["kproxy-base"] = args.baseline.resolve()
     load_before = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    if args.instructions:
+        counted = {}
+        with tempfile.TemporaryDirectory(prefix="kproxy-heartbeats-") as tmp, Tansu(port=free_port()) as broker:
+            for name, tree in trees.items():
+                counted[name] = idle_instructions(broker.port, tree, name, args, Path(tmp))
+                print(f"  {name}: {counted[name]:,.0f} instructions/s", file=sys.stderr, flush=True)
+        print(f"{args.connections:,} quiet connections (each heartbeated once), {args.seconds:g} s counted: "
+              "kproxy's instructions per second (callgrind, user space)")
+        for name, ips in counted.items():
+            print(f"{name:<14}{ips:>16,.0f}")
+        return 0
     got = {}
     with tempfile.TemporaryDirectory(prefix="kproxy-heartbeats-") as tmp, Tansu(port=free_port()) as broker:
         for name, tree in trees.items():
