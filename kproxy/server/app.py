@@ -498,7 +498,8 @@ class ProxyServer:
         front = self.identity.front(ctx)
         session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=self.topic_names, front=front,
-                          stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo)
+                          stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo,
+                          read_answers=self.telemetry.active)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)
