@@ -88,6 +88,12 @@ Completion = Callable[[InFlight], None]
 class ClientConnection(Executor):
     """One client connection and the broker connection behind it."""
 
+    __slots__ = ("_close_reason", "_held", "_lose_pending", "_now", "_nursery", "_partial_frame", "_partial_since",
+                 "_pipe", "_pre_login", "_quiet_since", "_readers", "_room", "_seen_requests", "_splice_ok",
+                 "budget", "bytes_in", "bytes_out", "cancel_scope", "client", "client_gone", "client_reader",
+                 "draining", "on_complete", "opened_at", "prepare", "requests_done", "route_key", "router",
+                 "session", "settings", "stats", "unrouted", "writer")
+
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
