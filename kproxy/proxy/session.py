@@ -683,8 +683,10 @@ class Session(SessionCutThrough, SessionSasl):
         tail = got.tail
         head = _HEAD_ID.pack(len(tail) + 4, cid)
         entry.reply = [head + tail] if len(tail) < _JOIN_BELOW else [head, tail]
-        header_codec, _ = response_codecs(entry.api_key, version)
-        entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
+        if self._unread_by is None or self.chain.for_done(entry.api_key):
+            # Telemetry or an on_done filter reads the completed entry: it gets the answer decoded.
+            header_codec, _ = response_codecs(entry.api_key, version)
+            entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
         entry.throttle_ms = got.throttle_ms
         entry.handling_s += self.ctx.clock() - answered
         return self._flush()
