@@ -2,7 +2,8 @@
 
 Run from the repository root:  ``.venv/bin/python bench/proxy.py [--rounds 5] [--quick]``
 (also ``--samples N``, ``--targets direct,kproxy``, ``--no-latency``, ``--profile-kproxy FILE.prof``;
-``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--rules`` adds kproxy with the example
+``--telemetry`` adds kproxy with telemetry on, see TELEMETRY; ``--virtual-clusters`` kproxy configured
+with virtual_clusters, see VIRTUAL; ``--rules`` adds kproxy with the example
 multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS; ``--fleet`` the same
 quota with fleet coordination on, see FLEET; ``--sasl`` kproxy logging in to the brokers by SCRAM, see
 SASL).
@@ -106,8 +107,14 @@ SASL = ("kp-gate", "kp-sasl")
 # kproxy splicing streamed record batch bodies broker -> client (cut_through_splice, off by default),
 # against kproxy copying them through its receive buffer, in the same run (--splice).
 SPLICE: dict[str, dict] = {"kp-splice": {"settings": "cut_through_splice: true"}}
+# kproxy configured with virtual_clusters (--virtual-clusters), against plain kproxy (the single-cluster
+# form, one implicit virtual cluster) in the same run: kp-vc1 with one virtual cluster, kp-vc2 with a
+# second one in the same process, in front of the same broker on ports of its own and idle while the
+# first carries the traffic. A virtual cluster is configuration and wiring, so both should be 1.00x
+# within noise.
+VIRTUAL: dict[str, dict] = {"kp-vc1": {"virtual_clusters": 1}, "kp-vc2": {"virtual_clusters": 2}}
 SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
-ALL_TARGETS = (*TARGETS, HAPROXY, KAFKA_PROXY, BASELINE, *TELEMETRY, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE)
+ALL_TARGETS = (*TARGETS, HAPROXY, KAFKA_PROXY, BASELINE, *TELEMETRY, *VIRTUAL, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -456,7 +463,7 @@ class Bench:
             self._start_kproxy(bp)
         if BASELINE in self.args.targets:
             self._start_kproxy(bp, BASELINE)
-        for name, options in {**TELEMETRY, **QUOTAS, **FLEET, **SPLICE}.items():
+        for name, options in {**TELEMETRY, **VIRTUAL, **QUOTAS, **FLEET, **SPLICE}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if TENANT in self.args.targets:
@@ -520,7 +527,7 @@ class Bench:
         broker.start([bp, relay_side])
         self.broker = broker
         self.ports["direct"] = bp
-        for name, options in {**TELEMETRY, **QUOTAS, **SPLICE}.items():
+        for name, options in {**TELEMETRY, **VIRTUAL, **QUOTAS, **SPLICE}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if "kproxy" in self.args.targets:
@@ -575,6 +582,8 @@ class Bench:
         self.proxies[name] = kproxy
 
     def _config_file(self, name: str, telemetry: dict, bp: int, kp: int) -> Path:
+        if "virtual_clusters" in telemetry:
+            return self._clusters_file(name, telemetry["virtual_clusters"], bp, kp)
         upstream = telemetry.get("upstream", f"{HOST}:{bp}")
         sasl = f", sasl: {telemetry['sasl']}" if "sasl" in telemetry else ""
         lines = [f'listen: "{HOST}:{kp}"', f'upstream: {{bootstrap_servers: "{upstream}"{sasl}}}', "log_level: WARNING"]
@@ -593,6 +602,20 @@ class Bench:
             lines.append(f'traffic_log: {{dir: "{self.workdir / name}-traffic"}}')
         if "tracing" in telemetry:
             lines.append(f"tracing: {{enabled: true, sample_ratio: {telemetry['tracing']}}}")
+        path = self.workdir / f"{name}.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def _clusters_file(self, name: str, clusters: int, bp: int, kp: int) -> Path:
+        """kproxy as ``virtual_clusters``: the bench's on ``kp`` (its broker on ``kp + 1``, as plain
+        kproxy's), and ``clusters - 1`` idle ones in front of the same broker on ports of their own."""
+        lines = ["virtual_clusters:"]
+        for i in range(clusters):
+            port = kp if i == 0 else free_port_pair()
+            lines += [f"  - name: vc-{i}", f'    listen: "{HOST}:{port}"',
+                      f'    upstream: {{bootstrap_servers: "{HOST}:{bp}"}}',
+                      f"    exposure: {{broker_port_start: {port + 1}, broker_port_count: 1}}"]
+        lines.append("log_level: WARNING")
         path = self.workdir / f"{name}.yaml"
         path.write_text("\n".join(lines) + "\n")
         return path
@@ -765,12 +788,12 @@ def fmt_ratio(a: float, b: float) -> str:
 
 
 # Targets of the small-request loops (bench/small_requests.py).
-SMALL_TARGETS = ("direct", "kproxy", "tansu-proxy", HAPROXY, KAFKA_PROXY, BASELINE)
+SMALL_TARGETS = ("direct", "kproxy", "tansu-proxy", HAPROXY, KAFKA_PROXY, BASELINE, *VIRTUAL)
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
           (HAPROXY, "direct"), ("kproxy", HAPROXY), ("tansu-proxy", HAPROXY),
           (KAFKA_PROXY, "direct"), ("kproxy", KAFKA_PROXY), (KAFKA_PROXY, HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
-          *((name, "kproxy") for name in TELEMETRY), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
+          *((name, "kproxy") for name in TELEMETRY), *((name, "kproxy") for name in VIRTUAL), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
           ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"),
           ("kp-splice", "kproxy"), ("kp-splice", HAPROXY))
 
@@ -920,6 +943,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(ALL_TARGETS).replace('%', '%%')} (direct is always run)")
     ap.add_argument("--telemetry", action="store_true",
                     help=f"add {', '.join(TELEMETRY).replace('%', '%%')} (and kproxy, which they are compared with)")
+    ap.add_argument("--virtual-clusters", action="store_true",
+                    help=f"add {', '.join(VIRTUAL)}: kproxy configured with one and two virtual clusters (and "
+                         "kproxy, the single-cluster form they are compared with)")
     ap.add_argument("--rules", action="store_true",
                     help=f"add {TENANT}, kproxy with rules/multi-tenant.yaml (and kproxy, which it is compared with)")
     ap.add_argument("--quotas", action="store_true",
@@ -951,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.targets.split(",")) | {"direct"}
     if args.telemetry:
         wanted |= {"kproxy", *TELEMETRY}
+    if args.virtual_clusters:
+        wanted |= {"kproxy", *VIRTUAL}
     if args.rules:
         wanted |= {"kproxy", TENANT}
     if args.quotas:

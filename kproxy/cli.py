@@ -1,4 +1,4 @@
-"""kproxy's command line: ``kproxy run | check | demo | decode | report | top``, parsed in this one place.
+"""kproxy's command line: ``kproxy run | check | demo | decode | report | top | switch``, parsed in this one place.
 
 Each sub-command's work lives in the module that owns it; this file only parses arguments and
 imports that module lazily, so ``kproxy decode`` never pays for trio or the server.
@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kproxy import __version__
+
+if TYPE_CHECKING:
+    from kproxy.config import ProxyConfig
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -92,6 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="a dump of the fleet quota coordination topic, one record a line: key, value and timestamp "
                      "(ms), tab-separated, as kcat -C -e -t TOPIC -f with %%k, %%s and %%T writes it; gives per "
                      "budget key the instances that reported it and their peak rate and demand summed")
+    rep.add_argument("--virtual-cluster", metavar="NAME", help="only this virtual cluster's traffic (default: "
+                     "all, every table per virtual cluster)")
     rep.add_argument("--quota-per", choices=("client_id", "principal"), default="client_id",
                      help="what recommended-quotas.yaml limits (default client_id)")
     rep.add_argument("--tables", help="where the Parquet tables go (default OUT/tables); on a cluster, a URI "
@@ -100,6 +106,14 @@ def _build_parser() -> argparse.ArgumentParser:
     top.add_argument("--admin", required=True, metavar="HOST:PORT", help="the admin listener (admin.listen)")
     top.add_argument("--once", action="store_true", help="print one plain-text snapshot (rates from two "
                      "scrapes a second apart) and exit")
+    sw = sub.add_parser("switch", help="move a virtual cluster to another of its upstream clusters (upstream.clusters) "
+                        "through a running kproxy's admin listener")
+    sw.add_argument("cluster", metavar="NAME", help="the upstream cluster to switch to")
+    sw.add_argument("--admin", required=True, metavar="HOST:PORT", help="the admin listener (admin.listen)")
+    sw.add_argument("--virtual-cluster", metavar="VC", help="which virtual cluster (virtual_clusters[].name); may be "
+                    "left out when only one has several upstream clusters")
+    sw.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                    help="seconds to wait for the switch (default 120)")
     return p
 
 
@@ -145,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kproxy.ops.top import run as run_top
 
         return run_top(args.admin, args.once)
+    if args.command == "switch":
+        from kproxy.ops.switch import run as run_switch
+
+        return run_switch(args.cluster, args.admin, args.virtual_cluster, args.timeout)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 
@@ -203,29 +221,64 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def _check_keytabs(cfg: ProxyConfig, path: str, prefix: tuple[str | int, ...] = ()) -> None:
+    """Each configured keytab holds the principal the configuration names (it is read, no KDC asked);
+    a ConfigError at the setting's line when not."""
+    from kproxy.config import ConfigError
+    from kproxy.config.checks import dotted
+    from kproxy.config.loader import setting_line
+
+    wanted: list[tuple[tuple[str, ...], str, str]] = []
+    up = cfg.upstream.sasl
+    if up is not None and up.mechanism == "GSSAPI" and up.principal and up.keytab:
+        wanted.append((("upstream", "sasl", "keytab"), up.principal, up.keytab))
+    if cfg.sasl is not None and cfg.sasl.gssapi is not None and "GSSAPI" in cfg.sasl.mechanisms:
+        wanted.append((("sasl", "gssapi", "keytab"), cfg.sasl.gssapi.principal, cfg.sasl.gssapi.keytab))
+    if not wanted:
+        return
+    from kproxy.server.kerberos import keytab_problem
+
+    for setting, principal, keytab in wanted:
+        problem = keytab_problem(principal, keytab)
+        if problem is not None:
+            where = (*prefix, *setting)
+            raise ConfigError(f"{dotted(where)}: {problem}", file=path, line=setting_line(path, where))
+
+
 def check_config_file(path: str) -> int:
     """``kproxy check FILE``: print an ``ok:`` summary and return 0, or print the error to stderr and
     return 2. Here rather than in kproxy.config because the summary names the codec in use, and
     configuration sits above the protocol layer and must not import its compiler."""
-    from kproxy.config import ConfigError, describe_config, load_config
+    from kproxy.config import ConfigError, describe_cluster, describe_config, load_config
     from kproxy.protocol.compiler import codec_implementation
 
     try:
         cfg = load_config(path)
-        if cfg.sasl is not None and cfg.sasl.users_file is not None:
-            from kproxy.userfile import load_users_file
-
-            load_users_file(cfg.sasl.users_file)
-        rules = ""
-        if cfg.rules:
-            from kproxy.policy.loader import describe_rules, load_rules
-
-            rule_set = load_rules(cfg.rules, cfg.chaos)
-            for warning in rule_set.warnings:
-                print(f"warning: {warning}", file=sys.stderr)
-            rules = f"; rules: {describe_rules(rule_set)}"
+        prefixes: list[tuple[str | int, ...]] = [("virtual_clusters", i) for i in range(len(cfg.virtual_clusters))]
+        rules = {vc.name: _check_cluster_files(vc, path, prefix)
+                 for vc, prefix in zip(cfg.clusters, prefixes or [()], strict=True)}
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    print(f"ok: {path}: {describe_config(cfg, codec_implementation())}{rules}")
+    print(f"ok: {path}: {describe_config(cfg, codec_implementation())}{rules[cfg.name] if not cfg.virtual_clusters else ''}")
+    for vc in cfg.virtual_clusters:
+        print(f"  virtual cluster {vc.name}: {describe_cluster(vc)}{rules[vc.name]}")
     return 0
+
+
+def _check_cluster_files(cfg: ProxyConfig, path: str, prefix: tuple[str | int, ...]) -> str:
+    """Load one virtual cluster's users file, keytabs and rule files as ``kproxy run`` would; the
+    rules' summary (``; rules: ...``), or ConfigError. ``prefix`` is where the cluster is written."""
+    if cfg.sasl is not None and cfg.sasl.users_file is not None:
+        from kproxy.userfile import load_users_file
+
+        load_users_file(cfg.sasl.users_file)
+    _check_keytabs(cfg, path, prefix)
+    if not cfg.rules:
+        return ""
+    from kproxy.policy.loader import describe_rules, load_rules
+
+    rule_set = load_rules(cfg.rules, cfg.chaos)
+    for warning in rule_set.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return f"; rules: {describe_rules(rule_set)}"

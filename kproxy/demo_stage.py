@@ -7,13 +7,13 @@ plain round trip behind ``--plain``) both build on this module; it imports neith
 from __future__ import annotations
 
 import contextlib
-import socket
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from kproxy import localports
 from kproxy.config import ProxyConfig, config_from_args
-from kproxy.tansu import HOST, Tansu, TansuError, free_port
+from kproxy.tansu import HOST, Tansu, TansuError
 
 # One broker needs one exposed port; a few spare ones keep the range honest without hunting for 64.
 BROKER_PORT_COUNT = 4
@@ -24,28 +24,12 @@ class DemoError(Exception):
     """A step of the demo failed; the message says which and why, for the user to read."""
 
 
-def _ports_free(first: int, count: int) -> bool:
-    socks: list[socket.socket] = []
+def free_port_run(count: int) -> int:
+    """A port P such that P..P+count-1 are free: kproxy's listen and broker ports (kproxy.localports)."""
     try:
-        for port in range(first, first + count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((HOST, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port_run(count: int, attempts: int = 50) -> int:
-    """A port P such that P..P+count-1 were all free a moment ago: kproxy's listen and broker ports."""
-    for _ in range(attempts):
-        first = free_port(HOST)
-        if first + count - 1 <= 65535 and _ports_free(first, count):
-            return first
-    raise DemoError(f"found no {count} consecutive free ports on {HOST}")
+        return localports.free_port_run(count, HOST)
+    except localports.PortError as e:
+        raise DemoError(str(e)) from None
 
 
 def proxy_config(broker: str, **settings: Any) -> ProxyConfig:

@@ -10,11 +10,18 @@ sans-I/O packages may use ``safe``.
 import json
 import logging
 import sys
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Final, TextIO
 
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_FORMATS: Final = ("text", "json")
+
+# The virtual cluster whose task logs a line, when the process runs several (the tasks of one
+# virtual cluster inherit it from the task that opened its nursery): text lines name it after the
+# logger, JSON lines as ``virtual_cluster``. None (the process's own lines, or one virtual cluster):
+# nothing is added.
+VIRTUAL_CLUSTER: ContextVar[str | None] = ContextVar("kproxy_virtual_cluster", default=None)
 
 # The usual short escapes; a backslash is doubled so an escaped "\n" cannot be told apart from a
 # client that sent a backslash and an "n".
@@ -74,11 +81,30 @@ class JsonFormatter(logging.Formatter):
         }
         if self.process is not None:
             entry["process"] = self.process
+        virtual_cluster = VIRTUAL_CLUSTER.get()
+        if virtual_cluster is not None:
+            entry["virtual_cluster"] = virtual_cluster
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
             entry["exc"] = record.exc_text
         return json.dumps(entry)
+
+
+class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT``, with the worker process and the virtual cluster after the logger's name when
+    there are several: ``kproxy.server [worker 1] [team-a]: ...``."""
+
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__(TEXT_FORMAT.replace("%(name)s:", f"%(name)s [{process}]:") if process else TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        virtual_cluster = VIRTUAL_CLUSTER.get()
+        if virtual_cluster is None:
+            return text
+        head, sep, message = text.partition(": ")
+        return f"{head} [{virtual_cluster}]{sep}{message}"
 
 
 class _Handler(logging.StreamHandler[TextIO]):
@@ -89,7 +115,7 @@ def configure_logging(level: str, fmt: str, process: str | None = None) -> loggi
     """Send every log record at ``level`` or above to stderr as ``fmt`` ("text" or "json").
 
     ``process`` names this process among several (``worker 1``): text lines carry it after the
-    logger's name, JSON objects as ``process``. Returns the handler it installed on the root logger.
+    logger's name, JSON objects as ``process``; the virtual cluster (``VIRTUAL_CLUSTER``) likewise. Returns the handler it installed on the root logger.
     """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
@@ -97,8 +123,7 @@ def configure_logging(level: str, fmt: str, process: str | None = None) -> loggi
     if fmt == "json":
         handler.setFormatter(JsonFormatter(process))
     else:
-        text = TEXT_FORMAT.replace("%(name)s:", f"%(name)s [{process}]:") if process else TEXT_FORMAT
-        handler.setFormatter(logging.Formatter(text))
+        handler.setFormatter(TextFormatter(process))
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(old)

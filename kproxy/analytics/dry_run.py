@@ -23,12 +23,12 @@ from pyspark.sql import functions as F
 from kproxy.analytics.source import ReportError
 
 # What decide() is told about each recorded request (the requests table's columns).
-_INPUT = ("ts", "api", "api_key", "api_version", "client_id", "principal", "client_address", "listener",
+_INPUT = ("ts", "virtual_cluster", "api", "api_key", "api_version", "client_id", "principal", "client_address", "listener",
           "client_software_name", "client_software_version", "topics", "group", "transactional_id", "acks",
           "partitions")
 
 # Rows the pandas functions yield (Spark DDL; the comments say what each column holds).
-_OUTPUT = ("ts timestamp, rule string, action string, error string, client_id string, principal string, "
+_OUTPUT = ("ts timestamp, virtual_cluster string, rule string, action string, error string, client_id string, principal string, "
            "api string, refused_topics int, example_topic string")
 # rule: "default" when no rule decided; action: allow, deny, rewrite, or "refuse topics" when partial.
 
@@ -107,9 +107,9 @@ def check_executors(spark: SparkSession) -> None:
 
 def _policy(requests: DataFrame, rules: Any) -> dict[str, DataFrame]:
     judged = requests.select(*_INPUT).mapInPandas(_judge(rules), schema=_OUTPUT)
-    decisions = judged.groupBy("rule", "action").agg(F.count(F.lit(1)).alias("requests"))
+    decisions = judged.groupBy("virtual_cluster", "rule", "action").agg(F.count(F.lit(1)).alias("requests"))
     denied = (judged.where(F.col("action").isin("deny", "refuse topics"))
-              .groupBy("rule", "client_id", "principal", "api", "action", "error")
+              .groupBy("virtual_cluster", "rule", "client_id", "principal", "api", "action", "error")
               .agg(F.count(F.lit(1)).alias("requests"), F.sum("refused_topics").alias("refused_topics"),
                    F.first("example_topic", ignorenulls=True).alias("example_topic"),
                    F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
@@ -142,7 +142,8 @@ def _judge(rules: Any) -> Any:
                 else:
                     error = None
                 rule = d.rule if not refused or d.action == "deny" else refused[0].rule
-                out.append((row.ts, rule or "default", action, error, row.client_id, row.principal, row.api,
+                out.append((row.ts, row.virtual_cluster, rule or "default", action, error, row.client_id,
+                            row.principal, row.api,
                             len(refused), refused[0].topic if refused else None))
             yield pd.DataFrame(out, columns=_columns(_OUTPUT))
 
@@ -204,7 +205,7 @@ def _scalar(value: Any, array: bool = False) -> Any:
 
 # Per validate rule and produced partition it reaches: ``refused`` 1 when the log proves a record
 # breaks the rule, ``cannot_judge`` the checks the log has nothing for (null when none).
-_RECORDS = ("ts timestamp, rule string, client_id string, topic string, records bigint, refused int, "
+_RECORDS = ("ts timestamp, virtual_cluster string, rule string, client_id string, topic string, records bigint, refused int, "
             "cannot_judge string")
 # The traffic log holds batch sizes and record counts, never keys, values or headers.
 NOT_LOGGED = "keys, values and headers are not in the traffic log"
@@ -215,7 +216,7 @@ def _record_rules(requests: DataFrame, rules: Any) -> DataFrame:
     partitions it would certainly have refused, and which of its checks cannot be dry-run."""
     judged = requests.where(F.col("api") == "produce").select(*_INPUT).mapInPandas(
         _judge_records(rules), schema=_RECORDS)
-    return (judged.groupBy("rule", "client_id", "topic")
+    return (judged.groupBy("virtual_cluster", "rule", "client_id", "topic")
             .agg(F.count(F.lit(1)).alias("partitions"), F.sum("records").alias("records"),
                  F.sum("refused").alias("refused_partitions"),
                  F.first("cannot_judge", ignorenulls=True).alias("cannot_judge"),
@@ -274,7 +275,7 @@ def _judge_records(rules: Any) -> Any:
                         if v.max_record_bytes is not None and not refused and p.get("compression") not in (
                                 "none", None):
                             unknown.append("max_record_bytes of compressed batches")
-                        out.append((row.ts, name, row.client_id, topic, records, int(refused),
+                        out.append((row.ts, row.virtual_cluster, name, row.client_id, topic, records, int(refused),
                                     f"{', '.join(unknown)}: {NOT_LOGGED}" if unknown else None))
             yield pd.DataFrame(out, columns=_columns(_RECORDS))
 
@@ -283,9 +284,10 @@ def _judge_records(rules: Any) -> Any:
 
 # t: when the response completed (seconds); spent: kproxy's own time on the request (seconds).
 # instance: the kproxy that counted it, or "*" when the fleet's instances share one budget.
-_CHARGES = "quota string, key string, instance string, t double, produced bigint, fetched bigint, spent double"
+# Each virtual cluster has budgets of its own, as in kproxy.
+_CHARGES = "virtual_cluster string, quota string, key string, instance string, t double, produced bigint, fetched bigint, spent double"
 
-_THROTTLED = ("quota string, key string, instance string, requests bigint, throttled bigint, "
+_THROTTLED = ("virtual_cluster string, quota string, key string, instance string, requests bigint, throttled bigint, "
               "throttle_ms_total bigint, throttle_ms_p99 bigint, throttle_ms_max bigint")
 
 
@@ -293,7 +295,7 @@ def _quotas(requests: DataFrame, rules: Any, fleet: bool, share: float) -> DataF
     """Per quota and budget key (and instance, unless ``fleet``), what the quota would have done."""
     charges = requests.select(*_INPUT, "done_ts", "proxy", "conn", "kproxy_ms", "response_bytes").mapInPandas(
         _charges(rules, fleet), schema=_CHARGES)
-    return (charges.groupBy("quota", "key", "instance")
+    return (charges.groupBy("virtual_cluster", "quota", "key", "instance")
             .applyInPandas(_replay(rules, 1.0 if fleet else share), schema=_THROTTLED)
             .orderBy(F.desc("throttle_ms_total"), F.desc("requests")))
 
@@ -338,8 +340,8 @@ def _charges(rules: Any, fleet: bool) -> Any:
                         continue
                     key = key_of(q.rule.per, facts.client_id, facts.principal, facts.source, connection)
                     spent = (_scalar(row.kproxy_ms) or 0.0) / 1000.0
-                    out.append((q.rule.name, key, instance, pd.Timestamp(done).timestamp(), produced, fetched,
-                                spent))
+                    out.append((row.virtual_cluster, q.rule.name, key, instance, pd.Timestamp(done).timestamp(),
+                                produced, fetched, spent))
             yield pd.DataFrame(out, columns=_columns(_CHARGES))
 
     return charges
@@ -353,6 +355,7 @@ def _replay(rules: Any, share: float) -> Any:
 
         from kproxy.quota.engine import quotas_of, replay_throttles
 
+        cluster = group["virtual_cluster"].iloc[0]
         name, key, instance = group["quota"].iloc[0], group["key"].iloc[0], group["instance"].iloc[0]
         q = next(q for q in quotas_of(rules, share=share) if q.rule.name == name)
         group = group.sort_values("t", kind="stable")
@@ -360,7 +363,7 @@ def _replay(rules: Any, share: float) -> Any:
                                      strict=True))
         hit = sorted(m for m in ms if m > 0)
         p99 = hit[int(0.99 * (len(hit) - 1))] if hit else 0
-        return pd.DataFrame([(name, key, instance, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
+        return pd.DataFrame([(cluster, name, key, instance, len(ms), len(hit), sum(hit), p99, max(hit, default=0))],
                             columns=_columns(_THROTTLED))
 
     return replay

@@ -11,6 +11,7 @@ import argparse
 import datetime as dt
 import html
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -48,6 +49,7 @@ class ReportOptions:
     fleet_quotas: bool = False          # the quota dry run sums each budget key over the instances
     quota_replicas: int = 1             # otherwise each instance is judged with 1/this of each limit
     coordination_dump: Path | None = None
+    virtual_cluster: str | None = None   # only this virtual cluster's lines (None: all, each table per cluster)
 
     @property
     def tables(self) -> str:
@@ -129,7 +131,10 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
             F.first(F.when(bad, F.substring(F.coalesce(F.col(CORRUPT), F.lit("(missing ts, api or duration_ms)")),
                                             1, 200)), ignorenulls=True).alias("sample"),
             F.first(F.when(bad, F.input_file_name()), ignorenulls=True).alias("sample_file"))
-        got["requests"] = t.write("requests", TB.requests_table(lines))
+        requests_of = TB.requests_table(lines)
+        if opts.virtual_cluster is not None:
+            requests_of = requests_of.where(F.col(TB.VC) == opts.virtual_cluster)
+        got["requests"] = t.write("requests", requests_of)
         input_stats = seen.get
         if not input_stats.get("lines"):
             raise ReportError(f"no traffic log lines (*.jsonl, *.jsonl.gz) in {', '.join(opts.logs)}"
@@ -178,14 +183,27 @@ def run_report(opts: ReportOptions, spark: SparkSession | None = None,
 
     with progress.stage(STAGES[9]):
         summary = _summary(opts, got, input_stats)
-        quota_path = opts.out / "recommended-quotas.yaml"
-        summary["quotas"] = write_quota_file(quota_path, advice, opts.quota_per, _quota_header(opts, summary))
+        # Rules are a virtual cluster's own: one quota file for each.
+        quota_paths = quota_files(opts.out, sorted({str(r[TB.VC]) for r in advice}))
+        summary["quotas"] = sum(
+            write_quota_file(path, [r for r in advice if cluster is None or r[TB.VC] == cluster], opts.quota_per,
+                             _quota_header(opts, summary, cluster))
+            for cluster, path in quota_paths.items())
+        summary["quota_files"] = {cluster or "": str(path) for cluster, path in quota_paths.items()}
         summary["tables"] = dict(t.written)
-        page = _html(opts, summary, got, t.rows, recpm, quota_path, len(advice))
+        page = _html(opts, summary, got, t.rows, recpm, quota_paths, len(advice))
         (opts.out / "report.html").write_text(page, encoding="utf-8")
     summary["stages"] = [{"name": n, "seconds": round(s, 3)} for n, s in progress.timings]
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
     return summary
+
+
+def quota_files(out: Path, clusters: list[str]) -> dict[str | None, Path]:
+    """Where the recommended quotas go: recommended-quotas.yaml when the traffic is one virtual
+    cluster's (None: every row), else recommended-quotas-<name>.yaml for each."""
+    if len(clusters) <= 1:
+        return {None: out / "recommended-quotas.yaml"}
+    return {c: out / f"recommended-quotas-{re.sub(r'[^A-Za-z0-9-]+', '_', c)}.yaml" for c in clusters}
 
 
 def _window_text(opts: ReportOptions) -> str:
@@ -214,6 +232,7 @@ def _summary(opts: ReportOptions, got: dict[str, DataFrame], input_stats: dict[s
         F.sum("requests").alias("requests"), F.sum("produce_bytes").alias("produce_bytes"),
         F.sum("fetch_bytes").alias("fetch_bytes"), F.sum("produced_records").alias("produced_records"),
         F.sum("fetched_records").alias("fetched_records"), F.count("client_id").alias("clients"),
+        F.countDistinct(TB.VC).alias("virtual_clusters"),
         F.date_format(F.min("first_seen"), "yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'").alias("first_ts"),
         F.date_format(F.max("last_seen"), "yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'").alias("last_ts")).first()
     assert c is not None
@@ -227,6 +246,7 @@ def _summary(opts: ReportOptions, got: dict[str, DataFrame], input_stats: dict[s
         "produced_records": int(c["produced_records"] or 0),
         "fetched_records": int(c["fetched_records"] or 0),
         "clients": int(c["clients"] or 0),
+        "virtual_clusters": int(c["virtual_clusters"] or 0),
         "topics": topics,
         "principals": principals,
         "first_ts": c["first_ts"],
@@ -242,8 +262,10 @@ def _summary(opts: ReportOptions, got: dict[str, DataFrame], input_stats: dict[s
     }
 
 
-def _quota_header(opts: ReportOptions, summary: dict[str, Any]) -> str:
-    return (f"Recommended quotas from kproxy report, traffic {summary['first_ts']} .. {summary['last_ts']} (UTC).\n"
+def _quota_header(opts: ReportOptions, summary: dict[str, Any], cluster: str | None = None) -> str:
+    which = f" of virtual cluster {cluster} (its rules: put them in its rule files)" if cluster else ""
+    return (f"Recommended quotas{which} from kproxy report, traffic {summary['first_ts']} .. {summary['last_ts']} "
+            "(UTC).\n"
             f"Each limit is the observed p99 per-second rate (over the seconds the {opts.quota_per} was active)\n"
             f"times {TB.HEADROOM:g}, rounded up to two significant digits, at least "
             f"{TB.FLOOR_BYTES_PER_S} B/s and {TB.FLOOR_REQUESTS_PER_S} requests/s.\n"
@@ -280,12 +302,12 @@ DRY_RUN_NOTES = {
 
 
 def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], counts: dict[str, int],
-          recpm: DataFrame, quota_path: Path, quotas_shown: int) -> str:
+          recpm: DataFrame, quota_paths: dict[str | None, Path], quotas_shown: int) -> str:
     bucket = _bucket_seconds(s["first_ts"], s["last_ts"])
     per = f"per {bucket // 60} min" if bucket < 3600 else f"per {bucket // 3600} h"
     sections = [_traffic(got, counts, recpm, bucket, per), _latency(got, counts),
                 _incidents(got, counts, bucket, per), _fleet(got, counts),
-                _quotas(got, quota_path, opts.quota_per, quotas_shown), _e2e(got, counts)]
+                _quotas(got, quota_paths, opts.quota_per, quotas_shown), _e2e(got, counts)]
     for name in got:
         if name.startswith(("dry_run_", "coordination_")):
             intro = DRY_RUN_NOTES.get(name, "")
@@ -300,6 +322,7 @@ def _html(opts: ReportOptions, s: dict[str, Any], got: dict[str, DataFrame], cou
         ("requests", R.fmt_int(s["requests"])), ("produced", R.fmt_bytes(s["produce_bytes"])),
         ("fetched", R.fmt_bytes(s["fetch_bytes"])), ("records produced", R.fmt_int(s["produced_records"])),
         ("records fetched", R.fmt_int(s["fetched_records"])), ("clients", R.fmt_int(s["clients"])),
+        ("virtual clusters", R.fmt_int(s["virtual_clusters"])),
         ("topics", R.fmt_int(s["topics"])), ("upgrade-risk clients", R.fmt_int(len(s["upgrade_risk_clients"]))),
     ])
     if s["malformed_lines"]:
@@ -336,12 +359,12 @@ def _traffic(got: dict[str, DataFrame], counts: dict[str, int], recpm: DataFrame
         ("fetched_records", "records out", R.fmt_int), ("peak_produce_bytes_per_s", "peak produce", R.fmt_rate),
         ("peak_fetch_bytes_per_s", "peak fetch", R.fmt_rate), ("peak_requests_per_s", "peak req/s", R.fmt_int),
         ("last_seen", "last seen", R.fmt_text)]
-    sec.parts.append("<h3>Clients</h3>" + R.table(top, [("client_id", "client id", R.fmt_text), *cols],
+    sec.parts.append("<h3>Clients</h3>" + R.table(top, [VC_COL, ("client_id", "client id", R.fmt_text), *cols],
                                                      counts["traffic_by_client"], "tables/traffic_by_client"))
     for name, key, label in (("traffic_by_principal", "principal", "Principals"), ("traffic_by_topic", "topic", "Topics")):
         df = got[name]
         sec.parts.append(f"<h3>{label}</h3>" + R.table(
-            rows(df.orderBy(F.desc("total_bytes"), F.desc("requests")), TOP), [(key, key, R.fmt_text), *cols],
+            rows(df.orderBy(F.desc("total_bytes"), F.desc("requests")), TOP), [VC_COL, (key, key, R.fmt_text), *cols],
             counts[name], f"tables/{name}"))
     return sec
 
@@ -368,16 +391,19 @@ def _latency(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
         cols += [(f"{prefix}_{q}", f"{label} {q}", R.fmt_ms) for q in R_QUANTILES]
     cols += [("wait_ms_p99", "wait p99", R.fmt_ms), ("throttled_requests", "throttled", R.fmt_int),
              ("throttle_share", "throttle share", R.fmt_share)]
-    sec.parts.append("<h3>Per API</h3>" + R.table(by_api, [("api", "api", R.fmt_text), *cols]))
+    sec.parts.append("<h3>Per API</h3>" + R.table(by_api, [VC_COL, ("api", "api", R.fmt_text), *cols]))
     df = got["latency_by_client"]
     sec.parts.append("<h3>Per client and API (busiest first)</h3>" + R.table(
         rows(df.orderBy(F.desc("requests")), TOP),
-        [("client_id", "client id", R.fmt_text), ("api", "api", R.fmt_text), *cols], counts["latency_by_client"],
+        [VC_COL, ("client_id", "client id", R.fmt_text), ("api", "api", R.fmt_text), *cols],
+        counts["latency_by_client"],
         "tables/latency_by_client"))
     return sec
 
 
 R_QUANTILES = TB.QUANTILE_NAMES
+# The first column of every table: which virtual cluster a row is about.
+VC_COL: R.Column = (TB.VC, "virtual cluster", R.fmt_text)
 
 
 def _incidents(got: dict[str, DataFrame], counts: dict[str, int], bucket: int, per: str) -> R.Section:
@@ -412,7 +438,7 @@ def _incidents(got: dict[str, DataFrame], counts: dict[str, int], bucket: int, p
     ):
         df = got[name]
         order = {"partition_errors": "partitions", "record_refusals": "batches"}.get(name, "requests")
-        sec.parts.append(f"<h3>{title}</h3>" + R.table(rows(df.orderBy(F.desc(order)), TOP), cols, counts[name],
+        sec.parts.append(f"<h3>{title}</h3>" + R.table(rows(df.orderBy(F.desc(order)), TOP), [VC_COL, *cols], counts[name],
                                                        f"tables/{name}"))
     return sec
 
@@ -423,18 +449,18 @@ def _fleet(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
                     "moves to it. Software name and version come from ApiVersions v3+; older clients do not send "
                     "them. Metadata v0-3 are not on the list: Kafka 4.0 kept them (KAFKA-18648).")
     risk = got["upgrade_risk"]
-    per_client = rows(risk.groupBy("client_id", "client_software_name", "client_software_version").agg(
+    per_client = rows(risk.groupBy(TB.VC, "client_id", "client_software_name", "client_software_version").agg(
         F.array_sort(F.collect_set(F.concat("api", F.lit(" v"), F.col("api_version").cast("string")))).alias("uses"),
         F.sum("requests").alias("requests"), F.max("last_seen").alias("last_seen")).orderBy(F.desc("last_seen")), 200)
     if per_client:
         sec.parts.append(f'<p class="warn">{len(per_client)} client(s) would break on {REMOVED_IN}.</p>')
     sec.parts.append("<h3>Who breaks</h3>" + R.table(per_client, [
-        ("client_id", "client id", R.fmt_text), ("client_software_name", "software", R.fmt_text),
+        VC_COL, ("client_id", "client id", R.fmt_text), ("client_software_name", "software", R.fmt_text),
         ("client_software_version", "version", R.fmt_text), ("uses", "removed versions used", R.fmt_text),
         ("requests", "requests", R.fmt_int), ("last_seen", "last seen", R.fmt_text)]))
     fleet = got["fleet"]
     sec.parts.append("<h3>Client inventory</h3>" + R.table(rows(fleet.orderBy(F.desc("requests")), 50), [
-        ("client_id", "client id", R.fmt_text), ("client_software_name", "software", R.fmt_text),
+        VC_COL, ("client_id", "client id", R.fmt_text), ("client_software_name", "software", R.fmt_text),
         ("client_software_version", "version", R.fmt_text), ("principals", "principals", R.fmt_text),
         ("connections", "connections", R.fmt_int), ("requests", "requests", R.fmt_int),
         ("first_seen", "first seen", R.fmt_text), ("last_seen", "last seen", R.fmt_text)],
@@ -442,10 +468,12 @@ def _fleet(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
     return sec
 
 
-def _quotas(got: dict[str, DataFrame], quota_path: Path, per: str, shown_total: int) -> R.Section:
+def _quotas(got: dict[str, DataFrame], quota_paths: dict[str | None, Path], per: str, shown_total: int) -> R.Section:
+    names = ", ".join(path.name for path in quota_paths.values())
     sec = R.Section("Quota advice", "quotas",
                     f"Per {per}: the observed p99 per-second rate times {TB.HEADROOM:g}, rounded up, written to "
-                    f"{quota_path.name} in kproxy's quota syntax. Principals are in tables/quota_advice too.")
+                    f"{names} in kproxy's quota syntax (one file per virtual cluster when there are several: "
+                    f"quotas go in each one's rule files). Principals are in tables/quota_advice too.")
     df = got["quota_advice"].where(F.col("dimension") == per)
     top = rows(df.orderBy(F.desc("peak_produce_bytes_per_s"), F.desc("peak_fetch_bytes_per_s")), TOP)
     if top:
@@ -457,16 +485,17 @@ def _quotas(got: dict[str, DataFrame], quota_path: Path, per: str, shown_total: 
              "recommended": [(r["recommended_produce_bytes_per_s"] or 0) / 1024 for r in shown]}, "KiB/s"),
             "quota advice"))
     sec.parts.append(R.table(top, [
-        ("key", per, R.fmt_text), ("p99_produce_bytes_per_s", "produce p99", R.fmt_rate),
+        VC_COL, ("key", per, R.fmt_text), ("p99_produce_bytes_per_s", "produce p99", R.fmt_rate),
         ("peak_produce_bytes_per_s", "produce peak", R.fmt_rate),
         ("recommended_produce_bytes_per_s", "produce quota", R.fmt_rate),
         ("p99_fetch_bytes_per_s", "fetch p99", R.fmt_rate), ("peak_fetch_bytes_per_s", "fetch peak", R.fmt_rate),
         ("recommended_fetch_bytes_per_s", "fetch quota", R.fmt_rate),
         ("p99_requests_per_s", "req/s p99", R.fmt_int), ("recommended_requests_per_s", "req/s quota", R.fmt_int)],
         shown_total, "tables/quota_advice"))
-    text = quota_path.read_text(encoding="utf-8").splitlines()
-    preview = "\n".join(text[:60]) + ("\n…" if len(text) > 60 else "")
-    sec.parts.append(f'<h3><a href="{quota_path.name}">{quota_path.name}</a></h3><pre>{html.escape(preview)}</pre>')
+    for quota_path in quota_paths.values():
+        text = quota_path.read_text(encoding="utf-8").splitlines()
+        preview = "\n".join(text[:60]) + ("\n…" if len(text) > 60 else "")
+        sec.parts.append(f'<h3><a href="{quota_path.name}">{quota_path.name}</a></h3><pre>{html.escape(preview)}</pre>')
     return sec
 
 
@@ -484,7 +513,7 @@ def _e2e(got: dict[str, DataFrame], counts: dict[str, int]) -> R.Section:
         sec.parts.append(R.img(R.bar_chart(
             "Acknowledgement to delivery (p50 / p95 / p99)", [f"{r['topic']} → {r['group']}" for r in shown],
             {q: [r[f"ack_to_delivery_ms_{q}"] or 0 for r in shown] for q in R_QUANTILES}, "ms"), "end-to-end latency"))
-    cols: list[R.Column] = [("topic", "topic", R.fmt_text), ("group", "group", R.fmt_text),
+    cols: list[R.Column] = [VC_COL, ("topic", "topic", R.fmt_text), ("group", "group", R.fmt_text),
                             ("batches", "batches", R.fmt_int), ("records", "records", R.fmt_int)]
     cols += [(f"ack_to_delivery_ms_{q}", f"ack→delivery {q}", R.fmt_ms) for q in R_QUANTILES]
     cols += [(f"create_to_delivery_ms_{q}", f"CreateTime→delivery {q}", R.fmt_ms) for q in R_QUANTILES]
@@ -506,7 +535,8 @@ def print_summary(s: dict[str, Any], out: Path, stream: IO[str]) -> None:
         lines.append(f"  {len(s['upgrade_risk_clients'])} client(s) use versions {REMOVED_IN} removed: {names}")
     if s["malformed_lines"]:
         lines.append(f"  {s['malformed_lines']:,} lines could not be read (e.g. {s['malformed_sample_file']})")
-    lines += [f"  report:  {out / 'report.html'}", f"  quotas:  {out / 'recommended-quotas.yaml'} ({s['quotas']})",
+    files = ", ".join(s.get("quota_files", {}).values()) or str(out / "recommended-quotas.yaml")
+    lines += [f"  report:  {out / 'report.html'}", f"  quotas:  {files} ({s['quotas']})",
               f"  summary: {out / 'summary.json'}", f"  tables:  {len(s['tables'])} Parquet tables"]
     print("\n".join(lines), file=stream)
 
@@ -520,7 +550,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             master=args.master, rules=Path(args.rules) if args.rules else None,
             quota_per=args.quota_per, tables_uri=args.tables, fleet_quotas=args.fleet_quotas,
             quota_replicas=args.quota_replicas,
-            coordination_dump=Path(args.coordination_dump) if args.coordination_dump else None)
+            coordination_dump=Path(args.coordination_dump) if args.coordination_dump else None,
+            virtual_cluster=getattr(args, "virtual_cluster", None))
         summary = run_report(opts)
     except ReportError as e:
         print(f"kproxy report: {e}", file=sys.stderr)

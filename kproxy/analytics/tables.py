@@ -1,7 +1,10 @@
 """The report's tables, each a DataFrame built from the traffic log lines with Spark expressions.
 
 Nothing here collects rows or runs Python per row; ``job`` decides what is written and when. Times
-are UTC; percentiles are approximate (``percentile_approx`` with ``PERCENTILE_ACCURACY``).
+are UTC; percentiles are approximate (``percentile_approx`` with ``PERCENTILE_ACCURACY``). Every table
+is per virtual cluster (``virtual_cluster`` first): clients, topics and node ids of two virtual
+clusters are never the same ones, even when their names are. Lines from before virtual clusters
+count as ``default``, the name of a file without them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from pyspark.sql import types as T
 
 from kproxy.analytics.removed_versions import REMOVED_IN, removed_versions
 from kproxy.analytics.source import CORRUPT
+from kproxy.config import DEFAULT_NAME
+
+VC = "virtual_cluster"
 
 # percentile_approx's accuracy: the rank of a returned value is within 1/ACCURACY of the rank
 # asked for (0.01% of the rows at 10,000, Spark's default), whatever the number of rows.
@@ -53,6 +59,7 @@ def requests_table(lines: DataFrame) -> DataFrame:
         "ts",
         done.alias("done_ts"),
         F.date_trunc("minute", "ts").alias("minute"),
+        F.coalesce(F.col(VC), F.lit(DEFAULT_NAME)).alias(VC),
         "proxy", "conn", "client_address", "client_id", "principal", "client_software_name",
         "client_software_version", "listener", "api", "api_key", "api_version", "correlation_id", "broker",
         "outcome", "request_bytes", "response_bytes", "duration_ms", "queued_ms", "broker_ms", "return_ms",
@@ -73,9 +80,9 @@ def partitions_table(requests: DataFrame) -> DataFrame:
                  .when(F.col("api").isin(*FETCH_APIS), F.lit("fetch")))
     p = F.col("p")
     return (requests.where(direction.isNotNull() & (F.size("partitions") > 0))
-            .select("ts", "done_ts", "minute", "proxy", "conn", "client_id", "principal", "api",
+            .select("ts", "done_ts", "minute", VC, "proxy", "conn", "client_id", "principal", "api",
                     direction.alias("direction"), "group", "acks", F.explode("partitions").alias("p"))
-            .select("ts", "done_ts", "minute", "proxy", "conn", "client_id", "principal", "api", "direction",
+            .select("ts", "done_ts", "minute", VC, "proxy", "conn", "client_id", "principal", "api", "direction",
                     "group", "acks", p.topic.alias("topic"), p.partition.alias("partition"),
                     F.coalesce(p.records, F.lit(0)).alias("records"), F.coalesce(p.bytes, F.lit(0)).alias("bytes"),
                     p.first_offset.alias("first_offset"), p.last_offset.alias("last_offset"),
@@ -105,7 +112,7 @@ def _expand_quantiles(df: DataFrame, prefixes: list[str]) -> DataFrame:
 
 def requests_per_minute(requests: DataFrame) -> DataFrame:
     errored = (F.col("error_code") != 0) | F.col("error").isNotNull()
-    return requests.groupBy("minute", "client_id", "principal", "api").agg(
+    return requests.groupBy("minute", VC, "client_id", "principal", "api").agg(
         F.count(F.lit(1)).alias("requests"),
         F.sum("request_bytes").alias("request_bytes"),
         F.sum("response_bytes").alias("response_bytes"),
@@ -118,7 +125,7 @@ def requests_per_minute(requests: DataFrame) -> DataFrame:
 
 
 def records_per_minute(partitions: DataFrame) -> DataFrame:
-    return partitions.groupBy("minute", "client_id", "principal", "topic", "direction").agg(
+    return partitions.groupBy("minute", VC, "client_id", "principal", "topic", "direction").agg(
         F.sum("bytes").alias("bytes"), F.sum("records").alias("records"),
         F.count(F.lit(1)).alias("partition_entries"),
     )
@@ -132,27 +139,27 @@ def traffic_by(requests: DataFrame, partitions: DataFrame, key: str) -> DataFram
     second with no traffic is not a sample), which is the rate a quota has to allow while it works."""
     zero = F.lit(0).cast("long")
     if key == "topic":
-        req = requests.select(F.explode(F.array_distinct("topics")).alias("topic"), "ts",
+        req = requests.select(VC, F.explode(F.array_distinct("topics")).alias("topic"), "ts",
                               zero.alias("request_bytes"), zero.alias("response_bytes"))
     else:
-        req = requests.select(key, "ts", "request_bytes", "response_bytes")
+        req = requests.select(VC, key, "ts", "request_bytes", "response_bytes")
     produce = F.col("direction") == "produce"
-    events = req.select(key, "ts", F.lit(1).alias("n"), "request_bytes", "response_bytes",
+    events = req.select(VC, key, "ts", F.lit(1).alias("n"), "request_bytes", "response_bytes",
                         zero.alias("pb"), zero.alias("fb"), zero.alias("pr"), zero.alias("fr")).unionByName(
-        partitions.select(key, "ts", F.lit(0).alias("n"), zero.alias("request_bytes"), zero.alias("response_bytes"),
+        partitions.select(VC, key, "ts", F.lit(0).alias("n"), zero.alias("request_bytes"), zero.alias("response_bytes"),
                           F.when(produce, F.col("bytes")).otherwise(0).alias("pb"),
                           F.when(~produce, F.col("bytes")).otherwise(0).alias("fb"),
                           F.when(produce, F.col("records")).otherwise(0).alias("pr"),
                           F.when(~produce, F.col("records")).otherwise(0).alias("fr")))
     sums = ("n", "request_bytes", "response_bytes", "pb", "fb", "pr", "fr")
-    per_second = events.groupBy(key, F.date_trunc("second", "ts").alias("second")).agg(
+    per_second = events.groupBy(VC, key, F.date_trunc("second", "ts").alias("second")).agg(
         F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"),
         *[F.coalesce(F.sum(c), zero).alias(c) for c in sums])
 
     def p99_of_active(c: str) -> Column:
         return F.percentile_approx(F.when(F.col(c) > 0, F.col(c)), 0.99, PERCENTILE_ACCURACY)
 
-    out = per_second.groupBy(key).agg(
+    out = per_second.groupBy(VC, key).agg(
         F.sum("n").alias("requests"), F.min("first_seen").alias("first_seen"), F.max("last_seen").alias("last_seen"),
         *([F.sum("request_bytes").alias("request_bytes"), F.sum("response_bytes").alias("response_bytes")]
           if key != "topic" else []),
@@ -171,7 +178,7 @@ def traffic_by(requests: DataFrame, partitions: DataFrame, key: str) -> DataFram
 def latency_by(requests: DataFrame, keys: list[str]) -> DataFrame:
     """p50/p95/p99 of total, broker and kproxy time, and what throttling added, per ``keys``."""
     df = requests.withColumn("wait_ms", F.col("duration_ms") + F.col("throttle_ms"))
-    agg = df.groupBy(*keys).agg(
+    agg = df.groupBy(VC, *keys).agg(
         F.count(F.lit(1)).alias("requests"),
         *_quantiles("duration_ms", "total_ms"), *_quantiles("broker_ms", "broker_ms"),
         *_quantiles("kproxy_ms", "kproxy_ms"), *_quantiles("wait_ms", "wait_ms"),
@@ -191,18 +198,18 @@ def latency_by(requests: DataFrame, keys: list[str]) -> DataFrame:
 def errors_table(requests: DataFrame) -> DataFrame:
     errored = requests.where((F.col("error_code") != 0) | F.col("error").isNotNull())
     name = F.coalesce(F.col("error"), F.concat(F.lit("error code "), F.col("error_code").cast("string")))
-    return errored.groupBy("api", "client_id", name.alias("error"), "error_code").agg(
+    return errored.groupBy(VC, "api", "client_id", name.alias("error"), "error_code").agg(
         F.count(F.lit(1)).alias("requests"), F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
 
 
 def partition_errors_table(requests: DataFrame) -> DataFrame:
     exploded = requests.where(F.size("partition_errors") > 0).select(
-        "api", "client_id", F.explode("partition_errors").alias("error", "partitions"))
-    return exploded.groupBy("api", "client_id", "error").agg(F.sum("partitions").alias("partitions"))
+        VC, "api", "client_id", F.explode("partition_errors").alias("error", "partitions"))
+    return exploded.groupBy(VC, "api", "client_id", "error").agg(F.sum("partitions").alias("partitions"))
 
 
 def denials_table(requests: DataFrame) -> DataFrame:
-    return requests.where(F.col("action") == "deny").groupBy("rule", "api", "client_id", "principal").agg(
+    return requests.where(F.col("action") == "deny").groupBy(VC, "rule", "api", "client_id", "principal").agg(
         F.count(F.lit(1)).alias("requests"), F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
 
 
@@ -210,8 +217,8 @@ def record_refusals_table(requests: DataFrame) -> DataFrame:
     """Per client, topic and validate rule: the partition batches refused with INVALID_RECORD and the
     records at fault in them."""
     refused = requests.where(F.size("records_refused") > 0).select(
-        "ts", "client_id", F.explode("records_refused").alias("r"))
-    return refused.groupBy("client_id", F.col("r.topic").alias("topic"), F.col("r.rule").alias("rule")).agg(
+        "ts", VC, "client_id", F.explode("records_refused").alias("r"))
+    return refused.groupBy(VC, "client_id", F.col("r.topic").alias("topic"), F.col("r.rule").alias("rule")).agg(
         F.count(F.lit(1)).alias("batches"), F.sum("r.records").alias("records"),
         F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
 
@@ -219,13 +226,13 @@ def record_refusals_table(requests: DataFrame) -> DataFrame:
 def throttles_table(requests: DataFrame) -> DataFrame:
     source = F.when(F.col("quota_rule").isNotNull(), F.lit("kproxy")).otherwise(F.lit("broker"))
     return requests.where(F.col("throttle_ms") > 0).groupBy(
-        source.alias("source"), "quota_rule", "quota_key", "client_id", "api").agg(
+        VC, source.alias("source"), "quota_rule", "quota_key", "client_id", "api").agg(
         F.count(F.lit(1)).alias("requests"), F.sum("throttle_ms").alias("throttle_ms_total"),
         F.max("throttle_ms").alias("throttle_ms_max"))
 
 
 def incidents_per_minute(per_minute: DataFrame) -> DataFrame:
-    return per_minute.groupBy("minute").agg(
+    return per_minute.groupBy("minute", VC).agg(
         *[F.sum(c).alias(c) for c in ("requests", "errors", "denials", "throttled", "upstream_lost")])
 
 
@@ -235,7 +242,7 @@ SOFTWARE = ["client_id", "client_software_name", "client_software_version"]
 
 
 def fleet_table(requests: DataFrame) -> DataFrame:
-    return requests.groupBy(*SOFTWARE).agg(
+    return requests.groupBy(VC, *SOFTWARE).agg(
         F.count(F.lit(1)).alias("requests"),
         # countDistinct skips rows with a null column, and proxy may be null.
         F.countDistinct(F.concat_ws("/", F.coalesce("proxy", F.lit("")), F.col("conn"))).alias("connections"),
@@ -244,7 +251,7 @@ def fleet_table(requests: DataFrame) -> DataFrame:
 
 
 def api_versions_table(requests: DataFrame) -> DataFrame:
-    return requests.groupBy(*SOFTWARE, "api", "api_version").agg(
+    return requests.groupBy(VC, *SOFTWARE, "api", "api_version").agg(
         F.count(F.lit(1)).alias("requests"), F.min("ts").alias("first_seen"), F.max("ts").alias("last_seen"))
 
 
@@ -259,7 +266,7 @@ def upgrade_risk_table(api_versions: DataFrame, removed: DataFrame) -> DataFrame
     """Every (client, API, version) the traffic used that the upgrade removes, with when last seen."""
     return (api_versions.join(F.broadcast(removed.drop("api_key")), ["api", "api_version"])
             .withColumn("removed_in", F.lit(REMOVED_IN))
-            .select(*SOFTWARE, "api", "api_version", "minimum_version", "removed_in", "requests",
+            .select(VC, *SOFTWARE, "api", "api_version", "minimum_version", "removed_in", "requests",
                     "first_seen", "last_seen"))
 
 
@@ -277,7 +284,7 @@ def quota_advice_table(by_client: DataFrame, by_principal: DataFrame) -> DataFra
         def rec(p99: str, peak: str, floor: float) -> Column:
             return F.when(F.col(peak) > 0, _nice_up(F.coalesce(F.col(p99), F.col(peak)) * HEADROOM, floor))
         return df.where(F.col(key).isNotNull()).select(
-            F.lit(key).alias("dimension"), F.col(key).alias("key"), "requests",
+            VC, F.lit(key).alias("dimension"), F.col(key).alias("key"), "requests",
             "p99_produce_bytes_per_s", "peak_produce_bytes_per_s", "p99_fetch_bytes_per_s",
             "peak_fetch_bytes_per_s", "p99_requests_per_s", "peak_requests_per_s",
             rec("p99_produce_bytes_per_s", "peak_produce_bytes_per_s", FLOOR_BYTES_PER_S)
@@ -298,30 +305,31 @@ def e2e_batches(partitions: DataFrame) -> DataFrame:
     produced = partitions.where(
         (F.col("direction") == "produce") & (F.col("error_code") == 0) & F.col("first_offset").isNotNull()
         & (F.col("records") > 0)
-    ).select("topic", "partition", F.col("first_offset").alias("p_first"), F.col("records").alias("p_records"),
+    ).select(VC, "topic", "partition", F.col("first_offset").alias("p_first"), F.col("records").alias("p_records"),
              F.col("done_ts").alias("acked_at"), F.col("first_timestamp").alias("create_ms"),
              F.floor(F.col("first_offset") / OFFSET_BUCKET).alias("bucket"))
     consumer = F.coalesce(F.col("group"), F.concat(F.lit("client:"), F.coalesce("client_id", F.lit("?"))))
     fetched = partitions.where(
         (F.col("direction") == "fetch") & F.col("first_offset").isNotNull() & F.col("last_offset").isNotNull()
         & (F.col("last_offset") >= F.col("first_offset"))
-    ).select("topic", "partition", F.col("first_offset").alias("f_first"), F.col("last_offset").alias("f_last"),
+    ).select(VC, "topic", "partition", F.col("first_offset").alias("f_first"), F.col("last_offset").alias("f_last"),
              F.col("done_ts").alias("delivered_at"), consumer.alias("consumer"),
              F.explode(F.sequence(F.floor(F.col("first_offset") / OFFSET_BUCKET),
                                   F.floor(F.col("last_offset") / OFFSET_BUCKET))).alias("bucket"))
-    met = produced.join(fetched, ["topic", "partition", "bucket"]).where(
+    # A topic of one virtual cluster is never another's, whatever its name.
+    met = produced.join(fetched, [VC, "topic", "partition", "bucket"]).where(
         (F.col("p_first") >= F.col("f_first")) & (F.col("p_first") <= F.col("f_last")))
     # A batch's ack time, CreateTime and size ride along in the key: they are one per batch.
-    first = met.groupBy("topic", "partition", "p_first", "acked_at", "create_ms", "p_records", "consumer").agg(
+    first = met.groupBy(VC, "topic", "partition", "p_first", "acked_at", "create_ms", "p_records", "consumer").agg(
         F.min("delivered_at").alias("delivered_at"))
     return first.select(
-        "topic", "partition", "consumer", F.col("p_records").alias("records"),
+        VC, "topic", "partition", "consumer", F.col("p_records").alias("records"),
         _ms_between(F.col("delivered_at"), F.col("acked_at")).alias("ack_to_delivery_ms"),
         ((_micros(F.col("delivered_at")) / 1000.0) - F.col("create_ms")).alias("create_to_delivery_ms"))
 
 
 def e2e_latency_table(batches: DataFrame) -> DataFrame:
-    agg = batches.groupBy("topic", F.col("consumer").alias("group")).agg(
+    agg = batches.groupBy(VC, "topic", F.col("consumer").alias("group")).agg(
         F.count(F.lit(1)).alias("batches"), F.sum("records").alias("records"),
         *_quantiles("ack_to_delivery_ms", "ack_to_delivery_ms"),
         *_quantiles("create_to_delivery_ms", "create_to_delivery_ms"))

@@ -9,7 +9,8 @@ from kproxy.protocol but its errors.
 
 - ``checks``: what a setting is (``setting``, ``with_checks``), the rules every value is held to,
   ``ConfigError`` and ``SettingError``, and the values both sides share (``HostPort``).
-- ``upstream``: the brokers' side (bootstrap servers, TLS and SASL origination).
+- ``upstream``: the brokers' side (bootstrap servers, TLS and SASL origination), or several clusters
+  with the active one, failover and what a switch does.
 - ``listener``: the clients' side (exposure, SNI, TLS termination and principals, the PROXY
   protocol, SASL termination).
 - ``limits``: bounds on what connections may make kproxy hold, and the amounts derived from the
@@ -17,32 +18,47 @@ from kproxy.protocol but its errors.
 - ``telemetry``: the admin listener, metrics, the traffic log, tracing.
 - ``quotas``: how quotas measure rates and how a fleet shares them.
 - ``proxy``: ``ProxyConfig``, the whole, with the rules that span sections and its summary.
+- ``clusters``: virtual clusters: which settings are each one's and which the process's, and the
+  rules across them (names, ports, SNI host names).
 - ``loader``: YAML (file, string, quick mode) to ``ProxyConfig``, errors with file and line.
 """
 
 from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError
+from kproxy.config.clusters import DEFAULT_NAME, PROCESS_SETTINGS, cluster_settings, derived_cluster_id
 from kproxy.config.limits import LimitsConfig, effective_buffer_budget, effective_workers
 from kproxy.config.listener import (
     ExposureConfig,
     PrincipalConfig,
     ProxyProtocolConfig,
     SaslConfig,
+    SaslGssapi,
     SaslOAuth,
     SniConfig,
     TlsServerSide,
 )
 from kproxy.config.loader import apply_overrides, config_from_args, load_config, parse_config, read_text_file
-from kproxy.config.proxy import ProxyConfig, describe_config
+from kproxy.config.proxy import ProxyConfig, describe_cluster, describe_config
 from kproxy.config.quotas import CoordinationConfig, QuotaConfig
 from kproxy.config.telemetry import AdminConfig, MetricsConfig, TracingConfig, TrafficLogConfig
-from kproxy.config.upstream import TlsClientSide, UpstreamConfig, UpstreamOAuth, UpstreamSasl
+from kproxy.config.upstream import (
+    FailoverConfig,
+    SwitchConfig,
+    TlsClientSide,
+    UpstreamCluster,
+    UpstreamConfig,
+    UpstreamOAuth,
+    UpstreamSasl,
+)
 
 __all__ = [
+    "DEFAULT_NAME",
+    "PROCESS_SETTINGS",
     "SASL_MECHANISMS",
     "AdminConfig",
     "ConfigError",
     "CoordinationConfig",
     "ExposureConfig",
+    "FailoverConfig",
     "HostPort",
     "LimitsConfig",
     "MetricsConfig",
@@ -51,18 +67,24 @@ __all__ = [
     "ProxyProtocolConfig",
     "QuotaConfig",
     "SaslConfig",
+    "SaslGssapi",
     "SaslOAuth",
     "SettingError",
     "SniConfig",
+    "SwitchConfig",
     "TlsClientSide",
     "TlsServerSide",
     "TracingConfig",
     "TrafficLogConfig",
+    "UpstreamCluster",
     "UpstreamConfig",
     "UpstreamOAuth",
     "UpstreamSasl",
     "apply_overrides",
+    "cluster_settings",
     "config_from_args",
+    "derived_cluster_id",
+    "describe_cluster",
     "describe_config",
     "effective_buffer_budget",
     "effective_workers",

@@ -37,6 +37,16 @@ INTERNAL: Final = "kproxy.internal"
 
 SettingPath = tuple[str | int, ...]
 
+
+class _NotGiven(tuple):
+    """An empty tuple that stands for "not written" (a list that is required unless another setting
+    stands in for it), told apart from a written empty list by identity."""
+
+    __slots__ = ()
+
+
+NOT_GIVEN: Final = _NotGiven()
+
 # Where each section class sits in the settings tree (LimitsConfig -> ("limits",)), so an error
 # raised inside a section names the full setting. Filled by name_sections once the classes exist.
 _SECTION_PATHS: dict[type, SettingPath] = {}
@@ -55,7 +65,8 @@ class SettingError(ConfigError):
 
 
 def setting(default: Any = attrs.NOTHING, **rules: Any) -> Any:
-    """A field with ``rules``: min, above, max, choices, case (upper/lower), name (a kind), file."""
+    """A field with ``rules``: min, above, max, choices, case (upper/lower), name (a kind), file,
+    sections (a list of config objects)."""
     return attrs.field(default=default, metadata={RULES: rules})
 
 
@@ -126,12 +137,19 @@ def _value_problem(tp: Any, rules: Mapping[str, Any], value: Any) -> str | None:
             return None
         (tp,) = (a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is tuple:
+        if rules.get("sections"):
+            ok = isinstance(value, tuple) and all(attrs.has(type(v)) for v in value)
+            return None if ok else f"expected a list of sections, got {value!r}"
         if rules.get("words"):
             ok = isinstance(value, tuple) and all(isinstance(w, str) and w.strip() for w in value)
             return None if ok else f"expected a list of names, got {value!r}"
-        if typing.get_args(tp)[0] is str:
+        item = typing.get_args(tp)[0]
+        if item is str:
             return _strings_problem(value) if rules.get("text") else _paths_problem(value)
-        return _host_ports_problem(value)
+        if attrs.has(item) and item is not HostPort:
+            ok = isinstance(value, tuple) and all(isinstance(v, item) for v in value)
+            return None if ok else f"expected a list of {item.__name__}, got {value!r}"
+        return None if value is NOT_GIVEN else _host_ports_problem(value)
     if typing.get_origin(tp) is dict:
         # dict[str, float] is the only mapping setting; its section checks the keys and values.
         return None if isinstance(value, dict) else f"expected a mapping, got {value!r}"
@@ -262,7 +280,20 @@ class HostPort:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+# A Kerberos principal with its realm: primary[/instance]@REALM (Kafka's KerberosName).
+_KERBEROS_PRINCIPAL: Final = re.compile(r"[^/@\s]+(/[^/@\s]+)?@[^/@\s]+")
+
+
+def kerberos_principal_problem(principal: str, *, instance: bool) -> str | None:
+    """Why ``principal`` cannot be a configured Kerberos principal, or None; ``instance``: it must
+    have the ``/host`` part (a service principal)."""
+    if not _KERBEROS_PRINCIPAL.fullmatch(principal):
+        return (f"{principal!r} is not a Kerberos principal; write it whole, with its realm: "
+                f"{'service/host@REALM' if instance else 'name[/instance]@REALM'}")
+    if instance and "/" not in principal:
+        return f"{principal!r} is not a service principal; write service/host@REALM (e.g. kafka/localhost@EXAMPLE.COM)"
+    return None
 _LOOPBACK: Final = re.compile(r"^(localhost|127(\.\d{1,3}){3}|\[::1\]|::1)$", re.IGNORECASE)
 
 
@@ -312,3 +343,13 @@ def _section_paths(cls: type, path: SettingPath) -> Iterator[tuple[type, Setting
 def name_sections(root: type) -> None:
     """Register where every section class under ``root`` sits, so its errors name the full setting."""
     _SECTION_PATHS.update(_section_paths(root, ()))
+
+
+def rebased(path: SettingPath, cls: type, at: SettingPath) -> SettingPath:
+    """``path``, raised by a section of class ``cls`` (named from where ``cls`` is registered), as
+    seen from where that section really is (``at``): a section class held in a list
+    (``upstream.clusters[1]``) or in two places (``tls`` of a cluster) is registered at one place."""
+    registered = _SECTION_PATHS.get(cls, ())
+    if path[:len(registered)] == registered:
+        return (*at, *path[len(registered):])
+    return path

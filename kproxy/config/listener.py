@@ -12,6 +12,7 @@ from kproxy.config.checks import (
     SettingError,
     check_files,
     did_you_mean,
+    kerberos_principal_problem,
     path_of,
     setting,
     url_problem,
@@ -138,6 +139,37 @@ class SaslOAuth:
 
 
 @attrs.frozen(field_transformer=with_checks)
+class SaslGssapi:
+    """How Kerberos logins (GSSAPI) are checked: with kproxy's service keytab (never the one
+    KRB5_KTNAME names), and how a client's principal becomes ``User:<name>`` (Kafka's
+    ``sasl.kerberos.principal.to.local.rules``)."""
+
+    # kproxy's service principal, service/host@REALM; the keytab must hold it, and clients' tickets
+    # for any other principal of the same service and realm in it are accepted too (one per host
+    # name clients use to reach kproxy).
+    principal: str = setting()
+    keytab: str = setting(file=True)
+    principal_to_local: tuple[str, ...] = setting(("DEFAULT",), text=True)
+
+    def __attrs_post_init__(self) -> None:
+        from kproxy.identity.principal import MappingRuleError
+
+        problem = kerberos_principal_problem(self.principal, instance=True)
+        if problem is not None:
+            raise SettingError(path_of(self, "principal"), problem)
+        if not self.principal_to_local:
+            raise SettingError(path_of(self, "principal_to_local"), "needs at least one rule (DEFAULT takes the "
+                                                                    "first part of principals of kproxy's realm)")
+        from kproxy.identity.kerberos import parse_kerberos_rules
+
+        try:
+            parse_kerberos_rules(self.principal_to_local)
+        except MappingRuleError as e:
+            raise SettingError((*path_of(self, "principal_to_local"), e.index), str(e)) from None
+        # The keytab is looked for only when GSSAPI is offered (SaslConfig), so a template may keep it.
+
+
+@attrs.frozen(field_transformer=with_checks)
 class SaslConfig:
     """Termination: kproxy authenticates clients itself; nothing reaches a broker before that."""
 
@@ -150,6 +182,7 @@ class SaslConfig:
     # Failed logins allowed per source address per minute; then its logins are refused. 0: no limit.
     max_failed_logins_per_minute: int = setting(10, min=0)
     oauth: SaslOAuth | None = None
+    gssapi: SaslGssapi | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.mechanisms:
@@ -161,10 +194,14 @@ class SaslConfig:
                                    f"{did_you_mean(mechanism, SASL_MECHANISMS)}")
             if mechanism in self.mechanisms[:i]:
                 raise SettingError((*path_of(self, "mechanisms"), i), f"lists {mechanism} twice")
-        if any(m != "OAUTHBEARER" for m in self.mechanisms) and self.users_file is None:
+        if any(m not in ("OAUTHBEARER", "GSSAPI") for m in self.mechanisms) and self.users_file is None:
             raise SettingError(path_of(self, "mechanisms"), "PLAIN and SCRAM check clients against sasl.users_file "
                                                             "(write it with `kproxy users add`)")
         if "OAUTHBEARER" in self.mechanisms and self.oauth is None:
             raise SettingError(path_of(self, "mechanisms"), "OAUTHBEARER needs sasl.oauth (jwks_url, issuer, "
                                                             "audience)")
+        if "GSSAPI" in self.mechanisms:
+            if self.gssapi is None:
+                raise SettingError(path_of(self, "mechanisms"), "GSSAPI needs sasl.gssapi (principal, keytab)")
+            check_files(self.gssapi)
         check_files(self)

@@ -27,7 +27,9 @@ from kproxy.config.checks import (
     SettingPath,
     did_you_mean,
     dotted,
+    rebased,
 )
+from kproxy.config.clusters import PROCESS_SETTINGS, cluster_settings
 from kproxy.config.proxy import ProxyConfig
 
 
@@ -49,6 +51,30 @@ def read_text_file(file: str, what: str = "the file") -> str:
         raise ConfigError(f"cannot read {what}: {e.strerror or e}", file=file) from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file=file) from None
+
+
+def setting_line(file: str, path: SettingPath) -> int | None:
+    """The 1-based line of setting ``path`` in the YAML file ``file``, or of the nearest enclosing key
+    written there: for problems found after loading (a keytab without the principal it should hold)."""
+    try:
+        node = yaml.compose(read_text_file(file), Loader=yaml.SafeLoader)
+    except (ConfigError, yaml.YAMLError):
+        return None
+    line = None
+    for key in path:
+        if isinstance(key, int):                    # an item of a list (virtual_clusters.0...)
+            if not isinstance(node, SequenceNode) or key >= len(node.value):
+                break
+            node = node.value[key]
+            line = node.start_mark.line + 1
+            continue
+        if not isinstance(node, MappingNode):
+            break
+        found = next(((k, v) for k, v in node.value if isinstance(k, ScalarNode) and k.value == key), None)
+        if found is None:
+            break
+        line, node = _line(found[0]), found[1]
+    return line
 
 
 def parse_config(text: str, source: str = "<string>", env: Mapping[str, str] | None = None) -> ProxyConfig:
@@ -86,6 +112,10 @@ def apply_overrides(cfg: ProxyConfig, **settings: object) -> ProxyConfig:
     for key in given:
         if key not in names:
             raise ConfigError(f"unknown setting {key!r}{_unknown_key_hint(key, ProxyConfig)}")
+    if cfg.virtual_clusters and given:
+        # Every virtual cluster carries the process-wide settings, and a cluster setting given here
+        # is each one's: the root and its clusters change together.
+        given["virtual_clusters"] = tuple(attrs.evolve(vc, **given) for vc in cfg.virtual_clusters)
     return attrs.evolve(cfg, **given)
 
 
@@ -99,7 +129,9 @@ def _load(text: str, file: str, base_dir: str | None, env: Mapping[str, str] | N
     if node is None or (isinstance(node, ScalarNode) and node.tag == _NULL_TAG and not node.value):
         raise ConfigError("the file is empty; it needs at least 'listen' and 'upstream'", file=file, line=1)
     cfg = _Builder(file=file, base_dir=base_dir, env=os.environ if env is None else env).build(node)
-    return attrs.evolve(cfg, source=file)
+    # Each virtual cluster knows its file too (its default state file sits beside it).
+    clusters = tuple(attrs.evolve(vc, source=file) for vc in cfg.virtual_clusters)
+    return attrs.evolve(cfg, source=file, virtual_clusters=clusters)
 
 
 def _yaml_error(e: yaml.MarkedYAMLError, file: str | None) -> ConfigError:
@@ -140,7 +172,66 @@ class _Builder:
         line = _line(node)
         if line is not None:
             self.lines[()] = line
+        if any(isinstance(k, ScalarNode) and k.value == "virtual_clusters" for k, _ in node.value):
+            return self.clusters(node)
         cfg: ProxyConfig = self.section(ProxyConfig, node, ())
+        return cfg
+
+    def clusters(self, node: MappingNode) -> ProxyConfig:
+        """A file with ``virtual_clusters``: each entry is built as a whole ProxyConfig from its own
+        keys and the top level's process-wide ones, then the root checks them together."""
+        process: list[tuple[Node, Node]] = []
+        entries: Node | None = None
+        own = set(cluster_settings(ProxyConfig))
+        for key_node, value_node in self.pairs(node, ()):
+            key = key_node.value
+            if key == "virtual_clusters":
+                entries = value_node
+                key_line = _line(key_node)
+                if key_line is not None:
+                    self.lines[(key,)] = key_line
+            elif key in own:
+                self.fail((key,), "belongs to a virtual cluster: with virtual_clusters, set it in each entry (or "
+                                  "remove virtual_clusters for the single-cluster form)", key_node)
+            else:
+                process.append((key_node, value_node))
+        assert entries is not None
+        entries = self.expand(entries, ("virtual_clusters",))
+        if not isinstance(entries, SequenceNode):
+            self.fail(("virtual_clusters",), f"expected a list of virtual clusters, got {_describe(entries)}",
+                      entries)
+        if not entries.value:
+            self.fail(("virtual_clusters",), "needs at least one virtual cluster", entries)
+        clusters = [self.cluster(item, i, process) for i, item in enumerate(entries.value)]
+        try:
+            return ProxyConfig.of_clusters(clusters)
+        except SettingError as e:
+            self.fail(e.path, e.problem)
+
+    def cluster(self, item: Node, index: int, process: list[tuple[Node, Node]]) -> ProxyConfig:
+        path: SettingPath = ("virtual_clusters", index)
+        line = _line(item)
+        if line is not None:
+            self.lines[path] = line
+        if not isinstance(item, MappingNode):
+            self.fail(path, f"expected a mapping of settings (a virtual cluster), got {_describe(item)}", item)
+        pairs = self.pairs(item, path)
+        name: str | None = None
+        for key_node, value_node in pairs:
+            key = key_node.value
+            if key in PROCESS_SETTINGS:
+                self.fail((*path, key), "is process-wide: set it once at the top level, not in a virtual cluster",
+                          key_node)
+            if key == "virtual_clusters":
+                self.fail((*path, key), "virtual clusters do not nest", key_node)
+            if key == "name" and isinstance(value_node, ScalarNode):
+                name = value_node.value
+        sub = _ClusterBuilder(self, path, name)
+        merged = MappingNode(item.tag, [*process, *pairs], item.start_mark, item.end_mark)
+        cfg: ProxyConfig = sub.section(ProxyConfig, merged, ())
+        for at, at_line in sub.lines.items():
+            if at and at[0] not in PROCESS_SETTINGS:
+                self.lines[(*path, *at)] = at_line
         return cfg
 
     # -- errors -------------------------------------------------------------------------------------
@@ -158,10 +249,8 @@ class _Builder:
 
     # -- structure ----------------------------------------------------------------------------------
 
-    def section(self, cls: type[Any], node: Node, path: SettingPath) -> Any:
-        if not isinstance(node, MappingNode):
-            self.fail(path, f"expected a mapping of settings, got {_describe(node)}", node)
-        fields = {f.name: f for f in attrs.fields(cls) if not f.metadata.get(INTERNAL)}
+    def pairs(self, node: MappingNode, path: SettingPath) -> list[tuple[ScalarNode, Node]]:
+        """The (key, value) nodes of a mapping of settings, anchors merged, every key a name."""
         # Duplicates are checked before merge keys are flattened, since a key may rightly override
         # one merged from an anchor; YAML itself would silently keep the last of two.
         first_seen: dict[str, int | None] = {}
@@ -176,11 +265,21 @@ class _Builder:
             self._scalars.flatten_mapping(node)
         except yaml.MarkedYAMLError as e:
             raise _yaml_error(e, self.file) from None
-
-        values: dict[str, Any] = {}
+        out: dict[str, tuple[ScalarNode, Node]] = {}
         for key_node, value_node in node.value:
             if not (isinstance(key_node, ScalarNode) and key_node.tag == _STR_TAG):
                 self.fail(path, f"keys must be names, got {_describe(key_node)}", key_node)
+            # A key written beside a merge key overrides the merged one (flattening put it last).
+            out.pop(key_node.value, None)
+            out[key_node.value] = (key_node, value_node)
+        return list(out.values())
+
+    def section(self, cls: type[Any], node: Node, path: SettingPath) -> Any:
+        if not isinstance(node, MappingNode):
+            self.fail(path, f"expected a mapping of settings, got {_describe(node)}", node)
+        fields = {f.name: f for f in attrs.fields(cls) if not f.metadata.get(INTERNAL)}
+        values: dict[str, Any] = {}
+        for key_node, value_node in self.pairs(node, path):
             key = key_node.value
             field = fields.get(key)
             if field is None:
@@ -203,7 +302,7 @@ class _Builder:
         try:
             return cls(**values)
         except SettingError as e:
-            self.fail(e.path, e.problem)
+            self.fail(rebased(e.path, cls, path), e.problem)
 
     def value(self, tp: Any, node: Node, path: SettingPath, rules: Mapping[str, Any]) -> Any:
         if rules.get("off") and isinstance(node, ScalarNode) and node.tag == _BOOL_TAG:
@@ -225,8 +324,11 @@ class _Builder:
         if origin is tuple:
             if rules.get("words"):
                 return self.words(node, path, rules)
-            if typing.get_args(tp)[0] is str:
+            item = typing.get_args(tp)[0]
+            if item is str:
                 return self.strings(node, path) if rules.get("text") else self.paths(node, path)
+            if attrs.has(item) and item is not HostPort:
+                return self.sections(item, node, path)
             return self.host_ports(node, path)
         if origin is dict:
             return self.mapping(typing.get_args(tp)[1], node, path)
@@ -251,6 +353,18 @@ class _Builder:
         if not ok:
             self.fail(path, f"expected {expected}, got {_describe(node)}", node)
         return value
+
+    def sections(self, cls: type[Any], node: Node, path: SettingPath) -> tuple[Any, ...]:
+        """A list of sections (``upstream.clusters``), each item's errors named by its index."""
+        if not isinstance(node, SequenceNode):
+            self.fail(path, f"expected a list, got {_describe(node)}", node)
+        out = []
+        for i, item in enumerate(node.value):
+            line = _line(item)
+            if line is not None:
+                self.lines[(*path, i)] = line
+            out.append(self.section(cls, item, (*path, i)))
+        return tuple(out)
 
     def mapping(self, value_type: type, node: Node, path: SettingPath) -> dict[str, Any]:
         """A mapping of names to scalars (traffic_log.sample); the section checks the names."""
@@ -374,6 +488,28 @@ class _Builder:
             # A plain scalar is typed by what it says once expanded: ${PORT} can be the integer 9092.
             tag = self._resolver.resolve(ScalarNode, text, (True, False))
         return ScalarNode(tag, text, node.start_mark, node.end_mark, node.style)
+
+
+class _ClusterBuilder(_Builder):
+    """Builds one entry of ``virtual_clusters`` as a whole ProxyConfig (its keys and the top level's
+    process-wide ones) and names the setting in errors: ``virtual_clusters[1].listen`` for the
+    entry's own, the top-level name with the virtual cluster's for a process-wide one."""
+
+    def __init__(self, parent: _Builder, path: SettingPath, name: str | None) -> None:
+        super().__init__(parent.file, parent.base_dir, parent.env)
+        self.path = path
+        self.name = name
+        # A process-wide setting's line is the top level's; the entry's own keys are added as read.
+        self.lines = {at[len(path):] if at[:len(path)] == path else at: line for at, line in parent.lines.items()
+                      if at[:len(path)] == path or (at and at[0] in PROCESS_SETTINGS)}
+
+    def fail(self, path: SettingPath, reason: str, node: Node | None = None, line: int | None = None) -> NoReturn:
+        if line is None:
+            line = _line(node) if node is not None else self.line_of(path)
+        if path and path[0] in PROCESS_SETTINGS:
+            which = repr(self.name) if self.name else dotted(self.path)
+            raise ConfigError(f"{dotted(path)}: {reason} (in virtual cluster {which})", file=self.file, line=line)
+        raise ConfigError(f"{dotted((*self.path, *path))}: {reason}", file=self.file, line=line)
 
 
 def _line(node: Node | None) -> int | None:

@@ -1,6 +1,8 @@
 """The whole configuration: ``ProxyConfig``, the sections it holds, the rules that span several of
 them (ports that must not overlap, settings that exclude each other), and its one-line summary."""
 
+import re
+from collections.abc import Sequence
 from typing import Final
 
 import attrs
@@ -15,6 +17,7 @@ from kproxy.config.checks import (
     setting,
     with_checks,
 )
+from kproxy.config.clusters import DEFAULT_NAME, check_virtual_clusters, derived_cluster_id, may_share
 from kproxy.config.limits import LimitsConfig, effective_workers
 from kproxy.config.listener import ExposureConfig, ProxyProtocolConfig, SaslConfig, TlsServerSide
 from kproxy.config.quotas import QuotaConfig
@@ -26,7 +29,15 @@ _WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::"})
 
 @attrs.frozen(field_transformer=with_checks)
 class ProxyConfig:
-    """Everything kproxy needs to run. Build it with ``load_config`` or ``config_from_args``."""
+    """Everything kproxy needs to run. Build it with ``load_config`` or ``config_from_args``.
+
+    One object is one virtual cluster (listeners, exposure, upstream, client identity, rules) with
+    the process-wide settings. A file with ``virtual_clusters`` gives a root whose
+    ``virtual_clusters`` holds one whole ProxyConfig per entry (each with the process-wide settings
+    too), and whose own cluster settings are those of the first entry, so code written for one
+    cluster keeps reading one object; code that serves clients iterates ``clusters``. Build such a
+    root in code with ``ProxyConfig.of_clusters``.
+    """
 
     listen: HostPort
     upstream: UpstreamConfig
@@ -40,7 +51,8 @@ class ProxyConfig:
     # Policy rule files, or directories of them (every *.yaml), relative to the config file.
     rules: tuple[str, ...] = ()
     chaos: bool = False    # chaos rules inject faults only when this is true
-    # Replicas of the gateway that share every quota; each process enforces quota_share() of it.
+    # Replicas of the gateway that share every quota; each process enforces quota_share() of it
+    # (per-connection quotas excepted: a connection lives on one process, which holds it whole).
     quota_replicas: int = setting(1, min=1)
     quota: QuotaConfig = QuotaConfig()
     admin: AdminConfig = AdminConfig()
@@ -60,10 +72,24 @@ class ProxyConfig:
     log_format: str = setting("text", case="lower", choices=("text", "json"))
     # Processes sharing the listening ports; 0 (written "auto") means one per CPU the process may use.
     workers: int = setting(1, min=0, auto=True)
+    # The virtual cluster's name (metrics, logs, spans, /readyz); a file without virtual_clusters
+    # is one virtual cluster, named "default" unless it says otherwise.
+    name: str = setting(DEFAULT_NAME, name="label")
+    # The cluster id clients see in every answer that carries one (Metadata, DescribeCluster, ...),
+    # the same whichever upstream cluster is active; null: derived from the virtual cluster's name.
+    cluster_id: str | None = None
+    # Several virtual clusters in one process (kproxy/config/clusters.py): each a whole ProxyConfig.
+    virtual_clusters: tuple["ProxyConfig", ...] = setting((), sections=True)
     source: str | None = attrs.field(default=None, metadata={INTERNAL: True})  # file loaded from
 
     def __attrs_post_init__(self) -> None:
         _check_exposure(self)
+        if self.cluster_id is not None and not _CLUSTER_ID.fullmatch(self.cluster_id):
+            raise SettingError(("cluster_id",), f"{self.cluster_id!r} is not a cluster id (1 to 64 letters, digits, "
+                                                "'-' or '_'; Kafka's own are 22 characters of URL-safe base64)")
+        if self.upstream.several and self.quota.coordinated is not None:
+            raise SettingError(("quota", "coordination"), "fleet quotas cannot follow a switch between "
+                                                          "upstream.clusters yet; use one of the two")
         if self.rules and self.passthrough_unknown_versions:
             raise SettingError(("passthrough_unknown_versions",), "frames forwarded opaquely would bypass the "
                                                                   "policy rules; turn it off to use rules")
@@ -83,12 +109,32 @@ class ProxyConfig:
                                                              f"under {_PROXY_V2_AS_FRAME_SIZE} bytes, or a frame's "
                                                              "size could read as a PROXY v2 signature")
         admin = self.admin.listen
-        if admin is not None and _may_share(admin.host, self.listen.host):
+        if admin is not None and may_share(admin.host, self.listen.host):
             taken = {self.listen.port}
             if self.exposure.mode != "sni":
                 taken.update(range(self.broker_port_start, self.broker_port_start + self.exposure.broker_port_count))
             if admin.port in taken:
                 raise SettingError(("admin", "listen"), f"port {admin.port} is already used by the Kafka listeners")
+        if self.virtual_clusters:
+            check_virtual_clusters(self)
+
+    @classmethod
+    def of_clusters(cls, clusters: Sequence["ProxyConfig"]) -> "ProxyConfig":
+        """The root of several virtual clusters (each a whole ProxyConfig with the same process-wide
+        settings), checked as a file with ``virtual_clusters`` is."""
+        if not clusters:
+            raise SettingError(("virtual_clusters",), "needs at least one virtual cluster")
+        return attrs.evolve(clusters[0], virtual_clusters=tuple(clusters))
+
+    @property
+    def presented_cluster_id(self) -> str:
+        """The cluster id this virtual cluster's clients see: ``cluster_id``, else derived from its name."""
+        return self.cluster_id if self.cluster_id is not None else derived_cluster_id(self.name)
+
+    @property
+    def clusters(self) -> tuple["ProxyConfig", ...]:
+        """The virtual clusters to serve: those of ``virtual_clusters``, or this one alone."""
+        return self.virtual_clusters or (self,)
 
     @property
     def advertised_host(self) -> str:
@@ -108,6 +154,8 @@ class ProxyConfig:
         start = self.exposure.broker_port_start
         return self.listen.port + 1 if start is None else start
 
+
+_CLUSTER_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # The first four bytes of a PROXY v2 signature (\r\n\r\n) read as a Kafka frame size; "PROXY"
 # reads larger still. Frames below this cannot be mistaken for a header.
@@ -135,17 +183,25 @@ def _check_exposure(cfg: ProxyConfig) -> None:
 _DEFAULT_PORT_COUNT: Final = attrs.fields(ExposureConfig).broker_port_count.default
 
 
-def _may_share(a: str, b: str) -> bool:
-    # Two listeners can use one port only on two distinct, specific addresses.
-    return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
-
-
 name_sections(ProxyConfig)
 
 
 def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
     """A one-line summary of what ``cfg`` will do, for ``kproxy check`` and the startup log; ``codec``
-    names the codec in use (the caller asks kproxy.protocol: configuration does not import it)."""
+    names the codec in use (the caller asks kproxy.protocol: configuration does not import it). With
+    virtual clusters it says the process's part; ``describe_cluster`` says each cluster's."""
+    if cfg.virtual_clusters:
+        names = ", ".join(vc.name for vc in cfg.virtual_clusters)
+        return "; ".join([f"{len(cfg.virtual_clusters)} virtual clusters ({names})", *_process_summary(cfg, codec)])
+    return "; ".join([*_cluster_summary(cfg), *_process_summary(cfg, codec), *_rules_summary(cfg)])
+
+
+def describe_cluster(cfg: ProxyConfig) -> str:
+    """A one-line summary of one virtual cluster: its listeners, upstream, identity and rules."""
+    return "; ".join([*_cluster_summary(cfg), *_rules_summary(cfg)])
+
+
+def _cluster_summary(cfg: ProxyConfig) -> list[str]:
     exp = cfg.exposure
     if exp.mode == "sni":
         domain = exp.sni.domain if exp.sni is not None else "?"
@@ -153,15 +209,29 @@ def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
     else:
         start = cfg.broker_port_start
         brokers = f"brokers on ports {start}-{start + exp.broker_port_count - 1}"
-    idle = cfg.limits.idle_timeout_s
-    parts = [
-        f"listen {cfg.listen} -> upstream {','.join(map(str, cfg.upstream.bootstrap_servers))}",
+    up = cfg.upstream
+    if up.several:
+        clusters = ", ".join(f"{c.name} {','.join(map(str, c.bootstrap_servers))}" for c in up.clusters)
+        target = f"upstream clusters {clusters} (active {up.first_active} unless switched)"
+    else:
+        target = f"upstream {','.join(map(str, up.bootstrap_servers))}"
+    return [
+        f"listen {cfg.listen} -> {target}",
         f"{cfg.mode}, advertised as {cfg.advertised_host}, {brokers}",
         f"client TLS {_on_off(cfg.tls.enabled)}{' (mTLS)' if cfg.tls.require_client_cert else ''}",
-        f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}",
+        *([f"upstream TLS {_on_off(cfg.upstream.tls.enabled)}"] if not up.several else []),
         *_identity_summary(cfg),
         f"client SASL {'terminated: ' + ', '.join(cfg.sasl.mechanisms) if cfg.sasl else 'relayed'}",
-        f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}",
+        *([f"upstream SASL {cfg.upstream.sasl.mechanism + ' as kproxy' if cfg.upstream.sasl else 'off'}"]
+          if not up.several else []),
+        *([f"failover after {up.failing_over.after_s:g}s unreachable" if up.failing_over else "failover off",
+           f"offset translation {up.offset_translation}"] if up.several else []),
+    ]
+
+
+def _process_summary(cfg: ProxyConfig, codec: str | None) -> list[str]:
+    idle = cfg.limits.idle_timeout_s
+    return [
         f"idle timeout {f'{idle:g}s' if idle > 0 else 'off'}",
         f"admin {cfg.admin.listen or 'off'}",
         f"traffic log {cfg.traffic_log.dir or 'off'}",
@@ -170,6 +240,10 @@ def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
         *([f"codec {codec}"] if codec else []),
         f"workers {effective_workers(cfg)}{' (auto)' if cfg.workers == 0 else ''}",
     ]
+
+
+def _rules_summary(cfg: ProxyConfig) -> list[str]:
+    parts = []
     if cfg.rules:
         parts.append(f"rules from {', '.join(cfg.rules)}{' (chaos on)' if cfg.chaos else ''}")
         if cfg.quota_replicas > 1:
@@ -177,7 +251,7 @@ def describe_config(cfg: ProxyConfig, codec: str | None = None) -> str:
         coord = cfg.quota.coordinated
         if coord is not None:
             parts.append(f"quotas shared by fleet {coord.fleet!r} through topic {coord.topic}")
-    return "; ".join(parts)
+    return parts
 
 
 def _identity_summary(cfg: ProxyConfig) -> list[str]:

@@ -58,7 +58,7 @@ class MappingRule:
             return None
         # Kafka then runs replaceAll over the subject, so a pattern that can also match the empty
         # string at the end (".*") substitutes twice, as Java does; Python's sub behaves the same.
-        result = self.pattern.sub(lambda m: _expand(self.replacement, m), subject)
+        result = self.pattern.sub(lambda m: expand_replacement(self.replacement, m), subject)
         if self.case == "L":
             return result.lower()
         if self.case == "U":
@@ -85,18 +85,23 @@ def parse_rules(entries: Sequence[str]) -> tuple[MappingRule, ...]:
             if m.group(1):
                 rules.append(MappingRule(None))
             else:
-                pattern_text = _JAVA_NAMED_GROUP.sub("(?P<", m.group(2))
-                try:
-                    pattern = re.compile(pattern_text)
-                except re.error as e:
-                    raise MappingRuleError(index, entry, f"bad regular expression {m.group(2)!r}: {e}") from None
+                pattern = java_pattern(m.group(2), index, entry)
                 rule_text = m.group(0).strip().rstrip(",").strip()
                 rules.append(MappingRule(pattern, m.group(3), m.group(4), rule_text))
             pos = m.end()
     return tuple(rules)
 
 
-def _expand(replacement: str, m: re.Match[str]) -> str:
+def java_pattern(text: str, index: int, entry: str) -> re.Pattern[str]:
+    """``text``, a Java regular expression from a rule, compiled for Python (named groups
+    ``(?<name>...)`` become ``(?P<name>...)``); a MappingRuleError for rule ``index`` when it cannot be."""
+    try:
+        return re.compile(_JAVA_NAMED_GROUP.sub("(?P<", text))
+    except re.error as e:
+        raise MappingRuleError(index, entry, f"bad regular expression {text!r}: {e}") from None
+
+
+def expand_replacement(replacement: str, m: re.Match[str]) -> str:
     """Java's Matcher replacement syntax: ``$n`` and ``${name}`` are groups, a backslash quotes the
     next character. As Kafka does, a ``$n`` past the pattern's groups is kept as literal text."""
     groups = m.re.groups

@@ -3,7 +3,8 @@
 ``RequiringHandshake -> RequiringAuthenticate -> Authenticated | Failed``; an authenticated
 connection may go through the handshake again to re-authenticate (KIP-368), keeping its principal.
 Each call takes a client message and returns what to answer. PLAIN and SCRAM are checked against a
-``UserBook``, OAUTHBEARER against the JWKS keys handed in; time comes from the clocks handed in.
+``UserBook``, OAUTHBEARER against the JWKS keys handed in, GSSAPI (Kerberos, RFC 4752) by the GSS-API
+acceptor handed in (kproxy's keytab, in ``kproxy.server.kerberos``); time comes from the clocks handed in.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Final
 import attrs
 from scramp import ScramException, ScramMechanism
 
+from kproxy.identity.kerberos import GssAcceptor, GssapiSettings, GssFailure
 from kproxy.identity.tokens import TokenRules, VerificationKey, bearer_token, verify_token
 from kproxy.identity.users import (
     MAX_USER_NAME,
@@ -27,7 +29,7 @@ from kproxy.identity.users import (
     password_matches,
 )
 
-MECHANISMS: Final = ("PLAIN", *SCRAM_MECHANISMS, "OAUTHBEARER")
+MECHANISMS: Final = ("PLAIN", *SCRAM_MECHANISMS, "OAUTHBEARER", "GSSAPI")
 ILLEGAL_SASL_STATE: Final = 34
 UNSUPPORTED_SASL_MECHANISM: Final = 33
 SASL_AUTHENTICATION_FAILED: Final = 58
@@ -53,7 +55,8 @@ class TerminationSettings:
     max_session_s: float = 3600.0             # 0: sessions never expire
     failure_delay_s: float = 0.5              # every failure is answered this long after it began
     max_auth_bytes: int = 4096                # one PLAIN or SCRAM message
-    max_token_bytes: int = 131072             # one OAUTHBEARER message
+    max_token_bytes: int = 131072             # one OAUTHBEARER or GSSAPI message (a ticket with a PAC is large)
+    gssapi: GssapiSettings | None = None
     # A per-process secret for the decoy credentials of unknown SCRAM users, so an unknown name gets
     # the same kind of answer as a known one with a wrong password.
     decoy_secret: bytes = b""
@@ -70,6 +73,9 @@ class Outcome:
     session_lifetime_ms: int = 0
     reason: str | None = None
     done: bool = False                        # this answer completes the login
+    # After SaslHandshake v0 (unframed tokens), whether an answer is sent at all: GSSAPI's last
+    # step has none (Kafka's broker sends nothing when its SaslServer returns no challenge).
+    raw_answer: bool = True
 
     @property
     def failed(self) -> bool:
@@ -140,7 +146,8 @@ class SaslTermination:
             self.state = SaslState.FAILED
             return Outcome(error_code=ILLEGAL_SASL_STATE, error_message="SaslAuthenticate before SaslHandshake",
                            reason="SaslAuthenticate before SaslHandshake")
-        cap = self.settings.max_token_bytes if self.mechanism == "OAUTHBEARER" else self.settings.max_auth_bytes
+        cap = (self.settings.max_token_bytes if self.mechanism in ("OAUTHBEARER", "GSSAPI")
+               else self.settings.max_auth_bytes)
         try:
             if len(message) > cap:
                 raise LoginFailed(f"{len(message)} bytes of {self.mechanism} exchange, more than the {cap} allowed")
@@ -167,7 +174,8 @@ class SaslTermination:
             lifetime = remaining if lifetime <= 0 else min(lifetime, remaining)
         lifetime_ms = max(int(lifetime * 1000), 1) if lifetime > 0 else 0
         self.expires_at = self.clock() + lifetime_ms / 1000 if lifetime_ms else None
-        return Outcome(auth_bytes=reply, session_lifetime_ms=lifetime_ms, done=True)
+        return Outcome(auth_bytes=reply, session_lifetime_ms=lifetime_ms, done=True,
+                       raw_answer=self.mechanism != "GSSAPI")
 
     def _new_exchange(self, mechanism: str) -> _Exchange:
         s = self.settings
@@ -176,6 +184,9 @@ class SaslTermination:
         if mechanism == "OAUTHBEARER":
             assert s.token_rules is not None
             return _Bearer(s.token_rules, self.keys(), self.wall_clock())
+        if mechanism == "GSSAPI":
+            assert s.gssapi is not None
+            return _Gssapi(s.gssapi)
         return _Scram(mechanism, s.users, s.decoy_secret)
 
 
@@ -308,6 +319,74 @@ class _Bearer(_Exchange):
         if verdict.problem is not None:
             raise LoginFailed(f"token refused: {verdict.problem}", INVALID_TOKEN)
         self.user, self.expires_at, self.done = verdict.principal, verdict.expires_at, True
+        return b""
+
+
+# RFC 4752 section 3.1: the first octet of the server's last challenge is the security layers it
+# offers; 1 is "no security layer", the only one Kafka uses. With no layer, the size is 0.
+NO_SECURITY_LAYER: Final = 1
+
+
+class _Gssapi(_Exchange):
+    """RFC 4752 on the accepting side, as Kafka's broker runs it: GSS-API context tokens until the
+    context is established (the client's ticket checked with kproxy's keytab; its last token, the
+    mutual authentication, answered, and the client's empty reply awaited); then a wrapped offer of
+    no security layer, and the client's wrapped choice. The identity is the principal the ticket
+    proved, mapped by the principal_to_local rules; an authorization id the client adds is ignored,
+    as Kafka's broker ignores it (kafka-python sends the service name there)."""
+
+    def __init__(self, settings: GssapiSettings) -> None:
+        self.settings = settings
+        self.principal: str | None = None            # the verified Kerberos principal
+        self._acceptor: GssAcceptor | None = None
+        self._stage = "context"                     # context, empty (awaiting it), choice
+
+    def step(self, message: bytes) -> bytes:
+        try:
+            if self._stage == "context":
+                return self._context(message)
+            if self._stage == "empty":
+                if message:
+                    raise LoginFailed(f"GSSAPI: expected an empty reply after the context was established, "
+                                      f"got {len(message)} bytes")
+                self._stage = "choice"
+                return self._offer()
+            return self._choice(message)
+        except GssFailure as e:
+            raise LoginFailed(f"GSSAPI: {e.reason}") from None
+
+    def _context(self, token: bytes) -> bytes:
+        if self._acceptor is None:
+            # Made at the first token, so a keytab that cannot be read fails this login with its reason.
+            self._acceptor = self.settings.acceptor()
+        acceptor = self._acceptor
+        reply = acceptor.step(token)
+        if not acceptor.complete:
+            return reply
+        principal = acceptor.initiator()
+        name, why = self.settings.mapper.map(principal)
+        if name is None:
+            raise LoginFailed(f"GSSAPI: {principal!r} has no local name: {why}")
+        self.principal, self.user = principal, name
+        if reply:
+            self._stage = "empty"
+            return reply
+        # No mutual-authentication token to send: the offer goes at once (RFC 4752 section 3.1).
+        self._stage = "choice"
+        return self._offer()
+
+    def _offer(self) -> bytes:
+        assert self._acceptor is not None
+        return self._acceptor.wrap(bytes((NO_SECURITY_LAYER, 0, 0, 0)))
+
+    def _choice(self, token: bytes) -> bytes:
+        assert self._acceptor is not None
+        message = self._acceptor.unwrap(token)
+        if len(message) < 4:
+            raise LoginFailed(f"GSSAPI: the security layer choice is {len(message)} bytes, not at least 4")
+        if message[0] != NO_SECURITY_LAYER:
+            raise LoginFailed(f"GSSAPI: {self.principal!r} chose security layer {message[0]}; kproxy offers none")
+        self.done = True
         return b""
 
 

@@ -1,2 +1,3 @@
-"""Operating kproxy: the Grafana dashboard built as code (``dashboard``) and ``kproxy top``, a live
-terminal view of one proxy from its admin listener (``top``)."""
+"""Operating kproxy: the Grafana dashboard built as code (``dashboard``), ``kproxy top``, a live
+terminal view of one proxy from its admin listener (``top``), and ``kproxy switch``, which moves a
+virtual cluster to another upstream cluster through it (``switch``)."""

@@ -3,8 +3,11 @@
 writes it and the Helm chart's copy). The checked-in file must equal what this prints
 (tests/monitoring checks it).
 
-Every query is filtered by the dashboard's variables (``$namespace``, ``$pod`` and, where requests
-have an API, ``$api``); the namespace and pod labels are those the Prometheus Operator adds.
+Every query is filtered by the dashboard's variables (``$namespace``, ``$pod``, ``$virtual_cluster``
+for the families of one virtual cluster and, where requests have an API, ``$api``); the namespace and
+pod labels are those the Prometheus Operator adds. The families of the process as a whole (buffers,
+the event loop, certificate files, the traffic log) carry ``virtual_cluster=""`` and are filtered by
+namespace and pod only.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ from grafana_foundation_sdk.models.dashboard import (
 
 UID = "kproxy-overview"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-# Every series of one kproxy deployment; ``API`` adds the API filter for per-request families.
+# Every series of one kproxy deployment; ``VC`` adds the virtual cluster filter for the families of
+# one virtual cluster, ``API`` the API filter for per-request families.
 SEL = 'namespace=~"$namespace", pod=~"$pod"'
-API = f'{SEL}, api=~"$api"'
+VC = f'{SEL}, virtual_cluster=~"$virtual_cluster"'
+API = f'{VC}, api=~"$api"'
 RATE = "$__rate_interval"
 
 
@@ -102,12 +107,15 @@ def build() -> dict[str, Any]:
     """The dashboard as the JSON data Grafana imports."""
     d = (Dashboard("kproxy").uid(UID).tags(["kafka", "kproxy"]).editable()
          .description("kproxy, the Kafka wire-protocol proxy: traffic, latency, errors, denials and "
-                      "throttles, connections and buffers, the event loop, the traffic log and rule reloads.")
+                      "throttles, connections and buffers, upstream clusters and switches, the event loop, the "
+                      "traffic log and rule reloads.")
          .refresh("30s").time("now-3h", "now").timezone("browser").tooltip(DashboardCursorSync.CROSSHAIR)
          .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
          .with_variable(variable("namespace", "Namespace", "label_values(kproxy_requests_total, namespace)"))
          .with_variable(variable("pod", "Pod", 'label_values(kproxy_requests_total{namespace=~"$namespace"}, pod)'))
-         .with_variable(variable("api", "API", f"label_values(kproxy_requests_total{{{SEL}}}, api)")))
+         .with_variable(variable("virtual_cluster", "Virtual cluster",
+                                 f"label_values(kproxy_requests_total{{{SEL}}}, virtual_cluster)"))
+         .with_variable(variable("api", "API", f"label_values(kproxy_requests_total{{{VC}}}, api)")))
 
     d = d.with_row(Row("Traffic"))
     d = d.with_panel(series(
@@ -120,7 +128,7 @@ def build() -> dict[str, Any]:
     d = d.with_panel(series(
         "Records per second", "Records produced (acknowledged, or written with acks=0) and fetched, "
         "from batch headers.", "rps",
-        (f"sum by (direction) (rate(kproxy_records_total{{{SEL}}}[{RATE}]))", "{{direction}}"), width=8))
+        (f"sum by (direction) (rate(kproxy_records_total{{{VC}}}[{RATE}]))", "{{direction}}"), width=8))
     d = d.with_panel(series(
         "Top clients by requests", "The ten busiest client ids. Needs metrics.client_labels: true "
         "(empty otherwise; kproxy top and /clients show client ids without it).", "reqps",
@@ -135,13 +143,18 @@ def build() -> dict[str, Any]:
     d = d.with_panel(series(
         "Top topics by records", "The ten busiest topics by records produced and fetched. Needs "
         "metrics.topic_labels: true.", "rps",
-        (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_records_total{{{SEL}}}[{RATE}])))",
-         "{{topic}} {{direction}}")))
+        (f"topk(10, sum by (virtual_cluster, topic, direction) (rate(kproxy_topic_records_total{{{VC}}}[{RATE}])))",
+         "{{virtual_cluster}} {{topic}} {{direction}}")))
     d = d.with_panel(series(
         "Top topics by bytes", "The ten topics with the most record bytes produced and fetched (batch "
         "sizes). Needs metrics.topic_labels: true.", "Bps",
-        (f"topk(10, sum by (topic, direction) (rate(kproxy_topic_bytes_total{{{SEL}}}[{RATE}])))",
-         "{{topic}} {{direction}}")))
+        (f"topk(10, sum by (virtual_cluster, topic, direction) (rate(kproxy_topic_bytes_total{{{VC}}}[{RATE}])))",
+         "{{virtual_cluster}} {{topic}} {{direction}}")))
+    d = d.with_panel(series(
+        "Requests per second by virtual cluster", "Requests completed per second, by virtual cluster (each "
+        "listener set and upstream of the process; docs/virtual-clusters.md).", "reqps",
+        (f"sum by (virtual_cluster) (rate(kproxy_requests_total{{{API}}}[{RATE}]))", "{{virtual_cluster}}"),
+        width=24))
 
     d = d.with_row(Row("Latency"))
     d = d.with_panel(series(
@@ -169,27 +182,31 @@ def build() -> dict[str, Any]:
         "that could not be decoded, per second.", "percentunit",
         (f'sum(rate(kproxy_request_outcomes_total{{{API}, outcome=~"upstream_lost|closed"}}[{RATE}])) / '
          f"sum(rate(kproxy_requests_total{{{API}}}[{RATE}]))", "error ratio"),
-        (f"sum by (direction) (rate(kproxy_decode_errors_total{{{SEL}}}[{RATE}]))",
+        (f"sum by (direction) (rate(kproxy_decode_errors_total{{{VC}}}[{RATE}]))",
          "decode errors/s ({{direction}})"),
-        (f"sum by (broker) (rate(kproxy_upstream_connect_failures_total{{{SEL}}}[{RATE}]))",
-         "connect failures/s {{broker}}"), width=8))
+        (f"sum by (virtual_cluster, broker) (rate(kproxy_upstream_connect_failures_total{{{VC}}}[{RATE}]))",
+         "connect failures/s {{virtual_cluster}} {{broker}}"), width=8))
     d = d.with_panel(series(
-        "Denials per rule", "Requests refused by a policy rule, per second, by rule.", "reqps",
-        (f"sum by (rule) (rate(kproxy_denied_requests_total{{{SEL}}}[{RATE}]))", "{{rule}}"), width=8))
+        "Denials per rule", "Requests refused by a policy rule, per second, by virtual cluster and rule.", "reqps",
+        (f"sum by (virtual_cluster, rule) (rate(kproxy_denied_requests_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{rule}}"), width=8))
     d = d.with_panel(series(
-        "Throttle time per quota", "Throttle time told to clients per second of wall time, by the quota "
-        "rule that decided it (broker: the broker's own). 1 means one client throttled all the time.", "s",
-        (f"sum by (rule) (rate(kproxy_throttle_seconds_total{{{SEL}}}[{RATE}]))", "{{rule}}"), width=24))
+        "Throttle time per quota", "Throttle time told to clients per second of wall time, by virtual cluster "
+        "and the quota rule that decided it (broker: the broker's own). 1 means one client throttled all the "
+        "time.", "s",
+        (f"sum by (virtual_cluster, rule) (rate(kproxy_throttle_seconds_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{rule}}"), width=24))
 
     d = d.with_row(Row("Connections and buffers"))
     d = d.with_panel(series(
         "Open connections by listener", "Client connections open now (bootstrap, broker-N, controller-N).",
-        "short", (f"sum by (listener) (kproxy_connections_open{{{SEL}}})", "{{listener}}"), width=8,
-        stacked=True))
+        "short", (f"sum by (virtual_cluster, listener) (kproxy_connections_open{{{VC}}})",
+                  "{{virtual_cluster}} {{listener}}"), width=8, stacked=True))
     d = d.with_panel(series(
-        "New connections per second", "Client connections accepted per second, by listener.", "cps",
-        (f"sum by (listener) (rate(kproxy_connections_opened_total{{{SEL}}}[{RATE}]))", "{{listener}}"),
-        width=8))
+        "New connections per second", "Client connections accepted per second, by virtual cluster and "
+        "listener.", "cps",
+        (f"sum by (virtual_cluster, listener) (rate(kproxy_connections_opened_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{listener}}"), width=8))
     d = d.with_panel(series(
         "Buffer budget", "Bytes held in frame buffers against the process budget "
         "(limits.max_buffered_bytes_total), and reads that waited for it.", "bytes",
@@ -198,8 +215,9 @@ def build() -> dict[str, Any]:
         (f"sum by (pod) (rate(kproxy_buffer_budget_pauses_total{{{SEL}}}[{RATE}]))", "pauses/s {{pod}}"),
         width=8))
     d = d.with_panel(single(
-        "Pods ready", "Pods whose /readyz says ready (kproxy_ready).", "short",
-        f"sum(kproxy_ready{{{SEL}}})", "ready", red_below=1))
+        "Virtual clusters ready", "Virtual clusters ready, added over the pods (kproxy_ready: each pod's "
+        "/readyz is ready only when all of its virtual clusters are).", "short",
+        f"sum(kproxy_ready{{{VC}}})", "ready", red_below=1))
     d = d.with_panel(single(
         "Earliest certificate expiry", "Days until the first certificate kproxy loaded expires "
         "(tls.* and upstream.tls.* files).", "d",
@@ -209,6 +227,26 @@ def build() -> dict[str, Any]:
         "Certificate expiry by file", "Days until each certificate file expires.", "d",
         (f"min by (file) (kproxy_tls_certificate_expiry_timestamp_seconds{{{SEL}}} - time()) / 86400",
          "{{file}}")))
+
+    d = d.with_row(Row("Upstream clusters"))
+    d = d.with_panel(series(
+        "Active upstream cluster", "1 for the upstream cluster each virtual cluster is on "
+        "(kproxy_upstream_active; several clusters with upstream.clusters). A step is a switch.", "short",
+        (f"max by (virtual_cluster, cluster) (kproxy_upstream_active{{{VC}}})", "{{virtual_cluster}}: {{cluster}}"),
+        width=8))
+    d = d.with_panel(series(
+        "Upstream clusters answering", "1 while a broker of the cluster answers kproxy's probes, 0 when "
+        "none does (a refused login still answers); failover moves off an active cluster at 0 for "
+        "upstream.failover.after_s.", "short",
+        (f"min by (virtual_cluster, cluster) (kproxy_upstream_reachable{{{VC}}})", "{{virtual_cluster}}: {{cluster}}"),
+        width=8))
+    d = d.with_panel(series(
+        "Switches and how long they held clients", "Switches by reason (planned: kproxy switch; failover; "
+        "followed: a worker followed another) and the seconds the last switch held new connections.", "short",
+        (f"sum by (virtual_cluster, reason) (increase(kproxy_upstream_switches_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{reason}}"),
+        (f"max by (virtual_cluster) (kproxy_upstream_switch_hold_seconds{{{VC}}})", "{{virtual_cluster}} hold s"),
+        width=8))
 
     d = d.with_row(Row("Event loop, traffic log and rules"))
     d = d.with_panel(series(
@@ -224,8 +262,17 @@ def build() -> dict[str, Any]:
     d = d.with_panel(series(
         "Rule reloads", "Rule reloads by outcome (failed: the old rules stayed in force) and the "
         "generation of the rules in force.", "short",
-        (f"sum by (outcome) (increase(kproxy_rule_reloads_total{{{SEL}}}[{RATE}]))", "reloads {{outcome}}"),
-        (f"max by (pod) (kproxy_rules_generation{{{SEL}}})", "generation {{pod}}"), width=8))
+        (f"sum by (virtual_cluster, outcome) (increase(kproxy_rule_reloads_total{{{VC}}}[{RATE}]))",
+         "reloads {{virtual_cluster}} {{outcome}}"),
+        (f"max by (pod, virtual_cluster) (kproxy_rules_generation{{{VC}}})", "generation {{pod}} {{virtual_cluster}}"),
+        width=8))
+    d = d.with_panel(series(
+        "Kerberos failures", "Kerberos (GSSAPI) failures per second, by side (accept: clients' tickets "
+        "checked with kproxy's keytab; initiate: kproxy's own tickets) and kind (keytab, clock_skew, "
+        "unknown_principal, expired, other).", "short",
+        (f"sum by (virtual_cluster, side, kind) (rate(kproxy_kerberos_failures_total{{{VC}}}[{RATE}]))",
+         "{{virtual_cluster}} {{side}} {{kind}}"),
+        width=24))
 
     built = d.build()
     # Grafana keys panel state (links, edits, alerts) by id: number them in order, rows included.

@@ -39,13 +39,13 @@ class Scrape:
                 yield dict(labels), v
 
 
-def fetch(admin: str, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def fetch(admin: str, path: str, timeout: float = 5.0, method: str = "GET") -> tuple[int, bytes]:
     host, _, port = admin.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     try:
         conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
         try:
-            conn.request("GET", path)
+            conn.request(method, path)
             response = conn.getresponse()
             # /metrics of a busy proxy with per-client labels is a few MB at most.
             return response.status, response.read(64 * 1024 * 1024)

@@ -232,8 +232,7 @@ class PolicyFilter(Filter):
                 return refusal
             tenant_names = tenant_of_rewrite(rewrite)
             pending.prefixes = tenant_names.prefixes
-            for entity, add in tenant_names.adding(key, version):
-                entities.rewrite(body, key, version, "request", entity, add)
+            tenant_names.put_on(req)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("connection %d: rule %r rewrote %s v%d (%s)", ctx.connection_id, top.name if top else None,
                           api_name(key), version,
@@ -423,10 +422,8 @@ class PolicyFilter(Filter):
         st: _ConnState = ctx.state_of(self, _ConnState)
         body, version = response.body, response.api_version
         if pending.prefixes:
-            for entity, inside, strip in tenant_of(pending.prefixes).undoing(key, version):
-                # Names outside the tenant's namespace are not the tenant's to see.
-                entities.filter_elements(body, key, version, "response", entity, inside, request.body)
-                entities.rewrite(body, key, version, "response", entity, strip, request.body)
+            # Names outside the tenant's namespace are not the tenant's to see.
+            tenant_of(pending.prefixes).take_off(response, request.body)
         if pending.asked is not None:
             # A broker may say more than it was asked (tansu reads an empty Metadata topic list as
             # "all"): kproxy answers for the refused topics itself, and nothing else is the client's.

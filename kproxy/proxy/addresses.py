@@ -69,6 +69,10 @@ class AddressMap:
         self._by_name: dict[str, Route] = {}                 # SNI name -> route
         self._next_broker = port_start
         self._next_controller = port_start + port_count - 1
+        # Routes of a cluster the virtual cluster left (a switch): kept for their ports, leading
+        # nowhere until the new cluster's node of that id is learned.
+        self._stale: set[int] = set()
+        self._stale_names: set[str] = set()
         # Bumped whenever what a rewrite gives could change (a node exposed, moved or withdrawn):
         # remembered rewritten answers (kproxy.proxy.memo) are keyed by it.
         self.generation = 0
@@ -82,8 +86,9 @@ class AddressMap:
             # route_for_name looks names up in lower case (DNS names are case-insensitive).
             name = f"{'broker' if role == 'broker' else 'controller'}-{node_id}.{self.sni_domain}".lower()
             route = Route(role, node_id, upstream)
-            if self._by_name.get(name) != route:
+            if self._by_name.get(name) != route or name in self._stale_names:
                 self._by_name[name] = route
+                self._stale_names.discard(name)
                 self.generation += 1
             assert self.sni_port is not None
             return name, self.sni_port
@@ -95,11 +100,21 @@ class AddressMap:
             self._routes[exposed] = Route(role, node_id, upstream)
             self._unconfirmed.add(exposed)
             self.generation += 1
-        elif self._routes[exposed].upstream != upstream:
-            # The node moved (new host or port): the same exposed port now leads to its new place.
+        elif self._routes[exposed].upstream != upstream or exposed in self._stale:
+            # The node moved (new host or port), or is the new cluster's node of that id: the same
+            # exposed port now leads to its new place.
             self._routes[exposed] = Route(role, node_id, upstream)
+            self._stale.discard(exposed)
             self.generation += 1
         return self.advertised_host, exposed
+
+    def forget_upstreams(self) -> None:
+        """The virtual cluster moved to another upstream cluster: every exposed port and name keeps
+        its node id (clients hold those addresses) but leads nowhere until that cluster's node of the
+        id is learned (``expose``); meanwhile connections to it go through the bootstrap servers."""
+        self._stale = set(self._routes)
+        self._stale_names = set(self._by_name)
+        self.generation += 1
 
     def pending_ports(self) -> list[int]:
         """Ports exposed but not yet reported bound."""
@@ -154,17 +169,18 @@ class AddressMap:
     # -- routing client connections
 
     def route_for_port(self, port: int) -> Route | None:
-        return self._routes.get(port)
+        return self._routes.get(port) if port not in self._stale else None
 
     def route_for_name(self, server_name: str) -> Route | None:
-        return self._by_name.get(server_name.lower())
+        name = server_name.lower()
+        return self._by_name.get(name) if name not in self._stale_names else None
 
     def route_for_node(self, node_id: int, role: str = "broker") -> Route | None:
         port = self._port_of.get((role, node_id))
         if port is not None:
-            return self._routes[port]
-        for r in self._by_name.values():
-            if r.node_id == node_id and r.role == role:
+            return self.route_for_port(port)
+        for name, r in self._by_name.items():
+            if r.node_id == node_id and r.role == role and name not in self._stale_names:
                 return r
         return None
 

@@ -60,7 +60,8 @@ VersionRanges = list[tuple[int, int, int]]     # (api key, min version, max vers
 @attrs.frozen
 class FrontAnswer:
     """The session's answer to a request the front handled: a response ``body``, or ``raw`` bytes
-    for an unframed v0 token; then close when ``close`` is set; ``hold_s`` before it is sent."""
+    for an unframed v0 token (None: that token gets no answer); then close when ``close`` is set;
+    ``hold_s`` before it is sent."""
 
     body: Any = None
     raw: bytes | None = None
@@ -130,7 +131,7 @@ class SaslFront:
         o, close, hold = self._authenticate(bytes(frame), t, started)
         if close is not None:
             return FrontAnswer(close=close, hold_s=hold)
-        return FrontAnswer(raw=o.auth_bytes)
+        return FrontAnswer(raw=o.auth_bytes if o.raw_answer else None)
 
     # -- the exchange
 
@@ -367,4 +368,6 @@ class SessionSasl:
             return [*out, Close(answer.close)]
         if self.ctx.authenticated:
             self.sasl_in_progress = False
-        return [*out, ToClient(size_prefixed(answer.raw or b""))]
+        if answer.raw is None:
+            return out          # a step with no answer (GSSAPI's last)
+        return [*out, ToClient(size_prefixed(answer.raw))]

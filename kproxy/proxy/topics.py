@@ -57,6 +57,16 @@ class TopicNames:
         while len(names) > self.limit:
             del names[next(iter(names))]
 
+    def without_prefix(self, prefix: str | None) -> TopicNames:
+        """This table as a cluster whose topics carry ``prefix`` (a replica's ``primary.``) teaches
+        it: the same names by id, learned with the prefix taken off, so they read as the clients'
+        names (topic ids differ between clusters, so the clusters never overwrite each other)."""
+        if not prefix:
+            return self
+        view = _Unprefixing(self.limit, prefix)
+        view._names, view._wants = self._names, self._wants
+        return view
+
     def question(self, ids: Iterable[uuid.UUID]) -> Request:
         """A Metadata request naming ``ids`` (v12, the first version brokers answer by id)."""
         version = min(12, supported_versions()[METADATA][1])
@@ -64,3 +74,25 @@ class TopicNames:
         body = cls(topics=[cls.MetadataRequestTopic(topic_id=i, name=None) for i in ids],
                    allow_auto_topic_creation=False)
         return Request.build(METADATA, version, 0, "kproxy", body)
+
+
+class _Unprefixing(TopicNames):
+    """A TopicNames sharing another's table, learning names with a replica's prefix taken off (names
+    outside it are not the clients' and are not learned)."""
+
+    def __init__(self, limit: int, prefix: str) -> None:
+        super().__init__(limit)
+        self.prefix = prefix
+
+    def learn(self, topics: Iterable[Any]) -> None:
+        prefix, n = self.prefix, len(self.prefix)
+        super().learn(_Named(getattr(t, "topic_id", None), t.name[n:]) for t in topics
+                      if t.name and t.name.startswith(prefix))
+
+
+class _Named:
+    __slots__ = ("name", "topic_id")
+
+    def __init__(self, topic_id: Any, name: str) -> None:
+        self.topic_id = topic_id
+        self.name = name

@@ -1,8 +1,11 @@
-"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules and /clients.
+"""The admin HTTP listener (``admin.listen``): /metrics, /livez, /readyz, /config, /rules, /clients,
+/upstream and POST /switch, for every virtual cluster of the process.
 
 HTTP/1.1 comes from h11 (sans-I/O); this module moves its bytes over trio in the proxy's own event
-loop, so /livez answering proves the loop is alive. It only reads the server's state: nothing here
-changes how Kafka traffic flows. Requests are small and bounded; a slow or silent client is dropped.
+loop, so /livez answering proves the loop is alive. It only reads the server's state, with one
+exception: POST /switch moves a virtual cluster to another upstream cluster (``kproxy switch``), so
+the listener belongs on an address only operators reach. Requests are small and bounded; a slow or
+silent client is dropped.
 """
 
 from __future__ import annotations
@@ -11,16 +14,17 @@ import json
 import logging
 import re
 import socket
+import urllib.parse
 from typing import Any, Protocol
 
 import attrs
 import h11
 import trio
 
-from kproxy.config import HostPort, ProxyConfig
+from kproxy.config import PROCESS_SETTINGS, HostPort, ProxyConfig, cluster_settings
 from kproxy.logs import safe
 from kproxy.protocol.errors import KProxyError
-from kproxy.telemetry.metrics import Metrics, epoch_seconds
+from kproxy.telemetry.metrics import ProcessMetrics, epoch_seconds
 
 log = logging.getLogger("kproxy.admin")
 
@@ -38,25 +42,38 @@ _PATH_SUFFIX = ("_file", "_path", "_dir")
 
 
 class AdminView(Protocol):
-    """What the admin listener reads from the proxy (the server implements it)."""
+    """What the admin listener reads from the proxy (``kproxy.server.process.ProxyProcess``, every
+    virtual cluster of the process)."""
 
     config: ProxyConfig
-    rule_store: Any
-    clients: Any        # kproxy.server.clients.ClientTable
 
     def readiness(self) -> tuple[bool, str]: ...
 
     @property
-    def metrics(self) -> Metrics | None: ...
+    def metrics(self) -> ProcessMetrics | None: ...
+
+    def rules(self) -> dict[str, Any]: ...
+
+    def clients_view(self) -> dict[str, Any]: ...
+
+    def switchable(self) -> dict[str, Any]:
+        """The virtual clusters by name, each its ``kproxy.server.clusters.UpstreamClusters``."""
 
 
 def public_config(value: Any, name: str = "") -> Any:
     """``value`` (a config object or part of it) as JSON data with every secret-looking setting
-    replaced by ``<redacted>``."""
+    replaced by ``<redacted>``. A root with virtual clusters shows the process-wide settings and,
+    under ``virtual_clusters``, each one's own."""
     if name and value is not None and _SECRET_NAME.search(name) and not name.endswith(_PATH_SUFFIX):
         return REDACTED
     if isinstance(value, HostPort):
         return str(value)
+    if isinstance(value, ProxyConfig) and value.virtual_clusters:
+        own = cluster_settings(ProxyConfig)
+        return {**{f.name: public_config(getattr(value, f.name), f.name) for f in attrs.fields(ProxyConfig)
+                   if f.name in PROCESS_SETTINGS or f.name == "source"},
+                "virtual_clusters": [{key: public_config(getattr(vc, key), key) for key in own}
+                                     for vc in value.virtual_clusters]}
     if attrs.has(type(value)):
         return {f.name: public_config(getattr(value, f.name), f.name) for f in attrs.fields(type(value))}
     if isinstance(value, dict):
@@ -174,7 +191,40 @@ class AdminServer:
 
     async def answer(self, method: str, target: str) -> tuple[int, str, bytes]:
         """(status, content type, body); a supervisor's listener asks its workers instead."""
+        if target.split("?", 1)[0] == "/switch":
+            return await self.switch(method, target)
         return self.respond(method, target)
+
+    async def switch(self, method: str, target: str) -> tuple[int, str, bytes]:
+        """POST /switch?cluster=NAME[&virtual_cluster=VC]: move the virtual cluster (the only one, when
+        VC is left out) to upstream cluster NAME; answers once new connections go there."""
+        from kproxy.server.clusters import SwitchError, switch_answer
+
+        if method != "POST":
+            return 405, "text/plain; charset=utf-8", b"POST /switch?cluster=NAME[&virtual_cluster=VC]\n"
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+        cluster = (query.get("cluster") or [""])[0]
+        vc: str | None = query["virtual_cluster"][0] if query.get("virtual_cluster") else None
+        groups = self.view.switchable()
+        if not cluster:
+            return 400, "text/plain; charset=utf-8", b"name the cluster: /switch?cluster=NAME\n"
+        if vc is None:
+            several = [name for name, g in groups.items() if len(g.clusters) > 1]
+            if len(groups) == 1 or len(several) == 1:
+                vc = next(iter(groups)) if len(groups) == 1 else several[0]
+            else:
+                return 400, "text/plain; charset=utf-8", (f"name the virtual cluster (virtual_cluster=...): one of "
+                                                          f"{', '.join(sorted(groups))}\n").encode()
+        group = groups.get(vc)
+        if group is None:
+            return 404, "text/plain; charset=utf-8", (f"no virtual cluster {safe(vc)!r}; there are "
+                                                      f"{', '.join(sorted(groups))}\n").encode()
+        log.info("admin: switch of virtual cluster %s to cluster %s requested", safe(vc), safe(cluster))
+        try:
+            report = await group.switch(cluster, "planned")
+        except SwitchError as e:
+            return 409, "text/plain; charset=utf-8", f"{e}\n".encode()
+        return 200, "application/json", switch_answer(report)
 
     def respond(self, method: str, target: str) -> tuple[int, str, bytes]:
         """(status, content type, body) for one request: pure apart from reading the server."""
@@ -195,11 +245,13 @@ class AdminServer:
         if path == "/config":
             return 200, "application/json", _json(public_config(view.config))
         if path == "/rules":
-            return 200, "application/json", _json(rules_view(view.rule_store))
+            return 200, "application/json", _json(view.rules())
         if path == "/clients":
-            return 200, "application/json", _json(view.clients.view())
-        return 404, "text/plain; charset=utf-8", (b"not found; try /metrics, /livez, /readyz, /config, /rules "
-                                                 b"or /clients\n")
+            return 200, "application/json", _json(view.clients_view())
+        if path == "/upstream":
+            return 200, "application/json", _json({name: g.view() for name, g in view.switchable().items()})
+        return 404, "text/plain; charset=utf-8", (b"not found; try /metrics, /livez, /readyz, /config, /rules, "
+                                                 b"/clients, /upstream or POST /switch\n")
 
 
 def _json(data: Any) -> bytes:

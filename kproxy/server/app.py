@@ -1,9 +1,11 @@
-"""The proxy process: listeners, one task tree per connection, broker discovery, drain on SIGTERM.
+"""One virtual cluster: its listeners, one task tree per connection, broker discovery, drain on SIGTERM.
 
 A listener nursery accepts connections and starts one ``ClientConnection`` each. Broker ports open
 the moment a response reveals a new broker, before that response is written, so a client never
-reads an address nobody listens on; a port that cannot be bound is never advertised. This is the only
-layer that knows about trio and sockets.
+reads an address nobody listens on; a port that cannot be bound is never advertised. A
+``ProxyServer`` knows nothing of other virtual clusters: the ``ProxyProcess`` around it
+(``kproxy.server.process``) holds what they share (the admin listener, metrics, the buffer budget,
+signals) and the ports they share. This is the only layer that knows about trio and sockets.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 import trio
 
-from kproxy.config import HostPort, ProxyConfig, TlsClientSide, TlsServerSide, effective_buffer_budget
+from kproxy.config import HostPort, ProxyConfig, TlsClientSide, TlsServerSide
 from kproxy.identity.principal import PrincipalMapper
-from kproxy.logs import safe
+from kproxy.logs import VIRTUAL_CLUSTER, safe
 from kproxy.policy.filter import PolicyFilter
 from kproxy.policy.loader import describe_rules
 from kproxy.policy.store import RuleStore
@@ -34,6 +37,8 @@ from kproxy.protocol.messages import (
     supported_versions,
 )
 from kproxy.proxy.addresses import AddressMap, AddressRewriter, Route
+from kproxy.proxy.cluster_view import ClusterIdentity, ReplicaNames
+from kproxy.proxy.continuity import Continuity, ProducerCarrier, SwitchBook
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.memo import AnswerMemo
@@ -42,21 +47,21 @@ from kproxy.proxy.session import Session
 from kproxy.proxy.topics import TopicNames
 from kproxy.proxy.versions import ApiVersionsNarrower, narrow_api_keys
 from kproxy.quota.engine import QuotaFilter
-from kproxy.server import admin
-from kproxy.server.budget import BufferBudget
-from kproxy.server.certificates import CERTIFICATES, CertificateExpiry
+from kproxy.server.certificates import CertificateExpiry
 from kproxy.server.clients import ClientRecord, ClientTable
+from kproxy.server.clusters import Cluster, UpstreamClusters
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.coordination import Coordinator
 from kproxy.server.identity import IdentityService
 from kproxy.server.ordering import run_clock
-from kproxy.server.origination import Roundtrip, direct_roundtrip
-from kproxy.server.proxy_protocol import ProxyProtocolGate
+from kproxy.server.origination import Originator, Roundtrip, direct_roundtrip
+from kproxy.server.proxy_protocol import Admission, ProxyProtocolGate
 from kproxy.server.reload import POLL_INTERVAL_S, watch_rules
 from kproxy.server.stats import ProxyStats
 from kproxy.server.tls_files import POLL_INTERVAL_S as TLS_POLL_INTERVAL_S
 from kproxy.server.tls_files import ReloadingContext, watch_tls
 from kproxy.server.transport import (
+    REFUSED_SNI_NAME,
     PlainTransport,
     SniNames,
     TlsTransport,
@@ -67,8 +72,10 @@ from kproxy.server.transport import (
 from kproxy.server.upstream import UpstreamSettings, login_failed, open_upstream
 from kproxy.telemetry import metrics as metric_families
 from kproxy.telemetry.metrics import Metrics
-from kproxy.telemetry.outputs import Telemetry
-from kproxy.telemetry.spans import SpanExporter
+
+if TYPE_CHECKING:
+    from kproxy.server.admin import AdminServer
+    from kproxy.server.process import ProxyProcess
 
 log = logging.getLogger("kproxy.server")
 
@@ -92,27 +99,32 @@ class ListenError(KProxyError):
 
 
 class ProxyServer:
-    """kproxy in front of one Kafka cluster, as configured."""
+    """kproxy in front of one Kafka cluster, as configured: one virtual cluster."""
 
-    def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *,
-                 span_exporter: SpanExporter | None = None, worker: tuple[int, int] | None = None,
-                 admin_listen: HostPort | None = None, certificates: CertificateExpiry | None = None) -> None:
-        """Raises RuleError (a ConfigError) when the configured rule files do not load."""
+    def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), *, process: ProxyProcess,
+                 worker: tuple[int, int] | None = None) -> None:
+        """Raises RuleError (a ConfigError) when the configured rule files do not load.
+
+        ``process``: the ProxyProcess this virtual cluster is one of, which holds the admin listener,
+        telemetry outputs, budget and certificates; ``ProxyProcess.from_config`` makes it and one
+        ProxyServer per virtual cluster (``.cluster()`` is the only one of a single-cluster file)."""
         self.config = config
+        self.name = config.name
         # (index, count) when this is one of several worker processes sharing the ports (SO_REUSEPORT);
         # budgets are then divided among the workers.
         self.worker = worker
         self.workers = worker[1] if worker is not None else 1
-        self.admin_listen = admin_listen or config.admin.listen
+        self.process = process
+        shared = process.shared
         self.stats = ProxyStats()
         # SASL termination and origination (sasl, upstream.sasl); raises ConfigError for a bad users file.
         self.identity = IdentityService(config)
         # Live and recently closed connections, for /clients and `kproxy top`.
         self.clients = ClientTable()
-        self.certificates = certificates if certificates is not None else CERTIFICATES
+        self.certificates = shared.certificates
         # The one table of topic names by id, for the rules and telemetry alike (the broker's names).
         self.topic_names = TopicNames()
-        self.telemetry = Telemetry(config, span_exporter=span_exporter, topic_names=self.topic_names)
+        self.telemetry = shared.telemetry.for_cluster(self.name, self.topic_names)
         self.reencode = ReencodeCheck(config.verify_reencode) if config.verify_reencode > 0 else None
         # The policy rules in force (generation, loaded_at, rule_count, sources, reloads_ok,
         # reloads_failed, describe()); None when no rule files are configured. Read by /rules and /metrics.
@@ -124,13 +136,13 @@ class ProxyServer:
         self._discovery: trio.Event | None = None      # set when the attempt in progress ends
         self._discovery_result = False
         self.discovery_ended_at: float | None = None
-        self.admin: admin.AdminServer | None = None
         self.coordinator: Coordinator | None = None     # fleet quotas (quota.coordination)
         self._telemetry_failures: set[str] = set()
         exposure = config.exposure
         self.sni = exposure.mode == "sni"
         self.sni_names = SniNames(exposure.sni.domain if self.sni and exposure.sni else None,
-                                  exposure.sni.bootstrap_name if exposure.sni else "bootstrap")
+                                  exposure.sni.bootstrap_name if exposure.sni else "bootstrap",
+                                  listener=_hostport(config.listen.host, config.listen.port))
         # Both sides follow their certificate files (tls_poll_interval_s; see tls_files.py), and every
         # load, the first included, records the certificates' expiry in self.certificates.
         self.client_tls: ReloadingContext | None = (
@@ -139,8 +151,6 @@ class ProxyServer:
         self.upstream_tls: ReloadingContext | None = (
             _reloading("upstream.tls", config.upstream.tls, lambda: client_context(config.upstream.tls),
                        server_side=False, expiry=self.certificates) if config.upstream.tls.enabled else None)
-        # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
-        self.upstream = UpstreamSettings.from_config(config.upstream, self.upstream_tls, self.identity.originator)
         self.tls_poll_interval_s = TLS_POLL_INTERVAL_S
         principal = config.tls.principal
         self.principal_mapper = PrincipalMapper.from_config(principal.mapping_rules, principal.san_uri)
@@ -167,10 +177,12 @@ class ProxyServer:
                 # Its connections are opened, logged in and re-authenticated as every other one.
                 self.coordinator = Coordinator(config, quotas, config.quota_share(self.workers),
                                                opener=lambda host, port: open_upstream(host, port, self.upstream))
-        self.chain = FilterChain([*builtin, *filters])
-        # Rewritten answers that repeat byte for byte (Metadata between cluster changes), by their bytes.
+        self._filters = (builtin, list(filters))
+        # Rewritten answers that repeat byte for byte (Metadata between cluster changes), by their bytes;
+        # this virtual cluster's own, as its address map is.
         self.answer_memo = AnswerMemo()
-        self._ids = itertools.count(1)
+        # Connection ids are unique in the process, whichever virtual cluster a connection is of.
+        self._ids: itertools.count[int] = shared.connection_ids
         self.connections: set[ClientConnection] = set()
         self._nursery: trio.Nursery | None = None
         self._listeners: dict[int, trio.socket.SocketType] = {}
@@ -178,17 +190,21 @@ class ProxyServer:
         self._accept_scopes: list[trio.CancelScope] = []
         self._pending_ports: list[int] = []
         self.bootstrap_address: tuple[str, int] | None = None
+        # The address of a port this virtual cluster shares with others (SNI): the process binds it and
+        # hands over each connection whose ClientHello names this cluster (hand_over).
+        self.shared_listener: tuple[str, int] | None = None
         self.draining = False
         limits = config.limits
-        self.budget = BufferBudget(_budget_limit(config) // self.workers)
+        self.budget = shared.budget
         upstream = config.upstream
         self.settings = ConnectionSettings(
             # A frame is forwarded only once it is whole, so what one direction of a connection
             # holds is at most one frame: capping frames at the buffer limit bounds both.
             frame_cap=min(limits.max_frame_size, limits.max_buffered_bytes),
             max_in_flight=limits.max_in_flight_requests,
-            bootstrap_servers=tuple((hp.host, hp.port) for hp in upstream.bootstrap_servers),
-            upstream=self.upstream,
+            # Each upstream cluster's own bootstrap servers and upstream settings replace these.
+            bootstrap_servers=(),
+            upstream=UpstreamSettings(upstream.connect_timeout_s, request_timeout_s=upstream.request_timeout_s),
             request_timeout_s=upstream.request_timeout_s,
             unauthenticated_timeout_s=limits.unauthenticated_idle_timeout_s,
             idle_timeout_s=limits.idle_timeout_s,
@@ -197,18 +213,115 @@ class ProxyServer:
             frame_cap_setting=("limits.max_frame_size" if limits.max_frame_size <= limits.max_buffered_bytes
                                else "limits.max_buffered_bytes"),
         )
+        # Which upstream cluster is active, and switching it (kproxy.server.clusters); each cluster has
+        # its own connection settings and filter chain. Connections ask when they open.
+        self.switch_book = SwitchBook()
+        self.upstreams = UpstreamClusters(
+            self.name, config.upstream, self._build_clusters(*self._filters), self.switch_book, self,
+            state_path=_state_path(config), max_frame=limits.max_frame_size)
+        self.settings = self.upstreams.active.connection
         self.tls_handshake_timeout_s = limits.tls_handshake_timeout_s
-        # How late the event loop runs a short timer (see _watch_loop_lag).
-        self.loop_lag = metric_families.Histogram()
-        self.loop_lag_max = 0.0
         if self.metrics is not None:
             self._add_metric_readers(self.metrics)
+        process.add(self)
+
+    def _build_clusters(self, builtin: list[Filter], filters: list[Filter]) -> list[Cluster]:
+        """One Cluster per upstream cluster: how its connections are opened (TLS following its files,
+        kproxy's own login), its filter chain (the server's filters between its own: the virtual
+        cluster's id, and a replica's topic prefix on last and off first) and connection settings.
+        The single-cluster form is one cluster, "default", opened as before."""
+        up = self.config.upstream
+        cluster_id = self.config.presented_cluster_id
+        out = []
+        for name in up.names:
+            cfg = up.cluster(name)
+            if up.several:
+                tls = (_reloading(f"upstream.clusters[{name}].tls", cfg.tls,
+                                  functools.partial(client_context, cfg.tls), server_side=False,
+                                  expiry=self.certificates) if cfg.tls.enabled else None)
+                originator = Originator(cfg.sasl) if cfg.sasl is not None else None
+            else:
+                tls, originator = self.upstream_tls, self.identity.originator
+            # How every broker connection is opened (discovery, client connections): kproxy.server.upstream.
+            settings = UpstreamSettings.from_config(cfg, tls, originator)
+            prefix = up.topic_prefix(name)
+            first: list[Filter] = [ClusterIdentity(cluster_id)]
+            last: list[Filter] = []
+            carrying: list[Filter] = []
+            if up.several:
+                last.append(Continuity(name, self.switch_book))
+                # Joins the chain only once the virtual cluster has switched: until then Produce
+                # requests meet no filter of its own and go out as they were received.
+                carrying.append(ProducerCarrier(name, self.switch_book))
+            outgoing: list[Filter] = []
+            if prefix:
+                names = ReplicaNames(prefix)
+                first.insert(0, names.incoming)
+                outgoing.append(names.outgoing)
+            alias = next((c.alias for c in up.clusters if c.name == name), name)
+            out.append(Cluster(
+                name, cfg, settings, prefix, alias, tls if up.several else None,
+                FilterChain([*first, *builtin, *filters, *last, *outgoing]),
+                attrs.evolve(self.settings, bootstrap_servers=tuple((hp.host, hp.port) for hp in cfg.bootstrap_servers),
+                             upstream=settings),
+                self.topic_names.without_prefix(prefix),
+                carrying_chain=FilterChain([*first, *builtin, *filters, *last, *carrying, *outgoing])))
+        return out
+
+    def switchable(self) -> dict[str, UpstreamClusters]:
+        """This server's virtual cluster and its upstream clusters, for the admin listener."""
+        return {self.name: self.upstreams}
+
+    @property
+    def upstream(self) -> UpstreamSettings:
+        """How the active upstream cluster's broker connections are opened."""
+        return self.upstreams.active.settings
+
+    @property
+    def chain(self) -> FilterChain:
+        """The filters of a connection opened now (the active upstream cluster's)."""
+        return self.upstreams.active.chain_now(self.switch_book.switched)
+
+    def _upstream_tls_contexts(self) -> list[ReloadingContext]:
+        clusters = [c.tls for c in self.upstreams.clusters.values() if c.tls is not None]
+        return [c for c in (self.client_tls, self.upstream_tls, *clusters) if c is not None]
+
+    async def drain_upstream(self, cluster: str, timeout: float, reason: str) -> int:
+        """For a switch: drain the connections on ``cluster`` as on SIGTERM, and close what is left
+        after ``timeout``; how many there were."""
+        moving = [c for c in self.connections if c.cluster == cluster]
+        for c in moving:
+            c.drain(reason)
+        with trio.move_on_after(timeout):
+            # Done once each has written every answer it owed (it then closes gracefully by itself).
+            while any(c in self.connections and not c.closing for c in moving):
+                await trio.sleep(0.005)
+        left = [c for c in moving if c in self.connections and not c.closing]
+        if left:
+            log.warning("%s: closing %d connections with requests still in flight after %gs", reason, len(left),
+                        timeout)
+            for c in left:
+                c._close_from_task(f"{reason} (requests still in flight after {timeout:g}s)")
+        return len(moving)
+
+    async def retarget(self) -> None:
+        """For a switch: the old cluster's broker addresses are forgotten (a port leads nowhere until
+        the new cluster's broker of that node id is learned), and the new cluster's brokers learned."""
+        self.address_map.forget_upstreams()
+        self.discovery_ended_at = None
+        await self.discover()
 
     # -- telemetry and the admin listener
 
     @property
     def metrics(self) -> Metrics | None:
+        """This virtual cluster's metrics (the process's /metrics adds its ``virtual_cluster`` label)."""
         return self.telemetry.metrics
+
+    @property
+    def admin(self) -> AdminServer | None:
+        """The process's admin listener, once it serves."""
+        return self.process.admin
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, why): listeners bound and one round trip to a bootstrap server done (its ApiVersions
@@ -238,33 +351,20 @@ class ProxyServer:
         m.add_reader(connections)
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
         m.add_reader(lambda: metric_families.memo_families(self.answer_memo))
-        m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
-        m.add_reader(lambda: metric_families.budget_families(self.budget))
         m.add_reader(lambda: metric_families.rule_families(self.rule_store))
         m.add_reader(lambda: metric_families.readiness_families(self.readiness()[0]))
-        m.add_reader(self.certificates.families)
         m.add_reader(lambda: metric_families.identity_edge_families(
-            [c for c in (self.client_tls, self.upstream_tls) if c is not None], self.proxy_protocol,
-            self.sni_names if self.sni else None))
+            self._upstream_tls_contexts(), self.proxy_protocol, self.sni_names if self.sni else None))
+        m.add_reader(lambda: metric_families.upstream_families(self.upstreams.snapshot()))
         if self.identity.active:
             m.add_reader(lambda: metric_families.identity_families(self.identity))
+        m.add_reader(lambda: metric_families.kerberos_families(self.identity.kerberos))
         if self.coordinator is not None:
             coordinator = self.coordinator
             m.add_reader(lambda: metric_families.coordination_families(coordinator.snapshot()))
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
-
-    async def _watch_loop_lag(self, period: float = 0.005) -> None:
-        """A 5 ms timer whose lateness measures how long other work held the event loop (a big frame,
-        a slow filter): every other connection waited that long. Costs 200 wake-ups a second."""
-        while True:
-            due = trio.current_time() + period
-            await trio.sleep_until(due)
-            lag = max(0.0, trio.current_time() - due)
-            self.loop_lag.observe(lag)
-            if lag > self.loop_lag_max:
-                self.loop_lag_max = lag
 
     def _cut_through_min_bytes(self) -> int | None:
         """Answers this large stream to the client (None: none do). Spans that link the traces named
@@ -289,19 +389,7 @@ class ProxyServer:
     # -- listeners (the Router the connections use)
 
     def _bind(self, host: str, port: int) -> trio.socket.SocketType:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if self.workers > 1:
-                # Every worker listens on the same ports; the kernel spreads new connections.
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            s.bind((host, port))
-            s.listen(1024)
-        except OSError as e:
-            s.close()
-            raise ListenError(f"cannot listen on {_hostport(host, port)}: {e.strerror or e}") from e
-        s.setblocking(False)
+        s = bind_listener(host, port, reuse_port=self.workers > 1)
         self._raw_listeners[s.fileno()] = s
         return trio.socket.from_stdlib_socket(s)
 
@@ -336,35 +424,31 @@ class ProxyServer:
         return self.address_map.route_for_name(name) if name is not None else None
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until cancelled or drained; ``task_status.started(self)`` once the bootstrap port listens."""
+        """Run the process of this virtual cluster (its admin listener included) until cancelled or
+        drained; ``task_status.started()`` once the bootstrap port listens."""
+        await self.process.serve(task_status=task_status)
+
+    async def serve_cluster(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """This virtual cluster's listeners, discovery and watchers, until cancelled or drained (the
+        process runs one per virtual cluster); ``task_status.started(self)`` once its bootstrap port
+        listens."""
+        if self.process.names_logs:
+            # Every task of this virtual cluster inherits it from here (its nursery's parent task).
+            VIRTUAL_CLUSTER.set(self.name)
         listen = self.config.listen
-        admin_listener = None
-        if self.admin_listen is not None:
-            try:
-                admin_listener = admin.bind(self.admin_listen)
-            except admin.AdminListenError as e:
-                raise ListenError(str(e)) from e
-        try:
+        boot = None
+        if self.shared_listener is None:
             boot = self._bind(listen.host, listen.port)
-        except ListenError:
-            if admin_listener is not None:
-                admin_listener.socket.close()
-            raise
-        self.bootstrap_address = boot.getsockname()[:2]
-        self._listeners[listen.port] = boot
-        self.telemetry.start(trio.current_time())
+            self.bootstrap_address = boot.getsockname()[:2]
+            self._listeners[listen.port] = boot
+        else:
+            self.bootstrap_address = self.shared_listener
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                if admin_listener is not None:
-                    self.admin = admin.AdminServer(self, admin_listener)
-                    nursery.start_soon(self.admin.serve)
-                    log.info("admin listener on %s: /metrics /livez /readyz /config /rules /clients",
-                             _hostport(*self.admin.address))
                 await self.identity.run(nursery)
-                nursery.start_soon(self._accept_loop, boot, None)
-                if self.metrics is not None:
-                    nursery.start_soon(self._watch_loop_lag)
+                if boot is not None:
+                    nursery.start_soon(self._accept_loop, boot, None)
                 exposure = self.config.exposure
                 if exposure.node_id_base is not None and not self.sni:
                     # Deterministic ports: open the whole range now, so clients holding addresses
@@ -380,8 +464,12 @@ class ProxyServer:
                 if not await self.discover():
                     nursery.start_soon(self._rediscover)
                 log.info("kproxy listening on %s -> %s", _hostport(listen.host, listen.port),
-                         ", ".join(str(b) for b in self.config.upstream.bootstrap_servers))
-                tls_files = [c for c in (self.client_tls, self.upstream_tls) if c is not None]
+                         ", ".join(str(b) for b in self.upstreams.active.config.bootstrap_servers))
+                if self.config.upstream.several:
+                    log.info("virtual cluster %s: on upstream cluster %s (%s)", self.name,
+                             self.upstreams.active.name, self.upstreams.started_because)
+                await nursery.start(self.upstreams.run)
+                tls_files = self._upstream_tls_contexts()
                 if tls_files:
                     nursery.start_soon(watch_tls, tls_files, self.tls_poll_interval_s)
                 if self.rule_store is not None:
@@ -396,9 +484,6 @@ class ProxyServer:
         finally:
             for s in self._listeners.values():
                 s.close()
-            if admin_listener is not None:
-                admin_listener.socket.close()
-            self.telemetry.close()
 
     async def _rediscover(self) -> None:
         # Until a bootstrap server answers once (readiness waits for it), try again with a backoff.
@@ -416,38 +501,33 @@ class ProxyServer:
             self._accept_scopes.append(scope)
             if self.draining:
                 return
-            while True:
-                try:
-                    # Accepted as a stdlib socket, which kproxy then owns by a public name (the
-                    # transport peeks at it to tell an idle connection from a busy one).
-                    await trio.lowlevel.wait_readable(listener)
-                    try:
-                        raw, addr = listener.accept()
-                    except BlockingIOError:
-                        continue
-                    raw.setblocking(False)
-                    conn = trio.socket.from_stdlib_socket(raw)
-                except OSError as e:
-                    if e.errno in _CAPACITY_ERRNOS:
-                        log.warning("accept on port %s failed: %s; retrying in 100 ms",
-                                    port or self.config.listen.port, e.strerror or e)
-                        await trio.sleep(0.1)
-                        continue
-                    if e.errno in _PEER_ERRNOS:
-                        continue    # that one connection failed before it was accepted; not the listener
-                    if self.draining:
-                        return
-                    raise
+
+            def handle(conn: trio.socket.SocketType, addr: Any, raw: socket.socket) -> None:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._handle, conn, addr, port, raw)
 
+            await accept_loop(listener, str(port or self.config.listen.port), handle, lambda: self.draining)
+
+    def hand_over(self, sock: trio.socket.SocketType, addr: Any, raw: socket.socket, admitted: Admission) -> None:
+        """Serve a connection the process accepted on a port this virtual cluster shares, whose
+        ClientHello names it; ``admitted`` is what the PROXY header (if any) said."""
+        if self._nursery is None or self.draining:
+            sock.close()
+            return
+        self._nursery.start_soon(self._handle, sock, addr, None, raw, admitted)
+
     async def _handle(self, sock: trio.socket.SocketType, addr: Any, port: int | None,
-                      raw: socket.socket) -> None:
+                      raw: socket.socket, admitted: Admission | None = None) -> None:
         tune(sock)
         cid = next(self._ids)
         peer = (addr[0], addr[1])
         via = ""
-        if self.proxy_protocol is not None:
+        if admitted is not None:
+            # Read by the process before it saw the ClientHello of a port several virtual clusters share.
+            if admitted.via is not None:
+                via = f" via {_hostport(*admitted.via)}"
+            peer = admitted.client
+        elif self.proxy_protocol is not None:
             # Before TLS: a load balancer writes the header ahead of the client's ClientHello.
             admission = await self.proxy_protocol.admit(raw, peer)
             if admission.refused is not None:
@@ -487,6 +567,13 @@ class ProxyServer:
                 transport = PlainTransport(sock, raw)
         except (OSError, ssl.SSLError, trio.BrokenResourceError, trio.TooSlowError) as e:
             sock.close()
+            refused = REFUSED_SNI_NAME.get()
+            if refused is not None:
+                # The one line that says why (the handshake's own error would only say "unrecognized name").
+                log.warning("connection %d from %s%s on %s: no broker of this listener has the TLS host name "
+                            "%r (it serves %s); closed", cid, _hostport(*peer), via, self.sni_names.listener,
+                            safe(refused), ", ".join(self.sni_names.patterns()))
+                return
             log.info("connection %d from %s%s: TLS handshake failed: %s", cid, _hostport(*peer), via,
                      "timed out (limits.tls_handshake_timeout_s)" if isinstance(e, trio.TooSlowError)
                      else safe(str(e)))
@@ -495,9 +582,13 @@ class ProxyServer:
             route = self.address_map.route_for_port(port) or await self._route_after_discovery(port=port)
         if route is not None:
             ctx.listener = f"{route.role}-{route.node_id}"
+        # The upstream cluster it uses for its life; while a switch is under way this waits (new
+        # requests are held), and nothing below waits before the connection is in self.connections.
+        cluster = await self.upstreams.current()
+        chain = cluster.chain_now(self.switch_book.switched)
         front = self.identity.front(ctx)
-        session = Session(ctx, self.chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
-                          reencode=self.reencode, topic_names=self.topic_names, front=front,
+        session = Session(ctx, chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
+                          reencode=self.reencode, topic_names=cluster.topic_names, front=front,
                           stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo,
                           read_answers=self.telemetry.active)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
@@ -505,8 +596,9 @@ class ProxyServer:
         record = self.clients.opened(ctx)
         complete = functools.partial(self._completed_with_telemetry if self.telemetry.active
                                      else self._completed, ctx, record)
-        conn = ClientConnection(self.settings, self, transport, session, on_complete=complete,
-                                budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare)
+        conn = ClientConnection(cluster.connection, self, transport, session, on_complete=complete,
+                                budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare,
+                                cluster=cluster.name)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):
@@ -531,11 +623,15 @@ class ProxyServer:
             return False
         return self.rule_store.reload(reason)
 
+    async def reload_upstream(self) -> None:
+        """Read the state file again (SIGHUP): follow a switch another process recorded."""
+        if self.upstreams.state_file is not None:
+            await self.upstreams.follow_state()
+
     def reload_tls(self) -> None:
         """Look at the TLS files now (SIGHUP) instead of at the next poll; unchanged files stay loaded."""
-        for ctx in (self.client_tls, self.upstream_tls):
-            if ctx is not None:
-                ctx.check()
+        for ctx in self._upstream_tls_contexts():
+            ctx.check()
 
     def new_context(self, connection_id: int, client_address: tuple[str, int]) -> ConnectionContext:
         """The context of a new client connection, with the settings filters read from it."""
@@ -599,7 +695,7 @@ class ProxyServer:
             done.set()
 
     async def _discover_once(self) -> bool:
-        cfg = self.config.upstream
+        cfg = self.upstreams.active.config
         for hp in cfg.bootstrap_servers:
             try:
                 t = await open_upstream(hp.host, hp.port, self.upstream)
@@ -654,9 +750,10 @@ class ProxyServer:
 
     # -- shutdown
 
-    async def drain(self, timeout: float | None = None) -> None:
+    async def drain(self, timeout: float | None = None, *, stop: bool = True) -> None:
         """Stop accepting, answer what is in flight (up to ``timeout``), close each connection as soon
-        as it owes nothing, then stop."""
+        as it owes nothing, then stop the process (unless not ``stop``: the process drains all its
+        virtual clusters this way, then stops)."""
         timeout = self.config.limits.drain_timeout_s if timeout is None else timeout
         self.draining = True
         for scope in self._accept_scopes:
@@ -676,18 +773,45 @@ class ProxyServer:
                         "requests still in flight", timeout, len(self.connections))
             for c in list(self.connections):
                 c._close_from_task(f"drain timeout ({timeout:g}s) with requests in flight")
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
+        if stop:
+            self.process.stop()
 
 
-async def serve_until_signal(server: ProxyServer) -> None:
+# The signals kproxy handles. A supervisor starts its workers with them blocked (Worker.start), and
+# serve_until_signal unblocks them once it listens for them.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Serving(Protocol):
+    """What ``serve_until_signal`` runs: a ProxyProcess (or one of its ProxyServers, which serves the whole process)."""
+
+    worker: tuple[int, int] | None
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def serve(self, *, task_status: Any = ...) -> None: ...
+
+    async def drain(self, timeout: float | None = None) -> None: ...
+
+    def reload_rules(self, reason: str) -> bool: ...
+
+    def reload_tls(self) -> None: ...
+
+    async def reload_upstream(self) -> None: ...
+
+
+async def serve_until_signal(server: Serving) -> None:
     """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
-    and any changed TLS files."""
+    and any changed TLS files, and follows a switch the state file records."""
     # Signals are kproxy's before the first port is bound: /readyz says ready as soon as a bootstrap
     # server answers, while discovery may still wait for Metadata, and a SIGTERM then (a supervisor's,
     # a kubelet's) would otherwise end the process at once without a drain or a last log line. One
     # that arrives during start-up waits here until the server has started, then drains it.
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        # A worker's signals were held (blocked) since its supervisor started it, so one passed on
+        # while it was still importing and reading its settings waited: it is delivered from here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             if server.worker is not None:
@@ -698,6 +822,8 @@ async def serve_until_signal(server: ProxyServer) -> None:
                 if signum == signal.SIGHUP:
                     server.reload_rules("SIGHUP")
                     server.reload_tls()
+                    # A switch another process made since is followed now (the state file says so).
+                    nursery.start_soon(server.reload_upstream)
                     continue
                 if server.draining:
                     log.info("%s again: stopping now", name)
@@ -708,7 +834,7 @@ async def serve_until_signal(server: ProxyServer) -> None:
     log.info("kproxy stopped")
 
 
-async def _drain_when_orphaned(server: ProxyServer, scope: trio.CancelScope, parent: int) -> None:
+async def _drain_when_orphaned(server: Serving, scope: trio.CancelScope, parent: int) -> None:
     # A worker whose supervisor is gone (killed outright) would hold the ports forever: drain and stop.
     while os.getppid() == parent:
         await trio.sleep(1.0)
@@ -717,7 +843,7 @@ async def _drain_when_orphaned(server: ProxyServer, scope: trio.CancelScope, par
         await _drain_then_stop(server, scope)
 
 
-async def _drain_then_stop(server: ProxyServer, scope: trio.CancelScope) -> None:
+async def _drain_then_stop(server: Serving, scope: trio.CancelScope) -> None:
     await server.drain()
     scope.cancel()
 
@@ -735,8 +861,61 @@ def _reloading(setting: str, side: TlsServerSide | TlsClientSide, build: Any, se
     return ReloadingContext(setting, files, build, server_side=server_side, on_loaded=observe_expiry)
 
 
-def _budget_limit(config: ProxyConfig) -> int:
-    return effective_buffer_budget(config)
+def _state_path(config: ProxyConfig) -> str:
+    """upstream.state_file, else kproxy-state.json beside the configuration file (or in the cwd).
+    Every virtual cluster of a file has its own entry in it."""
+    given = config.upstream.state_file
+    if given is not None:
+        return given
+    return os.path.join(os.path.dirname(config.source) if config.source else ".", "kproxy-state.json")
+
+
+def bind_listener(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A non-blocking listening socket on ``host:port``; ``reuse_port`` when every worker process
+    listens on the same ports (the kernel spreads new connections). ListenError names the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((host, port))
+        s.listen(1024)
+    except OSError as e:
+        s.close()
+        raise ListenError(f"cannot listen on {_hostport(host, port)}: {e.strerror or e}") from e
+    s.setblocking(False)
+    return s
+
+
+async def accept_loop(listener: socket.socket, where: str,
+                      handle: Callable[[trio.socket.SocketType, Any, socket.socket], None],
+                      draining: Callable[[], bool]) -> None:
+    """Accept connections on ``listener`` until cancelled, giving each to ``handle`` (which starts
+    its task); ``where`` names the port in log lines. Out of descriptors or memory, it waits and
+    tries again; a connection that failed before it was accepted is skipped."""
+    while True:
+        try:
+            # Accepted as a stdlib socket, which kproxy then owns by a public name (the transport
+            # peeks at it to tell an idle connection from a busy one).
+            await trio.lowlevel.wait_readable(listener)
+            try:
+                raw, addr = listener.accept()
+            except BlockingIOError:
+                continue
+            raw.setblocking(False)
+            conn = trio.socket.from_stdlib_socket(raw)
+        except OSError as e:
+            if e.errno in _CAPACITY_ERRNOS:
+                log.warning("accept on port %s failed: %s; retrying in 100 ms", where, e.strerror or e)
+                await trio.sleep(0.1)
+                continue
+            if e.errno in _PEER_ERRNOS:
+                continue    # that one connection failed before it was accepted; not the listener
+            if draining():
+                return
+            raise
+        handle(conn, addr, raw)
 
 
 def _hostport(host: str, port: int) -> str:

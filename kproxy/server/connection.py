@@ -13,8 +13,11 @@ router (where to connect, which ports to open) and a completion callback.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import socket
 import struct
+import termios
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -43,6 +46,14 @@ from kproxy.server.watchdog import watch
 log = logging.getLogger("kproxy.server")
 
 _I32 = struct.Struct(">i")
+# After a drain's last answer, how long kproxy waits for the client to close (reading and dropping
+# what it still sends) before closing itself: closing a socket with unread bytes sends a reset,
+# which makes the client's kernel drop answers it had not read yet.
+LINGER_S = 1.0
+# And how long the answer has to be read before the end of the stream follows it: kafka-python
+# 3.0 drops the bytes of a read that also meets the end of the stream (transport._sock_recv), so an
+# answer and the close must not arrive together.
+CLOSE_GRACE_S = 0.25
 # The largest frame a client may send before it has logged in to kproxy: a SaslAuthenticate with a
 # 128 KiB token fits; a stranger cannot make kproxy hold more than this.
 PRE_LOGIN_FRAME_CAP = 256 * 1024
@@ -88,18 +99,20 @@ Completion = Callable[[InFlight], None]
 class ClientConnection(Executor):
     """One client connection and the broker connection behind it."""
 
-    __slots__ = ("_close_reason", "_held", "_lose_pending", "_now", "_nursery", "_partial_frame", "_partial_since",
-                 "_pipe", "_pre_login", "_quiet_since", "_readers", "_room", "_seen_requests", "_splice_ok",
-                 "budget", "bytes_in", "bytes_out", "cancel_scope", "client", "client_gone", "client_reader",
-                 "draining", "on_complete", "opened_at", "prepare", "requests_done", "route_key", "router",
-                 "session", "settings", "stats", "unrouted", "writer")
+    __slots__ = ("_close_reason", "_drain_reason", "_held", "_linger", "_lose_pending", "_now", "_nursery",
+                 "_partial_frame", "_partial_since", "_pipe", "_pre_login", "_quiet_since", "_readers", "_room",
+                 "_seen_requests", "_splice_ok", "budget", "bytes_in", "bytes_out", "cancel_scope", "client",
+                 "client_gone", "client_reader", "closing", "cluster", "draining", "on_complete", "opened_at",
+                 "prepare", "requests_done", "route_key", "router", "session", "settings", "stats", "unrouted",
+                 "writer")
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
-                 prepare: Callable[[memoryview], Awaitable[None]] | None = None) -> None:
+                 prepare: Callable[[memoryview], Awaitable[None]] | None = None, cluster: str = "default") -> None:
         super().__init__()
         self.settings = settings
+        self.cluster = cluster                      # the upstream cluster it uses for its life
         self.router = router
         self.client = client
         self.session = session
@@ -120,6 +133,9 @@ class ClientConnection(Executor):
         self._nursery: trio.Nursery | None = None
         self.cancel_scope: trio.CancelScope | None = None
         self.draining = False
+        self._drain_reason = "kproxy is shutting down"
+        self._linger = False                        # a drain ended it: close gracefully (LINGER_S)
+        self.closing = False                        # it owes the client nothing more; closing
         self.client_reader = FrameReader(settings.frame_cap, trust_claims=False,
                                          limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
@@ -162,7 +178,7 @@ class ClientConnection(Executor):
         if not self._room.is_set():
             self._room.set()
         if self.draining and not session.open:
-            self._close_from_task("kproxy is shutting down (answered what was in flight)")
+            self._close_from_task(f"{self._drain_reason} (answered what was in flight)", linger=True)
 
     # -- the whole connection
 
@@ -204,6 +220,9 @@ class ClientConnection(Executor):
                 reason = self._close_reason
             elif scope.cancelled_caught and reason == "client closed the connection":
                 reason = "closed by kproxy (shutdown)"
+            if self._linger and not self.client_gone:
+                self.closing = True
+                await self._lingering_close()
         finally:
             self.client.close()
             if self.upstream is not None:
@@ -230,11 +249,13 @@ class ClientConnection(Executor):
                      trio.current_time() - self.opened_at, safe(reason, 500), safe(ctx.client_id),
                      self.requests_done, _size(self.bytes_in), _size(self.bytes_out))
 
-    def drain(self) -> None:
-        """Shut down gently: answer what is in flight, take no new request, then close."""
+    def drain(self, reason: str = "kproxy is shutting down") -> None:
+        """Shut down gently: answer what is in flight, take no new request, then close (a shutdown, or
+        a switch to another upstream cluster: the client reconnects)."""
         self.draining = True
+        self._drain_reason = reason
         if not self.session.open:
-            self._close_from_task("kproxy is shutting down (nothing in flight)")
+            self._close_from_task(f"{reason} (nothing in flight)", linger=True)
 
     def _account(self) -> None:
         held = 0
@@ -321,7 +342,8 @@ class ClientConnection(Executor):
         while session.open:
             self._room = trio.Event()
             await self._room.wait()
-        raise ConnectionClosed("kproxy is shutting down (answered what was in flight)")
+        self._linger = True
+        raise ConnectionClosed(f"{self._drain_reason} (answered what was in flight)")
 
     # -- cut-through: a large request streamed to the broker while it arrives
 
@@ -507,11 +529,43 @@ class ClientConnection(Executor):
             self.client_gone = True
         self._close_from_task(str(e))
 
-    def _close_from_task(self, reason: str) -> None:
+    def _close_from_task(self, reason: str, *, linger: bool = False) -> None:
+        """End the connection from any task; ``linger``: every answer owed is written, so the
+        client's socket is closed gracefully (``_lingering_close``) rather than at once."""
         self._close_reason = reason
-        self.client.close()
+        self.closing = True
+        if linger:
+            self._linger = True
+        else:
+            self.client.close()
         if self.cancel_scope is not None:
             self.cancel_scope.cancel()
+
+    async def _lingering_close(self) -> None:
+        """Once the client's kernel has every answer and the client a moment to read it, shut the
+        sending side (the client reads the end of the stream after the answers) and drop what the
+        client still sends until it closes, for up to LINGER_S: a close with unread bytes would send
+        a reset, and the client's kernel would drop answers it had not read yet."""
+        raw = getattr(self.client, "raw", None)
+        if raw is None:
+            return
+        with trio.move_on_after(LINGER_S):
+            while _unacknowledged(raw) > 0:
+                await trio.sleep(0.01)
+        await trio.sleep(CLOSE_GRACE_S)
+        try:
+            raw.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        with trio.move_on_after(LINGER_S):
+            while True:
+                try:
+                    if not raw.recv(65536):
+                        return
+                except (BlockingIOError, InterruptedError):
+                    await trio.lowlevel.wait_readable(raw)
+                except OSError:
+                    return
 
     # -- timeouts
 
@@ -581,6 +635,14 @@ class ClientConnection(Executor):
             self._closed(e)
         finally:
             self._lose_pending = False
+
+
+def _unacknowledged(raw: socket.socket) -> int:
+    """Bytes sent on ``raw`` the peer has not acknowledged yet (Linux SIOCOUTQ); 0 where unknown."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(raw.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    except (OSError, ValueError):
+        return 0
 
 
 def allowed_seconds(entry: InFlight, request_timeout: float) -> float:

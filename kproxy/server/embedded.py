@@ -1,8 +1,9 @@
 """kproxy in a background thread of another program: for blocking clients in tests, demo and bench.
 
 ``with ProxyThread(config) as proxy:`` starts a trio loop in a daemon thread, waits until the
-bootstrap port listens, and on exit drains and joins the thread. ``proxy.call(fn)`` runs a function
-on the proxy's loop (to inspect the address map or stats without races).
+bootstrap ports listen, and on exit drains and joins the thread. ``proxy.call(fn)`` runs a function
+on the proxy's loop (to inspect the address map or stats without races). ``proxy.process`` is the
+whole process; ``proxy.server`` its first (or only) virtual cluster, ``proxy.cluster(name)`` any.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import trio
 from kproxy.config import ProxyConfig
 from kproxy.proxy.filters import Filter
 from kproxy.server.app import ProxyServer
+from kproxy.server.process import ProxyProcess
 
 
 class ProxyThread:
     def __init__(self, config: ProxyConfig, filters: Sequence[Filter] = (), **server_options: Any) -> None:
-        self.server = ProxyServer(config, filters, **server_options)
+        self.process = ProxyProcess.from_config(config, filters, **server_options)
+        self.server: ProxyServer = next(iter(self.process.servers.values()))
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
@@ -30,8 +33,15 @@ class ProxyThread:
 
     @property
     def bootstrap(self) -> str:
-        assert self.server.bootstrap_address is not None
-        host, port = self.server.bootstrap_address
+        return self.bootstrap_of(self.server)
+
+    def cluster(self, name: str) -> ProxyServer:
+        return self.process.cluster(name)
+
+    @staticmethod
+    def bootstrap_of(server: ProxyServer) -> str:
+        assert server.bootstrap_address is not None
+        host, port = server.bootstrap_address
         return f"{host}:{port}"
 
     def start(self, timeout: float = 30.0) -> ProxyThread:
@@ -49,7 +59,7 @@ class ProxyThread:
             with trio.CancelScope() as scope:
                 self._cancel = scope
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(self.server.serve)
+                    await nursery.start(self.process.serve)
                     self._ready.set()
 
         try:
@@ -67,7 +77,7 @@ class ProxyThread:
     def drain(self, timeout: float | None = None) -> None:
         """Graceful stop: stop accepting, let in-flight requests finish, close (as on SIGTERM)."""
         assert self._token is not None
-        trio.from_thread.run(self.server.drain, timeout, trio_token=self._token)
+        trio.from_thread.run(self.process.drain, timeout, trio_token=self._token)
 
     def stop(self) -> None:
         if self._thread is None:

@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from kproxy.config import ProxyConfig
+from kproxy.identity.kerberos import GssapiSettings, KerberosMapper, realm_of
 from kproxy.identity.termination import (
     FailedLogins,
     SaslTermination,
@@ -33,6 +34,7 @@ from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.messages import decode_request, peek_request_header
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.sasl import SaslFront, VersionRanges
+from kproxy.server.kerberos import KerberosStats, KeytabAcceptor, keytab_problem
 from kproxy.server.oauth import JwksCache
 from kproxy.server.origination import Originator
 from kproxy.userfile import load_users_file
@@ -49,7 +51,10 @@ class IdentityService:
         """Raises ConfigError when the users file cannot be loaded."""
         sasl = config.sasl
         up = config.upstream.sasl
-        self.originator = Originator(up) if up is not None else None
+        sides = (("initiate",) if up is not None and up.mechanism == "GSSAPI" else ()) + \
+                (("accept",) if sasl is not None and sasl.gssapi is not None else ())
+        self.kerberos = KerberosStats(sides) if sides else None      # Kerberos failures, for /metrics
+        self.originator = Originator(up, kerberos_stats=self.kerberos) if up is not None else None
         self.jwks: JwksCache | None = None
         self.settings: TerminationSettings | None = None
         self.failed_logins: FailedLogins | None = None
@@ -57,6 +62,7 @@ class IdentityService:
         self.logins: dict[tuple[str, str], int] = {}         # (mechanism, outcome) -> count
         self._users_mtime: float | None = None
         self._discovery_tried_at = -math.inf
+        self._warn_about_keytabs(config)
         if sasl is None:
             return
         rules = None
@@ -64,14 +70,34 @@ class IdentityService:
             o = sasl.oauth
             self.jwks = JwksCache(o.jwks_url, o.jwks_refresh_s)
             rules = TokenRules(o.issuer, o.audience, o.principal_claim, leeway_s=o.leeway_s)
+        gssapi = None
+        if sasl.gssapi is not None and "GSSAPI" in sasl.mechanisms:   # read only when offered
+            g = sasl.gssapi
+            gssapi = GssapiSettings(KeytabAcceptor(g.principal, g.keytab, self.kerberos),
+                                    KerberosMapper.from_config(g.principal_to_local, realm_of(g.principal)))
         self.settings = TerminationSettings(
             sasl.mechanisms, token_rules=rules, max_session_s=sasl.max_session_s,
-            failure_delay_s=sasl.failed_login_delay_s, decoy_secret=secrets.token_bytes(32))
+            failure_delay_s=sasl.failed_login_delay_s, decoy_secret=secrets.token_bytes(32), gssapi=gssapi)
         if sasl.users_file is not None:
             self._users_mtime = _mtime(sasl.users_file)
             self.settings = attrs.evolve(self.settings, users=load_users_file(sasl.users_file))
         self.failed_logins = FailedLogins(sasl.max_failed_logins_per_minute)
         self.users_file = sasl.users_file
+
+    @staticmethod
+    def _warn_about_keytabs(config: ProxyConfig) -> None:
+        # `kproxy check` refuses such a keytab; a running kproxy says so at start and keeps going,
+        # since the keytab may be put right (each login reads it again).
+        up, sasl = config.upstream.sasl, config.sasl
+        checks = []
+        if up is not None and up.mechanism == "GSSAPI" and up.principal and up.keytab:
+            checks.append(("upstream.sasl", up.principal, up.keytab))
+        if sasl is not None and sasl.gssapi is not None and "GSSAPI" in sasl.mechanisms:
+            checks.append(("sasl.gssapi", sasl.gssapi.principal, sasl.gssapi.keytab))
+        for where, principal, keytab in checks:
+            problem = keytab_problem(principal, keytab)
+            if problem is not None:
+                log.error("%s: %s; Kerberos logins will fail until it is put right", where, safe(problem, 400))
 
     @property
     def active(self) -> bool:

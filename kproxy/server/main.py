@@ -1,6 +1,6 @@
 """``kproxy run``: settings from a file or the command line, then logging, then the proxy until SIGTERM.
 
-The glue between ``kproxy.cli`` and ``ProxyServer``: every setting it takes from the command line
+The glue between ``kproxy.cli`` and ``ProxyProcess`` (one ``ProxyServer`` per virtual cluster): every setting it takes from the command line
 goes through ``kproxy.config``'s checks, and a mistake is one line on stderr and exit status 2
 before anything starts. It holds no proxy logic.
 """
@@ -20,6 +20,7 @@ from kproxy.config import (
     ProxyConfig,
     apply_overrides,
     config_from_args,
+    describe_cluster,
     describe_config,
     effective_workers,
     load_config,
@@ -27,7 +28,8 @@ from kproxy.config import (
 from kproxy.logs import configure_logging
 from kproxy.policy.loader import load_rules
 from kproxy.protocol.compiler import accelerator_warning, codec_implementation
-from kproxy.server.app import ListenError, ProxyServer, listen_error, serve_until_signal
+from kproxy.server.app import ListenError, listen_error, serve_until_signal
+from kproxy.server.process import ProxyProcess
 from kproxy.server.workers import WORKER_ADMIN_ENV, Supervisor, worker_identity
 
 log = logging.getLogger("kproxy.server")
@@ -47,6 +49,8 @@ _QUICK_OPTIONS = (
 
 def _log_start(cfg: ProxyConfig) -> None:
     log.info("kproxy %s: %s", __version__, describe_config(cfg, codec_implementation()))
+    for vc in cfg.virtual_clusters:
+        log.info("virtual cluster %s: %s", vc.name, describe_cluster(vc))
     missing = accelerator_warning()
     if missing:
         log.warning("%s", missing)
@@ -63,22 +67,23 @@ def run_from_args(args: Any) -> int:
     configure_logging(cfg.log_level, cfg.log_format, process=f"worker {worker[0]}" if worker else None)
     if worker is None and effective_workers(cfg) > 1:
         _log_start(cfg)
-        if cfg.rules:
-            # Checked once here, so rule files that do not load stop the start instead of every
-            # worker failing and being restarted.
-            try:
-                load_rules(cfg.rules, cfg.chaos)
-            except ConfigError as e:
-                print(f"kproxy run: {e}", file=sys.stderr)
-                return 2
+        # Checked once here, so rule files that do not load stop the start instead of every worker
+        # failing and being restarted.
+        try:
+            for vc in cfg.clusters:
+                if vc.rules:
+                    load_rules(vc.rules, vc.chaos)
+        except ConfigError as e:
+            print(f"kproxy run: {e}", file=sys.stderr)
+            return 2
         argv = getattr(args, "argv", None) or sys.argv[1:]
         return trio.run(Supervisor(cfg, argv).run)
     if worker is None or worker[0] == 0:
         _log_start(cfg)
     private_admin = os.environ.get(WORKER_ADMIN_ENV) if worker else None
     try:
-        server = ProxyServer(cfg, worker=worker,
-                             admin_listen=HostPort.parse(private_admin) if private_admin else None)
+        process = ProxyProcess.from_config(cfg, worker=worker,
+                                           admin_listen=HostPort.parse(private_admin) if private_admin else None)
     except ConfigError as e:
         # Rule files that do not load (the message `kproxy check` prints), or OTEL_* variables
         # kproxy cannot follow (read here, when the exporter is made).
@@ -90,7 +95,7 @@ def run_from_args(args: Any) -> int:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     try:
-        trio.run(serve_until_signal, server)
+        trio.run(serve_until_signal, process)
     except (ListenError, BaseExceptionGroup) as e:
         # A port in use is one line naming the address, not a traceback through trio's nurseries.
         leaf = listen_error(e)

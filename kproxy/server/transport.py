@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -280,6 +281,11 @@ class _NamedSSLObject(ssl.SSLObject):
         return self.asked_name if self.asked_name is not None else super().server_hostname
 
 
+# The SNI name a handshake was refused for, set in the handshaking task's own context by the name
+# callback (which runs inside that task), so the handshake's failure is logged with the name.
+REFUSED_SNI_NAME: ContextVar[str | None] = ContextVar("kproxy_refused_sni_name", default=None)
+
+
 class SniNames:
     """Which SNI names a handshake may ask for, and which one it asked.
 
@@ -291,14 +297,24 @@ class SniNames:
     every name: the callback only records the name on the connection's own TLS object.
     """
 
-    def __init__(self, domain: str | None, bootstrap_name: str = "bootstrap") -> None:
+    def __init__(self, domain: str | None, bootstrap_name: str = "bootstrap", listener: str = "") -> None:
         self.suffix = f".{domain.lower().rstrip('.')}" if domain else None
         self.bootstrap_name = bootstrap_name.lower()
+        self.listener = listener    # the address the names are served on, for log lines
         self.refused = 0        # handshakes ended for a name kproxy does not serve
 
     def install(self, ctx: ssl.SSLContext) -> None:
         ctx.sslobject_class = _NamedSSLObject
         ctx.sni_callback = self._on_name
+
+    def patterns(self) -> list[str]:
+        """The names served, as a person reads them (for the log line of a name that matched none)."""
+        domain = self.suffix or ""
+        return [f"{self.bootstrap_name}{domain}", f"broker-<id>{domain}", f"controller-<id>{domain}"]
+
+    def serves(self, name: str) -> bool:
+        """Whether ``name`` (lower case, no final dot) is one of the names served."""
+        return self.suffix is not None and name.endswith(self.suffix) and self.accepts(name)
 
     def accepts(self, name: str) -> bool:
         """Whether ``name`` (lower case, under the domain) is one kproxy serves."""
@@ -319,6 +335,7 @@ class SniNames:
             return None
         if not self.accepts(name):
             self.refused += 1
+            REFUSED_SNI_NAME.set(name)
             return ssl.ALERT_DESCRIPTION_UNRECOGNIZED_NAME
         if isinstance(sslobj, _NamedSSLObject):
             sslobj.asked_name = name

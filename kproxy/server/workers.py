@@ -19,11 +19,13 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import trio
 
 from kproxy.config import ProxyConfig, effective_workers
 from kproxy.server import admin
+from kproxy.server.app import SIGNALS
 from kproxy.server.clients import MAX_LISTED
 
 log = logging.getLogger("kproxy.supervisor")
@@ -33,6 +35,7 @@ WORKER_ADMIN_ENV = "KPROXY_WORKER_ADMIN"    # host:port of this worker's private
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 PROBE_BUDGET_S = 1.5        # all workers asked at once, for /readyz
 SCRAPE_BUDGET_S = 5.0       # for /metrics, /config and /rules
+SWITCH_BUDGET_S = 120.0     # for POST /switch (drain, catch-up and offset translation in every worker)
 # Gauges that are states or times, not amounts: the workers' values are not added up. The earliest
 # certificate expiry and "ready only if every worker is" (min); the latest rule load, the longest lag,
 # "a reload failing in any worker", and the rule count every worker has (max).
@@ -45,6 +48,11 @@ MERGED_BY = {
     "kproxy_rules_loaded_timestamp_seconds": max,
     "kproxy_tls_loaded_timestamp_seconds": max,
     "kproxy_rules_reload_failing": max,
+    # Upstream clusters: a worker still on the old cluster shows as 1 too until it follows; a
+    # cluster is reachable only if every worker's probe reached it.
+    "kproxy_upstream_active": max,
+    "kproxy_upstream_reachable": min,
+    "kproxy_upstream_switch_hold_seconds": max,
 }
 
 
@@ -75,9 +83,12 @@ class Worker:
         # worker that got it twice would stop at once instead of draining). A worker whose supervisor
         # was killed outright notices and stops by itself (PR_SET_PDEATHSIG cannot be used: trio
         # starts processes from a worker thread, and the signal follows that thread, not the process).
+        # It starts with SIGNALS blocked: one passed on before it handles them (it is importing, or
+        # reading its settings) stays pending until serve_until_signal unblocks it, instead of ending
+        # the worker outright, without a drain or its last log line.
         self.process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "kproxy", *self.argv], env=env, stdin=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_hold_signals)
         log.info("worker %d started (pid %d)", self.index, self.process.pid)
 
     def signal(self, signum: int) -> None:
@@ -97,8 +108,9 @@ class Supervisor:
 
     async def run(self) -> int:
         # Signals are the supervisor's before the first worker starts: one that arrives meanwhile is
-        # passed on once they all run, instead of ending the supervisor and orphaning them.
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        # passed on once they all are started (each holds it until it handles signals), instead of
+        # ending the supervisor and orphaning them.
+        with trio.open_signal_receiver(*SIGNALS) as signals:
             async with trio.open_nursery() as nursery:
                 for w in self.workers:
                     await w.start()
@@ -156,9 +168,11 @@ class SupervisorAdmin(admin.AdminServer):
 
     async def answer(self, method: str, target: str) -> tuple[int, str, bytes]:
         path = target.split("?", 1)[0]
-        if method not in ("GET", "HEAD"):
-            return 405, "text/plain; charset=utf-8", b"only GET and HEAD\n"
         workers = self.supervisor.workers
+        if path == "/switch" and method == "POST":
+            return await self._switch(target)
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain; charset=utf-8", b"only GET and HEAD (and POST /switch)\n"
         if path == "/livez":
             dead = [w.index for w in workers if w.process is None or w.process.returncode is not None]
             if dead:
@@ -172,14 +186,17 @@ class SupervisorAdmin(admin.AdminServer):
             texts = [body for status, _, body in answers if status == 200]
             if not texts:
                 return 503, "text/plain; charset=utf-8", b"no worker answered\n"
+            # The process group's own families: no virtual cluster (an empty label, as in each worker).
+            running = sum(1 for w in workers if w.process and w.process.returncode is None)
             extra = (f"# HELP kproxy_workers Worker processes running.\n# TYPE kproxy_workers gauge\n"
-                     f"kproxy_workers {sum(1 for w in workers if w.process and w.process.returncode is None)}\n"
+                     f'kproxy_workers{{virtual_cluster=""}} {running}\n'
                      "# HELP kproxy_workers_scraped Workers whose metrics are in this answer (the others did "
                      "not answer in time).\n# TYPE kproxy_workers_scraped gauge\n"
-                     f"kproxy_workers_scraped {len(texts)}\n"
+                     f'kproxy_workers_scraped{{virtual_cluster=""}} {len(texts)}\n'
                      "# HELP kproxy_worker_restarts_total Workers restarted after exiting unexpectedly.\n"
                      "# TYPE kproxy_worker_restarts_total counter\n"
-                     f"kproxy_worker_restarts_total {sum(w.restarts for w in workers)}\n").encode()
+                     f'kproxy_worker_restarts_total{{virtual_cluster=""}} {sum(w.restarts for w in workers)}\n'
+                     ).encode()
             return 200, admin.PROMETHEUS_TEXT, merge_expositions(texts) + extra
         if path == "/clients":
             views = []
@@ -198,17 +215,35 @@ class SupervisorAdmin(admin.AdminServer):
             if not_ready:
                 return 503, "text/plain; charset=utf-8", ("; ".join(not_ready) + "\n").encode()
             return 200, "text/plain; charset=utf-8", f"ready ({len(workers)} workers)\n".encode()
-        # /config and /rules are the same in every worker: worker 0's answer.
+        # /config, /rules and /upstream are the same in every worker: worker 0's answer.
         return answers[0]
 
+    async def _switch(self, target: str) -> tuple[int, str, bytes]:
+        """Every worker switches (each drains its own connections); the answer is theirs, by worker.
+        A worker that did not answer still follows the switch through the state file."""
+        workers = self.supervisor.workers
+        answers = await fetch_all([w.admin_address for w in workers], target, SWITCH_BUDGET_S, method="POST")
+        out: dict[str, Any] = {}
+        failed = []
+        for w, (status, _, body) in zip(workers, answers, strict=True):
+            try:
+                out[str(w.index)] = json.loads(body) if status == 200 else body.decode(errors="replace").strip()
+            except ValueError:
+                out[str(w.index)] = body.decode(errors="replace").strip()
+            if status != 200:
+                failed.append(status)
+        status = 200 if not failed else (failed[0] if len(failed) == len(workers) else 502)
+        return status, "application/json", (json.dumps({"workers": out}, indent=2) + "\n").encode()
 
-async def fetch_all(addresses: Sequence[str | None], target: str, timeout: float) -> list[tuple[int, str, bytes]]:
-    """GET ``target`` from every worker's private admin listener at once: one (status, content type,
-    body) per address, in order, all within ``timeout`` seconds."""
+
+async def fetch_all(addresses: Sequence[str | None], target: str, timeout: float,
+                    method: str = "GET") -> list[tuple[int, str, bytes]]:
+    """GET (or POST) ``target`` from every worker's private admin listener at once: one (status,
+    content type, body) per address, in order, all within ``timeout`` seconds."""
     answers: list[tuple[int, str, bytes]] = [(503, "text/plain; charset=utf-8", b"no answer\n")] * len(addresses)
 
     async def one(i: int, address: str | None) -> None:
-        answers[i] = await _fetch(address, target, timeout)
+        answers[i] = await _fetch(address, target, timeout, method)
 
     async with trio.open_nursery() as nursery:
         for i, address in enumerate(addresses):
@@ -216,8 +251,8 @@ async def fetch_all(addresses: Sequence[str | None], target: str, timeout: float
     return answers
 
 
-async def _fetch(address: str | None, target: str, timeout: float) -> tuple[int, str, bytes]:
-    """GET ``target`` from a worker's private admin listener: (status, content type, body)."""
+async def _fetch(address: str | None, target: str, timeout: float, method: str = "GET") -> tuple[int, str, bytes]:
+    """GET (or POST) ``target`` from a worker's private admin listener: (status, content type, body)."""
     if address is None:
         return 503, "text/plain; charset=utf-8", b"no admin listener\n"
     host, _, port = address.rpartition(":")
@@ -225,7 +260,8 @@ async def _fetch(address: str | None, target: str, timeout: float) -> tuple[int,
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, int(port))
             async with stream:
-                await stream.send_all(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                length = "Content-Length: 0\r\n" if method == "POST" else ""
+                await stream.send_all(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{length}Connection: close\r\n\r\n"
                                       .encode())
                 data = bytearray()
                 while chunk := await stream.receive_some(65536):
@@ -321,6 +357,11 @@ def merge_clients(views: Sequence[tuple[int, dict]], limit: int = MAX_LISTED) ->
 
 def _number(v: float) -> str:
     return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+
+
+def _hold_signals() -> None:
+    # In the new worker between fork and exec: the signal mask survives exec (see Worker.start).
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 
 
 def _private_address() -> str:

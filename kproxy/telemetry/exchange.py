@@ -12,6 +12,7 @@ import struct
 from collections import OrderedDict
 from typing import Any
 
+from kproxy.config import DEFAULT_NAME
 from kproxy.protocol.entities import collect
 from kproxy.protocol.errors import DecodeError, error_name
 from kproxy.protocol.messages import api_by_key, api_name
@@ -352,12 +353,14 @@ def response_errors(entry: InFlight) -> tuple[int, dict[int, int]]:
 class Exchange:
     """One completed request as telemetry sees it; the parts are computed on first use."""
 
-    __slots__ = ("_errors", "_partitions", "_topics", "api", "ctx", "entry", "learned")
+    __slots__ = ("_errors", "_partitions", "_topics", "api", "ctx", "entry", "learned", "virtual_cluster")
 
-    def __init__(self, entry: InFlight, ctx: ConnectionContext, learned: Learned) -> None:
+    def __init__(self, entry: InFlight, ctx: ConnectionContext, learned: Learned,
+                 virtual_cluster: str = DEFAULT_NAME) -> None:
         self.entry = entry
         self.ctx = ctx
         self.learned = learned
+        self.virtual_cluster = virtual_cluster       # whose listener the request came in on
         self.api = api_name(entry.api_key)
         self._topics: list[str] | None = None
         self._partitions: list[PartitionFacts] | None = None

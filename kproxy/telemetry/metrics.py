@@ -334,6 +334,56 @@ class Metrics(Collector):
             yield from reader()
 
 
+# The label every family of a process's /metrics carries: the virtual cluster a sample is about.
+VIRTUAL_CLUSTER = "virtual_cluster"
+
+
+class ProcessMetrics(Collector):
+    """The /metrics of one process: each virtual cluster's families (its ``Metrics``, which knows
+    nothing of the others) with ``virtual_cluster="<name>"`` added to every sample, and the families
+    of what the process shares (the event loop, the buffer budget, certificate files, the traffic
+    log, the span exporter) with ``virtual_cluster=""``, which Prometheus reads as no virtual
+    cluster. Families of one name from several virtual clusters become one family."""
+
+    def __init__(self, cfg: MetricsConfig | None = None) -> None:
+        self.cfg = cfg or MetricsConfig()
+        self.clusters: list[tuple[str, Metrics]] = []
+        self._readers: list[Reader] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def cluster(self, name: str) -> Metrics:
+        """The metrics of one more virtual cluster, shown under ``name``."""
+        metrics = Metrics(self.cfg)
+        self.clusters.append((name, metrics))
+        return metrics
+
+    def add_reader(self, reader: Reader) -> None:
+        """Families of the process as a whole, read at scrape time."""
+        self._readers.append(reader)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+
+        def add(family: Metric, virtual_cluster: str) -> None:
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples.extend(s._replace(labels={**s.labels, VIRTUAL_CLUSTER: virtual_cluster})
+                               for s in family.samples)
+
+        for name, metrics in self.clusters:
+            for family in metrics.collect():
+                add(family, name)
+        for reader in self._readers:
+            for family in reader():
+                add(family, "")
+        yield from merged.values()
+
+
 # ---------------------------------------------------------------------------------------------
 # Families read from other objects at scrape time
 
@@ -370,6 +420,15 @@ def memo_families(memo: Any) -> list[Metric]:
 def discovery_families(attempts: int) -> list[Metric]:
     return [CounterMetricFamily("kproxy_discovery_attempts", "Broker discovery attempts (one at a time, "
                                 "shared by every connection that needs one).", value=attempts)]
+
+
+def kerberos_families(kerberos: Any) -> list[Metric]:
+    """Kerberos failures; the family is declared (without series) when Kerberos is not configured, so
+    the dashboard's panel and the alert find it on every kproxy."""
+    return [_counter("kproxy_kerberos_failures", "Kerberos (GSSAPI) failures, by side (accept: clients' "
+                     "tickets checked with kproxy's keytab; initiate: kproxy's own tickets) and kind "
+                     "(keytab, clock_skew, unknown_principal, expired, other).", ["side", "kind"],
+                     dict(kerberos.failures) if kerberos is not None else {})]
 
 
 def identity_families(identity: Any) -> list[Metric]:
@@ -490,6 +549,37 @@ def coordination_families(snap: Mapping[str, Any]) -> list[Metric]:
     if snap["peer_age_s"] is not None:
         out.append(GaugeMetricFamily("kproxy_quota_coordination_peer_age_seconds", "Age of the newest record "
                                      "of another process of the fleet.", value=snap["peer_age_s"]))
+    return out
+
+
+def shared_port_families(refused: Mapping[tuple[str, str], int]) -> list[Metric]:
+    """Connections to a port several virtual clusters share that none of them took."""
+    return [_counter("kproxy_shared_port_refused", "Connections closed on a port several SNI virtual clusters "
+                     "share before any took them, by listener and reason (unknown_name: no virtual cluster "
+                     "serves the TLS host name; no_name: the ClientHello names none; not_tls; timeout).",
+                     ["listener", "reason"], refused)]
+
+
+def upstream_families(snap: Mapping[str, Any]) -> list[Metric]:
+    """Which upstream cluster the virtual cluster is on, whether each answers, and the switches
+    (``UpstreamClusters.snapshot()``). The process's /metrics adds the ``virtual_cluster`` label."""
+    clusters: Mapping[str, bool | None] = snap["clusters"]
+    out: list[Metric] = [
+        _gauge("kproxy_upstream_active", "1 for the upstream cluster the virtual cluster is on, 0 for its others.",
+               ["cluster"], {(c,): 1 if c == snap["active"] else 0 for c in clusters}),
+        _counter("kproxy_upstream_switches", "Switches of the virtual cluster to another upstream cluster, by "
+                 "reason (planned, failover, followed: another worker switched).", ["reason"],
+                 {(r,): n for r, n in {"planned": 0, "failover": 0, "followed": 0, **snap["switches"]}.items()}),
+        _gauge("kproxy_upstream_switch_hold_seconds", "How long the last switch held new connections (drain, "
+               "catch-up, offset translation, learning the new brokers).", [], {(): snap["last_hold_s"]}),
+        _counter("kproxy_upstream_carried_batches", "Record batches of producers another upstream cluster "
+                 "issued, carried under a producer id kproxy got from the active one.", [],
+                 {(): snap["carried_batches"]}),
+    ]
+    # Declared always; samples once clusters are probed (only with several of them).
+    out.append(_gauge("kproxy_upstream_reachable", "1 when a broker of the upstream cluster answered the "
+                      "last probe (a refused login counts as an answer), else 0.", ["cluster"],
+                      {(c,): 1 if ok else 0 for c, ok in clusters.items() if ok is not None and snap["probed"]}))
     return out
 
 

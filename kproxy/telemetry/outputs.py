@@ -1,9 +1,12 @@
-"""The telemetry outputs a proxy has switched on, fed from its single completion point.
+"""The telemetry outputs a process has switched on, fed from each virtual cluster's single
+completion point.
 
-``Telemetry.completed`` is called once per completed request, after its answer was written; it
-builds the shared ``Exchange`` once and hands it to metrics, the traffic log (sampled per API) and
-spans. With every output off the proxy does not call it at all. No trio: the server gives it the
-offset between its clock and the epoch once, at start.
+``TelemetryOutputs`` is the process's: metrics, the traffic log and spans. ``Telemetry.completed``
+(one ``Telemetry`` per virtual cluster) is called once per completed request, after its answer was
+written; it builds the shared ``Exchange`` once, naming the virtual cluster, and hands it to the
+cluster's metrics, the traffic log (sampled per API) and spans. With every output off the proxy does
+not call it at all. No trio: the server gives it the offset between its clock and the epoch once, at
+start.
 """
 
 from __future__ import annotations
@@ -20,36 +23,38 @@ from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.topics import TopicNames
 from kproxy.telemetry.exchange import Exchange, Learned
-from kproxy.telemetry.metrics import Metrics, tracing_families, traffic_log_families
+from kproxy.telemetry.metrics import Metrics, ProcessMetrics, tracing_families, traffic_log_families
 from kproxy.telemetry.spans import SpanExporter, Tracing
 from kproxy.telemetry.traffic_log import TrafficLogWriter, proxy_name, traffic_line
 
 log = logging.getLogger("kproxy.telemetry")
 
 
-class Telemetry:
-    """Metrics (when the admin listener is on), the traffic log and spans, as ``config`` asks."""
+class TelemetryOutputs:
+    """What a process writes telemetry to, as ``config`` asks: its metrics (when the admin listener is
+    on), the traffic log and spans. The virtual clusters of the process share them, each through its
+    own ``Telemetry`` (``for_cluster``)."""
 
     def __init__(self, config: ProxyConfig, *, span_exporter: SpanExporter | None = None,
-                 env: Mapping[str, str] = os.environ, topic_names: TopicNames | None = None) -> None:
-        self.metrics = Metrics(config.metrics) if config.admin.listen is not None else None
+                 env: Mapping[str, str] = os.environ) -> None:
+        self.metrics = ProcessMetrics(config.metrics) if config.admin.listen is not None else None
         tl = config.traffic_log
         self.traffic_log = TrafficLogWriter(tl) if tl.dir is not None else None
         tr = config.tracing
         # Topic names of topic ids are learned from every Metadata answer, which means reading every
         # topic of it (milliseconds on a cluster of 100,000 partitions): only when something names
         # topics of Produce and Fetch v13+ (the traffic log, spans, per-topic metrics).
-        self.learned = Learned(learn_topics=tl.dir is not None or tr.enabled or (
-            self.metrics is not None and config.metrics.topic_labels), topic_names=topic_names)
+        self.learn_topics = tl.dir is not None or tr.enabled or (
+            self.metrics is not None and config.metrics.topic_labels)
         try:
             self.tracing = (Tracing(tr, config.limits.max_decompressed_batch_bytes, span_exporter, env)
                             if tr.enabled else None)
         except ValueError as e:   # an OTEL_* variable kproxy cannot follow
             raise ConfigError(f"tracing: {e}") from None
         default = float(tl.sample.get("default", 1.0))
-        self._log_ratio = {key: float(tl.sample.get(api.name, default)) for key, api in apis().items()}
-        self._log_default = default
-        self._random = random.Random().random
+        self.log_ratio = {key: float(tl.sample.get(api.name, default)) for key, api in apis().items()}
+        self.log_default = default
+        self.random = random.Random().random
         self.proxy = proxy_name()
         self.epoch_offset = 0.0      # seconds to add to the session clock for the epoch
         self.epoch_ns = 0
@@ -65,6 +70,10 @@ class Telemetry:
     def active(self) -> bool:
         return self.metrics is not None or self.traffic_log is not None or self.tracing is not None
 
+    def for_cluster(self, name: str, topic_names: TopicNames | None = None) -> Telemetry:
+        """The telemetry of the virtual cluster ``name``, whose topic names by id are ``topic_names``."""
+        return Telemetry(self, name, topic_names)
+
     def start(self, clock_now: float) -> None:
         """Begin: ``clock_now`` is the session clock's reading at this moment."""
         self.epoch_offset = time.time() - clock_now
@@ -76,22 +85,38 @@ class Telemetry:
         if self.tracing is not None:
             log.info("%s", self.tracing.describe())
 
-    def completed(self, entry: InFlight, ctx: ConnectionContext) -> None:
-        x = Exchange(entry, ctx, self.learned)
-        self.learned.observe(entry, ctx)
-        if self.metrics is not None:
-            self.metrics.record(x)
-        writer = self.traffic_log
-        if writer is not None:
-            ratio = self._log_ratio.get(entry.api_key, self._log_default)
-            if ratio >= 1.0 or self._random() < ratio:
-                writer.offer(traffic_line(x, self.epoch_offset, self.proxy))
-        if self.tracing is not None:
-            self.tracing.emit(x, self.epoch_ns)
-
     def close(self) -> None:
         """Write out what is queued: the traffic log's last lines and the spans not yet exported."""
         if self.traffic_log is not None:
             self.traffic_log.close()
         if self.tracing is not None:
             self.tracing.shutdown()
+
+
+class Telemetry:
+    """One virtual cluster's telemetry: its own metrics and learned topic names, and the process's
+    traffic log and spans, every line and span naming the virtual cluster."""
+
+    def __init__(self, outputs: TelemetryOutputs, name: str, topic_names: TopicNames | None = None) -> None:
+        self.outputs = outputs
+        self.name = name
+        self.metrics: Metrics | None = outputs.metrics.cluster(name) if outputs.metrics is not None else None
+        self.learned = Learned(learn_topics=outputs.learn_topics, topic_names=topic_names)
+
+    @property
+    def active(self) -> bool:
+        return self.outputs.active
+
+    def completed(self, entry: InFlight, ctx: ConnectionContext) -> None:
+        out = self.outputs
+        x = Exchange(entry, ctx, self.learned, self.name)
+        self.learned.observe(entry, ctx)
+        if self.metrics is not None:
+            self.metrics.record(x)
+        writer = out.traffic_log
+        if writer is not None:
+            ratio = out.log_ratio.get(entry.api_key, out.log_default)
+            if ratio >= 1.0 or out.random() < ratio:
+                writer.offer(traffic_line(x, out.epoch_offset, out.proxy))
+        if out.tracing is not None:
+            out.tracing.emit(x, out.epoch_ns)

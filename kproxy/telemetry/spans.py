@@ -61,6 +61,7 @@ def span_attributes(x: Exchange) -> dict[str, Any]:
         "kafka.api.version": e.api_version,
         "kproxy.outcome": e.outcome,
         "kproxy.connection_id": ctx.connection_id,
+        "kproxy.virtual_cluster": x.virtual_cluster,
         "kproxy.listener": ctx.listener,
         "kproxy.request_bytes": e.request_bytes,
         "kproxy.response_bytes": e.response_bytes,
@@ -278,6 +279,7 @@ class Tracing:
                 child.set_attribute("server.port", e.broker[1])
             child.set_attribute("messaging.system", "kafka")
             child.set_attribute("messaging.operation.name", x.api)
+            child.set_attribute("kproxy.virtual_cluster", x.virtual_cluster)
             answered = e.answered_at if e.answered_at is not None else (e.finished_at or e.forwarded_at)
             if e.answered_at is None and e.outcome not in ("no_response", "client_gone"):
                 child.set_status(Status(StatusCode.ERROR, e.outcome))

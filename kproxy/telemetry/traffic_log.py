@@ -72,6 +72,7 @@ def traffic_line(x: Exchange, epoch_offset: float, proxy: str | None = None) -> 
         "ts": rfc3339(e.started + epoch_offset),
         "conn": ctx.connection_id,
         "proxy": proxy,
+        "virtual_cluster": x.virtual_cluster,
         "client_address": _hostport(ctx.client_address),
         "client_id": ctx.client_id,
         "principal": ctx.principal,

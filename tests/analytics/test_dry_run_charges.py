@@ -21,7 +21,7 @@ quotas:
 
 
 def line(api: str, api_key: int, version: int, partition_bytes: int, response_bytes: int | None) -> dict:
-    return {"ts": pd.Timestamp("2024-05-01T10:00:00Z"), "api": api, "api_key": api_key, "api_version": version,
+    return {"ts": pd.Timestamp("2024-05-01T10:00:00Z"), "virtual_cluster": "default", "api": api, "api_key": api_key, "api_version": version,
             "client_id": "app", "principal": None, "client_address": "10.0.0.1:40000", "listener": "bootstrap",
             "client_software_name": None, "client_software_version": None, "topics": ["t"], "group": None,
             "transactional_id": None, "acks": -1 if api == "produce" else None,
@@ -41,3 +41,4 @@ def test_a_fetch_is_charged_its_answer_and_a_produce_its_records(tmp_path: Path)
     # without its answer's size is charged its records.
     assert list(out["fetched"]) == [4996, 0, 4000]
     assert set(out["quota"]) == {"both"} and set(out["key"]) == {"client_id=app"}
+    assert set(out["virtual_cluster"]) == {"default"}      # each virtual cluster's budgets are its own

@@ -7,15 +7,16 @@ after address rewriting. Tests use it to prove that no upstream host or port eve
 from __future__ import annotations
 
 import threading
+import urllib.request
 from typing import Any
 
 import attrs
 
-from kproxy.config import config_from_args
+from kproxy.config import ExposureConfig, config_from_args
+from kproxy.localports import free_port_run
 from kproxy.protocol.messages import Response, api_name
 from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
-from tests.e2e.tansu import free_port
 
 
 class ResponseTap(Filter):
@@ -66,37 +67,33 @@ class ResponseTap(Filter):
         return found
 
 
-def free_port_block(count: int = 8) -> int:
-    """A port P with P..P+count-1 free a moment ago (bootstrap plus broker ports)."""
-    for _ in range(50):
-        p = free_port()
-        if p + count > 65535:
-            continue
-        import socket
+def in_flight(admin: str) -> float:
+    """kproxy_requests_in_flight from a kproxy process's /metrics (``admin`` is host:port)."""
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(("kproxy_requests_in_flight ", "kproxy_requests_in_flight{")):
+                return float(line.rpartition(" ")[2])
+    raise AssertionError("no kproxy_requests_in_flight in /metrics")
 
-        socks = []
-        try:
-            for q in range(p, p + count):
-                s = socket.socket()
-                socks.append(s)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free block of ports")
+
+# What a kproxy that does not set exposure.broker_port_count may bind after its listen port.
+DEFAULT_BROKER_PORT_COUNT: int = attrs.fields(ExposureConfig).broker_port_count.default
+
+
+def free_port_block(count: int = 1 + DEFAULT_BROKER_PORT_COUNT) -> int:
+    """A port P with P..P+count-1 free and handed out to nobody else (kproxy.localports): by
+    default the listen port and every broker port a kproxy with the default
+    ``exposure.broker_port_count`` may bind after it."""
+    return free_port_run(count)
 
 
 def start_proxy(
     upstream: str, advertised_host: str = "localhost", filters: list[Filter] | None = None,
     listen_port: int | None = None, server_options: dict[str, Any] | None = None, **overrides: Any
 ) -> ProxyThread:
-    port = listen_port or free_port_block()
     exposure = {"advertised_host": advertised_host, "broker_port_count": 6}
     exposure.update(overrides.pop("exposure", {}))
+    port = listen_port or free_port_block(1 + exposure["broker_port_count"])
     up = overrides.pop("upstream_settings", {})
     cfg = config_from_args(upstream, f"127.0.0.1:{port}", exposure=exposure, **overrides)
     if up:

@@ -7,7 +7,9 @@ So the gate plays the broker's SASL part (KIP-43 / KIP-152 / KIP-368), standing 
 SASL listener: it answers SaslHandshake v1 and SaslAuthenticate itself (PLAIN; SCRAM-SHA-256/512 per
 RFC 5802 and RFC 7677, verified for real from stored keys, independently of kproxy's own SCRAM code;
 OAUTHBEARER per RFC 7628 and KIP-255, with the JWT checked against a JWKS by PyJWT for signature,
-issuer, audience and expiry), closes the connection on any other request before authentication, and
+issuer, audience and expiry; GSSAPI per RFC 4752 as Kafka's broker runs it, with a real ``gssapi``
+acceptor and the test KDC's service keytab), closes the connection on any other request before
+authentication, and
 relays frames to tansu afterwards. With ``require_sasl`` off it is an open listener that only counts
 what it relays (a broker without SASL, for kproxy's termination tests). tansu
 is started with its advertised listener pointing at the gate, so every address a client learns leads
@@ -31,6 +33,7 @@ from typing import Any
 
 import attrs
 
+from kproxy.localports import free_port
 from kproxy.protocol.messages import Response, body_class, decode_request, encode_response_frame
 
 _I32 = struct.Struct(">i")
@@ -44,13 +47,8 @@ MECHANISMS = ("PLAIN", *SCRAM_HASHES)
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free a moment ago (held together, so never the same one twice)."""
-    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    try:
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free TCP ports, handed out to nobody else (kproxy.localports)."""
+    return [free_port() for _ in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,6 +128,50 @@ class BearerServer:
         except (jwt.PyJWTError, KeyError):
             raise AuthFailed('{"status":"invalid_token"}') from None
         self.user, self.done = claims["sub"], True
+        return b""
+
+
+class GssapiServer:
+    """GSSAPI (RFC 4752) as Kafka's broker runs it (Java's GSS-API SASL server): context tokens until the
+    context is established, its last token answered and an empty reply awaited even when there was
+    none to send, then a wrapped offer (no security layer, a 64 KiB buffer) and the client's wrapped
+    choice. The acceptor holds only ``principal`` from ``keytab``; the user is the principal the
+    ticket proved. Written on ``gssapi`` directly, independently of kproxy's own GSSAPI code."""
+
+    def __init__(self, keytab: str, principal: str) -> None:
+        import gssapi
+
+        self.gssapi = gssapi
+        creds = gssapi.Credentials(name=gssapi.Name(principal, gssapi.NameType.kerberos_principal),
+                                   usage="accept", store={b"keytab": keytab.encode()})
+        self.context = gssapi.SecurityContext(creds=creds, usage="accept")
+        self.stage = "context"
+        self.user: str | None = None
+        self.done = False
+
+    def step(self, token: bytes) -> bytes:
+        GSSError = self.gssapi.exceptions.GSSError
+        try:
+            if self.stage == "context":
+                out = self.context.step(token)
+                if not self.context.complete:
+                    return out or b""
+                if not self.context.lifetime:
+                    raise AuthFailed("Authentication failed: the ticket has expired")
+                self.user = str(self.context.initiator_name)
+                self.stage = "empty"
+                return out or b""
+            if self.stage == "empty":
+                if token:
+                    raise AuthFailed("Authentication failed: expected an empty response")
+                self.stage = "choice"
+                return bytes(self.context.wrap(bytes((1, 0x01, 0x00, 0x00)), False).message)
+            choice = bytes(self.context.unwrap(token).message)
+        except GSSError as e:
+            raise AuthFailed(f"Authentication failed: GSSAPI: {e.gen_message()}") from None
+        if len(choice) < 4 or choice[0] != 1:
+            raise AuthFailed("Authentication failed: a security layer was chosen, none is offered")
+        self.done = True
         return b""
 
 
@@ -233,11 +275,14 @@ class SaslGate:
 
     def __init__(self, upstream: tuple[str, int] | None, users: dict[str, str], *,
                  mechanisms: Iterable[str] = MECHANISMS, session_lifetime_ms: int = 0,
-                 port: int | None = None, bearer: tuple[Any, str, str] | None = None) -> None:
+                 port: int | None = None, bearer: tuple[Any, str, str] | None = None,
+                 gssapi: tuple[str, str] | None = None) -> None:
         self.upstream = upstream
         self.passwords = dict(users)
         self.bearer = bearer        # (jwks callable, issuer, audience) for OAUTHBEARER
-        self.mechanisms = tuple(mechanisms) + (("OAUTHBEARER",) if bearer is not None else ())
+        self.gssapi = gssapi        # (keytab, service principal) for GSSAPI
+        self.mechanisms = tuple(mechanisms) + (("OAUTHBEARER",) if bearer is not None else ()) + \
+            (("GSSAPI",) if gssapi is not None else ())
         self.require_sasl = True
         self.accepted = 0
         self.scram = {mech: {u: ScramCredential.create(h, p) for u, p in users.items()}
@@ -258,6 +303,8 @@ class SaslGate:
         self.forwarded: list[tuple[int, int, str | None]] = []  # (connection, api key, user) relayed
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
+        self._live = 0                                     # client connections still being served
+        self._idle = threading.Condition(self._lock)
         self._ids = iter(range(1, 1 << 30))
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -294,6 +341,15 @@ class SaslGate:
         for s in socks:
             _close(s)
 
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until every client connection has been served to its end, so what those connections
+        did (``authentications``, ``forwarded``...) is all recorded. A test that counts from a mark
+        calls this once its clients are gone: a connection a client dropped mid-login is still read
+        to its end here, and its login would otherwise land after the next test's mark."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._live == 0, timeout):
+                raise TimeoutError(f"{self._live} gate connections still open after {timeout:g}s")
+
     def __enter__(self) -> SaslGate:
         return self.start()
 
@@ -307,6 +363,8 @@ class SaslGate:
             except OSError:
                 return
             self.accepted += 1
+            with self._lock:
+                self._live += 1
             threading.Thread(target=self._serve, args=(client, next(self._ids)), daemon=True).start()
 
     def _track(self, sock: socket.socket) -> None:
@@ -314,16 +372,21 @@ class SaslGate:
             self._sockets.add(sock)
 
     def _serve(self, client: socket.socket, cid: int) -> None:
-        self._track(client)
-        assert self.upstream is not None
         try:
-            upstream = socket.create_connection(self.upstream, timeout=5)
-        except OSError:
-            _close(client)
-            return
-        upstream.settimeout(None)
-        self._track(upstream)
-        GateConnection(self, cid, client, upstream).run()
+            self._track(client)
+            assert self.upstream is not None
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                _close(client)
+                return
+            upstream.settimeout(None)
+            self._track(upstream)
+            GateConnection(self, cid, client, upstream).run()
+        finally:
+            with self._idle:
+                self._live -= 1
+                self._idle.notify_all()
 
 
 class GateConnection:
@@ -340,7 +403,7 @@ class GateConnection:
         self.user: str | None = None
         self.expires_at: float | None = None
         self.mechanism: str | None = None
-        self.server: PlainServer | ScramServer | BearerServer | None = None
+        self.server: PlainServer | ScramServer | BearerServer | GssapiServer | None = None
 
     def run(self) -> None:
         pump = threading.Thread(target=self._upstream_pump, daemon=True)
@@ -426,6 +489,9 @@ class GateConnection:
                 elif mechanism == "OAUTHBEARER":
                     assert self.gate.bearer is not None
                     self.server = BearerServer(*self.gate.bearer)
+                elif mechanism == "GSSAPI":
+                    assert self.gate.gssapi is not None
+                    self.server = GssapiServer(*self.gate.gssapi)
                 else:
                     self.server = ScramServer(mechanism, self.gate.scram[mechanism])
             self._answer(key, version, correlation_id, body_cls(

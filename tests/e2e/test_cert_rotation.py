@@ -151,10 +151,9 @@ admin: {{listen: "127.0.0.1:{admin}"}}
     assert proxy.server.metrics is not None
 
     def expiry() -> str:
-        text = proxy.call(proxy.server.metrics.exposition).decode()
-        cert = volume.path("tls.crt")
-        return next((line.rpartition(" ")[2] for line in text.splitlines()
-                     if line.startswith(f'kproxy_tls_certificate_expiry_timestamp_seconds{{file="{cert}"}}')), "")
+        text = proxy.call(proxy.process.shared.certificates.families)
+        cert = str(volume.path("tls.crt"))
+        return next((str(s.value) for family in text for s in family.samples if s.labels == {"file": cert}), "")
 
     with proxy, contextlib.ExitStack() as stack:
         assert float(expiry()) == old_expiry.timestamp()

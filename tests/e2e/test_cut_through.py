@@ -65,7 +65,8 @@ def metrics(admin: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         name_labels, value = line.rsplit(" ", 1)
         name, _, labels = name_labels.partition("{")
         pairs = tuple(sorted(tuple(kv.split("=", 1)) for kv in labels.rstrip("}").split(",") if kv))
-        out[(name, tuple((k, v.strip('"')) for k, v in pairs))] = float(value)
+        # One virtual cluster here: its label is left out of the keys.
+        out[(name, tuple((k, v.strip('"')) for k, v in pairs if k != "virtual_cluster"))] = float(value)
     return out
 
 

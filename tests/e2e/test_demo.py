@@ -56,8 +56,8 @@ def test_the_tour_shows_a_tenant_a_refusal_a_quota_metrics_and_the_traffic_log(
     assert "producing to 'secret-keys': TopicAuthorizationFailedError" in out
     throttle = re.search(r"kafka-python reports throttle-time-max (\d+) ms", out)
     assert throttle is not None and int(throttle.group(1)) > 0, out
-    assert re.search(r'kproxy_throttle_seconds_total\{rule="bulk-loader"\} [0-9.]+', out), out
-    assert 'kproxy_denied_requests_total{rule="no-secrets"} 1.0' in out
+    assert re.search(r'kproxy_throttle_seconds_total\{rule="bulk-loader",virtual_cluster="default"\} [0-9.]+', out), out
+    assert 'kproxy_denied_requests_total{rule="no-secrets",virtual_cluster="default"} 1.0' in out
     refused = json.loads(out.split("the refused request: ", 1)[1].splitlines()[0])
     assert refused == {"client_id": "tenant-a-shop", "api": "metadata", "rule": "no-secrets", "action": "deny",
                        "error": "TOPIC_AUTHORIZATION_FAILED"}

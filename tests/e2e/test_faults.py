@@ -18,11 +18,11 @@ import pytest
 from kproxy.protocol.messages import Request, body_class, encode_request_frame
 from kproxy.proxy.filters import ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
-from tests.e2e.proxied import free_port_block, start_proxy
+from tests.e2e.proxied import free_port_block, in_flight, start_proxy
 from tests.e2e.relay import Relay
 from tests.e2e.sasl_gate import SaslGate, confluent_roundtrip, expected_pairs
 from tests.e2e.scenarios import confluent_create_topic, confluent_produce_consume, expected_records
-from tests.e2e.tansu import Tansu, TansuBroker, free_port
+from tests.e2e.tansu import Tansu, TansuBroker, free_port, unique_name
 from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
@@ -103,7 +103,7 @@ def test_pipelined_requests_are_answered_in_order(proxy: ProxyThread) -> None:
 
 
 def test_client_gone_with_requests_in_flight_leaks_nothing(proxy: ProxyThread, broker: TansuBroker) -> None:
-    topic = f"leak-{free_port()}"
+    topic = unique_name("leak")
     confluent_create_topic(broker.bootstrap, topic)
     fetch = body_class(1, "request")
     wires = []
@@ -250,9 +250,13 @@ def test_real_broker_restart_clients_recover(tansu_binary: str) -> None:
 
 def test_sigterm_drains_in_flight_requests(broker: TansuBroker) -> None:
     port = free_port_block()
+    admin = f"127.0.0.1:{free_port()}"
+    # A session of its own, as a service manager would start it: in pytest's session the kernel's
+    # autogroup scheduler shares one session's CPU among everything in it, and under load kproxy
+    # alone then took 10-14 s to start.
     proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--upstream", broker.bootstrap,
-                             "--listen", f"127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--listen", f"127.0.0.1:{port}", "--admin", admin],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 15
         while True:
@@ -262,14 +266,19 @@ def test_sigterm_drains_in_flight_requests(broker: TansuBroker) -> None:
             except OSError:
                 assert time.monotonic() < deadline and proc.poll() is None, "kproxy did not start"
                 time.sleep(0.1)
-        topic = f"drain-{port}"
+        topic = unique_name("drain")
         confluent_create_topic(broker.bootstrap, topic)
         fetch = body_class(1, "request")
         started = time.monotonic()
         w.send(1, 12, 42, fetch(max_wait_ms=1500, min_bytes=1_000_000, max_bytes=1_000_000, topics=[
             fetch.FetchTopic(topic=topic, partitions=[fetch.FetchPartition(
                 partition=0, fetch_offset=0, partition_max_bytes=1_000_000)])]))
-        time.sleep(0.3)
+        # Signalled once kproxy holds the long poll (before, it would rightly close the connection
+        # as one that owes nothing).
+        deadline = time.monotonic() + 15
+        while in_flight(admin) < 1:
+            assert time.monotonic() < deadline, "the long poll never reached kproxy"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         # The long poll still in flight is answered, then the connection closes and kproxy exits.
         resp = w.receive(1, 12)
@@ -303,7 +312,7 @@ def test_in_flight_limit_applies_backpressure_and_keeps_order(broker: TansuBroke
 
 
 def test_acks_zero_produce_gets_no_response_and_lands(proxy: ProxyThread, broker: TansuBroker) -> None:
-    topic = f"acks0-{free_port()}"
+    topic = unique_name("acks0")
     confluent_create_topic(broker.bootstrap, topic)
     producer = confluent_kafka.Producer({"bootstrap.servers": proxy.bootstrap, "acks": "0",
                                          "enable.idempotence": False, "linger.ms": 0})

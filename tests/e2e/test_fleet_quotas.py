@@ -71,8 +71,8 @@ class Kproxy:
         if status != 200:
             return None
         for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+            if line.startswith((name + " ", name + "{")):     # one virtual cluster: one series
+                return float(line.rpartition(" ")[2])
         return None
 
     def coordinated(self) -> bool:

@@ -21,9 +21,9 @@ import pytest
 
 from kproxy.protocol.messages import body_class
 from tests.e2e.fake_cluster import METADATA, FakeCluster
-from tests.e2e.proxied import free_port_block, start_proxy
+from tests.e2e.proxied import free_port_block, in_flight, start_proxy
 from tests.e2e.scenarios import confluent_create_topic
-from tests.e2e.tansu import TansuBroker
+from tests.e2e.tansu import TansuBroker, unique_name
 from tests.e2e.wire import Wire
 
 pytestmark = pytest.mark.e2e
@@ -33,11 +33,15 @@ FETCH = 1
 
 @contextlib.contextmanager
 def kproxy_process(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """``python -m kproxy run ARGS`` with its log in a file; killed on the way out if still running."""
+    """``python -m kproxy run ARGS`` with its log in a file; killed on the way out if still running.
+
+    In a session of its own, as a service manager would start it: in pytest's session the kernel's
+    autogroup scheduler shares one session's CPU among everything in it (pytest, its xdist sibling,
+    their JVMs), and under load kproxy alone then took 10-14 s to start."""
     log = tmp_path / f"kproxy-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", *args],
-                                stdout=subprocess.DEVNULL, stderr=out)
+                                stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
     try:
         yield proc, log
     finally:
@@ -53,15 +57,6 @@ def connect_when_up(address: str, proc: subprocess.Popen[bytes], log: Path, time
         assert time.monotonic() < deadline and proc.poll() is None, f"kproxy did not start: {log.read_text()}"
         time.sleep(0.05)
     return Wire(address)
-
-
-def in_flight(admin: str) -> float:
-    """kproxy_requests_in_flight from a kproxy process's /metrics."""
-    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("kproxy_requests_in_flight "):
-                return float(line.split()[1])
-    raise AssertionError("no kproxy_requests_in_flight in /metrics")
 
 
 def wait_for(condition: Any, what: str, timeout: float = 15.0) -> None:
@@ -87,7 +82,7 @@ def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broke
                                                                            tmp_path: Path) -> None:
     port = free_port_block()
     admin = f"127.0.0.1:{free_port_block(1)}"
-    topic = f"drain-{port}"
+    topic = unique_name("drain")
     confluent_create_topic(broker.bootstrap, topic)
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
                         "--admin", admin) as (proc, log):
@@ -117,7 +112,7 @@ def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broke
 def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> None:
     port = free_port_block()
     admin = f"127.0.0.1:{free_port_block(1)}"
-    topic = f"drain2-{port}"
+    topic = unique_name("drain2")
     confluent_create_topic(broker.bootstrap, topic)
     with kproxy_process(tmp_path, "--upstream", broker.bootstrap, "--listen", f"127.0.0.1:{port}",
                         "--admin", admin) as (proc, log):

@@ -342,7 +342,7 @@ def test_kproxy_run_reloads_on_sighup_and_refuses_to_start_with_bad_rules(broker
     refused = subprocess.run([*argv[:-1], bad], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2
     assert f"{bad}:1:27: rule 'a': action: unknown action 'alow' (did you mean 'allow'?)" in refused.stderr
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not broker_answers("127.0.0.1", port) and time.monotonic() < deadline:

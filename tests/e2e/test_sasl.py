@@ -89,6 +89,8 @@ exposure:
 """)
     with ProxyThread(cfg, [recorder]) as p:
         yield p
+    # Every connection of this test served to its end before the next test marks the gate's lists.
+    gate.wait_idle()
 
 
 @pytest.fixture
@@ -134,7 +136,12 @@ def assert_principal_only_after_success(recorder: PrincipalRecorder) -> None:
     for requests in by_conn.values():
         # Before the broker accepted the exchange nobody is anybody; after it, everyone is alice.
         sasl_end = max((i for i, (k, _, _) in enumerate(requests) if k == SASL_AUTHENTICATE), default=-1)
-        assert sasl_end >= 0, f"a connection skipped SASL: {requests}"
+        if sasl_end < 0:
+            # A connection the client closed before it logged in (librdkafka drops a coordinator
+            # connection still in its handshake when the consumer closes): it asked nothing else.
+            assert all(k in (API_VERSIONS, SASL_HANDSHAKE) and p is None and not a for k, p, a in requests), \
+                f"a connection skipped SASL: {requests}"
+            continue
         assert all(p is None and not a for _, p, a in requests[: sasl_end + 1])
         assert all(p == f"User:{USER}" and a for _, p, a in requests[sasl_end + 1:])
     assert any(k == METADATA and p == f"User:{USER}" for _, k, p, _ in seen)
@@ -226,6 +233,7 @@ def test_reauthentication_kip368(gate: SaslGate, proxy: ProxyThread, recorder: P
     import confluent_kafka
 
     gate.session_lifetime_ms = 1500
+    expired = len(gate.expired)
     try:
         before = len(gate.authentications)
         producer = confluent_kafka.Producer(librdkafka_settings(proxy.bootstrap, "SCRAM-SHA-256", PASSWORD))
@@ -243,7 +251,7 @@ def test_reauthentication_kip368(gate: SaslGate, proxy: ProxyThread, recorder: P
     reauths = [a for a in done if a.reauthentication]
     assert all(a.ok and a.user == USER for a in done)
     assert len(reauths) >= 2, done
-    assert gate.expired == []
+    assert gate.expired[expired:] == []
     assert delivered and all(err is None for err in delivered)
     # kproxy saw the re-authentications on connections that already were alice, and stayed alice.
     seen = recorder.snapshot()
@@ -343,6 +351,7 @@ admin:
 """)
     with ProxyThread(cfg) as p:
         yield p, f"127.0.0.1:{admin}", broker_port
+    gate.wait_idle()
 
 
 def readyz(admin: str) -> tuple[int, str]:

@@ -184,7 +184,8 @@ def kproxy_process(tmp_path: Path, upstream: str, *extra: str) -> Iterator[tuple
     log = tmp_path / "kproxy.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--upstream", upstream,
-                                 "--listen", f"127.0.0.1:{port}", *extra], stdout=subprocess.DEVNULL, stderr=out)
+                                 "--listen", f"127.0.0.1:{port}", *extra], stdout=subprocess.DEVNULL, stderr=out,
+                                start_new_session=True)
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 15

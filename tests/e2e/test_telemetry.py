@@ -127,7 +127,9 @@ def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
 
 
 def metric(values: dict, name: str, **labels: str) -> float:
-    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The samples of ``name`` with ``labels`` (others, such as virtual_cluster, may be anything), added up."""
+    return sum(v for (n, have), v in values.items()
+               if n == name and all(dict(have).get(k) == want for k, want in labels.items()))
 
 
 @pytest.fixture(scope="module")

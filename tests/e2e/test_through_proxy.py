@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kproxy.config import derived_cluster_id
 from kproxy.server.embedded import ProxyThread
 from tests.e2e import kcat
 from tests.e2e.proxied import ResponseTap, start_proxy
@@ -94,11 +95,11 @@ def test_admin_create_delete_topics(
 
 @by_client
 def test_describe_cluster(client: Client, proxy: ProxyThread, broker: TansuBroker) -> None:
-    assert (
-        client.describe_cluster(proxy.bootstrap)
-        == client.describe_cluster(broker.bootstrap)
-        == ClusterFacts(cluster_id=broker.cluster_id, broker_count=1, controller_present=True)
-    )
+    # The same cluster, under the virtual cluster's own id (derived from its name, "default").
+    assert client.describe_cluster(broker.bootstrap) == ClusterFacts(cluster_id=broker.cluster_id, broker_count=1,
+                                                                     controller_present=True)
+    assert client.describe_cluster(proxy.bootstrap) == ClusterFacts(
+        cluster_id=derived_cluster_id("default"), broker_count=1, controller_present=True)
 
 
 @by_client

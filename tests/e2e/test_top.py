@@ -81,7 +81,7 @@ def start_kproxy(broker: TansuBroker, tmp_path: Path, workers: int) -> tuple[sub
     log = tmp_path / "kproxy.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)],
-                                stdout=subprocess.DEVNULL, stderr=out)
+                                stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
     wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None,
              what=log.read_text())
     assert proc.poll() is None, log.read_text()

@@ -41,13 +41,14 @@ def test_rows_and_variables() -> None:
     data = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in data["panels"] if p["type"] == "row"]
     assert rows == ["Traffic", "Latency", "Errors, denials and throttles", "Connections and buffers",
-                    "Event loop, traffic log and rules"]
+                    "Upstream clusters", "Event loop, traffic log and rules"]
     variables = {v["name"]: v for v in data["templating"]["list"]}
     assert {"namespace", "pod", "api"} <= set(variables)
     titles = " | ".join(p["title"] for p in data["panels"])
     for needle in ("Requests per second by API", "Bytes per second", "Records per second", "Top clients",
                    "Top topics", "p50 and p99", "Broker time", "Denials per rule", "Throttle time per quota",
-                   "Open connections", "Buffer budget", "Event loop lag", "Traffic log", "Rule reloads"):
+                   "Open connections", "Buffer budget", "Event loop lag", "Traffic log", "Rule reloads",
+                   "Active upstream cluster", "Upstream clusters answering", "Switches"):
         assert needle in titles
     ids = [p["id"] for p in data["panels"]]
     assert len(ids) == len(set(ids))

@@ -47,7 +47,7 @@ def test_the_issue_asks_for_these_alerts() -> None:
     assert {r["alert"] for r in alert_rules()} >= {
         "KproxyDown", "KproxyNotReady", "KproxyUpstreamUnreachable", "KproxyHighErrorRatio",
         "KproxyHighAddedLatency", "KproxySustainedThrottling", "KproxyTrafficLogDropping", "KproxyEventLoopLag",
-        "KproxyRuleReloadRefused", "KproxyCertificateExpiringSoon"}
+        "KproxyRuleReloadRefused", "KproxyCertificateExpiringSoon", "KproxyKerberosFailing"}
 
 
 def test_every_alert_has_a_summary_a_description_and_a_runbook_section() -> None:

@@ -551,7 +551,8 @@ def test_example_file_documents_every_key_with_a_comment() -> None:
     text = EXAMPLE.read_text()
     lines = text.splitlines()
     keys = _keys(yaml.compose(text, Loader=yaml.SafeLoader))
-    assert {path for path, _ in keys} == _setting_paths(ProxyConfig)
+    # virtual_clusters has an example of its own (kproxy.virtual-clusters.example.yaml).
+    assert {path for path, _ in keys} == _setting_paths(ProxyConfig) - {"virtual_clusters"}
     for path, line in keys:
         assert lines[line - 1].lstrip().startswith("#"), f"{path} (line {line + 1}) has no comment above it"
 

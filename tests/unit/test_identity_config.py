@@ -68,7 +68,8 @@ sasl:
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("sasl:\n  mechanisms: [SCRAM-SHA-1]\n  users_file: users.yaml\n",
-     ":5: sasl.mechanisms[0]: must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER; got 'SCRAM-SHA-1'"),
+     ":5: sasl.mechanisms[0]: must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER, GSSAPI; "
+     "got 'SCRAM-SHA-1'"),
     ("sasl:\n  mechanisms: [PLAIN]\n", ":5: sasl.mechanisms: PLAIN and SCRAM check clients against sasl.users_file"),
     ("sasl:\n  mechanisms: [OAUTHBEARER]\n", ":5: sasl.mechanisms: OAUTHBEARER needs sasl.oauth"),
     ("sasl:\n  mechanisms: [PLAIN, PLAIN]\n  users_file: users.yaml\n", "sasl.mechanisms[1]: lists PLAIN twice"),
@@ -81,7 +82,24 @@ sasl:
     ("  sasl:\n    mechanism: OAUTHBEARER\n", ":5: upstream.sasl.mechanism: OAUTHBEARER needs upstream.sasl.oauth"),
     ("  sasl:\n    mechanism: OAUTHBEARER\n    oauth:\n      token_endpoint_url: https://u:p@idp/t\n"
      "      client_id: k\n      client_secret: s\n", "put credentials in client_secret"),
-    ("  sasl:\n    mechanism: GSSAPI\n", ":5: upstream.sasl.mechanism: must be one of"),
+    # Kerberos (GSSAPI): the principal written whole, the keytab there, the rules readable.
+    ("  sasl:\n    mechanism: GSSAPI\n", ":5: upstream.sasl.mechanism: GSSAPI needs upstream.sasl.principal"),
+    ("  sasl:\n    mechanism: GSSAPI\n    principal: kproxy\n    keytab: users.yaml\n",
+     ":6: upstream.sasl.principal: 'kproxy' is not a Kerberos principal; write it whole, with its realm"),
+    ("  sasl:\n    mechanism: GSSAPI\n    principal: kproxy@EX.COM\n    keytab: no.keytab\n",
+     ":7: upstream.sasl.keytab: file not found"),
+    ("  sasl:\n    mechanism: GSSAPI\n    principal: kproxy@EX.COM\n    keytab: users.yaml\n    username: svc\n",
+     ":8: upstream.sasl.username: GSSAPI logs in with principal and keytab; remove it"),
+    ("  sasl:\n    mechanism: SCRAM-SHA-512\n    username: svc\n    password: x\n    keytab: users.yaml\n",
+     ":8: upstream.sasl.keytab: is read only with mechanism: GSSAPI"),
+    ("sasl:\n  mechanisms: [GSSAPI]\n", ":5: sasl.mechanisms: GSSAPI needs sasl.gssapi (principal, keytab)"),
+    ("sasl:\n  mechanisms: [GSSAPI]\n  gssapi:\n    principal: kafka@EX.COM\n    keytab: users.yaml\n",
+     ":7: sasl.gssapi.principal: 'kafka@EX.COM' is not a service principal; write service/host@REALM"),
+    ("sasl:\n  mechanisms: [GSSAPI]\n  gssapi:\n    principal: kafka/h@EX.COM\n    keytab: no.keytab\n",
+     ":8: sasl.gssapi.keytab: file not found"),
+    ("sasl:\n  mechanisms: [GSSAPI]\n  gssapi:\n    principal: kafka/h@EX.COM\n    keytab: users.yaml\n"
+     "    principal_to_local:\n      - DEFAULT\n      - RULE:[1:$1]/l\n",
+     ":11: sasl.gssapi.principal_to_local[1]: rule 'RULE:[1:$1]/l': cannot read 'RULE:[1:$1]/l'"),
 ])
 def test_errors_name_the_setting_and_line(tmp_path: Path, users: Path, text: str, expected: str) -> None:
     assert expected in error(tmp_path, text)

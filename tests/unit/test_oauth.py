@@ -76,6 +76,7 @@ def test_identity_metrics_are_exported() -> None:
         logins = {("SCRAM-SHA-512", "ok"): 3, ("PLAIN", "failed"): 1}
         originator = type("O", (), {"logins": 2, "failures": 0})()
         jwks = type("J", (), {"fetches_ok": 1, "fetches_failed": 0, "keys": {"k1": None}})()
+        kerberos = None
 
     m = Metrics()
     m.add_reader(lambda: metric_families.identity_families(Identity()))

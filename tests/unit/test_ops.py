@@ -99,7 +99,7 @@ class _Families:
 
 
 def test_the_server_observes_every_certificate_file_it_loads(pki: dict[str, Path]) -> None:
-    from kproxy.server.app import ProxyServer
+    from kproxy.server.process import ProxyProcess
 
     config = parse_config(f"""\
 listen: "127.0.0.1:19092"
@@ -111,13 +111,13 @@ tls: {{enabled: true, cert_file: "{pki['cert']}", key_file: "{pki['key']}", ca_f
 admin: {{listen: "127.0.0.1:19644"}}
 """)
     reg = CertificateExpiry()
-    server = ProxyServer(config, certificates=reg)
+    server = ProxyProcess.from_config(config, certificates=reg).cluster()
     assert reg.snapshot() == {str(pki["cert"]): expiry_of(pki["cert"]), str(pki["ca"]): expiry_of(pki["ca"]),
                               str(pki["leaf"]): expiry_of(pki["leaf"])}
-    assert server.metrics is not None
-    text = server.metrics.exposition().decode()
+    assert server.process.metrics is not None
+    text = server.process.metrics.exposition().decode()
     assert text.count(f"{METRIC}{{") == 3
-    assert "kproxy_ready 0.0" in text     # not bound, no broker learned
+    assert 'kproxy_ready{virtual_cluster="default"} 0.0' in text     # not bound, no broker learned
 
 
 # -- metrics the alerts read
@@ -196,12 +196,17 @@ def test_client_table_is_bounded() -> None:
 def test_admin_serves_clients() -> None:
     class View:
         config = parse_config('listen: "127.0.0.1:19092"\nupstream: {bootstrap_servers: ["k:9092"]}\n')
-        rule_store = None
         metrics = None
         clients = ClientTable()
 
         def readiness(self) -> tuple[bool, str]:
             return True, "ready"
+
+        def rules(self) -> dict[str, Any]:
+            return admin.rules_view(None)
+
+        def clients_view(self) -> dict[str, Any]:
+            return self.clients.view()
 
     v = View()
     v.clients.opened(context(4, "x"))

@@ -769,11 +769,11 @@ def test_quota_replicas_and_windows_in_kproxy_yaml(tmp_path):
 
 def test_the_server_enforces_this_replicas_share(tmp_path):
     from kproxy.config import config_from_args
-    from kproxy.server.app import ProxyServer
+    from kproxy.server.process import ProxyProcess
 
     rules = write_rules(tmp_path, ONE_K % ("client_id", 1))
-    server = ProxyServer(config_from_args("127.0.0.1:9092", "127.0.0.1:19092", rules=[rules], quota_replicas=2,
-                                          quota={"samples": 4, "window_s": 2.0}))
+    server = ProxyProcess.from_config(config_from_args("127.0.0.1:9092", "127.0.0.1:19092", rules=[rules], quota_replicas=2,
+                                          quota={"samples": 4, "window_s": 2.0})).cluster()
     (f,) = [f for f in server.chain.filters if isinstance(f, QuotaFilter)]
     assert (f.share, f.samples, f.window_s) == (0.5, 4, 2.0)
     ctx = server.new_context(1, ("127.0.0.1", 5555))
@@ -783,11 +783,11 @@ def test_the_server_enforces_this_replicas_share(tmp_path):
     # 1000 bytes of 500/s over a 1 s burst window: (1000 - 500) / 500 * 1 s.
     assert resp.body.throttle_time_ms == 1000
     # One of two worker processes of that replica enforces a quarter.
-    worker = ProxyServer(server.config, worker=(1, 2))
+    worker = ProxyProcess.from_config(server.config, worker=(1, 2)).cluster()
     assert [f.share for f in worker.chain.filters if isinstance(f, QuotaFilter)] == [0.25]
     # A per-connection quota is whole on that worker: its connection is there alone.
     Path(rules).write_text(ONE_K % ("connection", 1))
-    worker = ProxyServer(server.config, worker=(1, 2))
+    worker = ProxyProcess.from_config(server.config, worker=(1, 2)).cluster()
     ctx = worker.new_context(1, ("127.0.0.1", 5555))
     ctx.clock = Clock()
     resp, _ = produce_once(Session(ctx, worker.chain), 1000)

@@ -1,7 +1,7 @@
-"""kproxy.protocol, kproxy.proxy, kproxy.quota, kproxy.identity, kproxy.envelope and the pure half of kproxy.policy stay sans-I/O (h11's
-rule): no module in them imports trio, sockets, TLS, clocks, event loops, OpenTelemetry, YAML or
-Spark, directly or through another kproxy module, including the package ``__init__`` files that
-every import of theirs runs."""
+"""kproxy.protocol, kproxy.proxy, kproxy.quota, kproxy.identity, kproxy.envelope, kproxy.replication and
+the pure half of kproxy.policy stay sans-I/O (h11's rule): no module in them imports trio, sockets,
+TLS, clocks, event loops, OpenTelemetry, YAML or Spark, directly or through another kproxy module,
+including the package ``__init__`` files that every import of theirs runs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ FORBIDDEN = frozenset(
     {"trio", "socket", "ssl", "time", "asyncio", "opentelemetry", "yaml", "pyspark", "selectors"}
 )
 KPROXY_DIR = Path(kproxy.__file__).parent
-SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy", "kproxy.quota", "kproxy.identity", "kproxy.envelope")
+SANS_IO_PACKAGES = ("kproxy.protocol", "kproxy.proxy", "kproxy.quota", "kproxy.identity", "kproxy.envelope",
+                    "kproxy.replication")
 # kproxy.policy's loader reads YAML and its store keeps time: only these of its modules are pure.
 SANS_IO_MODULES = ("kproxy.policy", "kproxy.policy.model", "kproxy.policy.engine", "kproxy.policy.filter",
                    "kproxy.policy.tenants")

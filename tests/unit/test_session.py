@@ -1189,7 +1189,7 @@ def test_header_v0_requests_keep_the_client_id():
 
 def test_the_decompression_limit_reaches_filters_through_the_context():
     from kproxy.config import config_from_args
-    from kproxy.server.app import ProxyServer
+    from kproxy.server.process import ProxyProcess
 
     cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092",
                            limits={"max_decompressed_batch_bytes": 12345})
@@ -1201,7 +1201,7 @@ def test_the_decompression_limit_reaches_filters_through_the_context():
         def on_request(self, ctx, exchange):
             seen.append(ctx.max_decompressed_batch_bytes)
 
-    server = ProxyServer(cfg, [Reads()])
+    server = ProxyProcess.from_config(cfg, [Reads()]).cluster()
     ctx = server.new_context(1, ("127.0.0.1", 5555))
     ctx.clock = Clock()                      # outside trio: the test's clock, not trio's
     Session(ctx, server.chain).client_frame(request_frame(METADATA, 12, 1, metadata_request()))

@@ -30,7 +30,14 @@ from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.inflight import InFlight
 from kproxy.server import admin
 from kproxy.telemetry.exchange import Exchange, Learned, produced_records
-from kproxy.telemetry.metrics import BUCKETS, FOLD_EVERY_MASK, Histogram, Metrics, rule_families
+from kproxy.telemetry.metrics import (
+    BUCKETS,
+    FOLD_EVERY_MASK,
+    Histogram,
+    Metrics,
+    ProcessMetrics,
+    rule_families,
+)
 from kproxy.telemetry.spans import Tracing, parse_traceparent, span_name
 from kproxy.telemetry.traffic_log import IN_PROGRESS, SCHEMA_PATH, TrafficLogWriter, rfc3339, traffic_line
 
@@ -425,10 +432,17 @@ class View:
         self.config = config_from_args("kafka:9092", "127.0.0.1:9092")
         self.rule_store: Any = None
         self.ready = (False, "not ready: draining")
-        self.metrics = Metrics()
+        self.metrics = ProcessMetrics()
+        self.metrics.cluster("default")
 
     def readiness(self) -> tuple[bool, str]:
         return self.ready
+
+    def rules(self) -> dict[str, Any]:
+        return admin.rules_view(self.rule_store)
+
+    def clients_view(self) -> dict[str, Any]:
+        return {"connections": []}
 
 
 async def test_admin_over_http() -> None:

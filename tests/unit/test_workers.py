@@ -88,21 +88,23 @@ NOT_ADDITIVE = {"kproxy_rules", "kproxy_rules_generation", "kproxy_rules_loaded_
 
 
 def worker_exposition(tmp_path) -> bytes:
-    """What one worker's /metrics says: a real ProxyServer with rules, its loop lag and budget used."""
+    """What one worker's /metrics says: a real ProxyServer with rules, its loop lag and budget used (the
+    process's, which adds the virtual_cluster label)."""
     from kproxy.config import config_from_args
-    from kproxy.server.app import ProxyServer
+    from kproxy.server.process import ProxyProcess
 
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - name: no-delete\n    match: {api: delete_topics}\n    action: deny\n")
     cfg = config_from_args("kafka:9092", "127.0.0.1:19092", admin={"listen": "127.0.0.1:19999"},
                            rules=[str(rules)])
-    server = ProxyServer(cfg)
-    server.loop_lag.observe(0.002)
-    server.loop_lag_max = 0.002
+    server = ProxyProcess.from_config(cfg).cluster()
+    shared = server.process.shared
+    shared.loop_lag.observe(0.002)
+    shared.loop_lag_max = 0.002
     server.stats.opened("bootstrap")
     server.budget.used = 4096
-    assert server.metrics is not None
-    return server.metrics.exposition()
+    assert server.process.metrics is not None
+    return server.process.metrics.exposition()
 
 
 def gauges_of(text: bytes) -> set[str]:
@@ -137,8 +139,9 @@ def test_three_workers_merge_into_three_times_the_amounts_and_one_of_each_fact(t
             assert after[key] == value, key
         else:
             assert after[key] == pytest.approx(3 * value), key
-    assert after["kproxy_rules"] == 1 and after["kproxy_buffered_bytes"] == 3 * 4096
-    assert after['kproxy_connections_opened_total{listener="bootstrap"}'] == 3
+    assert after['kproxy_rules{virtual_cluster="default"}'] == 1
+    assert after['kproxy_buffered_bytes{virtual_cluster=""}'] == 3 * 4096
+    assert after['kproxy_connections_opened_total{listener="bootstrap",virtual_cluster="default"}'] == 3
 
 
 async def test_workers_are_asked_at_once_and_a_silent_one_costs_only_the_budget():

@@ -7,14 +7,20 @@ decompressed, the caller's cap.
   summary) and the formats' constants;
 - ``compression``: the codecs, bounded by the caller's cap;
 - ``rewrite``: a received batch rebuilt for record rules (same codec and producer fields, new
-  records, CRC32C again), and header edits;
+  records, CRC32C again), header edits, and a batch carried under another producer id (a switch);
 - ``build``: batches encoded from values (kproxy's own records for fleet quota coordination, tests,
   benchmarks, broker stand-ins).
 """
 
 from kproxy.protocol.records.build import build_batch, build_legacy
 from kproxy.protocol.records.compression import Compression
-from kproxy.protocol.records.rewrite import TRACEPARENT, HeaderEdit, edit_headers, rebuild_batch
+from kproxy.protocol.records.rewrite import (
+    TRACEPARENT,
+    HeaderEdit,
+    edit_headers,
+    rebuild_batch,
+    with_producer,
+)
 from kproxy.protocol.records.view import (
     DEFAULT_MAX_DECOMPRESSED_BYTES,
     LOG_OVERHEAD,
@@ -52,4 +58,5 @@ __all__ = [
     "iter_batches",
     "rebuild_batch",
     "summarize",
+    "with_producer",
 ]

@@ -58,6 +58,20 @@ def rebuild_batch(batch: RecordBatch, payload: bytes | bytearray | memoryview, r
     return bytes(out)
 
 
+_PRODUCER = struct.Struct(">qhi")     # producer id, producer epoch, base sequence
+_V2_PRODUCER_OFFSET = 43
+
+
+def with_producer(batch: RecordBatch, producer_id: int, producer_epoch: int, base_sequence: int) -> bytes:
+    """``batch`` as another producer's, or at another sequence: the producer id, epoch and base
+    sequence replaced and the CRC32C computed again (they are inside what it covers); the records
+    are copied as they are, compressed or not."""
+    out = bytearray(batch.raw)
+    _PRODUCER.pack_into(out, _V2_PRODUCER_OFFSET, producer_id, producer_epoch, base_sequence)
+    struct.pack_into(">I", out, V2_CRC_OFFSET, crc32c.crc32c(memoryview(out)[V2_ATTRIBUTES_OFFSET:]))
+    return bytes(out)
+
+
 def _header_bytes(key: bytes, value: bytes | None) -> bytes:
     out = bytearray(write_varint(len(key)))
     out += key
