@@ -21,6 +21,10 @@ its page cache (1 MiB answers of prebuilt batches, as fast as loopback allows), 
 when missing), a relay that copies nothing through user space, in front of the broker's second
 listener, which advertises HAProxy's address so clients stay on the relay after bootstrap.
 
+``--targets ...,kafka-proxy`` adds grepplabs kafka-proxy (Go), which decodes and rewrites Metadata
+answers as kproxy does, in front of the same tansu: give the path of a binary built beside the project
+with ``--kafka-proxy-bin PATH`` (or ``KAFKA_PROXY_BIN``). Nothing of it is part of this repository.
+
 On tansu, ``--targets ...,haproxy`` adds the same HAProxy in front of a second tansu (memory storage,
 the same settings) that advertises HAProxy's port: tansu has a single listener, so the broker the
 other targets use cannot also send clients to the relay. Targets run one after another, so only one
@@ -56,6 +60,7 @@ from kproxy.protocol.messages import body_class
 from kproxy.tansu import Tansu, broker_answers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from small_requests import KINDS as SMALL_KINDS
 from small_requests import LoadResult, run_load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,6 +68,8 @@ HOST = "127.0.0.1"
 TARGETS = ("direct", "kproxy", "tansu-proxy")
 FAKE_TARGETS = ("direct", "kproxy", "haproxy")    # the defaults with --broker fake
 HAPROXY = "haproxy"
+# grepplabs kafka-proxy (Go), from a binary given with --kafka-proxy-bin or KAFKA_PROXY_BIN.
+KAFKA_PROXY = "kafka-proxy"
 # kproxy from another source tree (--baseline DIR), e.g. the commit before a change, in the same run.
 BASELINE = "kproxy-base"
 # kproxy with telemetry on, each compared with plain kproxy in the same run: metrics (the admin
@@ -107,7 +114,7 @@ SPLICE: dict[str, dict] = {"kp-splice": {"settings": "cut_through_splice: true"}
 # within noise.
 VIRTUAL: dict[str, dict] = {"kp-vc1": {"virtual_clusters": 1}, "kp-vc2": {"virtual_clusters": 2}}
 SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
-ALL_TARGETS = (*TARGETS, HAPROXY, BASELINE, *TELEMETRY, *VIRTUAL, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE)
+ALL_TARGETS = (*TARGETS, HAPROXY, KAFKA_PROXY, BASELINE, *TELEMETRY, *VIRTUAL, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -146,6 +153,38 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
+def _proc_cpu(pid: int) -> tuple[float, float, int]:
+    """(own user + system CPU seconds, reaped children's, parent pid) of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # fields[1] is ppid (field 4); utime, stime, cutime, cstime are fields 14-17.
+    own = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    reaped = (int(fields[13]) + int(fields[14])) / _CLK_TCK
+    return own, reaped, int(fields[1])
+
+
+def _tree_cpu(root: int) -> float:
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            own, reaped, ppid = _proc_cpu(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue                 # gone meanwhile
+        parents[int(entry)] = ppid
+        cpu[int(entry)] = own + reaped
+    total = 0.0
+    for pid, c in cpu.items():
+        p = pid
+        while p and p != root:
+            p = parents.get(p, 0)
+        if p == root:
+            total += c
+    return total
+
+
 @dataclass
 class Child:
     name: str
@@ -172,9 +211,13 @@ class Child:
     def cpu_seconds(self) -> float:
         """User + system CPU time of the process so far (all threads), from /proc."""
         assert self.proc is not None
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
+        return _proc_cpu(self.proc.pid)[0]
+
+    def tree_cpu_seconds(self) -> float:
+        """CPU time of the process and every live descendant (kproxy's worker processes), plus what
+        reaped children used."""
+        assert self.proc is not None
+        return _tree_cpu(self.proc.pid)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -427,6 +470,8 @@ class Bench:
             self._start_kproxy(bp, TENANT, extra=["--rules", str(TENANT_RULES)])
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
+        if KAFKA_PROXY in self.args.targets:
+            self._start_kafka_proxy(bp)
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
         self.admins: dict[str, AdminClient] = {}
         if set(SASL) & set(self.args.targets):
@@ -590,6 +635,21 @@ class Bench:
         self.ports["tansu-proxy"] = tp
         self.proxies["tansu-proxy"] = tproxy
 
+    def _start_kafka_proxy(self, bp: int) -> None:
+        """grepplabs kafka-proxy in front of the broker: the bootstrap mapping sends the broker's own
+        address (the only one tansu advertises) to kafka-proxy's listener, so Metadata answers name
+        kafka-proxy and clients stay on it. Dynamic listeners (its default) would serve other brokers."""
+        lp, http = free_port(), free_port()
+        argv = [str(self.args.kafka_proxy_bin), "server",
+                "--bootstrap-server-mapping", f"{HOST}:{bp},{HOST}:{lp}",
+                "--default-listener-ip", HOST, "--http-listen-address", f"{HOST}:{http}",
+                "--log-level", "warning"]
+        child = Child(KAFKA_PROXY, argv, self.workdir / "kafka-proxy.log")
+        self.children.append(child)
+        child.start([lp])
+        self.ports[KAFKA_PROXY] = lp
+        self.proxies[KAFKA_PROXY] = child
+
     def stop(self) -> None:
         # The admin client keeps a broker connection; drop it first so it does not log the shutdown.
         self.__dict__.pop("admin", None)
@@ -667,21 +727,38 @@ class Bench:
                           f"consume {ns[size] / c.seconds:>10,.0f} rec/s", file=sys.stderr, flush=True)
         return out
 
-    def small_requests(self, rounds: int, clients: int, seconds: float) -> dict[str, list[tuple[LoadResult, float | None]]]:
-        """Many connections looping on Metadata v12 (bench/small_requests.py), per target and round;
-        with each proxy's CPU seconds per request."""
-        out: dict[str, list[tuple[LoadResult, float | None]]] = {}
-        targets = [t for t in self.args.targets if t in ("direct", "kproxy", "tansu-proxy", HAPROXY, BASELINE, *VIRTUAL)]
+    def small_requests(self, rounds: int, clients: int, seconds: float,
+                       kinds: tuple[str, ...] = ("metadata",)) -> dict[str, dict[str, list[tuple[LoadResult, float | None]]]]:
+        """Many connections looping on small requests (bench/small_requests.py: Metadata v12, or a
+        one-record Produce with acks=1), per kind, target and round; with each proxy's CPU seconds per
+        request (its whole process tree: kproxy's workers too)."""
+        out: dict[str, dict[str, list[tuple[LoadResult, float | None]]]] = {}
+        targets = [t for t in self.args.targets if t in SMALL_TARGETS]
+        topics: dict[str, str] = {}
+        if "produce" in kinds:
+            # One topic per broker, written to by every connection (partition 0); the HAProxy target
+            # has a broker of its own, reached through its own admin client.
+            made: dict[int, str] = {}
+            for target in targets:
+                admin = self.admins.get(target, self.admin)
+                if id(admin) not in made:
+                    made[id(admin)] = f"small-produce-{uuid.uuid4().hex[:8]}"
+                    create_topic(admin, made[id(admin)])
+                topics[target] = made[id(admin)]
         for r in range(rounds):
-            for target in targets[r % len(targets):] + targets[: r % len(targets)]:
-                self.check_alive()
-                proxy = self.proxies.get(target)
-                cpu0 = proxy.cpu_seconds() if proxy else 0.0
-                res = run_load(f"{HOST}:{self.ports[target]}", clients, seconds, warmup=1.0)
-                cpu = (proxy.cpu_seconds() - cpu0) / (res.requests_per_s * (seconds + 1.0)) if proxy else None
-                out.setdefault(target, []).append((res, cpu))
-                print(f"  round {r + 1}/{rounds}  {clients} clients  {target:<15} "
-                      f"{res.requests_per_s:>10,.0f} req/s  p99 {res.p99_ms:.1f} ms", file=sys.stderr, flush=True)
+            for kind in kinds:
+                for target in targets[r % len(targets):] + targets[: r % len(targets)]:
+                    self.check_alive()
+                    proxy = self.proxies.get(target)
+                    cpu0 = proxy.tree_cpu_seconds() if proxy else 0.0
+                    res = run_load(f"{HOST}:{self.ports[target]}", clients, seconds, warmup=1.0, kind=kind,
+                                   topic=topics.get(target))
+                    cpu = (proxy.tree_cpu_seconds() - cpu0) / res.answers_total if proxy else None
+                    out.setdefault(kind, {}).setdefault(target, []).append((res, cpu))
+                    print(f"  round {r + 1}/{rounds}  {clients} clients  {kind:<9}{target:<15} "
+                          f"{res.requests_per_s:>10,.0f} req/s  p99 {res.p99_ms:.1f} ms"
+                          + (f"  {cpu * 1e6:.0f} us CPU/request" if cpu is not None else ""),
+                          file=sys.stderr, flush=True)
         return out
 
     def latency(self, samples: int, block: int = 100) -> dict[str, list[float]]:
@@ -710,8 +787,12 @@ def fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
+# Targets of the small-request loops (bench/small_requests.py).
+SMALL_TARGETS = ("direct", "kproxy", "tansu-proxy", HAPROXY, KAFKA_PROXY, BASELINE, *VIRTUAL)
+
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
-          (HAPROXY, "direct"), ("kproxy", HAPROXY), ("tansu-proxy", HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
+          (HAPROXY, "direct"), ("kproxy", HAPROXY), ("tansu-proxy", HAPROXY),
+          (KAFKA_PROXY, "direct"), ("kproxy", KAFKA_PROXY), (KAFKA_PROXY, HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
           *((name, "kproxy") for name in TELEMETRY), *((name, "kproxy") for name in VIRTUAL), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
           ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"),
           ("kp-splice", "kproxy"), ("kp-splice", HAPROXY))
@@ -766,24 +847,49 @@ def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[Ru
             print(f"{f'{op} {size} B':<16}" + "".join(f"{c:>26}" for c in cells))
 
 
-def report_small_requests(res: dict[str, list[tuple[LoadResult, float | None]]], clients: int) -> None:
-    rounds = len(next(iter(res.values())))
-    print(f"Many small requests: {clients} connections each looping on Metadata v12 (no topics), one "
-          f"request in flight per connection; {rounds} interleaved round(s), medians")
-    # Against HAProxy too when it ran: the floor of a relay that decodes nothing.
-    floors = ["direct", *([HAPROXY] if HAPROXY in res else [])]
-    hdr = (f"{'target':<15}{'requests/s':>12}" + "".join(f"{f'/ {f}':>10}" for f in floors)
-           + f"{'p50 ms':>9}{'p99 ms':>9}{'proxy CPU/request':>19}")
-    print(hdr)
-    print("-" * len(hdr))
-    base = {f: statistics.median(r.requests_per_s for r, _ in res[f]) for f in floors}
-    for target, runs in res.items():
-        rate = statistics.median(r.requests_per_s for r, _ in runs)
-        cpus = [c for _, c in runs if c is not None]
-        cpu = f"{statistics.median(cpus) * 1e6:.0f} us" if cpus else "-"
-        print(f"{target:<15}{rate:>12,.0f}" + "".join(f"{rate / base[f]:>9.2f}x" for f in floors)
-              + f"{statistics.median(r.p50_ms for r, _ in runs):>9.2f}"
-              f"{statistics.median(r.p99_ms for r, _ in runs):>9.2f}{cpu:>19}")
+SMALL_WHAT = {"metadata": "Metadata v12 (no topics)",
+              "produce": "Produce v9, acks=1, one 100-byte record"}
+
+
+def report_small_requests(by_kind: dict[str, dict[str, list[tuple[LoadResult, float | None]]]], clients: int) -> None:
+    first = True
+    for kind, res in by_kind.items():
+        if not first:
+            print()
+        first = False
+        rounds = len(next(iter(res.values())))
+        print(f"Many small requests: {clients} connections each looping on {SMALL_WHAT[kind]}, one request in "
+              f"flight per connection; {rounds} interleaved round(s), medians (min-max)")
+        # Against HAProxy (the floor of a relay that decodes nothing) and kafka-proxy when they ran.
+        floors = [f for f in ("direct", HAPROXY, KAFKA_PROXY) if f in res]
+        hdr = (f"{'target':<15}{'requests/s':>12}{'min-max':>18}" + "".join(f"{f'/ {f}':>15}" for f in floors)
+               + f"{'p50 ms':>9}{'p99 ms':>9}{'CPU/request':>13}{'min-max':>12}{'/ HAProxy':>11}")
+        print(hdr)
+        print("-" * len(hdr))
+        base = {f: statistics.median(r.requests_per_s for r, _ in res[f]) for f in floors}
+        cpu_h = [c for _, c in res.get(HAPROXY, []) if c is not None]
+        cpu_base = statistics.median(cpu_h) if cpu_h else None
+        for target, runs in res.items():
+            rates = [r.requests_per_s for r, _ in runs]
+            rate = statistics.median(rates)
+            cpus = [c for _, c in runs if c is not None]
+            cpu = f"{statistics.median(cpus) * 1e6:.0f} us" if cpus else "-"
+            spread = f"{min(cpus) * 1e6:.0f}-{max(cpus) * 1e6:.0f}" if cpus else "-"
+            vs_h = f"{statistics.median(cpus) / cpu_base:.2f}x" if cpus and cpu_base else "-"
+            print(f"{target:<15}{rate:>12,.0f}{f'{min(rates):,.0f}-{max(rates):,.0f}':>18}"
+                  + "".join(f"{rate / base[f]:>14.2f}x" for f in floors)
+                  + f"{statistics.median(r.p50_ms for r, _ in runs):>9.2f}"
+                  f"{statistics.median(r.p99_ms for r, _ in runs):>9.2f}{cpu:>13}{spread:>12}{vs_h:>11}")
+        pairs = [(a, b) for a, b in (("kproxy", HAPROXY), ("kproxy", KAFKA_PROXY), ("kproxy", BASELINE),
+                                     (KAFKA_PROXY, HAPROXY)) if a in res and b in res]
+        if pairs:
+            print("paired (each round's own ratio of requests/s, median and min-max): " + "; ".join(
+                f"{a}/{b} {_paired(res[a], res[b])}" for a, b in pairs))
+
+
+def _paired(a: list[tuple[LoadResult, float | None]], b: list[tuple[LoadResult, float | None]]) -> str:
+    ratios = [ra.requests_per_s / rb.requests_per_s for (ra, _), (rb, _) in zip(a, b, strict=True)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def report_latency(lat: dict[str, list[float]], targets: tuple[str, ...]) -> None:
@@ -857,7 +963,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-clients", type=int, default=200,
                     help="connections in the many-small-requests part (default 200; 0 skips it)")
     ap.add_argument("--small-seconds", type=float, default=5.0, help="seconds per small-requests run")
+    ap.add_argument("--small-kinds", default="metadata,produce",
+                    help="small-request loops: metadata, produce (one 100-byte record, acks=1) or both (default)")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
+    ap.add_argument("--kafka-proxy-bin", metavar="PATH", type=Path, default=os.environ.get("KAFKA_PROXY_BIN"),
+                    help=f"the grepplabs kafka-proxy binary for the {KAFKA_PROXY} target (default: $KAFKA_PROXY_BIN)")
     ap.add_argument("--profile-kproxy", metavar="FILE.prof",
                     help="run kproxy under cProfile and write its profile here (slows kproxy down)")
     args = ap.parse_args(argv)
@@ -888,7 +998,16 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"kproxy", *SPLICE}
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
-    if fake and wanted & {"tansu-proxy", TENANT, *FLEET, *SASL}:
+    if KAFKA_PROXY in wanted:
+        if args.kafka_proxy_bin is None:
+            ap.error(f"{KAFKA_PROXY} needs --kafka-proxy-bin PATH (or KAFKA_PROXY_BIN): a grepplabs kafka-proxy "
+                     "binary built beside the project")
+        args.kafka_proxy_bin = Path(args.kafka_proxy_bin).resolve()
+        if not os.access(args.kafka_proxy_bin, os.X_OK):
+            ap.error(f"--kafka-proxy-bin {args.kafka_proxy_bin}: not an executable file")
+    if set(args.small_kinds.split(",")) - set(SMALL_KINDS):
+        ap.error(f"--small-kinds: one or more of {', '.join(SMALL_KINDS)}")
+    if fake and wanted & {"tansu-proxy", KAFKA_PROXY, TENANT, *FLEET, *SASL}:
         ap.error(f"{', '.join(sorted(wanted & {'tansu-proxy', TENANT, *FLEET, *SASL}))} need --broker tansu")
     args.targets = tuple(t for t in ALL_TARGETS if t in wanted)
     rounds, samples = (1, 300) if args.quick else (args.rounds, args.samples)
@@ -913,7 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  " + "  ".join(f"{t} :{p}" for t, p in bench.ports.items()), file=sys.stderr, flush=True)
             tp = {} if args.no_throughput else bench.throughput(rounds, ns)
             lat = None if args.no_latency else bench.latency(samples)
-            small = (bench.small_requests(rounds, args.small_clients, 2.0 if args.quick else args.small_seconds)
+            small = (bench.small_requests(rounds, args.small_clients, 2.0 if args.quick else args.small_seconds,
+                                          tuple(args.small_kinds.split(",")))
                      if args.small_clients else None)
             bench.check_alive()
             fleet = bench.coordination_figures() if "kp-fleet" in args.targets else None

@@ -1,11 +1,15 @@
-"""Many clients, small requests: requests per second and latency of Metadata v12 round trips from
-many concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
+"""Many clients, small requests: requests per second and latency of small round trips from many
+concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
 
+Two loops (``kind``): ``metadata``, a Metadata v12 request with no topics, and ``produce``, a Produce
+v9 request with acks=1 carrying one record of 100 bytes to partition 0 of a topic that must exist.
 Each load process drives its share of the connections with a selector loop over raw sockets (no
-client library, so the generator itself stays cheap): every connection keeps exactly one Metadata
-v12 request (no topics) in flight and sends the next as soon as the answer is whole.
+client library, so the generator itself stays cheap): every connection keeps exactly one request in
+flight and sends the next as soon as the answer is whole. The first answer on each connection is
+decoded and checked (a Produce answer must carry no error), the rest are only counted.
 
-Run alone:  ``.venv/bin/python bench/small_requests.py HOST:PORT [--clients 200] [--seconds 5]``
+Run alone:  ``.venv/bin/python bench/small_requests.py HOST:PORT [--clients 200] [--seconds 5]
+[--kind produce --topic NAME]``
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import time
 from dataclasses import dataclass
 
 _I32 = struct.Struct(">i")
+KINDS = ("metadata", "produce")
+PRODUCE_VALUE_BYTES = 100
 
 
 def metadata_v12_request(correlation_id: int) -> bytes:
@@ -33,17 +39,55 @@ def metadata_v12_request(correlation_id: int) -> bytes:
     return _I32.pack(len(frame)) + frame
 
 
+def produce_v9_request(correlation_id: int, topic: str) -> bytes:
+    """Produce v9, acks=1, one RecordBatch v2 holding one record of ``PRODUCE_VALUE_BYTES`` bytes."""
+    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+    from kproxy.protocol.records import build_batch
+
+    cls = body_class(0, "request")
+    batch = build_batch([(None, b"v" * PRODUCE_VALUE_BYTES)], base_timestamp=1_700_000_000_000)
+    body = cls(transactional_id=None, acks=1, timeout_ms=30_000, topic_data=[
+        cls.TopicProduceData(name=topic, partition_data=[cls.PartitionProduceData(index=0, records=batch)])])
+    return b"".join(bytes(b) for b in encode_request_frame(Request.build(0, 9, correlation_id, "bench", body)))
+
+
+def request_for(kind: str, topic: str | None) -> bytes:
+    if kind == "metadata":
+        return metadata_v12_request(1)
+    if kind == "produce":
+        if not topic:
+            raise ValueError("the produce loop needs a topic")
+        return produce_v9_request(1, topic)
+    raise ValueError(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def check_answer(kind: str, frame: bytes) -> None:
+    """The first answer of a connection must be a good one: a Metadata naming brokers, a Produce
+    acknowledged without error."""
+    from kproxy.protocol.messages import decode_response
+
+    resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0, 12 if kind == "metadata" else 9)
+    if kind == "metadata":
+        if not resp.body.brokers:
+            raise SystemExit(f"a Metadata answer without brokers: {resp!r}")
+        return
+    errors = [p.error_code for t in resp.body.responses for p in t.partition_responses if p.error_code]
+    if errors or not resp.body.responses:
+        raise SystemExit(f"a Produce answer with errors {errors}: {resp!r}")
+
+
 @dataclass
 class _Conn:
     sock: socket.socket
     buf: bytearray
     sent_at: float = 0.0
+    checked: bool = False
 
 
 def _worker(host: str, port: int, clients: int, seconds: float, warmup: float,
-            out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+            out: multiprocessing.Queue, kind: str = "metadata", topic: str | None = None) -> None:  # type: ignore[type-arg]
     sel = selectors.DefaultSelector()
-    request = metadata_v12_request(1)
+    request = request_for(kind, topic)
     conns = []
     for _ in range(clients):
         s = socket.create_connection((host, port), timeout=10)
@@ -59,6 +103,7 @@ def _worker(host: str, port: int, clients: int, seconds: float, warmup: float,
         c.sent_at = time.perf_counter()
         c.sock.send(request)
     done = 0
+    answers = 0            # warm-up included: what the proxy's CPU time is divided by
     latencies: list[float] = []
     longest_gap = 0.0
     last_answer = measure_from
@@ -76,7 +121,11 @@ def _worker(host: str, port: int, clients: int, seconds: float, warmup: float,
                 (size,) = _I32.unpack_from(c.buf, 0)
                 if len(c.buf) < 4 + size:
                     break
+                if not c.checked:
+                    check_answer(kind, bytes(c.buf[4 : 4 + size]))
+                    c.checked = True
                 del c.buf[: 4 + size]
+                answers += 1
                 t = time.perf_counter()
                 if t >= measure_from:
                     done += 1
@@ -87,7 +136,7 @@ def _worker(host: str, port: int, clients: int, seconds: float, warmup: float,
                 c.sock.send(request)
     for c in conns:
         c.sock.close()
-    out.put((done, latencies, longest_gap))
+    out.put((done, latencies, longest_gap, answers))
 
 
 @dataclass
@@ -96,15 +145,16 @@ class LoadResult:
     p50_ms: float
     p99_ms: float
     longest_gap_ms: float     # the longest time no answer at all arrived, over all connections
+    answers_total: int = 0    # every answer, the warm-up's included
 
 
 def run_load(address: str, clients: int = 200, seconds: float = 5.0, procs: int = 2,
-             warmup: float = 1.0) -> LoadResult:
+             warmup: float = 1.0, kind: str = "metadata", topic: str | None = None) -> LoadResult:
     host, port = address.rsplit(":", 1)
     ctx = multiprocessing.get_context("fork")
     out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
     shares = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    workers = [ctx.Process(target=_worker, args=(host, int(port), n, seconds, warmup, out))
+    workers = [ctx.Process(target=_worker, args=(host, int(port), n, seconds, warmup, out, kind, topic))
                for n in shares if n]
     for w in workers:
         w.start()
@@ -116,7 +166,7 @@ def run_load(address: str, clients: int = 200, seconds: float = 5.0, procs: int 
     if not lat:
         raise RuntimeError(f"no answers from {address}")
     return LoadResult(done / seconds, statistics.median(lat) * 1000, lat[int(0.99 * (len(lat) - 1))] * 1000,
-                      max(r[2] for r in results) * 1000)
+                      max(r[2] for r in results) * 1000, sum(r[3] for r in results))
 
 
 def main() -> None:
@@ -125,9 +175,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--kind", choices=KINDS, default="metadata")
+    ap.add_argument("--topic", help="the topic the produce loop writes to (it must exist)")
     args = ap.parse_args()
-    r = run_load(args.address, args.clients, args.seconds, args.procs)
-    print(f"{args.clients} clients: {r.requests_per_s:,.0f} requests/s, p50 {r.p50_ms:.2f} ms, "
+    r = run_load(args.address, args.clients, args.seconds, args.procs, kind=args.kind, topic=args.topic)
+    print(f"{args.clients} clients, {args.kind}: {r.requests_per_s:,.0f} requests/s, p50 {r.p50_ms:.2f} ms, "
           f"p99 {r.p99_ms:.2f} ms")
 
 

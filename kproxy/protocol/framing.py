@@ -111,6 +111,16 @@ class FrameReader:
             return None
         return size, memoryview(self._buf)[start + 4:start + 4 + min(avail - 4, size)]
 
+    def head_size(self) -> int:
+        """The size prefix of the frame at the head of the chunk (-1 when fewer than 4 bytes are there,
+        or the frame is held elsewhere): what ``frame_starting`` would report, without building a view,
+        so a pump can tell a small frame from one that may stream at the cost of one unpack."""
+        if self._big is not None or self._ready is not None or self._stream_left or self._buf is None:
+            return -1
+        if self._end - self._start < 4:
+            return -1
+        return _SIZE.unpack_from(self._buf, self._start)[0]
+
     def stream_current(self) -> None:
         """Take the frame ``frame_starting`` reported piece by piece (``take_piece``) from now on.
         Its size may exceed ``max_frame_size``: only a chunk of it is ever held."""

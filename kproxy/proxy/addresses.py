@@ -258,16 +258,21 @@ class AddressRewriter(Filter):
         self._unexposable: set[tuple[str, int]] = set()   # nodes already reported as unexposable
         self._plans: dict[tuple[int, int], tuple[str | None, list[tuple[_Step, ...]]]] = {}
 
-    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
-        key = (response.api_key, response.api_version)
+    def _plan(self, api_key: int, api_version: int) -> tuple[str | None, list[tuple[_Step, ...]]]:
+        key = (api_key, api_version)
         plan = self._plans.get(key)
         if plan is None:
-            msg = apis()[response.api_key].response
+            msg = apis()[api_key].response
             assert msg is not None
-            plan = (_node_field(msg.root, response.api_version),
-                    endpoint_sites(msg, response.api_version))
-            self._plans[key] = plan
-        root_node, sites = plan
+            plan = self._plans[key] = (_node_field(msg.root, api_version), endpoint_sites(msg, api_version))
+        return plan
+
+    def reads_response(self, api_key: int, api_version: int) -> bool:
+        # Only versions with endpoints: Produce answers carry KIP-951's leader hints from v10 on.
+        return bool(self._plan(api_key, api_version)[1])
+
+    def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
+        root_node, sites = self._plan(response.api_key, response.api_version)
         if not sites:
             return 0.0
         body = response.body

@@ -205,6 +205,12 @@ class Filter:
         know first (``AskKeys``), or None. The answer, and those after it, wait for it."""
         return None
 
+    def reads_response(self, api_key: int, api_version: int) -> bool:
+        """Whether ``on_response`` has anything to do with answers of this api version (True, the
+        default, for every version of ``response_api_keys``). When no filter reads an answer and
+        nothing else does (telemetry, the transparency check), the session passes it on undecoded."""
+        return True
+
     def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
         """The request is over, once and whatever its outcome (answered, refused, lost with the broker
         connection, or ``client_gone``); its times and outcome are final. Declare the api keys in
@@ -280,7 +286,7 @@ class FilterFailed(Exception):
 class FilterChain:
     """The filters of one proxy, indexed by api key so each frame only meets the ones it concerns."""
 
-    __slots__ = ("_askers", "_by_done_key", "_by_request_key", "_by_response_key", "_reported", "_whole",
+    __slots__ = ("_askers", "_by_done_key", "_by_request_key", "_by_response_key", "_reads", "_reported", "_whole",
                  "_whole_all", "filters")
 
     def __init__(self, filters: Iterable[Filter]) -> None:
@@ -292,6 +298,7 @@ class FilterChain:
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
         self._reported: dict[int, bool] = {}
         self._askers: dict[int, tuple[Filter, ...]] = {}
+        self._reads: dict[tuple[int, int], bool] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
@@ -318,6 +325,16 @@ class FilterChain:
         got = self._reported.get(api_key)
         if got is None:
             got = self._reported[api_key] = all(f.reports_changes for f in self.for_response(api_key))
+        return got
+
+    def reads_answers(self, api_key: int, api_version: int) -> bool:
+        """Whether a filter reads this api version's decoded answers: a response filter with something
+        to do at that version (``Filter.reads_response``), or one told of the finished exchange."""
+        key = (api_key, api_version)
+        got = self._reads.get(key)
+        if got is None:
+            got = self._reads[key] = bool(self.for_done(api_key)) or any(
+                f.reads_response(api_key, api_version) for f in self.for_response(api_key))
         return got
 
     def for_done(self, api_key: int) -> tuple[Filter, ...]:

@@ -88,10 +88,14 @@ _HEAD_ID = struct.Struct(">ii")         # size prefix, correlation id
 _JOIN_BELOW = 16 * 1024
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
+# Answers the session itself reads, whatever the filters do: the SASL exchange's outcome, and
+# ApiVersions (a broker that answers in v0 when it does not know the version asked).
+_READ_BY_SESSION = frozenset({SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE})
 UNSUPPORTED_VERSION = 35
 
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
+_NAMES_IN_ANSWERS = frozenset({METADATA, DESCRIBE_TOPIC_PARTITIONS})   # answers topic names are learned from
 
 
 @attrs.define(slots=True, eq=False)
@@ -167,8 +171,14 @@ class Session(SessionCutThrough, SessionSasl):
     def __init__(self, ctx: ConnectionContext, chain: FilterChain, *,
                  passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
                  topic_names: TopicNames | None = None, front: SaslFront | None = None,
-                 stream_min_bytes: int | None = STREAM_MIN_BYTES, memo: AnswerMemo | None = None) -> None:
+                 stream_min_bytes: int | None = STREAM_MIN_BYTES, memo: AnswerMemo | None = None,
+                 read_answers: bool = True) -> None:
         self.ctx = ctx
+        # None when something besides the filters reads every decoded answer (telemetry); else, by
+        # (api key << 16 | version), whether no filter reads that version's answers (``_unread``):
+        # those pass on undecoded. (One attribute: past 30, CPython 3.11 stops sharing the instance
+        # dict's keys and every attribute read of the session gets slower.)
+        self._unread_by: dict[int, bool] | None = None if read_answers else {}
         # Rewritten answers by their bytes, when every response filter of an api is pure; never
         # while the transparency check runs (it must compare what the filters would do each time).
         self.memo = memo if reencode is None else None
@@ -471,8 +481,12 @@ class Session(SessionCutThrough, SessionSasl):
         ctx = self.ctx
         key = req.api_key
         # Header v0 (ControlledShutdown v0) has no client id: it does not clear the one the client gave.
-        if req.client_id is not None and request_header_version(key, req.api_version) > 0:
-            ctx.client_id = req.client_id
+        header = req.header
+        if header.client_id is not None:
+            # A decoded header knows its version; one built in code asks the registry.
+            v = header._version
+            if (v if v is not None else request_header_version(key, req.api_version)) > 0:
+                ctx.client_id = header.client_id
         if key == API_VERSIONS and req.api_version >= 3:
             ctx.client_software_name = req.body.client_software_name
             ctx.client_software_version = req.body.client_software_version
@@ -584,6 +598,15 @@ class Session(SessionCutThrough, SessionSasl):
             entry.reply = size_prefixed(patched)
             return self._flush()
         version = entry.api_version
+        unread_by = self._unread_by
+        if (unread_by is not None and unread_by.get(entry.api_key << 16 | version) is not False
+                and self._unread(unread_by, entry.api_key, version)):
+            # Nobody reads this answer (no filter at this version, no telemetry, no transparency
+            # check): the broker's bytes go on with the client's correlation id, never decoded.
+            head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
+            entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
+            entry.handling_s += self.ctx.clock() - answered
+            return self._flush()
         if entry.api_key == API_VERSIONS and len(frame) >= 6 and frame[4:6] == b"\x00\x23":
             # A broker that does not know the requested ApiVersions version answers in v0 (KIP-511).
             version = 0
@@ -675,6 +698,17 @@ class Session(SessionCutThrough, SessionSasl):
         actions += self._flush()
         return actions
 
+    def _unread(self, unread_by: dict[int, bool], api_key: int, version: int) -> bool:
+        """Whether no one would read this answer decoded: no filter at this version, no transparency
+        check, no state of the session's own kept from it (SASL, the versions a broker speaks, the
+        names of topic ids). The fixed part is worked out once per api version."""
+        unread = unread_by.get(api_key << 16 | version)
+        if unread is None:
+            unread = unread_by[api_key << 16 | version] = (
+                api_key not in _READ_BY_SESSION and self.reencode is None
+                and not self.chain.reads_answers(api_key, version))
+        return unread and (api_key not in _NAMES_IN_ANSWERS or not self._learns_names(api_key, version))
+
     # -- remembered answers (kproxy.proxy.memo)
 
     def _learns_names(self, api_key: int, version: int) -> bool:
@@ -717,8 +751,10 @@ class Session(SessionCutThrough, SessionSasl):
         tail = got.tail
         head = _HEAD_ID.pack(len(tail) + 4, cid)
         entry.reply = [head + tail] if len(tail) < _JOIN_BELOW else [head, tail]
-        header_codec, _ = response_codecs(entry.api_key, version)
-        entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
+        if self._unread_by is None or self.chain.for_done(entry.api_key):
+            # Telemetry or an on_done filter reads the completed entry: it gets the answer decoded.
+            header_codec, _ = response_codecs(entry.api_key, version)
+            entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
         entry.throttle_ms = got.throttle_ms
         entry.handling_s += self.ctx.clock() - answered
         return self._flush()

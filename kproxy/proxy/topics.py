@@ -40,7 +40,8 @@ class TopicNames:
 
     @property
     def learning(self) -> bool:
-        return any(w() for w in self._wants)
+        wants = self._wants
+        return bool(wants) and any(w() for w in wants)
 
     def get(self, topic_id: Any) -> str | None:
         return self._names.get(topic_id)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import trio
 
-from kproxy.config import HostPort, ProxyConfig, TlsClientSide, TlsServerSide
+from kproxy.config import ConfigError, HostPort, ProxyConfig, TlsClientSide, TlsServerSide
 from kproxy.identity.principal import PrincipalMapper
 from kproxy.logs import VIRTUAL_CLUSTER, safe
 from kproxy.policy.filter import PolicyFilter
@@ -458,8 +458,6 @@ class ProxyServer:
         else:
             self.bootstrap_address = self.shared_listener
         try:
-            if self.keys is not None:
-                await self._check_keks()       # before anything starts: a KEK that does not exist is fatal
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await self.identity.run(nursery)
@@ -611,7 +609,8 @@ class ProxyServer:
         front = self.identity.front(ctx)
         session = Session(ctx, chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=cluster.topic_names, front=front,
-                          stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo)
+                          stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo,
+                          read_answers=self.telemetry.active)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)
@@ -637,7 +636,7 @@ class ProxyServer:
             self.clients.closed(record)
             self.stats.connections_open -= 1
 
-    async def _check_keks(self) -> None:
+    async def check_keks(self) -> None:
         """At start: every KEK the encrypt rules name must exist in the KMS (ConfigError if not);
         a KMS that cannot be reached now is a warning (records wait for it, retriably)."""
         assert self.keys is not None
@@ -975,8 +974,9 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def listen_error(e: BaseException) -> ListenError | None:
-    """The ListenError that ended the server, through trio's nursery exception groups; else None."""
+def listen_error(e: BaseException) -> ListenError | ConfigError | None:
+    """The ListenError (a port) or ConfigError (a KEK the KMS does not have) that ended the server
+    at start, through trio's nursery exception groups; else None."""
     while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
         e = e.exceptions[0]
-    return e if isinstance(e, ListenError) else None
+    return e if isinstance(e, (ListenError, ConfigError)) else None

@@ -41,6 +41,7 @@ from kproxy.server.splice import available as splice_available
 from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import PEEK_NOW, PlainTransport, Transport
 from kproxy.server.upstream import UpstreamSettings
+from kproxy.server.watchdog import watch
 
 log = logging.getLogger("kproxy.server")
 
@@ -101,6 +102,13 @@ Completion = Callable[[InFlight], None]
 class ClientConnection(Executor):
     """One client connection and the broker connection behind it."""
 
+    __slots__ = ("_close_reason", "_drain_reason", "_held", "_linger", "_lose_pending", "_now", "_nursery",
+                 "_partial_frame", "_partial_since", "_pipe", "_pre_login", "_quiet_since", "_readers", "_room",
+                 "_seen_requests", "_splice_ok", "budget", "bytes_in", "bytes_out", "cancel_scope", "client",
+                 "client_gone", "client_reader", "closing", "cluster", "draining", "on_complete", "opened_at",
+                 "prepare", "requests_done", "route_key", "router", "session", "settings", "stats", "unrouted",
+                 "writer")
+
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
@@ -134,6 +142,12 @@ class ClientConnection(Executor):
         self.client_reader = FrameReader(settings.frame_cap, trust_claims=False,
                                          limit_name=settings.frame_cap_setting)
         self._readers: list[FrameReader] = [self.client_reader]
+        # The watchdog's view (``check``): since when the client has been quiet and how many requests
+        # it had sent then; the frame being received (by the count of frames before it) and since when.
+        self._quiet_since = self._partial_since = self.opened_at
+        self._seen_requests = session.requests
+        self._partial_frame: int | None = None
+        self._lose_pending = False                  # a broker connection is being dropped as overdue
         self._held = 0                              # bytes this connection counts in the budget
         # The pipe streamed record bodies are spliced through (opened at the first splice), when
         # this platform, the settings and the client's transport allow it.
@@ -180,8 +194,8 @@ class ClientConnection(Executor):
                 try:
                     async with trio.open_nursery() as nursery:
                         self._nursery = nursery
-                        if self.settings.watchdog_period is not None:
-                            nursery.start_soon(self._watchdog, self.settings.watchdog_period)
+                        period = self.settings.watchdog_period
+                        unwatch = watch(self, period) if period is not None else None
                         try:
                             await self._client_pump()
                         except ClientGone as e:
@@ -196,6 +210,9 @@ class ClientConnection(Executor):
                         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                             reason = f"client connection error: {e!r}"
                             self.client_gone = True
+                        finally:
+                            if unwatch is not None:
+                                unwatch()
                         nursery.cancel_scope.cancel()
                 except Exception as e:
                     # A bug (in kproxy or a filter) ends this connection only, never the proxy.
@@ -297,10 +314,11 @@ class ClientConnection(Executor):
                 self.client_gone = True
                 return
             reader.received(n)
-            streams = session.stream_min_bytes is not None
+            min_bytes = session.stream_min_bytes
             while True:
-                if streams or reader.streaming_left:
-                    # A large Produce request starting (or going on) here may go out as it arrives.
+                if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
+                    # A large Produce request starting (or going on) here may go out as it arrives
+                    # (a frame too small to stream costs no coroutine).
                     await self._stream_request(reader)
                     if self.draining:
                         break
@@ -387,9 +405,7 @@ class ClientConnection(Executor):
                 reader.received(n)
                 min_bytes = session.stream_min_bytes
                 while True:
-                    if reader.streaming_left or (
-                            min_bytes is not None and (starting := reader.frame_starting(whole=True)) is not None
-                            and starting[0] >= min_bytes):
+                    if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
                         # A large answer starting (or going on) here may go out as it arrives (one
                         # too small to stream costs no coroutine).
                         await self._stream_pieces(reader, upstream)
@@ -570,53 +586,58 @@ class ClientConnection(Executor):
                 return None  # answers come in order: only the oldest sent can be the first overdue
         return None
 
-    async def _watchdog(self, period: float) -> None:
+    # -- the watchdog (kproxy.server.watchdog calls ``check`` every period while the connection runs)
+
+    def check(self, now: float) -> None:
+        """Look at this connection's timeouts: a broker that stopped answering, a login not finished,
+        a frame arriving too slowly, a client idle too long."""
+        if self._lose_pending or (self.cancel_scope is not None and self.cancel_scope.cancel_called):
+            return
         s = self.settings
         session = self.session
         reader = self.client_reader
-        started = quiet_since = trio.current_time()
-        seen_requests = session.requests
-        # The frame being received (by the count of frames before it) and since when.
-        partial_frame: int | None = None
-        partial_since = started
-        while True:
-            await trio.sleep(period)
-            now = trio.current_time()
-            if s.request_timeout_s > 0 and self.upstream is not None:
-                late = self._overdue(now)
-                if late is not None:
-                    # A broker that stopped answering without closing (a partition, a hung host):
-                    # drop that connection so waiting clients get retriable errors, not silence.
-                    try:
-                        await self._upstream_lost(f"no {late} response within the request timeout")
-                    except ConnectionClosed as e:
-                        self._closed(e)
-                        return
-                    continue
-            unauth = s.unauthenticated_timeout_s
-            if (unauth > 0 and session.sasl_in_progress and not session.ctx.authenticated
-                    and now - session.sasl_started_at > unauth):
-                self._close_from_task(f"SASL authentication not completed within {unauth:g}s "
-                                      "(limits.unauthenticated_idle_timeout_s)")
+        if s.request_timeout_s > 0 and self.upstream is not None and self._nursery is not None:
+            late = self._overdue(now)
+            if late is not None:
+                # A broker that stopped answering without closing (a partition, a hung host): drop
+                # that connection so waiting clients get retriable errors, not silence.
+                self._lose_pending = True
+                self._nursery.start_soon(self._lose_overdue, late)
                 return
-            if self._holding or self._up_sending:
-                # kproxy's own wait, or a slow broker holding back a streamed request's pieces.
-                partial_since = quiet_since = now
-            if s.frame_timeout_s > 0:
-                if reader.at_frame_boundary:
-                    partial_frame = None
-                elif partial_frame != reader.frames:
-                    partial_frame, partial_since = reader.frames, now
-                elif now - partial_since > s.frame_timeout_s:
-                    # One byte every few seconds must not keep a connection (and its buffer) forever.
-                    self._close_from_task(f"a request frame did not arrive whole within "
-                                          f"{s.frame_timeout_s:g}s (limits.frame_timeout_s)")
-                    return
-            if session.requests != seen_requests or session.open:
-                seen_requests, quiet_since = session.requests, now
-            elif s.idle_timeout_s > 0 and now - quiet_since > s.idle_timeout_s:
-                self._close_from_task(f"no request for {s.idle_timeout_s:g}s (limits.idle_timeout_s)")
+        unauth = s.unauthenticated_timeout_s
+        if (unauth > 0 and session.sasl_in_progress and not session.ctx.authenticated
+                and now - session.sasl_started_at > unauth):
+            self._close_from_task(f"SASL authentication not completed within {unauth:g}s "
+                                  "(limits.unauthenticated_idle_timeout_s)")
+            return
+        if self._holding or self._up_sending:
+            # kproxy's own wait, or a slow broker holding back a streamed request's pieces.
+            self._partial_since = self._quiet_since = now
+        if s.frame_timeout_s > 0:
+            if reader.at_frame_boundary:
+                self._partial_frame = None
+            elif self._partial_frame != reader.frames:
+                self._partial_frame, self._partial_since = reader.frames, now
+            elif now - self._partial_since > s.frame_timeout_s:
+                # One byte every few seconds must not keep a connection (and its buffer) forever.
+                self._close_from_task(f"a request frame did not arrive whole within "
+                                      f"{s.frame_timeout_s:g}s (limits.frame_timeout_s)")
                 return
+        if session.requests != self._seen_requests or session.open:
+            self._seen_requests, self._quiet_since = session.requests, now
+        elif s.idle_timeout_s > 0 and now - self._quiet_since > s.idle_timeout_s:
+            self._close_from_task(f"no request for {s.idle_timeout_s:g}s (limits.idle_timeout_s)")
+
+    def close_from_watchdog(self, reason: str) -> None:
+        self._close_from_task(reason)
+
+    async def _lose_overdue(self, late: str) -> None:
+        try:
+            await self._upstream_lost(f"no {late} response within the request timeout")
+        except ConnectionClosed as e:
+            self._closed(e)
+        finally:
+            self._lose_pending = False
 
 
 def _unacknowledged(raw: socket.socket) -> int:

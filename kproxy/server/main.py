@@ -97,7 +97,7 @@ def run_from_args(args: Any) -> int:
     try:
         trio.run(serve_until_signal, process)
     except (ListenError, BaseExceptionGroup) as e:
-        # A port in use is one line naming the address, not a traceback through trio's nurseries.
+        # A port in use, or a KEK the KMS does not have, is one line, not a traceback through trio's nurseries.
         leaf = listen_error(e)
         if leaf is None:
             raise

@@ -186,6 +186,9 @@ class ProxyProcess:
         """Run every virtual cluster until cancelled or drained; ``task_status.started(self)`` once
         every bootstrap port listens. A port that cannot be bound is a ListenError, before any
         virtual cluster serves."""
+        for server in self.servers.values():
+            if server.keys is not None:
+                await server.check_keks()   # before anything binds: a KEK that does not exist is fatal
         admin_listener = None
         if self.admin_listen is not None:
             try:

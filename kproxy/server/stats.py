@@ -38,12 +38,16 @@ class ProxyStats:
         self.decode_errors = {"request": 0, "response": 0}
         self.upstream_connect_failures: dict[str, int] = {}
         self._random = random.Random(seed)
+        self._by_key: dict[int, ApiStats] = {}      # the same ApiStats by api key, read per request
 
     def record(self, entry: InFlight) -> None:
-        name = api_name(entry.api_key)
-        s = self.apis.get(name)
+        s = self._by_key.get(entry.api_key)
         if s is None:
-            s = self.apis[name] = ApiStats()
+            name = api_name(entry.api_key)
+            s = self.apis.get(name)
+            if s is None:
+                s = self.apis[name] = ApiStats()
+            self._by_key[entry.api_key] = s
         s.count += 1
         s.request_bytes += entry.request_bytes
         s.response_bytes += entry.response_bytes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -21,27 +22,68 @@ from prometheus_client.registry import Collector
 
 from kproxy.config import MetricsConfig
 from kproxy.proxy.inflight import STORED, STREAMED, UPSTREAM_LOST
-from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange
+from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange, produced_records
 
 # Seconds: from sub-millisecond metadata answers to long polls and rebalances.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OTHER = "other"
+# Durations waiting to be counted into their buckets are folded in every 1,024 requests of an API (and
+# at every read), so that no more than that many are held.
+FOLD_EVERY_MASK = 1023
 
 Reader = Callable[[], Iterable[Metric]]
 
 
 class Histogram:
-    __slots__ = ("buckets", "count", "sum")
+    """Counts by bucket, a count and a sum. ``observe`` counts a value at once; the request path
+    appends to ``pending`` instead (one list append, no call of its own) and ``fold`` counts what is
+    pending in one pass: sorted, each bucket's share is found by bisection rather than per value.
+    Everything that reads the counts folds first."""
+
+    __slots__ = ("_buckets", "_count", "_sum", "pending")
 
     def __init__(self) -> None:
-        self.buckets = [0] * (len(BUCKETS) + 1)   # the last one is +Inf
-        self.count = 0
-        self.sum = 0.0
+        self._buckets = [0] * (len(BUCKETS) + 1)   # the last one is +Inf
+        self._count = 0
+        self._sum = 0.0
+        self.pending: list[float] = []
 
     def observe(self, value: float) -> None:
-        self.buckets[bisect.bisect_left(BUCKETS, value)] += 1
-        self.count += 1
-        self.sum += value
+        self._buckets[bisect.bisect_left(BUCKETS, value)] += 1
+        self._count += 1
+        self._sum += value
+
+    def fold(self) -> None:
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        pending.sort()
+        buckets = self._buckets
+        below = 0
+        for i, bound in enumerate(BUCKETS):
+            # A value equal to a bound is counted in that bound's bucket (le), as observe counts it.
+            upto = bisect.bisect_right(pending, bound, below)
+            buckets[i] += upto - below
+            below = upto
+        buckets[-1] += len(pending) - below
+        self._count += len(pending)
+        self._sum += math.fsum(pending)
+
+    @property
+    def buckets(self) -> list[int]:
+        self.fold()
+        return self._buckets
+
+    @property
+    def count(self) -> int:
+        self.fold()
+        return self._count
+
+    @property
+    def sum(self) -> float:
+        self.fold()
+        return self._sum
 
     def cumulative(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
@@ -67,6 +109,11 @@ class ApiCounters:
         self.paths: dict[str, int] = {}        # broker answers by path (stored, streamed)
         self.request_paths: dict[str, int] = {}   # requests to the broker that may stream, by path
         self.stored_why: dict[str, int] = {}   # requests large enough to stream that were stored, by reason
+
+    def fold(self) -> None:
+        self.duration.fold()
+        self.broker.fold()
+        self.added.fold()
 
 
 class Capped:
@@ -136,13 +183,16 @@ class Metrics(Collector):
         c.request_bytes += e.request_bytes
         c.response_bytes += e.response_bytes
         end = e.finished_at if e.finished_at is not None else e.started
-        c.duration.observe(end - e.started)
+        # Durations are counted into their buckets in batches (Histogram.fold), not one call each.
+        c.duration.pending.append(end - e.started)
         if e.forwarded_at is not None and e.answered_at is not None:
             broker = e.answered_at - e.forwarded_at
-            c.broker.observe(broker)
+            c.broker.pending.append(broker)
             # What the proxy itself cost this request (queueing, decoding, filters, writing): the
             # figure an alert on kproxy's latency wants, apart from the broker's long polls.
-            c.added.observe(max(0.0, end - e.started - broker))
+            c.added.pending.append(max(0.0, end - e.started - broker))
+        if not c.requests & FOLD_EVERY_MASK:
+            c.fold()
         c.outcomes[e.outcome] = c.outcomes.get(e.outcome, 0) + 1
         if e.answered_at is not None or e.path == STREAMED:
             # The broker's answer passed through kproxy: stored whole first, or streamed.
@@ -191,8 +241,14 @@ class Metrics(Collector):
         direction = "produced" if e.api_key == PRODUCE else "fetched"
         if e.outcome not in ("forwarded", "no_response"):
             return
-        n = 0
         topics = self.topics
+        if topics is None and e.api_key == PRODUCE:
+            # Only the sum is wanted: read from batch headers' fixed offsets, no facts per partition.
+            n = produced_records(e)
+            if n is not None:
+                self.records[direction] += n
+                return
+        n = 0
         for p in x.partitions:
             if p.error_code:
                 continue

@@ -370,3 +370,13 @@ def test_no_upstream_host_survives_rewriting(api_key, version):
         assert upstream.isdisjoint(host for host, _ in hosts(back.body, msg.root, version, []))
 
     check()
+
+
+def test_the_rewriter_reads_only_answer_versions_with_endpoints() -> None:
+    # Produce answers carry KIP-951's leader endpoints from v10 on; before that the rewriter has
+    # nothing to do, so a session with nothing else reading them passes them on undecoded.
+    rewriter = AddressRewriter(AddressMap("kproxy.example", 19000, 16))
+    chain = FilterChain([rewriter])
+    assert not rewriter.reads_response(0, 9) and rewriter.reads_response(0, 10)
+    assert rewriter.reads_response(3, 12) and rewriter.reads_response(10, 0)     # Metadata, FindCoordinator v0
+    assert not chain.reads_answers(0, 9) and chain.reads_answers(0, 10) and chain.reads_answers(3, 12)

@@ -249,3 +249,28 @@ def test_answers_about_data_are_not_remembered():
     confirm_all(m)
     c.ask(metadata_answer([(1, "b1.internal", 9092)]))
     assert memo.stored == 1
+
+
+class Done(Filter):
+    """Told of every finished Metadata exchange (``on_done``)."""
+
+    name = "done"
+    done_api_keys = frozenset({METADATA})
+
+
+def test_a_remembered_answer_builds_its_decoded_response_only_for_readers_of_the_entry():
+    body = metadata_answer([(1, "b1.internal", 9092)])
+    for read_answers, extra, built in ((True, [], True), (False, [], False), (False, [Done()], True)):
+        m = AddressMap(PROXY, 19000, 16)
+        rewriter = AddressRewriter(m)
+        memo = AnswerMemo()
+        c = Client(FilterChain([rewriter, *extra]), memo, read_answers=read_answers)
+        c.ask(body)
+        confirm_all(m)
+        c.ask(body)
+        _, resp, entry = c.ask(body)
+        assert memo.hits == 1 and resp.body.brokers[0].port == 19000
+        # Telemetry (read_answers) and on_done filters read entry.response; with neither, no one does.
+        assert (entry.response is not None) is built
+        if built:
+            assert entry.response.correlation_id == c.cid and entry.response.body.brokers[0].port == 19000

@@ -472,6 +472,69 @@ def test_malformed_response_closes():
     assert "Metadata v4" in out[0].reason or "metadata" in out[0].reason.lower()
 
 
+# -- answers nobody reads pass on undecoded
+
+
+class Reads(Filter):
+    """Reads Produce answers from ``since`` on (``reads_response``); counts what it saw."""
+
+    name = "reads"
+    response_api_keys = frozenset({PRODUCE})
+    reports_changes = True
+
+    def __init__(self, since: int) -> None:
+        self.since = since
+        self.seen = 0
+
+    def reads_response(self, api_key, api_version):
+        return api_version >= self.since
+
+    def on_response(self, ctx, exchange, response):
+        self.seen += 1
+        return 0.0
+
+
+def _produce_round_trip(s: Session, version: int, tail: bytes = b"") -> tuple[bytes, bytes, list]:
+    up = forwarded(s.client_frame(request_frame(PRODUCE, version, 7, produce_request()))[0])
+    frame = response_frame(PRODUCE, version, up.correlation_id, produce_response()) + tail
+    out = s.upstream_frame(memoryview(frame))
+    assert kinds(out) == [ToClient]
+    return frame, wire(out[0]), out
+
+
+@pytest.mark.parametrize("read_answers, since, undecoded", [
+    (False, 10, True),      # the filter has nothing to do at v9, nothing else reads: never decoded
+    (False, 9, False),      # the filter reads v9 answers
+    (True, 10, False),      # telemetry reads every answer
+])
+def test_an_answer_nobody_reads_goes_on_as_received_without_decoding(read_answers, since, undecoded):
+    f = Reads(since)
+    s = Session(ConnectionContext(1, clock=Clock()), FilterChain([f]), read_answers=read_answers)
+    frame, sent, out = _produce_round_trip(s, 9)
+    # Either way the client gets the broker's bytes with its own correlation id.
+    assert sent == struct.pack(">i", 7) + frame[4:]
+    assert f.seen == (0 if undecoded else 1)
+    (entry,) = out[0].done
+    assert (entry.response is None) is undecoded
+
+
+def test_an_undecoded_answer_is_not_checked_either():
+    # What is never decoded is never refused: bytes the codec would reject go on as the broker sent
+    # them (the framing, which the reader checks, is all kproxy vouches for).
+    s = Session(ConnectionContext(1, clock=Clock()), FilterChain([Reads(10)]), read_answers=False)
+    _, sent, _ = _produce_round_trip(s, 9, tail=b"\xff\xff")
+    assert sent.endswith(b"\xff\xff")
+
+
+def test_answers_the_session_reads_itself_are_always_decoded():
+    s = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=False)
+    up = forwarded(s.client_frame(request_frame(API_VERSIONS, 3, 1, body_class(API_VERSIONS, "request")(
+        client_software_name="app", client_software_version="1")))[0])
+    out = s.upstream_frame(memoryview(response_frame(API_VERSIONS, 3, up.correlation_id, api_versions_response())))
+    (entry,) = out[0].done
+    assert entry.response is not None
+
+
 # -- broker connection lost
 
 

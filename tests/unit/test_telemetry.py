@@ -18,6 +18,8 @@ import h11
 import jsonschema
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
@@ -27,8 +29,15 @@ from kproxy.protocol.records import Compression, build_batch
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.inflight import InFlight
 from kproxy.server import admin
-from kproxy.telemetry.exchange import Exchange, Learned
-from kproxy.telemetry.metrics import Metrics, ProcessMetrics, rule_families
+from kproxy.telemetry.exchange import Exchange, Learned, produced_records
+from kproxy.telemetry.metrics import (
+    BUCKETS,
+    FOLD_EVERY_MASK,
+    Histogram,
+    Metrics,
+    ProcessMetrics,
+    rule_families,
+)
 from kproxy.telemetry.spans import Tracing, parse_traceparent, span_name
 from kproxy.telemetry.traffic_log import IN_PROGRESS, SCHEMA_PATH, TrafficLogWriter, rfc3339, traffic_line
 
@@ -334,6 +343,60 @@ def test_metrics_count_by_api_and_pass_promtool() -> None:
     # Two client ids get series of their own; the rest are "other".
     assert 'kproxy_by_client_requests_total{api="produce",client_id="other"} 2.0' in lines
     assert 'kproxy_rule_reloads_total{outcome="ok"} 0.0' in lines
+
+
+def _legacy_message(value: bytes) -> bytes:
+    """One magic-0 message (offset, size, crc, magic, attributes, null key, value); its CRC is not checked here."""
+    body = b"\x00\x00" + (-1).to_bytes(4, "big", signed=True) + len(value).to_bytes(4, "big") + value
+    return (0).to_bytes(8, "big") + (len(body) + 4).to_bytes(4, "big") + b"\x00\x00\x00\x00" + body
+
+
+@pytest.mark.parametrize("records, errors, fast", [
+    ({("orders", 0): batch(3) + batch(2, base_offset=3), ("orders", 1): batch(4), ("audit", 0): batch(1)},
+     {("orders", 1): 6}, True),
+    ({("orders", 0): batch(5, compression=Compression.GZIP)}, {}, True),
+    ({("orders", 0): b""}, {}, True),
+    # A partial batch at the end, and a legacy message set: read in full, with the same count.
+    ({("orders", 0): batch(3) + batch(2)[:30]}, {}, False),
+    ({("orders", 0): _legacy_message(b"v1") + _legacy_message(b"v2")}, {}, False),
+])
+def test_metrics_count_produced_records_from_batch_headers_as_the_partition_facts_do(
+        records: dict[tuple[str, int], bytes], errors: dict[tuple[str, int], int], fast: bool) -> None:
+    e = produce_entry(records, dict.fromkeys(records, 100), errors=errors)
+    facts = sum(p.records for p in Exchange(e, ctx(), Learned()).partitions if not p.error_code)
+    assert (produced_records(e) is not None) is fast
+    if fast:
+        assert produced_records(e) == facts
+    # Without topic labels metrics take the headers' counts; with them, the facts per partition.
+    plain, by_topic = Metrics(), Metrics(MetricsConfig(topic_labels=True))
+    for m in (plain, by_topic):
+        m.record(Exchange(e, ctx(), Learned()))
+    assert plain.records["produced"] == by_topic.records["produced"] == facts
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([0.0, *BUCKETS, 61.0]),
+                          st.floats(min_value=0.0, max_value=100.0, allow_nan=False)), max_size=300))
+def test_histogram_folded_in_a_batch_counts_as_observing_one_by_one(values: list[float]) -> None:
+    one, batched = Histogram(), Histogram()
+    for v in values:
+        one.observe(v)
+    batched.pending.extend(values)
+    assert batched.buckets == one.buckets and batched.count == one.count == len(values)
+    assert batched.sum == pytest.approx(one.sum) and batched.cumulative() == one.cumulative()
+    assert not batched.pending
+
+
+def test_metrics_hold_at_most_a_fold_of_pending_durations() -> None:
+    m = Metrics()
+    e = metadata_entry({})
+    for _ in range(FOLD_EVERY_MASK + 1):
+        m.record(Exchange(e, ctx(), Learned()))
+    (c,) = m.apis.values()
+    assert not c.duration.pending and not c.broker.pending and not c.added.pending
+    m.record(Exchange(e, ctx(), Learned()))
+    assert len(c.duration.pending) == 1
+    assert c.duration.count == FOLD_EVERY_MASK + 2 and not c.duration.pending
 
 
 def test_metrics_without_opt_in_have_no_client_or_topic_labels() -> None:

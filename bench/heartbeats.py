@@ -1,0 +1,219 @@
+"""Idle consumer groups: what kproxy's CPU is when many connections each send only a Heartbeat every
+few seconds (a consumer between polls), the load a gateway carries for every idle group member.
+
+``--connections`` connections (default 1,000) each send Heartbeat v4 for a group of their own every
+``--period`` seconds (default 3), spread evenly over the period, and wait for the answer (tansu knows
+no such group and says so; it is still a full round trip through kproxy). After the connections open
+and one period of warm-up, kproxy's own CPU time (user + system, from /proc) is read over
+``--seconds`` (default 30). The same connections sending nothing give the floor (timers, the
+watchdog); the difference over the heartbeats answered is the CPU per heartbeat.
+
+With ``--instructions``, the idle part is counted instead: kproxy runs under valgrind's callgrind,
+every connection heartbeats once (so each has its broker connection, as a consumer's has), then the
+instructions kproxy executes over ``--seconds`` with every connection quiet are counted. Timers fire
+by the wall clock, so the count per second does not move with the machine's load.
+
+Run from the repository root:  ``.venv/bin/python bench/heartbeats.py [--connections 1000]
+[--period 3] [--seconds 30] [--baseline DIR] [--instructions]`` (``--baseline DIR``: also the kproxy in
+DIR/kproxy, as bench/per_request.py takes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from per_request import HOST, start_kproxy, stop  # noqa: E402
+
+from kproxy.tansu import Tansu, free_port  # noqa: E402
+
+_I32 = struct.Struct(">i")
+HEARTBEAT = 12
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def heartbeat_request(correlation_id: int, group: str) -> bytes:
+    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+
+    body = body_class(HEARTBEAT, "request")(group_id=group, generation_id=1, member_id="member-1")
+    return b"".join(bytes(b) for b in encode_request_frame(Request.build(HEARTBEAT, 4, correlation_id, "bench",
+                                                                         body)))
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK       # utime, stime
+
+
+class Group:
+    """Connections that each heartbeat every ``period`` seconds (``send`` False: only held open)."""
+
+    def __init__(self, port: int, n: int, period: float) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.period = period
+        self.socks: list[socket.socket] = []
+        self.requests = []
+        for i in range(n):
+            s = socket.create_connection((HOST, port), timeout=30)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.setblocking(False)
+            self.socks.append(s)
+            self.requests.append(heartbeat_request(1, f"idle-group-{i}"))
+            self.sel.register(s, selectors.EVENT_READ, i)
+        self.bufs = [bytearray() for _ in range(n)]
+        self.answers = 0
+
+    def run(self, seconds: float, send: bool) -> int:
+        """Heartbeat (or only read) for ``seconds``; the heartbeats answered meanwhile."""
+        n = len(self.socks)
+        start = time.monotonic()
+        due = [start + self.period * i / n for i in range(n)]
+        waiting = [False] * n
+        answered = 0
+        end = start + seconds
+        nxt = 0
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                self.answers += answered
+                return answered
+            if send:
+                # Connections in order of their slot: the next due is always the oldest.
+                for _ in range(n):
+                    i = nxt
+                    if due[i] > now:
+                        break
+                    if not waiting[i]:
+                        self.socks[i].sendall(self.requests[i])
+                        waiting[i] = True
+                    due[i] += self.period
+                    nxt = (nxt + 1) % n
+            timeout = max(0.0, min(end, due[nxt] if send else end) - time.monotonic())
+            for key, _ in self.sel.select(timeout):
+                i = key.data
+                chunk = self.socks[i].recv(65536)
+                if not chunk:
+                    raise ConnectionError("kproxy closed a connection")
+                buf = self.bufs[i]
+                buf += chunk
+                while len(buf) >= 4 and len(buf) >= 4 + _I32.unpack_from(buf, 0)[0]:
+                    del buf[: 4 + _I32.unpack_from(buf, 0)[0]]
+                    waiting[i] = False
+                    answered += 1
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.sel.close()
+
+
+def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    proc, kp = start_kproxy(bp, tree, [], workdir, name, timeout=60)
+    try:
+        group = Group(kp, args.connections, args.period)
+        try:
+            group.run(args.period, send=True)                      # warm-up: every connection once
+            c0 = cpu_seconds(proc.pid)
+            t0 = time.monotonic()
+            group.run(args.seconds, send=False)
+            idle = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+            c0 = cpu_seconds(proc.pid)
+            t0 = time.monotonic()
+            answered = group.run(args.seconds, send=True)
+            elapsed = time.monotonic() - t0
+            busy = (cpu_seconds(proc.pid) - c0) / elapsed
+        finally:
+            group.close()
+    finally:
+        stop(proc)
+    rate = answered / elapsed
+    return {"idle": idle, "busy": busy, "rate": rate,
+            "per_request": (busy - idle) / rate if rate else float("nan")}
+
+
+def idle_instructions(bp: int, tree: Path | None, name: str, args: argparse.Namespace, workdir: Path) -> float:
+    """Instructions per second of kproxy holding ``--connections`` quiet connections (callgrind)."""
+    out = workdir / f"callgrind.{name}.out"
+    wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+    proc, kp = start_kproxy(bp, tree, wrap, workdir, f"{name}-callgrind", timeout=300)
+    try:
+        group = Group(kp, args.connections, args.period)
+        try:
+            # Every connection once (spread over a period), and every answer in, before counting:
+            # under callgrind kproxy takes a while to catch up, and none of that may be counted.
+            group.run(args.period, send=True)
+            deadline = time.monotonic() + 600
+            while group.answers < args.connections and time.monotonic() < deadline:
+                group.run(1.0, send=False)
+            if group.answers < args.connections:
+                raise RuntimeError(f"{name}: {group.answers} of {args.connections} heartbeats answered")
+            group.run(5.0, send=False)
+            subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True)
+            t0 = time.monotonic()
+            group.run(args.seconds, send=False)
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            elapsed = time.monotonic() - t0
+        finally:
+            group.close()
+    finally:
+        stop(proc)
+    counts = [int(line.split()[1]) for line in Path(f"{out}.1").read_text(errors="replace").splitlines()
+              if line.startswith("summary:")]
+    return sum(counts) / elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--connections", type=int, default=1000)
+    ap.add_argument("--period", type=float, default=3.0, help="seconds between one connection's heartbeats")
+    ap.add_argument("--seconds", type=float, default=30.0, help="seconds measured, idle and heartbeating")
+    ap.add_argument("--baseline", type=Path, metavar="DIR", help="also measure the kproxy in DIR/kproxy")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count kproxy's instructions per second with the connections quiet (callgrind)")
+    args = ap.parse_args(argv)
+    trees: dict[str, Path | None] = {"kproxy": None}
+    if args.baseline is not None:
+        trees["kproxy-base"] = args.baseline.resolve()
+    load_before = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    if args.instructions:
+        counted = {}
+        with tempfile.TemporaryDirectory(prefix="kproxy-heartbeats-") as tmp, Tansu(port=free_port()) as broker:
+            for name, tree in trees.items():
+                counted[name] = idle_instructions(broker.port, tree, name, args, Path(tmp))
+                print(f"  {name}: {counted[name]:,.0f} instructions/s", file=sys.stderr, flush=True)
+        print(f"{args.connections:,} quiet connections (each heartbeated once), {args.seconds:g} s counted: "
+              "kproxy's instructions per second (callgrind, user space)")
+        for name, ips in counted.items():
+            print(f"{name:<14}{ips:>16,.0f}")
+        return 0
+    got = {}
+    with tempfile.TemporaryDirectory(prefix="kproxy-heartbeats-") as tmp, Tansu(port=free_port()) as broker:
+        for name, tree in trees.items():
+            got[name] = measure(broker.port, tree, name, args, Path(tmp))
+            print(f"  {name}: {got[name]}", file=sys.stderr, flush=True)
+    print(f"{os.cpu_count()} CPUs; {load_before} before, load average "
+          "{:.2f} {:.2f} {:.2f} after".format(*os.getloadavg()))
+    print(f"{args.connections:,} connections, one Heartbeat each every {args.period:g} s, {args.seconds:g} s measured")
+    hdr = f"{'tree':<14}{'heartbeats/s':>14}{'CPU idle':>12}{'CPU beating':>14}{'per heartbeat':>16}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, g in got.items():
+        print(f"{name:<14}{g['rate']:>14,.0f}{g['idle'] * 100:>11.2f}%{g['busy'] * 100:>13.2f}%"
+              f"{g['per_request'] * 1e6:>13.0f} us")
+    print("(CPU: kproxy's user + system time as a share of one core)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
