@@ -186,9 +186,17 @@ class ProxyProcess:
         """Run every virtual cluster until cancelled or drained; ``task_status.started(self)`` once
         every bootstrap port listens. A port that cannot be bound is a ListenError, before any
         virtual cluster serves."""
-        for server in self.servers.values():
-            if server.keys is not None:
-                await server.check_keks()   # before anything binds: a KEK that does not exist is fatal
+        try:
+            for server in self.servers.values():
+                if server.keys is not None:
+                    await server.check_keks()   # before anything binds: a KEK that does not exist is fatal
+        except BaseException:
+            # No virtual cluster serves, so none closes its KMS client (and its connections) itself.
+            for server in self.servers.values():
+                if server.keys is not None:
+                    with trio.CancelScope(shield=True):
+                        await server.keys.kms.aclose()
+            raise
         admin_listener = None
         if self.admin_listen is not None:
             try:
