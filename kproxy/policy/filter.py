@@ -577,7 +577,7 @@ class PolicyFilter(Filter):
             # No answer can carry per-partition errors; refused as a whole, the connection closes.
             return Respond(error_code=refused[0][2])
         gone = {id(p) for _, p, *_ in refused}
-        answer = _partition_errors_answer(version, [(t, p, code, message) for t, p, code, message, _, _ in refused])
+        answer = _partition_errors_answer(version, [(t, p, code, message, []) for t, p, code, message, _, _ in refused])
         for t in body.topic_data:
             t.partition_data = [p for p in t.partition_data if id(p) not in gone]
         body.topic_data = [t for t in body.topic_data if t.partition_data]
@@ -857,34 +857,26 @@ def _invalid_record_answer(version: int, refused: list[tuple[Any, Any, Rule, Ver
     records at fault (``record_errors`` and ``error_message`` exist from v8; older versions carry
     the error code alone, as a broker's answer would)."""
     cls: Any = body_class(PRODUCE, "response")
-    topics: dict[int, Any] = {}
-    for t, part, _, verdict in refused:
-        entry = topics.get(id(t))
-        if entry is None:
-            entry = topics[id(t)] = (cls.TopicProduceResponse(name=t.name, partition_responses=[]) if version < 13
-                                     else cls.TopicProduceResponse(topic_id=t.topic_id, partition_responses=[]))
-        entry.partition_responses.append(cls.PartitionProduceResponse(
-            index=part.index, error_code=INVALID_RECORD, base_offset=-1, log_append_time_ms=-1,
-            log_start_offset=-1,
-            record_errors=[cls.BatchIndexAndErrorMessage(batch_index=e.batch_index, batch_index_error_message=e.message)
-                           for e in verdict.errors],
-            error_message=verdict.message))
-    return cls(responses=list(topics.values()))
+    return _partition_errors_answer(version, [
+        (t, part, INVALID_RECORD, verdict.message,
+         [cls.BatchIndexAndErrorMessage(batch_index=e.batch_index, batch_index_error_message=e.message)
+          for e in verdict.errors])
+        for t, part, _, verdict in refused])
 
 
-def _partition_errors_answer(version: int, refused: list[tuple[Any, Any, int, str]]) -> Any:
-    """kproxy's Produce answer for partitions it refused, each with its error code and message
-    (``error_message`` exists from v8)."""
+def _partition_errors_answer(version: int, refused: list[tuple[Any, Any, int, str, list[Any]]]) -> Any:
+    """kproxy's Produce answer for partitions it refused, each with its error code, message
+    (``error_message`` exists from v8) and the records at fault (``record_errors``)."""
     cls: Any = body_class(PRODUCE, "response")
     topics: dict[int, Any] = {}
-    for t, part, code, message in refused:
+    for t, part, code, message, record_errors in refused:
         entry = topics.get(id(t))
         if entry is None:
             entry = topics[id(t)] = (cls.TopicProduceResponse(name=t.name, partition_responses=[]) if version < 13
                                      else cls.TopicProduceResponse(topic_id=t.topic_id, partition_responses=[]))
         entry.partition_responses.append(cls.PartitionProduceResponse(
             index=part.index, error_code=code, base_offset=-1, log_append_time_ms=-1, log_start_offset=-1,
-            record_errors=[], error_message=message))
+            record_errors=record_errors, error_message=message))
     return cls(responses=list(topics.values()))
 
 
