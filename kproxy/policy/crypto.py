@@ -12,12 +12,22 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from kproxy.envelope import Binding, DataKey, KeyRef, Part, open_values, seal
-from kproxy.envelope.format import MAGIC, MissingDataKey, TamperedRecord
+from kproxy.envelope import Binding, DataKey, KeyRef, Part, is_sealed
+from kproxy.envelope.format import MissingDataKey, TamperedRecord
 from kproxy.envelope.keys import KeyRing, UnwrapCache
+from kproxy.envelope.records import RecordsBroken, open_records, seal_records
 from kproxy.policy.model import Mask
 from kproxy.protocol.errors import RecordsError
-from kproxy.protocol.records import RecordBatch, iter_batches, join_records, split_records
+from kproxy.protocol.records import (
+    V2_HEADER_SIZE,
+    Compression,
+    RecordBatch,
+    iter_batches,
+    rebuild_reserved,
+    split_records,
+)
+from kproxy.protocol.records.rewrite import join_records_payload, split_payload
+from kproxy.protocol.records.view import MIN_RECORD_SIZE, records_error
 
 log = logging.getLogger("kproxy.crypto")
 
@@ -146,29 +156,38 @@ def seal_partition(batches: Sequence[RecordBatch], topic: str, grants: Grants, s
         if batch.is_control:
             out.append(batch.raw)
             continue
-        heads, keys, values, tails = split_records(batch, cap)
-        new_values: list[Any] = []
-        new_keys: list[Any] = [] if seal_keys else keys
-        at = 0
+        buf, count = _payload(batch, cap)
+        runs: list[tuple[int, DataKey]] = []
         unit = 0
         for dek, n in grants.take(batch.record_count * per):
             # The records whose first unit falls in this grant are sealed by its DEK (a key and its
             # value always under one DEK).
-            count = -(-(unit + n) // per) - -(-unit // per)
+            records = -(-(unit + n) // per) - -(-unit // per)
             unit += n
-            if count <= 0:
-                continue
-            run_keys = keys[at:at + count]
-            new_values += seal(dek, values[at:at + count], value_binding, run_keys)
-            if seal_keys:
-                new_keys += seal(dek, run_keys, key_binding)
-            at += count
-        if at != len(values):   # pragma: no cover - grants cover every record
-            raise ValueError("the grants did not cover the batch")
-        sealed_values += sum(1 for v in values if v is not None)
-        out.append(join_records(batch, heads, new_keys, new_values, tails, cap))
+            if records > 0:
+                runs.append((records, dek))
+        try:
+            new, values = seal_records(buf, count, runs, seal_keys, value_binding, key_binding, V2_HEADER_SIZE)
+        except RecordsBroken as e:
+            raise _records_error(batch, e) from None
+        sealed_values += values
+        out.append(rebuild_reserved(batch, new, cap))
         sealed_batches += 1
-    return b"".join(bytes(x) for x in out), sealed_batches, sealed_values
+    return b"".join(out), sealed_batches, sealed_values
+
+
+def _payload(batch: RecordBatch, cap: int) -> tuple[memoryview, int]:
+    """A data batch's uncompressed records section and record count, checked as ``split_records`` does."""
+    buf = batch.payload(cap)
+    count = batch.record_count
+    if count > len(buf) // MIN_RECORD_SIZE:
+        raise records_error(f"record count {count} cannot fit in {len(buf)} bytes", 0, batch._at + V2_HEADER_SIZE,
+                            batch.compression is not Compression.NONE)
+    return buf, count
+
+
+def _records_error(batch: RecordBatch, e: RecordsBroken) -> RecordsError:
+    return records_error(e.reason, e.position, batch._at + V2_HEADER_SIZE, batch.compression is not Compression.NONE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,24 +204,37 @@ class Tampered(Exception):
 
 
 class FetchedBatch(NamedTuple):
+    """A fetched data batch (v2, not control) that record rules may open or mask."""
+
     batch: RecordBatch
-    heads: list[memoryview]
-    keys: list[Any]
-    values: list[Any]
-    tails: list[memoryview]
 
 
 def read_fetched(records: Any, cap: int) -> list[FetchedBatch | Any]:
     """A fetched partition's batches: FetchedBatch for data batches v2, the raw bytes of the others.
     A partial trailing batch (a Fetch cut at its size limit) is left out: the client would drop it,
-    and asks again from there."""
+    and asks again from there. Records are read when they are opened or masked."""
     out: list[FetchedBatch | Any] = []
     for b in iter_batches(records, allow_truncated=True):
         if not isinstance(b, RecordBatch) or b.is_control:
             out.append(b.raw)
             continue
-        out.append(FetchedBatch(b, *split_records(b, cap)))
+        out.append(FetchedBatch(b))
     return out
+
+
+def holds_sealed(batches: Sequence[FetchedBatch | Any], cap: int) -> bool:
+    """Whether any record of these batches has a sealed key or value (False for records that cannot
+    be read: the client cannot read them either)."""
+    for fb in batches:
+        if not isinstance(fb, FetchedBatch):
+            continue
+        try:
+            _, keys, values, _ = split_records(fb.batch, cap)
+        except RecordsError:
+            continue
+        if any(map(is_sealed, (*values, *keys))):
+            return True
+    return False
 
 
 class CachedKeys:
@@ -221,7 +253,8 @@ class CachedKeys:
 def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapping[KeyRef, DataKey] | CachedKeys,
                    masks: Sequence[Mask], crypto: RecordCrypto | None, cap: int, opening: bool = True) -> bytes | None:
     """The partition's records with sealed keys and values opened (when ``opening``: the topic is
-    encrypted) and ``masks`` applied, or None when nothing changed. A batch that cannot be opened
+    encrypted) and ``masks`` applied, or None when nothing changed (or a batch cannot be read: the
+    client cannot read it either, and the broker's answer stands). A batch that cannot be opened
     ends the records there: the batches before it are delivered, and the client's next Fetch starts
     at it. When it is the first, Tampered (a record fails authentication: it is never delivered, not
     even empty) or MissingDataKey (a DEK not in ``deks``) refuses the partition."""
@@ -233,41 +266,54 @@ def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapp
         if not isinstance(fb, FetchedBatch):
             out.append(fb)
             continue
-        keys, values = fb.keys, fb.values
-        opened = False
-        if opening:
-            try:
-                # kproxy seals all of a batch's keys or none: the first says which (a batch mixed on
-                # the broker fails authentication below, its values being bound to the plain keys).
-                first = next((k for k in keys if k is not None), None)
-                if first is not None and first[:4] == MAGIC:
-                    keys, _ = open_values(keys, key_binding, deks)  # type: ignore[arg-type]
-                    opened = True
-                values, plain = open_values(values, value_binding, deks, keys)  # type: ignore[arg-type]
-            except (TamperedRecord, MissingDataKey) as e:
-                if out:
-                    # The batches before this one go to the client; its next Fetch starts here.
-                    return b"".join(bytes(x) for x in out)
-                if isinstance(e, MissingDataKey):
-                    raise
-                raise Tampered(fb.batch.base_offset + e.index, e.reason) from None
-            sealed = len(values) - plain - values.count(None)
-            if sealed or opened:
-                opened = True
-                if crypto is not None:
-                    crypto.records_decrypted += sealed
-                    crypto.batches_decrypted += 1
-        masked = False
-        if masks:
-            values, masked = mask_values(values, masks, crypto)
-        if opened or masked:
-            out.append(join_records(fb.batch, fb.heads, keys, values, fb.tails, cap))
-            changed = True
-        else:
-            out.append(fb.batch.raw)
+        batch = fb.batch
+        new: Any = None
+        try:
+            if opening:
+                buf, count = _payload(batch, cap)
+                try:
+                    opened_records, sealed, _plain, keys_opened = open_records(
+                        buf, count, deks, value_binding, key_binding, V2_HEADER_SIZE)
+                except RecordsBroken as e:
+                    raise _records_error(batch, e) from None
+                except (TamperedRecord, MissingDataKey) as e:
+                    if out:
+                        # The batches before this one go to the client; its next Fetch starts here.
+                        return b"".join(out)
+                    if isinstance(e, MissingDataKey):
+                        raise
+                    raise Tampered(batch.base_offset + e.index, e.reason) from None
+                if sealed or keys_opened:
+                    new = opened_records
+                    if crypto is not None:
+                        crypto.records_decrypted += sealed
+                        crypto.batches_decrypted += 1
+            if masks:
+                if new is not None:
+                    parts = _split_section(memoryview(new)[V2_HEADER_SIZE:], count, batch, cap)
+                else:
+                    parts = split_records(batch, cap)
+                heads, keys, values, tails = parts
+                values, masked = mask_values(values, masks, crypto)
+                if masked:
+                    new = bytearray(V2_HEADER_SIZE)
+                    new += join_records_payload(heads, keys, values, tails)
+            if new is not None:
+                out.append(rebuild_reserved(batch, new, cap))
+                changed = True
+            else:
+                out.append(batch.raw)
+        except RecordsError:
+            return None     # the broker's answer as it is: the client cannot read this batch either
     if not changed:
         return None
-    return b"".join(bytes(x) for x in out)
+    return b"".join(out)
+
+
+def _split_section(buf: memoryview, count: int, batch: RecordBatch, cap: int
+                   ) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """An opened records section split for masking, as ``split_records`` splits a batch's."""
+    return split_payload(buf, count, batch._at + V2_HEADER_SIZE, batch.compression is not Compression.NONE)
 
 
 def mask_values(values: Sequence[Any], masks: Sequence[Mask], crypto: RecordCrypto | None) -> tuple[list[Any], bool]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from kproxy.envelope import DataKey, KeyRef, MissingDataKey, is_sealed
+from kproxy.envelope import DataKey, KeyRef, MissingDataKey
 from kproxy.logs import safe
 from kproxy.policy import crypto as C
 from kproxy.policy.engine import (
@@ -642,8 +642,7 @@ class PolicyFilter(Filter):
                 except RecordsError:
                     continue        # the client cannot read it either; it is the broker's to answer
                 if name is None:
-                    if any(isinstance(b, C.FetchedBatch) and any(map(is_sealed, (*b.values, *b.keys)))
-                           for b in batches):
+                    if C.holds_sealed(batches, cap):
                         work.refused.append((str(t.topic_id), p, -1, "unknown_topic", "the topic's name is not "
                                              "known yet (the associated data binds it)", True))
                     continue

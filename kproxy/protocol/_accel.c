@@ -416,6 +416,67 @@ PyDoc_STRVAR(split_records_doc,
 "it: each record's head (attributes, timestamp and offset deltas), key and value (None when null)\n"
 "and tail (its headers). ValueError((reason, position)) when a record does not fit.");
 
+/* One record's parts, as offsets into the records section (key_len and value_len -1 when null). */
+typedef struct {
+    Py_ssize_t head, head_end, key, value, tail, stop;
+    Py_ssize_t key_len, value_len;
+} Rec;
+
+/* The record at *pos, which moves past it; -1 with ValueError((reason, position)) set when it does
+   not fit. The same checks and reasons as rewrite.py's _split_records. */
+static int parse_record(const unsigned char *b, Py_ssize_t end, Py_ssize_t *pos, Rec *r)
+{
+    Py_ssize_t start = *pos, p = *pos;
+    int64_t length, tmp, n;
+    int got = read_zigzag(b, end, &p, 5, &length);
+    if (got < 0) {
+        varint_fail(got, 5, start);
+        return -1;
+    }
+    if (length < 5 || length > end - p) {
+        split_fail(PyUnicode_FromFormat("record length %lld outside 6..%zd", (long long)length, end - p), start);
+        return -1;
+    }
+    Py_ssize_t stop = p + (Py_ssize_t)length, q = p + 1;                     /* attributes */
+    if ((got = read_zigzag(b, end, &q, 10, &tmp)) < 0 || (got = read_zigzag(b, end, &q, 5, &tmp)) < 0) {
+        varint_fail(got, got == -2 ? 10 : 5, start);
+        return -1;
+    }
+    r->head = p;
+    r->head_end = q;
+    for (int k = 1; k <= 2; k++) {                                            /* key, value */
+        if ((got = read_zigzag(b, end, &q, 5, &n)) < 0) {
+            varint_fail(got, 5, start);
+            return -1;
+        }
+        Py_ssize_t at = q, len = -1;
+        if (n >= 0) {
+            if (n > stop - q) {
+                split_fail(PyUnicode_FromString(k == 1 ? "key overruns its record" : "value overruns its record"),
+                           start);
+                return -1;
+            }
+            len = (Py_ssize_t)n;
+            q += len;
+        }
+        if (k == 1) {
+            r->key = at;
+            r->key_len = len;
+        } else {
+            r->value = at;
+            r->value_len = len;
+        }
+    }
+    if (q >= stop) {
+        split_fail(PyUnicode_FromString("key or value overruns its record"), start);
+        return -1;
+    }
+    r->tail = q;
+    r->stop = stop;
+    *pos = stop;
+    return 0;
+}
+
 static PyObject *split_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
@@ -445,55 +506,23 @@ static PyObject *split_records(PyObject *module, PyObject *const *args, Py_ssize
     }
     Py_ssize_t pos = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        Py_ssize_t start = pos;
-        int64_t length, tmp, n;
-        int got = read_zigzag(b, end, &pos, 5, &length);
-        if (got < 0) {
-            varint_fail(got, 5, start);
+        Rec r;
+        if (parse_record(b, end, &pos, &r) < 0)
             goto done;
-        }
-        if (length < 5 || length > end - pos) {
-            split_fail(PyUnicode_FromFormat("record length %lld outside 6..%zd", (long long)length, end - pos), start);
-            goto done;
-        }
-        Py_ssize_t p = pos, stop = pos + (Py_ssize_t)length, q = pos + 1;     /* attributes */
-        if ((got = read_zigzag(b, end, &q, 10, &tmp)) < 0 || (got = read_zigzag(b, end, &q, 5, &tmp)) < 0) {
-            varint_fail(got, got == -2 ? 10 : 5, start);
-            goto done;
-        }
-        PyObject *part = PySequence_GetSlice(src, p, q);
-        if (part == NULL)
-            goto done;
-        PyList_SET_ITEM(lists[0], i, part);
-        for (int k = 1; k <= 2; k++) {                                        /* key, value */
-            if ((got = read_zigzag(b, end, &q, 5, &n)) < 0) {
-                varint_fail(got, 5, start);
-                goto done;
-            }
-            if (n < 0) {
+        Py_ssize_t from[4] = {r.head, r.key, r.value, r.tail};
+        Py_ssize_t to[4] = {r.head_end, r.key + r.key_len, r.value + r.value_len, r.stop};
+        for (int k = 0; k < 4; k++) {
+            PyObject *part;
+            if ((k == 1 && r.key_len < 0) || (k == 2 && r.value_len < 0)) {
                 Py_INCREF(Py_None);
                 part = Py_None;
-            } else if (n > stop - q) {
-                split_fail(PyUnicode_FromString(k == 1 ? "key overruns its record" : "value overruns its record"),
-                           start);
-                goto done;
             } else {
-                part = PySequence_GetSlice(src, q, q + (Py_ssize_t)n);
+                part = PySequence_GetSlice(src, from[k], to[k]);
                 if (part == NULL)
                     goto done;
-                q += (Py_ssize_t)n;
             }
             PyList_SET_ITEM(lists[k], i, part);
         }
-        if (q >= stop) {
-            split_fail(PyUnicode_FromString("key or value overruns its record"), start);
-            goto done;
-        }
-        part = PySequence_GetSlice(src, q, stop);
-        if (part == NULL)
-            goto done;
-        PyList_SET_ITEM(lists[3], i, part);
-        pos = stop;
     }
     if (pos != end) {
         split_fail(PyUnicode_FromFormat("%zd bytes remain after the last of %zd records", end - pos, count), pos);
@@ -638,10 +667,505 @@ fail:
     return NULL;
 }
 
+/* Sealing and opening a records section in one pass (kproxy/envelope/records.py, whose Python
+   reference does the same work through split and join, and a test holds the two equal byte for
+   byte). The envelope's layout is kproxy/envelope/format.py's: header || nonce (12) || ciphertext
+   || tag (16); the associated data is header || binding suffix, and for a header with the
+   KEY_BOUND flag (byte 6, bit 0) || 00 (null key) or || 01 || the record's plaintext key. The cipher
+   is always the caller's `cryptography` AESGCM method (encrypt_into / decrypt_into): nothing here
+   encrypts, it only places bytes and calls. */
+
+#define NONCE 12
+#define TAG 16
+#define FLAG_KEY_BOUND 0x01
+static const unsigned char ENVELOPE_MAGIC[4] = {0xFF, 'k', 'p', 'e'};
+
+static int sealed_part(const unsigned char *b, Py_ssize_t at, Py_ssize_t len)
+{
+    return len >= 4 && memcmp(b + at, ENVELOPE_MAGIC, 4) == 0;
+}
+
+/* The associated data of a value bound to its key: base || 00, or base || 01 || key. */
+static PyObject *bound_aad(PyObject *base, const unsigned char *key, Py_ssize_t key_len)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(base);
+    PyObject *aad = PyBytes_FromStringAndSize(NULL, n + 1 + (key_len > 0 ? key_len : 0));
+    if (aad == NULL)
+        return NULL;
+    unsigned char *w = (unsigned char *)PyBytes_AS_STRING(aad);
+    memcpy(w, PyBytes_AS_STRING(base), (size_t)n);
+    w[n] = key_len < 0 ? 0 : 1;
+    if (key_len > 0)
+        memcpy(w + n + 1, key, (size_t)key_len);
+    return aad;
+}
+
+/* cipher(nonce, data, aad, out) with views of the three buffers; 0, or -1 with the exception set. */
+static int aead_call(PyObject *cipher, const unsigned char *nonce, const unsigned char *data, Py_ssize_t data_len,
+                     PyObject *aad, unsigned char *out, Py_ssize_t out_len)
+{
+    PyObject *a[4] = {
+        PyMemoryView_FromMemory((char *)nonce, NONCE, PyBUF_READ),
+        PyMemoryView_FromMemory((char *)data, data_len, PyBUF_READ),
+        aad,
+        PyMemoryView_FromMemory((char *)out, out_len, PyBUF_WRITE),
+    };
+    PyObject *r = NULL;
+    if (a[0] != NULL && a[1] != NULL && a[3] != NULL)
+        r = PyObject_Vectorcall(cipher, a, 4, NULL);
+    Py_XDECREF(a[0]);
+    Py_XDECREF(a[1]);
+    Py_XDECREF(a[3]);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PyObject *concat(PyObject *a, PyObject *b)
+{
+    PyObject *out = PyBytes_FromStringAndSize(NULL, PyBytes_GET_SIZE(a) + PyBytes_GET_SIZE(b));
+    if (out != NULL) {
+        memcpy(PyBytes_AS_STRING(out), PyBytes_AS_STRING(a), (size_t)PyBytes_GET_SIZE(a));
+        memcpy(PyBytes_AS_STRING(out) + PyBytes_GET_SIZE(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b));
+    }
+    return out;
+}
+
+static unsigned char *put(unsigned char *w, const unsigned char *src, Py_ssize_t n)
+{
+    if (n > 0)
+        memcpy(w, src, (size_t)n);
+    return w + (n > 0 ? n : 0);
+}
+
+static Py_ssize_t record_size(const Rec *r, Py_ssize_t key_len, Py_ssize_t value_len)
+{
+    Py_ssize_t body = (r->head_end - r->head) + zigzag_size(key_len) + (key_len > 0 ? key_len : 0)
+                      + zigzag_size(value_len) + (value_len > 0 ? value_len : 0) + (r->stop - r->tail);
+    return zigzag_size(body) + body;
+}
+
+typedef struct {
+    Py_ssize_t n;
+    PyObject *cipher;      /* borrowed: encrypt_into */
+    PyObject *vhead;       /* borrowed bytes */
+    PyObject *khead;       /* borrowed bytes, or NULL when keys stay plain */
+    PyObject *vbase;       /* new: vhead || value suffix */
+    PyObject *kaad;        /* new: khead || key suffix, or NULL */
+    int bound;
+} Run;
+
+PyDoc_STRVAR(seal_records_doc,
+"seal_records(records, count, runs, nonces, value_suffix, key_suffix, reserve) -> (bytearray, values sealed)\n\n"
+"The `count` records of an uncompressed v2 records section with each non-null value (and, for runs\n"
+"with a key header, each non-null key) sealed, after `reserve` zero bytes. `runs` is a list of\n"
+"(record count, encrypt_into, value header, key header or None) covering the records in order;\n"
+"`nonces` holds 12 bytes per sealed part, taken in record order, a record's key before its value.\n"
+"ValueError((reason, position)) when a record does not fit, as split_records.");
+
+static PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "seal_records() takes 7 arguments");
+        return NULL;
+    }
+    PyObject *src = args[0], *runs_list = args[2], *vsuf = args[4], *ksuf = args[5];
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]), reserve = PyLong_AsSsize_t(args[6]);
+    if ((count == -1 || reserve == -1) && PyErr_Occurred())
+        return NULL;
+    if (!PyList_Check(runs_list) || !PyBytes_Check(vsuf) || !PyBytes_Check(ksuf) || reserve < 0) {
+        PyErr_SetString(PyExc_TypeError, "seal_records() takes a list of runs, bytes suffixes and a reserve >= 0");
+        return NULL;
+    }
+    Py_ssize_t nruns = PyList_GET_SIZE(runs_list);
+    Py_buffer view, nonce_view;
+    if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[3], &nonce_view, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    const unsigned char *b = view.buf, *nonces = nonce_view.buf;
+    Py_ssize_t end = view.len;
+    PyObject *out = NULL, *result = NULL;
+    Run *runs = PyMem_Calloc((size_t)nruns + 1, sizeof(Run));
+    if (runs == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    Py_ssize_t covered = 0;
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        PyObject *t = PyList_GET_ITEM(runs_list, i);
+        Run *run = &runs[i];
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
+            PyErr_SetString(PyExc_TypeError, "a run is (count, encrypt_into, value header, key header or None)");
+            goto fail;
+        }
+        run->n = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 0));
+        if (run->n == -1 && PyErr_Occurred())
+            goto fail;
+        run->cipher = PyTuple_GET_ITEM(t, 1);
+        run->vhead = PyTuple_GET_ITEM(t, 2);
+        run->khead = PyTuple_GET_ITEM(t, 3) == Py_None ? NULL : PyTuple_GET_ITEM(t, 3);
+        if (run->n < 0 || !PyBytes_Check(run->vhead) || PyBytes_GET_SIZE(run->vhead) < 7
+                || (run->khead != NULL && (!PyBytes_Check(run->khead) || PyBytes_GET_SIZE(run->khead) < 7))) {
+            PyErr_SetString(PyExc_ValueError, "a run's headers are envelope headers (bytes)");
+            goto fail;
+        }
+        run->bound = PyBytes_AS_STRING(run->vhead)[6] & FLAG_KEY_BOUND;
+        if ((run->vbase = concat(run->vhead, vsuf)) == NULL)
+            goto fail;
+        if (run->khead != NULL && (run->kaad = concat(run->khead, ksuf)) == NULL)
+            goto fail;
+        covered += run->n;
+    }
+    if (count < 0 || count > end) {
+        split_fail(PyUnicode_FromFormat("record count %zd cannot fit in %zd bytes", count, end), 0);
+        goto fail;
+    }
+    /* Pass 1: every record is checked (a broken batch fails before anything is sealed) and sized. */
+    Py_ssize_t pos = 0, total = 0, needed = 0, values = 0, ri = 0, left = nruns ? runs[0].n : 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Rec r;
+        if (parse_record(b, end, &pos, &r) < 0)
+            goto fail;
+        while (left == 0 && ri + 1 < nruns)
+            left = runs[++ri].n;
+        if (left == 0)
+            break;     /* reported below: the runs do not cover the records */
+        left--;
+        const Run *run = &runs[ri];
+        Py_ssize_t kl = r.key_len, vl = r.value_len;
+        if (run->khead != NULL && kl >= 0) {
+            kl += PyBytes_GET_SIZE(run->khead) + NONCE + TAG;
+            needed++;
+        }
+        if (vl >= 0) {
+            vl += PyBytes_GET_SIZE(run->vhead) + NONCE + TAG;
+            needed++;
+            values++;
+        }
+        total += record_size(&r, kl, vl);
+    }
+    if (covered != count) {
+        PyErr_Format(PyExc_ValueError, "the runs cover %zd records, the batch holds %zd", covered, count);
+        goto fail;
+    }
+    if (pos != end) {
+        split_fail(PyUnicode_FromFormat("%zd bytes remain after the last of %zd records", end - pos, count), pos);
+        goto fail;
+    }
+    if (nonce_view.len < needed * NONCE) {
+        PyErr_Format(PyExc_ValueError, "%zd sealed parts need %zd bytes of nonces, got %zd", needed,
+                     needed * NONCE, nonce_view.len);
+        goto fail;
+    }
+    out = PyByteArray_FromStringAndSize(NULL, reserve + total);
+    if (out == NULL)
+        goto fail;
+    unsigned char *base = (unsigned char *)PyByteArray_AS_STRING(out), *w = base + reserve;
+    memset(base, 0, (size_t)reserve);
+    /* Pass 2: the records written, each sealed part encrypted in place by the caller's cipher. */
+    pos = 0;
+    ri = 0;
+    left = nruns ? runs[0].n : 0;
+    const unsigned char *nonce = nonces;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Rec r;
+        if (parse_record(b, end, &pos, &r) < 0)
+            goto fail;
+        while (left == 0 && ri + 1 < nruns)
+            left = runs[++ri].n;
+        left--;
+        const Run *run = &runs[ri];
+        Py_ssize_t khl = run->khead != NULL ? PyBytes_GET_SIZE(run->khead) : 0;
+        Py_ssize_t vhl = PyBytes_GET_SIZE(run->vhead);
+        Py_ssize_t kl = r.key_len, vl = r.value_len;
+        int seal_key = run->khead != NULL && kl >= 0;
+        if (seal_key)
+            kl += khl + NONCE + TAG;
+        if (vl >= 0)
+            vl += vhl + NONCE + TAG;
+        Py_ssize_t inner = (r.head_end - r.head) + zigzag_size(kl) + (kl > 0 ? kl : 0) + zigzag_size(vl)
+                           + (vl > 0 ? vl : 0) + (r.stop - r.tail);
+        w = write_zigzag(w, inner);
+        w = put(w, b + r.head, r.head_end - r.head);
+        w = write_zigzag(w, kl);
+        if (seal_key) {
+            w = put(w, (const unsigned char *)PyBytes_AS_STRING(run->khead), khl);
+            w = put(w, nonce, NONCE);
+            nonce += NONCE;
+            if (aead_call(run->cipher, w - NONCE, b + r.key, r.key_len, run->kaad, w, r.key_len + TAG) < 0)
+                goto fail;
+            w += r.key_len + TAG;
+        } else {
+            w = put(w, b + r.key, kl);
+        }
+        w = write_zigzag(w, vl);
+        if (r.value_len >= 0) {
+            PyObject *aad = run->vbase;
+            if (run->bound && (aad = bound_aad(run->vbase, b + r.key, r.key_len)) == NULL)
+                goto fail;
+            w = put(w, (const unsigned char *)PyBytes_AS_STRING(run->vhead), vhl);
+            w = put(w, nonce, NONCE);
+            nonce += NONCE;
+            int rc = aead_call(run->cipher, w - NONCE, b + r.value, r.value_len, aad, w, r.value_len + TAG);
+            if (run->bound)
+                Py_DECREF(aad);
+            if (rc < 0)
+                goto fail;
+            w += r.value_len + TAG;
+        }
+        w = put(w, b + r.tail, r.stop - r.tail);
+    }
+    if (w != base + reserve + total) {
+        PyErr_SetString(PyExc_RuntimeError, "seal_records wrote other than it sized");
+        goto fail;
+    }
+    result = Py_BuildValue("(On)", out, values);
+fail:
+    Py_CLEAR(out);
+    if (runs != NULL) {
+        for (Py_ssize_t i = 0; i < nruns; i++) {
+            Py_XDECREF(runs[i].vbase);
+            Py_XDECREF(runs[i].kaad);
+        }
+        PyMem_Free(runs);
+    }
+    PyBuffer_Release(&nonce_view);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* The header a run of sealed parts shares, as the caller's lookup described it. */
+typedef struct {
+    const unsigned char *at;   /* where it was first seen, in the records section */
+    Py_ssize_t size;
+    int bound;
+    PyObject *cipher;          /* new: decrypt_into */
+    PyObject *aad;             /* new: header || suffix */
+} Head;
+
+static void head_clear(Head *h)
+{
+    Py_CLEAR(h->cipher);
+    Py_CLEAR(h->aad);
+    h->at = NULL;
+    h->size = 0;
+}
+
+static PyObject *raise_tampered(PyObject *tampered, Py_ssize_t index, const char *reason)
+{
+    PyObject *exc = PyObject_CallFunction(tampered, "ns", index, reason);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+/* The header of the sealed part at b[at:at+len]: the last one when it starts the same, else the
+   caller's lookup(view, index) -> (header size, flags, decrypt_into), which raises for a malformed
+   header or a DEK it does not have. 0, or -1 with the exception set. */
+static int find_head(Head *h, const unsigned char *b, Py_ssize_t at, Py_ssize_t len, PyObject *lookup,
+                     PyObject *suffix, Py_ssize_t index)
+{
+    if (h->at != NULL && len >= h->size && memcmp(b + at, h->at, (size_t)h->size) == 0)
+        return 0;
+    PyObject *part = PyMemoryView_FromMemory((char *)(b + at), len, PyBUF_READ);
+    if (part == NULL)
+        return -1;
+    PyObject *idx = PyLong_FromSsize_t(index);
+    PyObject *got = idx != NULL ? PyObject_CallFunctionObjArgs(lookup, part, idx, NULL) : NULL;
+    Py_DECREF(part);
+    Py_XDECREF(idx);
+    if (got == NULL)
+        return -1;
+    Py_ssize_t size;
+    long flags;
+    PyObject *cipher;
+    if (!PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 3) {
+        Py_DECREF(got);
+        PyErr_SetString(PyExc_TypeError, "lookup() returns (header size, flags, decrypt_into)");
+        return -1;
+    }
+    size = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 0));
+    flags = PyLong_AsLong(PyTuple_GET_ITEM(got, 1));
+    cipher = PyTuple_GET_ITEM(got, 2);
+    if (PyErr_Occurred() || size < 7 || size > len) {
+        Py_DECREF(got);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "lookup() gave a header size outside the part");
+        return -1;
+    }
+    PyObject *aad = PyBytes_FromStringAndSize(NULL, size + PyBytes_GET_SIZE(suffix));
+    if (aad == NULL) {
+        Py_DECREF(got);
+        return -1;
+    }
+    memcpy(PyBytes_AS_STRING(aad), b + at, (size_t)size);
+    memcpy(PyBytes_AS_STRING(aad) + size, PyBytes_AS_STRING(suffix), (size_t)PyBytes_GET_SIZE(suffix));
+    head_clear(h);
+    Py_INCREF(cipher);
+    h->cipher = cipher;
+    h->aad = aad;
+    h->at = b + at;
+    h->size = size;
+    h->bound = (flags & FLAG_KEY_BOUND) != 0;
+    Py_DECREF(got);
+    return 0;
+}
+
+PyDoc_STRVAR(open_records_doc,
+"open_records(records, count, lookup, value_suffix, key_suffix, tampered, invalid_tag, reserve)\n"
+"    -> (bytearray, values opened, plain values, keys opened)\n\n"
+"The `count` records of an uncompressed v2 records section with each sealed value opened (and each\n"
+"sealed key, when the batch's first non-null key is sealed), after `reserve` zero bytes; plain and\n"
+"null parts as they were. lookup(view, index) -> (header size, flags, decrypt_into) describes a\n"
+"header not seen just before. A record that fails raises tampered(index, reason) (the cipher's\n"
+"`invalid_tag` becomes that too). ValueError((reason, position)) when a record does not fit.");
+
+static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "open_records() takes 8 arguments");
+        return NULL;
+    }
+    PyObject *src = args[0], *lookup = args[2], *vsuf = args[3], *ksuf = args[4];
+    PyObject *tampered = args[5], *invalid_tag = args[6];
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]), reserve = PyLong_AsSsize_t(args[7]);
+    if ((count == -1 || reserve == -1) && PyErr_Occurred())
+        return NULL;
+    if (!PyBytes_Check(vsuf) || !PyBytes_Check(ksuf) || reserve < 0) {
+        PyErr_SetString(PyExc_TypeError, "open_records() takes bytes suffixes and a reserve >= 0");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(src, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *b = view.buf;
+    Py_ssize_t end = view.len;
+    PyObject *out = NULL, *result = NULL;
+    Head kh = {0}, vh = {0};
+    Py_ssize_t opened = 0, plain = 0;
+    int open_keys = -1;
+    if (count < 0 || count > end) {
+        split_fail(PyUnicode_FromFormat("record count %zd cannot fit in %zd bytes", count, end), 0);
+        goto done;
+    }
+    /* Pass 1: every record is checked before anything is opened; the first non-null key says
+       whether the batch's keys are sealed (kproxy seals all of a batch's keys or none). */
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Rec r;
+        if (parse_record(b, end, &pos, &r) < 0)
+            goto done;
+        if (open_keys < 0 && r.key_len >= 0)
+            open_keys = sealed_part(b, r.key, r.key_len);
+    }
+    if (pos != end) {
+        split_fail(PyUnicode_FromFormat("%zd bytes remain after the last of %zd records", end - pos, count), pos);
+        goto done;
+    }
+    open_keys = open_keys > 0;
+    /* An opened record is never longer than the sealed one: the input's size bounds the output. */
+    out = PyByteArray_FromStringAndSize(NULL, reserve + end);
+    if (out == NULL)
+        goto done;
+    unsigned char *base = (unsigned char *)PyByteArray_AS_STRING(out), *w = base + reserve;
+    memset(base, 0, (size_t)reserve);
+    pos = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Rec r;
+        if (parse_record(b, end, &pos, &r) < 0)
+            goto fail;
+        int open_key = open_keys && r.key_len >= 0 && sealed_part(b, r.key, r.key_len);
+        int open_value = r.value_len >= 0 && sealed_part(b, r.value, r.value_len);
+        Py_ssize_t kl = r.key_len, vl = r.value_len;
+        if (open_key) {
+            if (find_head(&kh, b, r.key, r.key_len, lookup, ksuf, i) < 0)
+                goto fail;
+            if (kh.bound) {
+                raise_tampered(tampered, i, "a sealed key is bound to a key");
+                goto fail;
+            }
+            if (r.key_len < kh.size + NONCE + TAG) {
+                raise_tampered(tampered, i, "too short for a nonce and a tag");
+                goto fail;
+            }
+            kl = r.key_len - kh.size - NONCE - TAG;
+        }
+        if (open_value) {
+            if (find_head(&vh, b, r.value, r.value_len, lookup, vsuf, i) < 0)
+                goto fail;
+            if (r.value_len < vh.size + NONCE + TAG) {
+                raise_tampered(tampered, i, "too short for a nonce and a tag");
+                goto fail;
+            }
+            vl = r.value_len - vh.size - NONCE - TAG;
+        } else if (r.value_len >= 0) {
+            plain++;
+        }
+        Py_ssize_t inner = (r.head_end - r.head) + zigzag_size(kl) + (kl > 0 ? kl : 0) + zigzag_size(vl)
+                           + (vl > 0 ? vl : 0) + (r.stop - r.tail);
+        w = write_zigzag(w, inner);
+        w = put(w, b + r.head, r.head_end - r.head);
+        w = write_zigzag(w, kl);
+        const unsigned char *key = w;     /* the record's plaintext key, once written */
+        if (open_key) {
+            const unsigned char *n = b + r.key + kh.size;
+            if (aead_call(kh.cipher, n, n + NONCE, r.key_len - kh.size - NONCE, kh.aad, w, kl) < 0)
+                goto crypto_fail;
+            w += kl;
+        } else {
+            w = put(w, b + r.key, kl);
+        }
+        w = write_zigzag(w, vl);
+        if (open_value) {
+            const unsigned char *n = b + r.value + vh.size;
+            PyObject *aad = vh.aad;
+            if (vh.bound && (aad = bound_aad(vh.aad, key, kl)) == NULL)
+                goto fail;
+            int rc = aead_call(vh.cipher, n, n + NONCE, r.value_len - vh.size - NONCE, aad, w, vl);
+            if (vh.bound)
+                Py_DECREF(aad);
+            if (rc < 0)
+                goto crypto_fail;
+            w += vl;
+            opened++;
+        } else {
+            w = put(w, b + r.value, vl);
+        }
+        w = put(w, b + r.tail, r.stop - r.tail);
+        continue;
+crypto_fail:
+        if (PyErr_ExceptionMatches(invalid_tag)) {
+            PyErr_Clear();
+            raise_tampered(tampered, i, "authentication failed (the record, its envelope, topic or key was changed)");
+        }
+        goto fail;
+    }
+    if (PyByteArray_Resize(out, w - base) < 0)
+        goto fail;
+    result = Py_BuildValue("(OnnO)", out, opened, plain, open_keys ? Py_True : Py_False);
+fail:
+    Py_XDECREF(out);
+done:
+    head_clear(&kh);
+    head_clear(&vh);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"skip", (PyCFunction)(void (*)(void))skip, METH_FASTCALL, skip_doc},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL, split_records_doc},
     {"join_records", (PyCFunction)(void (*)(void))join_records, METH_FASTCALL, join_records_doc},
+    {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL, seal_records_doc},
+    {"open_records", (PyCFunction)(void (*)(void))open_records, METH_FASTCALL, open_records_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -411,3 +411,110 @@ def test_the_traffic_log_and_the_span_name_the_encrypt_rule() -> None:
     assert line["record_rule"] == "encrypt-payments" and line["encrypted_batches"] == 1
     attributes = span_attributes(Exchange(e, ctx(), Learned()))
     assert attributes["kproxy.record_rule"] == "encrypt-payments" and attributes["kproxy.encrypted_batches"] == 1
+
+
+# -- sealing and opening a records section in one pass: the C accelerator holds to the Python reference
+
+
+def _random_batch(rng: Any, keys_null: float = 0.2) -> RecordBatch:
+    recs = []
+    for _ in range(rng.randrange(1, 30)):
+        key = None if rng.random() < keys_null else rng.randbytes(rng.choice([0, 1, 70, 300]))
+        value = None if rng.random() < 0.2 else rng.randbytes(rng.choice([0, 5, 63, 64, 1024, 20000]))
+        headers = [(f"h{j}", rng.randbytes(rng.randrange(0, 90))) for j in range(rng.randrange(0, 3))]
+        recs.append((key, value, headers, 1000 + rng.randrange(0, 1 << 40)))
+    (batch,) = list(iter_batches(build_batch(recs, base_timestamp=1000)))
+    return batch
+
+
+def test_native_seal_and_open_match_the_python_reference_byte_for_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    from kproxy.envelope import Binding, MissingDataKey, Part, TamperedRecord
+    from kproxy.envelope import records as R
+
+    if R._native_seal is None or R._native_open is None:
+        pytest.skip("the C accelerator is not built here")
+    rng = random.Random(2828)
+    # Nonces from a seeded generator, so that both paths seal with the same ones.
+    monkeypatch.setattr(R.os, "urandom", lambda n: rng.randbytes(n))
+    deks = [dek(1), dek(2), dek(3)]
+    by_ref = {d.ref: d for d in deks}
+    vb, kb = Binding("pay", Part.VALUE), Binding("pay", Part.KEY)
+    for round_ in range(150):
+        batch = _random_batch(rng)
+        buf, count = batch.payload(), batch.record_count
+        seal_keys = round_ % 2 == 1
+        # Runs of records over one, two or three DEKs (a DEK's limit reached inside a batch).
+        cuts = sorted(rng.sample(range(count + 1), k=min(2, count + 1)))
+        runs = [(n, d) for n, d in zip((cuts[0], cuts[-1] - cuts[0], count - cuts[-1]), deks, strict=True) if n]
+        reserve = rng.choice([0, 61])
+        state = rng.getstate()
+        native = R.seal_records(buf, count, runs, seal_keys, vb, kb, reserve, native=True)
+        rng.setstate(state)
+        python = R.seal_records(buf, count, runs, seal_keys, vb, kb, reserve, native=False)
+        assert bytes(native[0]) == bytes(python[0]) and native[1] == python[1]
+        assert native[1] == sum(1 for v in C.split_records(batch)[2] if v is not None)
+        sealed = memoryview(native[0])[reserve:]
+        opened_n = R.open_records(sealed, count, by_ref, vb, kb, reserve, native=True)
+        opened_p = R.open_records(sealed, count, by_ref, vb, kb, reserve, native=False)
+        assert bytes(opened_n[0]) == bytes(opened_p[0]) and opened_n[1:] == opened_p[1:]
+        assert bytes(opened_n[0][reserve:]) == bytes(buf)      # the records as they were produced
+        assert opened_n[1] == native[1]
+        # Tampered: one byte of the sealed section flipped (a length, a header, a nonce, a cipher
+        # byte or a tag). Both paths fail alike: the same error, at the same record.
+        for _ in range(6):
+            broken = bytearray(sealed)
+            broken[rng.randrange(len(broken))] ^= 1 << rng.randrange(8)
+            outcome = []
+            for use_native in (True, False):
+                try:
+                    got = R.open_records(memoryview(bytes(broken)), count, by_ref, vb, kb, 0, native=use_native)
+                    outcome.append(("ok", bytes(got[0]), got[1:]))
+                except TamperedRecord as e:
+                    outcome.append((type(e).__name__, e.index, e.reason))
+                except R.RecordsBroken as e:
+                    outcome.append(("broken", e.reason, e.position))
+                except MissingDataKey as e:
+                    outcome.append(("missing", e.ref))
+            assert outcome[0] == outcome[1], outcome
+        # Opened under another topic: refused by both, at the first sealed record.
+        other = Binding("pay-2", Part.VALUE), Binding("pay-2", Part.KEY)
+        if native[1] or seal_keys:
+            for use_native in (True, False):
+                with pytest.raises(TamperedRecord):
+                    R.open_records(sealed, count, by_ref, *other, 0, native=use_native)
+        # A DEK not supplied: MissingDataKey from both.
+        if native[1]:
+            for use_native in (True, False):
+                with pytest.raises(MissingDataKey):
+                    R.open_records(sealed, count, {}, vb, kb, 0, native=use_native)
+
+
+def test_the_data_path_seals_and_opens_through_the_accelerator_when_it_is_built() -> None:
+    from kproxy.envelope import records as R
+
+    if R._native_seal is None or R._native_open is None:
+        pytest.skip("the C accelerator is not built here")
+    d = dek()
+    before = dict(R.PATHS)
+    batches = C.sealable_batches(build_batch([(None, b"v%d" % i) for i in range(10)]) * 3)
+    sealed, nb, nr = C.seal_partition(batches, "pay", C.Grants([(d, 30)]), False, 1 << 24)
+    assert (nb, nr) == (3, 30)
+    opened = open_all(sealed, "pay", {d.ref: d})
+    assert opened is not None and values(opened) == [b"v%d" % i for i in range(10)] * 3
+    assert R.PATHS["native"] - before["native"] == 6 and R.PATHS["python"] == before["python"]
+
+
+def test_the_python_reference_serves_where_the_accelerator_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kproxy.envelope import records as R
+
+    monkeypatch.setattr(R, "_native_seal", None)
+    monkeypatch.setattr(R, "_native_open", None)
+    d = dek()
+    before = dict(R.PATHS)
+    raw = build_batch([(b"k%d" % i, b"plain value %d" % i) for i in range(4)] + [(b"tomb", None)])
+    sealed, _, nr = C.seal_partition(C.sealable_batches(raw), "pay", C.Grants([(d, 10)]), True, 1 << 24)
+    assert nr == 4 and b"plain value" not in sealed and b"tomb" not in sealed
+    assert open_all(sealed, "pay", {d.ref: d}) == raw
+    assert R.PATHS["python"] - before["python"] == 2 and R.PATHS["native"] == before["native"]

@@ -21,6 +21,7 @@ from kproxy.protocol.records.rewrite import (
     edit_headers,
     join_records,
     rebuild_batch,
+    rebuild_reserved,
     split_records,
     with_producer,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "iter_batches",
     "join_records",
     "rebuild_batch",
+    "rebuild_reserved",
     "split_records",
     "summarize",
     "with_producer",

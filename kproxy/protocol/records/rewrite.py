@@ -60,6 +60,36 @@ def rebuild_batch(batch: RecordBatch, payload: bytes | bytearray | memoryview, r
     return bytes(out)
 
 
+def rebuild_reserved(batch: RecordBatch, out: bytearray, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+                     ) -> bytearray | bytes:
+    """``rebuild_batch`` for records written after ``V2_HEADER_SIZE`` reserved bytes of ``out``: an
+    uncompressed batch gets its header written in place (no copy of the records), a compressed one
+    is compressed from there. RecordsError when the records exceed ``max_decompressed_bytes``."""
+    size = len(out) - V2_HEADER_SIZE
+    if size > max_decompressed_bytes:
+        raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
+    if batch.compression is not Compression.NONE:
+        return rebuild_batch(batch, memoryview(out)[V2_HEADER_SIZE:])
+    V2_HEADER.pack_into(
+        out, 0,
+        batch.base_offset,
+        len(out) - LOG_OVERHEAD,
+        batch.partition_leader_epoch,
+        2,
+        0,
+        batch.attributes,
+        batch.last_offset_delta,
+        batch.base_timestamp,
+        batch.max_timestamp,
+        batch.producer_id,
+        batch.producer_epoch,
+        batch.base_sequence,
+        batch.record_count,
+    )
+    struct.pack_into(">I", out, V2_CRC_OFFSET, crc32c.crc32c(memoryview(out)[V2_ATTRIBUTES_OFFSET:]))
+    return out
+
+
 _PRODUCER = struct.Struct(">qhi")     # producer id, producer epoch, base sequence
 _V2_PRODUCER_OFFSET = 43
 
@@ -249,6 +279,12 @@ def split_records(batch: RecordBatch, max_decompressed_bytes: int = DEFAULT_MAX_
     end = len(buf)
     if count > end // MIN_RECORD_SIZE:
         raise records_error(f"record count {count} cannot fit in {end} bytes", 0, base, compressed)
+    return split_payload(buf, count, base, compressed)
+
+
+def split_payload(buf: memoryview, count: int, base: int = 0, compressed: bool = False
+                  ) -> tuple[list[memoryview], list[memoryview | None], list[memoryview | None], list[memoryview]]:
+    """``split_records`` of an uncompressed records section; errors located at ``base`` as a batch's."""
     if _native_split is not None:
         try:
             return _native_split(buf, count)
@@ -353,11 +389,17 @@ def join_records(batch: RecordBatch, heads: list, keys: list, values: list, tail
                  max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> bytes:
     """``batch`` rebuilt (``rebuild_batch``: same codec and producer fields) from records' heads,
     keys, values and tails, as ``split_records`` gives them with keys or values replaced."""
-    payload = (_native_join(heads, keys, values, tails) if _native_join is not None
-               else _join_records(heads, keys, values, tails))
+    payload = join_records_payload(heads, keys, values, tails)
     if len(payload) > max_decompressed_bytes:
         raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
     return rebuild_batch(batch, payload)
+
+
+def join_records_payload(heads: list, keys: list, values: list, tails: list) -> bytes:
+    """The uncompressed records section ``join_records`` puts in its batch."""
+    if _native_join is not None:
+        return _native_join(heads, keys, values, tails)
+    return _join_records(heads, keys, values, tails)
 
 
 def _join_records(heads: list, keys: list, values: list, tails: list) -> bytes:

@@ -1,0 +1,228 @@
+"""Sealing and opening a whole records section (a batch's records, uncompressed) in one pass: every
+record's value (and key) through its envelope, the records written again around them. This is the
+data path's unit of work; ``seal``/``open_values`` (``aead``) are the same envelope for lists of
+values. Pure, like the rest of the package: DEKs and bytes in, bytes out.
+
+The C accelerator (``kproxy/protocol/_accel.c``) does the per-record work where it was built: it
+parses the records, places headers and nonces, and calls the DEK's ``cryptography`` AESGCM
+``encrypt_into``/``decrypt_into`` straight into the output, so no per-record Python runs. The Python
+functions here are the reference and the fallback; a test holds the two equal byte for byte, and
+``PATHS`` counts the batches each one handled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+
+from kproxy.envelope.aead import DataKey
+from kproxy.envelope.format import (
+    FLAG_KEY_BOUND,
+    MAGIC,
+    NONCE_SIZE,
+    TAG_SIZE,
+    Binding,
+    KeyRef,
+    MissingDataKey,
+    TamperedRecord,
+    parse_header,
+)
+
+AUTH_FAILED = "authentication failed (the record, its envelope, topic or key was changed)"
+
+# Batches sealed or opened by each path since start: tests read it to know the accelerator ran.
+PATHS = {"native": 0, "python": 0}
+
+
+class RecordsBroken(Exception):
+    """A records section whose records do not fit it: ``reason`` and ``position`` (in the section)."""
+
+    def __init__(self, reason: str, position: int) -> None:
+        self.reason = reason
+        self.position = position
+        super().__init__(f"{reason} at {position}")
+
+
+def seal_records(records: Any, count: int, runs: Sequence[tuple[int, DataKey]], seal_keys: bool,
+                 value_binding: Binding, key_binding: Binding, reserve: int = 0,
+                 native: bool | None = None) -> tuple[bytearray, int]:
+    """``(records, values sealed)``: the ``count`` records of ``records`` with every non-null value sealed (and key, with
+    ``seal_keys``), after ``reserve`` zero bytes (room for the batch header). ``runs`` gives each DEK
+    the next records in order, ``(record count, DEK)``; a value is bound to its record's plaintext
+    key. RecordsBroken when a record does not fit, before anything is sealed."""
+    nonces = os.urandom(NONCE_SIZE * count * (2 if seal_keys else 1))
+    use_native = _native_seal is not None if native is None else native
+    if use_native:
+        assert _native_seal is not None
+        c_runs = [(n, dek._aead.encrypt_into, dek._headers[1], dek._headers[0] if seal_keys else None)
+                  for n, dek in runs]
+        try:
+            got: tuple[bytearray, int] = _native_seal(records, count, c_runs, nonces, value_binding.suffix,
+                                          key_binding.suffix, reserve)
+        except ValueError as e:
+            if len(e.args) == 2 and isinstance(e.args[0], str):
+                raise RecordsBroken(*e.args) from None
+            raise
+        PATHS["native"] += 1
+        return got
+    PATHS["python"] += 1
+    return _seal_records(records, count, runs, seal_keys, nonces, value_binding, key_binding, reserve)
+
+
+def open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any, value_binding: Binding,
+                 key_binding: Binding, reserve: int = 0, native: bool | None = None
+                 ) -> tuple[bytearray, int, int, bool]:
+    """``(records, values opened, plain values, keys opened)``: the ``count`` records of ``records``
+    with sealed values opened, and sealed keys when the batch's first non-null key is sealed (kproxy
+    seals all of a batch's keys or none), after ``reserve`` zero bytes; plain and null parts as they
+    were. TamperedRecord (with the record's index) for the first record that fails, MissingDataKey
+    when ``deks`` (anything with ``get``) lacks a record's DEK, RecordsBroken when a record does not
+    fit: a batch is opened whole or not at all."""
+    use_native = _native_open is not None if native is None else native
+    if use_native:
+        assert _native_open is not None
+
+        def lookup(part: memoryview, index: int) -> tuple[int, int, Callable[..., Any]]:
+            ref, flags, size = parse_header(part, index)
+            dek = deks.get(ref)
+            if dek is None:
+                raise MissingDataKey(ref)
+            return size, flags, dek._aead.decrypt_into
+
+        try:
+            got: tuple[bytearray, int, int, bool] = _native_open(
+                records, count, lookup, value_binding.suffix, key_binding.suffix, TamperedRecord, InvalidTag,
+                reserve)
+        except ValueError as e:
+            if len(e.args) == 2 and isinstance(e.args[0], str):
+                raise RecordsBroken(*e.args) from None
+            raise
+        PATHS["native"] += 1
+        return got
+    PATHS["python"] += 1
+    return _open_records(records, count, deks, value_binding, key_binding, reserve)
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference: the same work through split and join, record by record in the same order (a
+# record's key, then its value; nonces taken in that order).
+
+
+def _split(records: Any, count: int) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    from kproxy.protocol.errors import RecordsError
+    from kproxy.protocol.records.rewrite import _split_records
+    buf = memoryview(records)
+    if count < 0 or count > len(buf):
+        raise RecordsBroken(f"record count {count} cannot fit in {len(buf)} bytes", 0)
+    try:
+        return _split_records(buf, count, 0, False)
+    except RecordsError as e:
+        raise RecordsBroken(e.reason, e.offset or 0) from None
+
+
+def _join(heads: list[Any], keys: list[Any], values: list[Any], tails: list[Any], reserve: int) -> bytearray:
+    from kproxy.protocol.records.rewrite import _join_records
+    out = bytearray(reserve)
+    out += _join_records(heads, keys, values, tails)
+    return out
+
+
+def _seal_records(records: Any, count: int, runs: Sequence[tuple[int, DataKey]], seal_keys: bool, nonces: bytes,
+                  value_binding: Binding, key_binding: Binding, reserve: int) -> tuple[bytearray, int]:
+    heads, keys, values, tails = _split(records, count)
+    if sum(n for n, _ in runs) != count:
+        raise ValueError(f"the runs cover {sum(n for n, _ in runs)} records, the batch holds {count}")
+    new_keys: list[Any] = []
+    new_values: list[Any] = []
+    at = 0
+    pos = 0
+    for n, dek in runs:
+        encrypt = dek._aead.encrypt
+        vhead, khead = dek._headers[1], dek._headers[0]
+        vbase, kaad = vhead + value_binding.suffix, khead + key_binding.suffix
+        for i in range(at, at + n):
+            k, v = keys[i], values[i]
+            if seal_keys and k is not None:
+                nonce = nonces[pos:pos + NONCE_SIZE]
+                pos += NONCE_SIZE
+                new_keys.append(khead + nonce + encrypt(nonce, bytes(k), kaad))
+            else:
+                new_keys.append(k)
+            if v is None:
+                new_values.append(None)
+                continue
+            nonce = nonces[pos:pos + NONCE_SIZE]
+            pos += NONCE_SIZE
+            aad = vbase + b"\x00" if k is None else vbase + b"\x01" + bytes(k)
+            new_values.append(vhead + nonce + encrypt(nonce, bytes(v), aad))
+        at += n
+    return _join(heads, new_keys, new_values, tails, reserve), count - values.count(None)
+
+
+def _open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any, value_binding: Binding,
+                  key_binding: Binding, reserve: int) -> tuple[bytearray, int, int, bool]:
+    heads, keys, values, tails = _split(records, count)
+    first = next((k for k in keys if k is not None), None)
+    open_keys = first is not None and first[:4] == MAGIC
+    last: dict[Binding, tuple[bytes, int, bool, Any, bytes]] = {}
+
+    def head(part: Any, binding: Binding, index: int) -> tuple[int, bool, Any, bytes]:
+        got = last.get(binding)
+        if got is not None and part[:len(got[0])] == got[0]:
+            return got[1:]
+        ref, flags, size = parse_header(part, index)
+        dek = deks.get(ref)
+        if dek is None:
+            raise MissingDataKey(ref)
+        hdr = bytes(part[:size])
+        entry = (hdr, size, bool(flags & FLAG_KEY_BOUND), dek._aead.decrypt, hdr + binding.suffix)
+        last[binding] = entry
+        return entry[1:]
+
+    def open_part(part: Any, binding: Binding, index: int, key: Any, is_key: bool) -> bytes:
+        size, bound, decrypt, aad = head(part, binding, index)
+        if is_key and bound:
+            raise TamperedRecord(index, "a sealed key is bound to a key")
+        if len(part) < size + NONCE_SIZE + TAG_SIZE:
+            raise TamperedRecord(index, "too short for a nonce and a tag")
+        if bound:
+            aad = aad + b"\x00" if key is None else aad + b"\x01" + bytes(key)
+        body = size + NONCE_SIZE
+        try:
+            return decrypt(bytes(part[size:body]), bytes(part[body:]), aad)
+        except InvalidTag:
+            raise TamperedRecord(index, AUTH_FAILED) from None
+
+    opened = plain = 0
+    new_keys: list[Any] = []
+    new_values: list[Any] = []
+    for i in range(count):
+        k, v = keys[i], values[i]
+        if open_keys and k is not None and k[:4] == MAGIC:
+            k = open_part(k, key_binding, i, None, True)
+        new_keys.append(k)
+        if v is not None:
+            if v[:4] == MAGIC:
+                v = open_part(v, value_binding, i, k, False)
+                opened += 1
+            else:
+                plain += 1
+        new_values.append(v)
+    return _join(heads, new_keys, new_values, tails, reserve), opened, plain, open_keys
+
+
+def _native() -> tuple[Any, Any]:
+    """The accelerator's seal_records and open_records, or (None, None) where it was not built or is
+    older than they are."""
+    try:
+        accel = importlib.import_module("kproxy.protocol._accel")
+    except ImportError:
+        return None, None
+    return getattr(accel, "seal_records", None), getattr(accel, "open_records", None)
+
+
+_native_seal, _native_open = _native()
