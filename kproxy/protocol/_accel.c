@@ -685,37 +685,118 @@ static int sealed_part(const unsigned char *b, Py_ssize_t at, Py_ssize_t len)
     return len >= 4 && memcmp(b + at, ENVELOPE_MAGIC, 4) == 0;
 }
 
-/* The associated data of a value bound to its key: base || 00, or base || 01 || key. */
-static PyObject *bound_aad(PyObject *base, const unsigned char *key, Py_ssize_t key_len)
+/* A window onto bytes the caller owns (the records, the output being written): a buffer the
+   cipher reads or writes through, re-pointed from record to record instead of a memoryview made and
+   freed for each argument of each call. Only ever handed to the cipher for the length of one call;
+   one still held afterwards (exports or references left) is let go and a new one made. */
+typedef struct {
+    PyObject_HEAD
+    char *buf;
+    Py_ssize_t len;
+    int readonly;
+    Py_ssize_t exports;
+} WindowObject;
+
+static int window_getbuffer(WindowObject *self, Py_buffer *view, int flags)
 {
-    Py_ssize_t n = PyBytes_GET_SIZE(base);
-    PyObject *aad = PyBytes_FromStringAndSize(NULL, n + 1 + (key_len > 0 ? key_len : 0));
-    if (aad == NULL)
-        return NULL;
-    unsigned char *w = (unsigned char *)PyBytes_AS_STRING(aad);
-    memcpy(w, PyBytes_AS_STRING(base), (size_t)n);
-    w[n] = key_len < 0 ? 0 : 1;
-    if (key_len > 0)
-        memcpy(w + n + 1, key, (size_t)key_len);
-    return aad;
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->buf, self->len, self->readonly, flags) < 0)
+        return -1;
+    self->exports++;
+    return 0;
 }
 
-/* cipher(nonce, data, aad, out) with views of the three buffers; 0, or -1 with the exception set. */
-static int aead_call(PyObject *cipher, const unsigned char *nonce, const unsigned char *data, Py_ssize_t data_len,
-                     PyObject *aad, unsigned char *out, Py_ssize_t out_len)
+static void window_releasebuffer(WindowObject *self, Py_buffer *view)
+{
+    (void)view;
+    self->exports--;
+}
+
+static PyBufferProcs window_as_buffer = {
+    (getbufferproc)window_getbuffer,
+    (releasebufferproc)window_releasebuffer,
+};
+
+static PyTypeObject WindowType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kproxy.protocol._accel.Window",
+    .tp_doc = "A buffer onto bytes seal_records or open_records is reading or writing (internal).",
+    .tp_basicsize = sizeof(WindowObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_as_buffer = &window_as_buffer,
+};
+
+/* *slot pointed at buf[0:len]: the same object when nothing else holds it, else a new one. */
+static PyObject *window(PyObject **slot, const unsigned char *buf, Py_ssize_t len, int readonly)
+{
+    WindowObject *w = (WindowObject *)*slot;
+    if (w == NULL || Py_REFCNT(w) != 1 || w->exports != 0) {
+        Py_XDECREF(w);
+        *slot = NULL;
+        w = PyObject_New(WindowObject, &WindowType);
+        if (w == NULL)
+            return NULL;
+        w->exports = 0;
+        *slot = (PyObject *)w;
+    }
+    w->buf = (char *)buf;
+    w->len = len;
+    w->readonly = readonly;
+    return (PyObject *)w;
+}
+
+/* The four arguments of a cipher call, and room for associated data built per record. */
+typedef struct {
+    PyObject *slot[4];
+    unsigned char *scratch;
+    Py_ssize_t scratch_size;
+} Calls;
+
+static void calls_clear(Calls *c)
+{
+    for (int i = 0; i < 4; i++)
+        Py_CLEAR(c->slot[i]);
+    PyMem_Free(c->scratch);
+    c->scratch = NULL;
+    c->scratch_size = 0;
+}
+
+/* The associated data of a value bound to its key: base || 00, or base || 01 || key, in the
+   scratch room; NULL with MemoryError set. */
+static const unsigned char *bound_aad(Calls *c, PyObject *base, const unsigned char *key, Py_ssize_t key_len,
+                                      Py_ssize_t *size)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(base);
+    *size = n + 1 + (key_len > 0 ? key_len : 0);
+    if (*size > c->scratch_size) {
+        unsigned char *grown = PyMem_Realloc(c->scratch, (size_t)*size);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        c->scratch = grown;
+        c->scratch_size = *size;
+    }
+    memcpy(c->scratch, PyBytes_AS_STRING(base), (size_t)n);
+    c->scratch[n] = key_len < 0 ? 0 : 1;
+    if (key_len > 0)
+        memcpy(c->scratch + n + 1, key, (size_t)key_len);
+    return c->scratch;
+}
+
+/* cipher(nonce, data, aad, out) through windows onto the bytes; 0, or -1 with the exception set. */
+static int aead_call(Calls *c, PyObject *cipher, const unsigned char *nonce, const unsigned char *data,
+                     Py_ssize_t data_len, const unsigned char *aad, Py_ssize_t aad_len, unsigned char *out,
+                     Py_ssize_t out_len)
 {
     PyObject *a[4] = {
-        PyMemoryView_FromMemory((char *)nonce, NONCE, PyBUF_READ),
-        PyMemoryView_FromMemory((char *)data, data_len, PyBUF_READ),
-        aad,
-        PyMemoryView_FromMemory((char *)out, out_len, PyBUF_WRITE),
+        window(&c->slot[0], nonce, NONCE, 1),
+        window(&c->slot[1], data, data_len, 1),
+        window(&c->slot[2], aad, aad_len, 1),
+        window(&c->slot[3], out, out_len, 0),
     };
-    PyObject *r = NULL;
-    if (a[0] != NULL && a[1] != NULL && a[3] != NULL)
-        r = PyObject_Vectorcall(cipher, a, 4, NULL);
-    Py_XDECREF(a[0]);
-    Py_XDECREF(a[1]);
-    Py_XDECREF(a[3]);
+    if (a[0] == NULL || a[1] == NULL || a[2] == NULL || a[3] == NULL)
+        return -1;
+    PyObject *r = PyObject_Vectorcall(cipher, a, 4, NULL);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
@@ -790,6 +871,7 @@ static PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_
     const unsigned char *b = view.buf, *nonces = nonce_view.buf;
     Py_ssize_t end = view.len;
     PyObject *out = NULL, *result = NULL;
+    Calls calls = {{NULL, NULL, NULL, NULL}, NULL, 0};
     Run *runs = PyMem_Calloc((size_t)nruns + 1, sizeof(Run));
     if (runs == NULL) {
         PyErr_NoMemory();
@@ -897,7 +979,9 @@ static PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_
             w = put(w, (const unsigned char *)PyBytes_AS_STRING(run->khead), khl);
             w = put(w, nonce, NONCE);
             nonce += NONCE;
-            if (aead_call(run->cipher, w - NONCE, b + r.key, r.key_len, run->kaad, w, r.key_len + TAG) < 0)
+            if (aead_call(&calls, run->cipher, w - NONCE, b + r.key, r.key_len,
+                          (const unsigned char *)PyBytes_AS_STRING(run->kaad), PyBytes_GET_SIZE(run->kaad), w,
+                          r.key_len + TAG) < 0)
                 goto fail;
             w += r.key_len + TAG;
         } else {
@@ -905,16 +989,15 @@ static PyObject *seal_records(PyObject *module, PyObject *const *args, Py_ssize_
         }
         w = write_zigzag(w, vl);
         if (r.value_len >= 0) {
-            PyObject *aad = run->vbase;
-            if (run->bound && (aad = bound_aad(run->vbase, b + r.key, r.key_len)) == NULL)
+            const unsigned char *aad = (const unsigned char *)PyBytes_AS_STRING(run->vbase);
+            Py_ssize_t aad_len = PyBytes_GET_SIZE(run->vbase);
+            if (run->bound && (aad = bound_aad(&calls, run->vbase, b + r.key, r.key_len, &aad_len)) == NULL)
                 goto fail;
             w = put(w, (const unsigned char *)PyBytes_AS_STRING(run->vhead), vhl);
             w = put(w, nonce, NONCE);
             nonce += NONCE;
-            int rc = aead_call(run->cipher, w - NONCE, b + r.value, r.value_len, aad, w, r.value_len + TAG);
-            if (run->bound)
-                Py_DECREF(aad);
-            if (rc < 0)
+            if (aead_call(&calls, run->cipher, w - NONCE, b + r.value, r.value_len, aad, aad_len, w,
+                          r.value_len + TAG) < 0)
                 goto fail;
             w += r.value_len + TAG;
         }
@@ -934,6 +1017,7 @@ fail:
         }
         PyMem_Free(runs);
     }
+    calls_clear(&calls);
     PyBuffer_Release(&nonce_view);
     PyBuffer_Release(&view);
     return result;
@@ -1050,6 +1134,7 @@ static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_
     Py_ssize_t end = view.len;
     PyObject *out = NULL, *result = NULL;
     Head kh = {0}, vh = {0};
+    Calls calls = {{NULL, NULL, NULL, NULL}, NULL, 0};
     Py_ssize_t opened = 0, plain = 0;
     int open_keys = -1;
     if (count < 0 || count > end) {
@@ -1117,7 +1202,8 @@ static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_
         const unsigned char *key = w;     /* the record's plaintext key, once written */
         if (open_key) {
             const unsigned char *n = b + r.key + kh.size;
-            if (aead_call(kh.cipher, n, n + NONCE, r.key_len - kh.size - NONCE, kh.aad, w, kl) < 0)
+            if (aead_call(&calls, kh.cipher, n, n + NONCE, r.key_len - kh.size - NONCE,
+                          (const unsigned char *)PyBytes_AS_STRING(kh.aad), PyBytes_GET_SIZE(kh.aad), w, kl) < 0)
                 goto crypto_fail;
             w += kl;
         } else {
@@ -1126,13 +1212,11 @@ static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_
         w = write_zigzag(w, vl);
         if (open_value) {
             const unsigned char *n = b + r.value + vh.size;
-            PyObject *aad = vh.aad;
-            if (vh.bound && (aad = bound_aad(vh.aad, key, kl)) == NULL)
+            const unsigned char *aad = (const unsigned char *)PyBytes_AS_STRING(vh.aad);
+            Py_ssize_t aad_len = PyBytes_GET_SIZE(vh.aad);
+            if (vh.bound && (aad = bound_aad(&calls, vh.aad, key, kl, &aad_len)) == NULL)
                 goto fail;
-            int rc = aead_call(vh.cipher, n, n + NONCE, r.value_len - vh.size - NONCE, aad, w, vl);
-            if (vh.bound)
-                Py_DECREF(aad);
-            if (rc < 0)
+            if (aead_call(&calls, vh.cipher, n, n + NONCE, r.value_len - vh.size - NONCE, aad, aad_len, w, vl) < 0)
                 goto crypto_fail;
             w += vl;
             opened++;
@@ -1156,6 +1240,7 @@ fail:
 done:
     head_clear(&kh);
     head_clear(&vh);
+    calls_clear(&calls);
     PyBuffer_Release(&view);
     return result;
 }
@@ -1179,7 +1264,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__accel(void)
 {
-    if (PyType_Ready(&ProgramType) < 0)
+    if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
