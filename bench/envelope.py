@@ -6,6 +6,11 @@ Run from the repository root:  ``.venv/bin/python bench/envelope.py [--rounds N]
   ``open_values`` with one DEK, for batches of 16 records (a 16 KiB producer batch) and 1,000 records
   (about 1 MiB); the key-bound variant binds each value to a 16-byte record key. Goal from issue 28:
   at least 150 MB/s of plaintext each, per core.
+- **seal batch** / **open batch**: what the data path does to a produced or fetched batch of 1,000
+  records of 1 KiB (null keys, as the through-kproxy bench produces them): records in, a rebuilt
+  batch out (``kproxy.policy.crypto.seal_partition``/``open_partition``: the records parsed, each
+  value sealed or opened, the batch written again with its CRC), through the C accelerator, and
+  through the Python reference it falls back to where the accelerator is not built.
 - **AES-GCM alone**: the same values through ``AESGCM.encrypt``/``decrypt`` in a bare loop with a fixed
   nonce and associated data: the floor the envelope's own per-record work adds to.
 - **size**: the envelope's bytes per record, and what a batch of sealed values weighs after lz4 and
@@ -33,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import throughput
 
 from kproxy.envelope import Binding, DataKey, KeyRef, Kms, open_values, seal
+from kproxy.envelope import records as envelope_records
+from kproxy.policy import crypto
+from kproxy.protocol.records import build_batch
 
 VALUE_SIZE = 1024
 
@@ -68,6 +76,35 @@ def main(argv: list[str] | None = None) -> int:
             lambda v=values, k=keys, s=size: throughput(lambda: seal(dek, v, binding, k), s, seconds))
         cases[f"open key-bound, {count} records/batch"] = (
             lambda v=bound, k=keys, s=size: throughput(lambda: open_values(v, binding, deks, k), s, seconds))
+
+    batch_values = [os.urandom(VALUE_SIZE // 2).hex().encode() for _ in range(1000)]
+    produced = crypto.sealable_batches(build_batch([(None, v) for v in batch_values]))
+    fetched = crypto.seal_partition(produced, "payments-eu", crypto.Grants([(dek, 1 << 40)]), False, 1 << 26)[0]
+    assert crypto.open_partition(crypto.read_fetched(fetched, 1 << 26), "payments-eu", deks, (), None,
+                                 1 << 26) == produced[0].raw
+
+    def seal_batch() -> None:
+        crypto.seal_partition(produced, "payments-eu", crypto.Grants([(dek, 1 << 40)]), False, 1 << 26)
+
+    def open_batch() -> None:
+        crypto.open_partition(crypto.read_fetched(fetched, 1 << 26), "payments-eu", deks, (), None, 1 << 26)
+
+    def reference(run: Callable[[], None]) -> Callable[[], None]:
+        def in_python() -> None:
+            native = envelope_records._native_seal, envelope_records._native_open
+            envelope_records._native_seal = envelope_records._native_open = None
+            try:
+                run()
+            finally:
+                envelope_records._native_seal, envelope_records._native_open = native
+        return in_python
+
+    size = VALUE_SIZE * 1000
+    accel = envelope_records._native_seal is not None
+    for name, run in (("seal batch", seal_batch), ("open batch", open_batch)):
+        if accel:
+            cases[f"{name}, 1000 records, accelerator"] = lambda r=run: throughput(r, size, seconds)
+        cases[f"{name}, 1000 records, Python reference"] = lambda r=run: throughput(reference(r), size, seconds)
 
     aes = AESGCM(os.urandom(32))
     nonce, aad = os.urandom(12), os.urandom(100)

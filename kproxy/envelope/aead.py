@@ -50,11 +50,14 @@ class DataKey:
         return f"DataKey({self.ref!r}, used={self.used})"
 
 
-def seal(dek: DataKey, values: Sequence[Any], binding: Binding, keys: Sequence[Any] | None = None) -> list[Any]:
+def seal(dek: DataKey, values: Sequence[Any], binding: Binding, keys: Sequence[Any] | None = None,
+         nonces: bytes | None = None) -> list[Any]:
     """Each value sealed in an envelope; a null value stays null (a tombstone must stay one). With
     ``keys`` (the records' plaintext keys, one per value), each value is bound to its key. The caller
-    has reserved ``len(values)`` records on ``dek`` (``KeyRing.reserve``)."""
-    nonces = os.urandom(NONCE_SIZE * len(values))
+    has reserved ``len(values)`` records on ``dek`` (``KeyRing.reserve``). ``nonces`` (12 bytes per
+    non-null value, in order) are random ones unless given."""
+    if nonces is None:
+        nonces = os.urandom(NONCE_SIZE * len(values))
     encrypt = dek._aead.encrypt
     join = b"".join
     out: list[Any] = []

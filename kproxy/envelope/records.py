@@ -19,7 +19,7 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 
-from kproxy.envelope.aead import DataKey
+from kproxy.envelope.aead import DataKey, open_values, seal
 from kproxy.envelope.format import (
     FLAG_KEY_BOUND,
     MAGIC,
@@ -136,29 +136,28 @@ def _seal_records(records: Any, count: int, runs: Sequence[tuple[int, DataKey]],
     heads, keys, values, tails = _split(records, count)
     if sum(n for n, _ in runs) != count:
         raise ValueError(f"the runs cover {sum(n for n, _ in runs)} records, the batch holds {count}")
-    new_keys: list[Any] = []
+    new_keys: list[Any] = [] if seal_keys else keys
     new_values: list[Any] = []
     at = 0
     pos = 0
     for n, dek in runs:
-        encrypt = dek._aead.encrypt
-        vhead, khead = dek._headers[1], dek._headers[0]
-        vbase, kaad = vhead + value_binding.suffix, khead + key_binding.suffix
-        for i in range(at, at + n):
-            k, v = keys[i], values[i]
-            if seal_keys and k is not None:
-                nonce = nonces[pos:pos + NONCE_SIZE]
-                pos += NONCE_SIZE
-                new_keys.append(khead + nonce + encrypt(nonce, bytes(k), kaad))
-            else:
-                new_keys.append(k)
-            if v is None:
-                new_values.append(None)
-                continue
-            nonce = nonces[pos:pos + NONCE_SIZE]
-            pos += NONCE_SIZE
-            aad = vbase + b"\x00" if k is None else vbase + b"\x01" + bytes(k)
-            new_values.append(vhead + nonce + encrypt(nonce, bytes(v), aad))
+        run_keys, run_values = keys[at:at + n], values[at:at + n]
+        if seal_keys:
+            # Nonces go to a record's key, then its value: hand each list its own, in that order.
+            key_nonces, value_nonces = bytearray(), bytearray()
+            for k, v in zip(run_keys, run_values, strict=True):
+                if k is not None:
+                    key_nonces += nonces[pos:pos + NONCE_SIZE]
+                    pos += NONCE_SIZE
+                if v is not None:
+                    value_nonces += nonces[pos:pos + NONCE_SIZE]
+                    pos += NONCE_SIZE
+            new_keys += seal(dek, run_keys, key_binding, nonces=bytes(key_nonces))
+            new_values += seal(dek, run_values, value_binding, run_keys, nonces=bytes(value_nonces))
+        else:
+            used = NONCE_SIZE * (n - run_values.count(None))
+            new_values += seal(dek, run_values, value_binding, run_keys, nonces=nonces[pos:pos + used])
+            pos += used
         at += n
     return _join(heads, new_keys, new_values, tails, reserve), count - values.count(None)
 
@@ -168,6 +167,23 @@ def _open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any
     heads, keys, values, tails = _split(records, count)
     first = next((k for k in keys if k is not None), None)
     open_keys = first is not None and first[:4] == MAGIC
+    try:
+        # A batch's keys, then its values, in bulk; a failure is found again record by record, so
+        # that the error is the accelerator's: the first record that fails, key before value.
+        if open_keys:
+            keys, _ = open_values(keys, key_binding, deks)
+        values, plain = open_values(values, value_binding, deks, keys)
+    except (TamperedRecord, MissingDataKey, ValueError):
+        _first_failure(keys if not open_keys else _split(records, count)[1], values, deks, value_binding,
+                       key_binding, open_keys)
+        raise
+    opened = count - plain - values.count(None)
+    return _join(heads, keys, values, tails, reserve), opened, plain, open_keys
+
+
+def _first_failure(keys: list[Any], values: list[Any], deks: Mapping[KeyRef, DataKey] | Any, value_binding: Binding,
+                   key_binding: Binding, open_keys: bool) -> None:
+    """Raises the error of the first record whose key or value cannot be opened."""
     last: dict[Binding, tuple[bytes, int, bool, Any, bytes]] = {}
 
     def head(part: Any, binding: Binding, index: int) -> tuple[int, bool, Any, bytes]:
@@ -183,12 +199,16 @@ def _open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any
         last[binding] = entry
         return entry[1:]
 
-    def open_part(part: Any, binding: Binding, index: int, key: Any, is_key: bool) -> bytes:
+    def check(part: Any, binding: Binding, index: int, is_key: bool) -> tuple[int, bool, Any, bytes]:
         size, bound, decrypt, aad = head(part, binding, index)
         if is_key and bound:
             raise TamperedRecord(index, "a sealed key is bound to a key")
         if len(part) < size + NONCE_SIZE + TAG_SIZE:
             raise TamperedRecord(index, "too short for a nonce and a tag")
+        return size, bound, decrypt, aad
+
+    def open_part(part: Any, index: int, key: Any, found: tuple[int, bool, Any, bytes]) -> bytes:
+        size, bound, decrypt, aad = found
         if bound:
             aad = aad + b"\x00" if key is None else aad + b"\x01" + bytes(key)
         body = size + NONCE_SIZE
@@ -197,22 +217,18 @@ def _open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any
         except InvalidTag:
             raise TamperedRecord(index, AUTH_FAILED) from None
 
-    opened = plain = 0
-    new_keys: list[Any] = []
-    new_values: list[Any] = []
-    for i in range(count):
-        k, v = keys[i], values[i]
+    # A record's headers are looked up and checked (key, then value) before either is decrypted,
+    # as the accelerator does: it sizes the record before it writes it.
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        key_found = value_found = None
         if open_keys and k is not None and k[:4] == MAGIC:
-            k = open_part(k, key_binding, i, None, True)
-        new_keys.append(k)
-        if v is not None:
-            if v[:4] == MAGIC:
-                v = open_part(v, value_binding, i, k, False)
-                opened += 1
-            else:
-                plain += 1
-        new_values.append(v)
-    return _join(heads, new_keys, new_values, tails, reserve), opened, plain, open_keys
+            key_found = check(k, key_binding, i, True)
+        if v is not None and v[:4] == MAGIC:
+            value_found = check(v, value_binding, i, False)
+        if key_found is not None:
+            k = open_part(k, i, None, key_found)
+        if value_found is not None:
+            open_part(v, i, k, value_found)
 
 
 def _native() -> tuple[Any, Any]:
