@@ -1,5 +1,6 @@
 """Record encryption's pure half: the envelope a sealed record value or key carries (``format``),
-sealing and opening whole batches with AES-256-GCM (``aead``), and the DEK lifetime, cache and
+sealing and opening a batch's values with AES-256-GCM (``aead``), and a whole records section in
+one pass, in the C accelerator where it was built (``records``), and the DEK lifetime, cache and
 KMS-call policy (``keys``). Nothing here does I/O or reads a clock: keys, bytes and the time are
 handed in; the KMS clients that fetch and unwrap DEKs are ``kproxy.kms``.
 """
