@@ -725,13 +725,30 @@ static PyTypeObject WindowType = {
     .tp_as_buffer = &window_as_buffer,
 };
 
+/* A window let go: one that something still holds is closed first (empty), so that it never
+   reaches bytes that may be gone. */
+static char window_empty[1];
+
+static void window_drop(PyObject **slot)
+{
+    WindowObject *w = (WindowObject *)*slot;
+    if (w == NULL)
+        return;
+    if (Py_REFCNT(w) != 1 && w->exports == 0) {
+        w->buf = window_empty;
+        w->len = 0;
+        w->readonly = 1;
+    }
+    Py_DECREF(w);
+    *slot = NULL;
+}
+
 /* *slot pointed at buf[0:len]: the same object when nothing else holds it, else a new one. */
 static PyObject *window(PyObject **slot, const unsigned char *buf, Py_ssize_t len, int readonly)
 {
     WindowObject *w = (WindowObject *)*slot;
     if (w == NULL || Py_REFCNT(w) != 1 || w->exports != 0) {
-        Py_XDECREF(w);
-        *slot = NULL;
+        window_drop(slot);
         w = PyObject_New(WindowObject, &WindowType);
         if (w == NULL)
             return NULL;
@@ -754,7 +771,7 @@ typedef struct {
 static void calls_clear(Calls *c)
 {
     for (int i = 0; i < 4; i++)
-        Py_CLEAR(c->slot[i]);
+        window_drop(&c->slot[i]);
     PyMem_Free(c->scratch);
     c->scratch = NULL;
     c->scratch_size = 0;
@@ -1053,12 +1070,13 @@ static PyObject *raise_tampered(PyObject *tampered, Py_ssize_t index, const char
 /* The header of the sealed part at b[at:at+len]: the last one when it starts the same, else the
    caller's lookup(view, index) -> (header size, flags, decrypt_into), which raises for a malformed
    header or a DEK it does not have. 0, or -1 with the exception set. */
-static int find_head(Head *h, const unsigned char *b, Py_ssize_t at, Py_ssize_t len, PyObject *lookup,
-                     PyObject *suffix, Py_ssize_t index)
+static int find_head(Head *h, PyObject *src, const unsigned char *b, Py_ssize_t at, Py_ssize_t len,
+                     PyObject *lookup, PyObject *suffix, Py_ssize_t index)
 {
     if (h->at != NULL && len >= h->size && memcmp(b + at, h->at, (size_t)h->size) == 0)
         return 0;
-    PyObject *part = PyMemoryView_FromMemory((char *)(b + at), len, PyBUF_READ);
+    /* A slice of the caller's object (it holds the bytes alive, whatever lookup keeps). */
+    PyObject *part = PySequence_GetSlice(src, at, at + len);
     if (part == NULL)
         return -1;
     PyObject *idx = PyLong_FromSsize_t(index);
@@ -1171,7 +1189,7 @@ static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_
         int open_value = r.value_len >= 0 && sealed_part(b, r.value, r.value_len);
         Py_ssize_t kl = r.key_len, vl = r.value_len;
         if (open_key) {
-            if (find_head(&kh, b, r.key, r.key_len, lookup, ksuf, i) < 0)
+            if (find_head(&kh, src, b, r.key, r.key_len, lookup, ksuf, i) < 0)
                 goto fail;
             if (kh.bound) {
                 raise_tampered(tampered, i, "a sealed key is bound to a key");
@@ -1184,7 +1202,7 @@ static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_
             kl = r.key_len - kh.size - NONCE - TAG;
         }
         if (open_value) {
-            if (find_head(&vh, b, r.value, r.value_len, lookup, vsuf, i) < 0)
+            if (find_head(&vh, src, b, r.value, r.value_len, lookup, vsuf, i) < 0)
                 goto fail;
             if (r.value_len < vh.size + NONCE + TAG) {
                 raise_tampered(tampered, i, "too short for a nonce and a tag");
