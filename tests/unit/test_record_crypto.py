@@ -519,3 +519,15 @@ def test_the_python_reference_serves_where_the_accelerator_is_missing(monkeypatc
     assert nr == 4 and b"plain value" not in sealed and b"tomb" not in sealed
     assert open_all(sealed, "pay", {d.ref: d}) == raw
     assert R.PATHS["python"] - before["python"] == 2 and R.PATHS["native"] == before["native"]
+
+
+def test_holds_sealed_finds_a_sealed_value_or_key_in_a_fetched_partition() -> None:
+    d = dek()
+    plain = build_batch([(b"k", b"v")])
+    sealed_values = C.seal_partition(C.sealable_batches(plain), "pay", C.Grants([(d, 1)]), False, 1 << 24)[0]
+    assert C.holds_sealed(C.read_fetched(plain + sealed_values, 1 << 24), 1 << 24)
+    assert not C.holds_sealed(C.read_fetched(plain + plain, 1 << 24), 1 << 24)
+    # Only the key sealed (a value-less record): still found.
+    keyed = C.seal_partition(C.sealable_batches(build_batch([(b"k", None)])), "pay", C.Grants([(d, 2)]), True,
+                             1 << 24)[0]
+    assert C.holds_sealed(C.read_fetched(keyed, 1 << 24), 1 << 24)
