@@ -253,8 +253,9 @@ class CachedKeys:
 def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapping[KeyRef, DataKey] | CachedKeys,
                    masks: Sequence[Mask], crypto: RecordCrypto | None, cap: int, opening: bool = True) -> bytes | None:
     """The partition's records with sealed keys and values opened (when ``opening``: the topic is
-    encrypted) and ``masks`` applied, or None when nothing changed (or a batch cannot be read: the
-    client cannot read it either, and the broker's answer stands). A batch that cannot be opened
+    encrypted) and ``masks`` applied, or None when nothing changed (or the first batch cannot be
+    read: the client cannot read it either, and the broker's answer stands). A batch that cannot be
+    read or opened
     ends the records there: the batches before it are delivered, and the client's next Fetch starts
     at it. When it is the first, Tampered (a record fails authentication: it is never delivered, not
     even empty) or MissingDataKey (a DEK not in ``deks``) refuses the partition."""
@@ -290,7 +291,7 @@ def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapp
                         crypto.batches_decrypted += 1
             if masks:
                 if new is not None:
-                    parts = _split_section(memoryview(new)[V2_HEADER_SIZE:], count, batch, cap)
+                    parts = _split_section(memoryview(new)[V2_HEADER_SIZE:], count, batch)
                 else:
                     parts = split_records(batch, cap)
                 heads, keys, values, tails = parts
@@ -304,14 +305,15 @@ def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapp
             else:
                 out.append(batch.raw)
         except RecordsError:
-            return None     # the broker's answer as it is: the client cannot read this batch either
+            # The client cannot read this batch either: the batches before it go (opened), and
+            # alone it is the broker's answer as it is (the client fails on it first).
+            return b"".join(out) if out else None
     if not changed:
         return None
     return b"".join(out)
 
 
-def _split_section(buf: memoryview, count: int, batch: RecordBatch, cap: int
-                   ) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+def _split_section(buf: memoryview, count: int, batch: RecordBatch) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
     """An opened records section split for masking, as ``split_records`` splits a batch's."""
     return split_payload(buf, count, batch._at + V2_HEADER_SIZE, batch.compression is not Compression.NONE)
 

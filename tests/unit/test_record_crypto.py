@@ -531,3 +531,18 @@ def test_holds_sealed_finds_a_sealed_value_or_key_in_a_fetched_partition() -> No
     keyed = C.seal_partition(C.sealable_batches(build_batch([(b"k", None)])), "pay", C.Grants([(d, 2)]), True,
                              1 << 24)[0]
     assert C.holds_sealed(C.read_fetched(keyed, 1 << 24), 1 << 24)
+
+
+def test_a_batch_that_cannot_be_read_ends_the_opened_records_before_it() -> None:
+    import struct
+
+    d = dek()
+    good = C.seal_partition(C.sealable_batches(build_batch([(b"k", b"secret one")])), "pay", C.Grants([(d, 1)]),
+                            False, 1 << 24)[0]
+    bad = bytearray(C.seal_partition(C.sealable_batches(build_batch([(b"k", b"secret two")], base_offset=1)),
+                                     "pay", C.Grants([(d, 1)]), False, 1 << 24)[0])
+    struct.pack_into(">i", bad, 57, 2)      # the record count says two: the records run short
+    opened = open_all(good + bytes(bad), "pay", {d.ref: d})
+    assert opened is not None and values(opened) == [b"secret one"]
+    # Alone, the broker's answer stands: the client fails on that batch as it would without kproxy.
+    assert open_all(bytes(bad), "pay", {d.ref: d}) is None
