@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-slow lint bench bench-deps system-deps kerberos-deps monitoring image-deps docs
+.PHONY: demo test test-fast test-slow test-deep lint bench bench-deps system-deps kerberos-deps monitoring image-deps docs
 
 # The native codec accelerator is built by the editable install: rebuild when its source changes.
 # The distribution is kproxy-kafka (`kproxy` on the package index is someone else's): a .venv made
@@ -85,6 +85,11 @@ image-deps:
 # run with podman (about 90 s cold, 30 s with the base image cached in ~/.cache/kproxy-tests).
 test-slow: $(VENV)/.installed system-deps image-deps
 	$(BIN)/python -m pytest -q -m slow
+
+# The codec fuzzers and cross-checks with four times the default run's Hypothesis examples
+# (tests/budget.py); about four times as long as their share of `make test`.
+test-deep: $(VENV)/.installed
+	KPROXY_EXAMPLES=4 $(BIN)/python -m pytest -q -n 2 tests/protocol
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check kproxy tests bench
