@@ -7,7 +7,9 @@ kproxy on tansu, with the KEKs in a real OpenBao dev server (``bao server -dev``
   succeed after SIGCONT; paused while a fresh kproxy needs a DEK to open a Fetch: nothing is
   delivered meanwhile, then everything;
 - a record tampered with on the broker, or moved to another topic, is never delivered;
-- a mask rule hides a field from one client while another reads it in the clear.
+- a mask rule hides a field from one client while another reads it in the clear;
+- with AWS KMS (moto's server mode, an emulator of its API): plaintext through kproxy, envelopes
+  on the broker, records still open after the key's rotation, an unknown key refused at start.
 
 One OpenBao, one tansu and one kproxy serve the module; tests that pause OpenBao use KEKs of their
 own (``own-*`` topics name their KEK by ``${topic}``) so no cached DEK hides the outage.
@@ -28,12 +30,16 @@ import pytest
 import trio
 
 from kproxy.envelope import is_sealed, parse_header
+from kproxy.envelope.format import Kms
 from kproxy.kms.vault import expand_ciphertext
 from kproxy.server.embedded import ProxyThread
 from kproxy.tansu import Tansu
 from tests.e2e.proxied import start_proxy
 from tests.e2e.tansu import unique_name
 from tests.e2e.test_policy import TIMEOUT, ck_producer, create_topics
+from tests.kms.moto import CREDENTIALS as AWS_CREDENTIALS
+from tests.kms.moto import REGION as AWS_REGION
+from tests.kms.moto import MotoKms
 from tests.kms.openbao import OpenBao
 
 with warnings.catch_warnings():
@@ -357,3 +363,88 @@ def test_kproxy_check_asks_the_kms_for_the_keks(stack: Stack, tmp_path: Path, ca
     rules.write_text(rules.read_text().replace("pay-kekk", KEK))
     assert check_config_file(str(config)) == 0
     assert capsys.readouterr().out.startswith(f"ok: {config}")
+
+
+# -- AWS KMS (moto's server mode, an emulator of the AWS KMS API) on the module's broker
+
+AWS_RULES = """\
+rules:
+  - name: encrypt-aws
+    match: {topic: "aws-*"}
+    action: encrypt
+    encrypt: {kek: "alias/aws-kek"}
+"""
+
+
+class AwsStack:
+    def __init__(self, moto: MotoKms, key_id: str, proxy: ProxyThread, kms: dict[str, Any], rules: str) -> None:
+        self.moto, self.key_id, self.proxy, self.kms, self.rules = moto, key_id, proxy, kms, rules
+
+
+@pytest.fixture(scope="module")
+def aws_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AwsStack]:
+    """A kproxy with ``kms: {aws: ...}`` on the module's tansu, its KEK an alias in a moto server."""
+    work = tmp_path_factory.mktemp("aws")
+    moto = MotoKms(work).start()
+    proxy = None
+    # boto3 in kproxy's thread finds its credentials in the environment, as it would on a host.
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in AWS_CREDENTIALS.items():
+            env.setenv(name, value)
+        try:
+            key_id = str(moto.client().create_key()["KeyMetadata"]["KeyId"])
+            moto.client().create_alias(AliasName="alias/aws-kek", TargetKeyId=key_id)
+            rules = work / "rules.yaml"
+            rules.write_text(AWS_RULES)
+            kms = {"aws": {"region": AWS_REGION, "endpoint_url": moto.url, "timeout_s": 2.0}}
+            proxy = start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms,
+                                upstream_settings={"request_timeout_s": 5.0})
+            yield AwsStack(moto, key_id, proxy, kms, str(rules))
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            moto.stop()
+
+
+def test_aws_kms_plaintext_through_kproxy_envelopes_on_the_broker_and_a_rotated_key_still_opens(
+        stack: Stack, aws_stack: AwsStack):
+    topic = unique_name("aws")
+    create_topics(aws_stack.proxy.bootstrap, topic)
+    p = ck_producer(aws_stack.proxy.bootstrap, "ck-aws", **{"compression.type": "lz4"})
+    for i in range(10):
+        p.produce(topic, key=b"k%d" % i, value=card(i), partition=0)
+    assert p.flush(TIMEOUT) == 0
+    assert [m.value() for m in read(aws_stack.proxy.bootstrap, topic, 10)] == [card(i) for i in range(10)]
+    direct = read(stack.tansu.bootstrap, topic, 10, "direct")
+    assert len(direct) == 10
+    for m in direct:
+        assert is_sealed(m.value()) and b"secret-plaintext" not in m.value() and b"4111" not in m.value()
+        ref = parse_header(m.value())[0]
+        assert ref.kms == Kms.AWS_KMS and ref.kek == "alias/aws-kek"
+
+    # The key's material rotated in the KMS; a fresh kproxy (nothing cached) asks AWS KMS to
+    # Decrypt the DEK the records name, wrapped with the old material, and reads them all.
+    aws_stack.moto.client().rotate_key_on_demand(KeyId=aws_stack.key_id)
+    decrypts = aws_stack.moto.requests("Decrypt")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in AWS_CREDENTIALS.items():
+            env.setenv(name, value)
+        fresh = start_proxy(stack.tansu.bootstrap, rules=[aws_stack.rules], kms=aws_stack.kms)
+        try:
+            assert [m.value() for m in read(fresh.bootstrap, topic, 10, "fresh")] == [card(i) for i in range(10)]
+        finally:
+            fresh.stop()
+    assert aws_stack.moto.requests("Decrypt") == decrypts + 1      # one DEK, one call
+
+
+def test_aws_kms_an_unknown_key_is_refused_at_start(stack: Stack, aws_stack: AwsStack, tmp_path: Path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(AWS_RULES.replace("alias/aws-kek", "alias/no-such-key"))
+    with pytest.MonkeyPatch.context() as env, pytest.raises(BaseExceptionGroup) as caught:
+        for name, value in AWS_CREDENTIALS.items():
+            env.setenv(name, value)
+        start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=aws_stack.kms)
+    (error,) = caught.value.exceptions
+    assert f"{rules}:2: encrypt.kek: rule 'encrypt-aws' names KEK 'alias/no-such-key'" in str(error)
+    del caught, error
+    gc.collect()
