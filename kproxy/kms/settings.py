@@ -230,5 +230,5 @@ def local_key_problem(settings: KmsSettings, mode: str) -> KmsSettingError | Non
     if local is None or mode != "gateway" or local.allow_in_gateway:
         return None
     return KmsSettingError(("kms", "local"), "a local key file is for development only and mode: gateway "
-                                             "refuses it; use vault or aws, or set allow_in_gateway: true")
+                                             "refuses it; use vault, aws or pkcs11, or set allow_in_gateway: true")
 

@@ -9,7 +9,9 @@ kproxy on tansu, with the KEKs in a real OpenBao dev server (``bao server -dev``
 - a record tampered with on the broker, or moved to another topic, is never delivered;
 - a mask rule hides a field from one client while another reads it in the clear;
 - with AWS KMS (moto's server mode, an emulator of its API): plaintext through kproxy, envelopes
-  on the broker, records still open after the key's rotation, an unknown key refused at start.
+  on the broker, records still open after the key's rotation, an unknown key refused at start;
+- with a PKCS#11 token (SoftHSM): the same round trip, and an unknown key label refused by
+  ``kproxy check``, at start and on reload.
 
 One OpenBao, one tansu and one kproxy serve the module; tests that pause OpenBao use KEKs of their
 own (``own-*`` topics name their KEK by ``${topic}``) so no cached DEK hides the outage.
@@ -44,6 +46,7 @@ from tests.kms.moto import CREDENTIALS as AWS_CREDENTIALS
 from tests.kms.moto import REGION as AWS_REGION
 from tests.kms.moto import MotoKms
 from tests.kms.openbao import OpenBao
+from tests.kms.softhsm import SoftHsm, shared_softhsm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -512,3 +515,99 @@ def test_kcat_writes_and_reads_plaintext_through_kproxy_and_the_broker_holds_env
     ok, output = kcat_roundtrip(stack.proxy.bootstrap, topic, records)
     assert ok, output
     assert_only_envelopes_on_the_broker(stack, topic, 10, b"kcat-plaintext")
+
+
+# -- a PKCS#11 token (SoftHSM, Debian's softhsm2) on the module's broker
+
+HSM_RULES = """\
+rules:
+  - name: encrypt-hsm
+    match: {topic: "hsm-*"}
+    action: encrypt
+    encrypt: {kek: "hsm-kek", keys: true}
+"""
+
+
+class HsmStack:
+    def __init__(self, hsm: SoftHsm, proxy: ProxyThread, kms: dict[str, Any], rules: str) -> None:
+        self.hsm, self.proxy, self.kms, self.rules = hsm, proxy, kms, rules
+
+
+@pytest.fixture(scope="module")
+def hsm_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HsmStack]:
+    """A kproxy with ``kms: {pkcs11: ...}`` on the module's tansu, its KEK an AES key on a SoftHSM token."""
+    hsm = shared_softhsm()
+    hsm.create_key("hsm-kek")
+    rules = tmp_path_factory.mktemp("hsm") / "rules.yaml"
+    rules.write_text(HSM_RULES)
+    kms = {"pkcs11": {"module": hsm.module, "token_label": hsm.label, "pin_file": str(hsm.pin_file)}}
+    proxy = start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms, upstream_settings={"request_timeout_s": 5.0})
+    try:
+        yield HsmStack(hsm, proxy, kms, str(rules))
+    finally:
+        proxy.stop()
+
+
+def test_pkcs11_plaintext_through_kproxy_envelopes_on_the_broker_and_a_fresh_kproxy_reads_them(
+        stack: Stack, hsm_stack: HsmStack):
+    proxy, kms, rules = hsm_stack.proxy, hsm_stack.kms, hsm_stack.rules
+    topic = unique_name("hsm")
+    create_topics(proxy.bootstrap, topic)
+    p = ck_producer(proxy.bootstrap, "ck-hsm", **{"compression.type": "snappy", "enable.idempotence": True})
+    for i in range(10):
+        p.produce(topic, key=b"k%d" % i, value=card(i), partition=0)
+    assert p.flush(TIMEOUT) == 0
+    assert [(m.key(), m.value()) for m in read(proxy.bootstrap, topic, 10)] == [(b"k%d" % i, card(i)) for i in range(10)]
+    direct = read(stack.tansu.bootstrap, topic, 10, "direct")
+    assert len(direct) == 10
+    for m in direct:
+        assert is_sealed(m.key()) and is_sealed(m.value()) and b"secret-plaintext" not in m.value()
+        ref = parse_header(m.value())[0]
+        assert ref.kms == Kms.PKCS11 and ref.kek == "hsm-kek"
+    # A second kproxy in this process (nothing cached) unwraps the DEK on the token: it shares the
+    # process's login with the first, and stopping it leaves the first logged in.
+    fresh = start_proxy(stack.tansu.bootstrap, rules=[rules], kms=kms)
+    try:
+        assert [m.value() for m in read(fresh.bootstrap, topic, 10, "fresh")] == [card(i) for i in range(10)]
+    finally:
+        fresh.stop()
+    again = unique_name("hsm")
+    create_topics(proxy.bootstrap, again)
+    p.produce(again, value=card(1), partition=0)
+    assert p.flush(TIMEOUT) == 0
+    assert [m.value() for m in read(proxy.bootstrap, again, 1)] == [card(1)]
+
+
+def test_pkcs11_an_unknown_key_is_refused_by_kproxy_check_at_start_and_on_reload(
+        stack: Stack, hsm_stack: HsmStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from kproxy.cli import check_config_file
+
+    hsm, kms = hsm_stack.hsm, hsm_stack.kms
+    bad = HSM_RULES.replace('"hsm-kek"', '"no-such-label"')
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(bad)
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(f'listen: "127.0.0.1:19092"\nupstream: {{bootstrap_servers: ["{stack.tansu.bootstrap}"]}}\n'
+                      f'mode: sidecar\nrules: [{rules}]\nkms:\n  pkcs11: {{module: {hsm.module}, '
+                      f'token_label: {hsm.label}, pin_file: {hsm.pin_file}}}\n')
+    assert check_config_file(str(config)) == 2
+    assert f"{rules}:2: encrypt.kek: rule 'encrypt-hsm' names KEK 'no-such-label'" in capsys.readouterr().err
+    with pytest.raises(BaseExceptionGroup) as caught:
+        start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms)
+    (error,) = caught.value.exceptions
+    assert f"{rules}:2: encrypt.kek: rule 'encrypt-hsm' names KEK 'no-such-label'" in str(error)
+    del caught, error
+    gc.collect()
+
+    rules.write_text(HSM_RULES)
+    assert check_config_file(str(config)) == 0
+    proxy = start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms)
+    try:
+        store = proxy.server.rule_store
+        assert store is not None
+        rules.write_text(bad)
+        assert trio.from_thread.run(proxy.server.reload_rules_checked, "test", trio_token=proxy._token) is False
+        assert "no-such-label" in (store.last_error or "")
+        assert [r.name for r in store.rule_set.rules] == ["encrypt-hsm"]
+    finally:
+        proxy.stop()
