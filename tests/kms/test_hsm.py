@@ -8,6 +8,7 @@ import pytest
 
 from kproxy.envelope import Binding, key_refs, open_values, seal
 from kproxy.envelope.format import Kms
+from kproxy.kms import hsm as hsm_module
 from kproxy.kms.client import KmsError
 from kproxy.kms.hsm import Pkcs11Kms, pack_wrapped, unpack_wrapped
 from kproxy.kms.service import KeyService
@@ -86,7 +87,9 @@ async def test_the_process_shares_one_login_and_closing_one_client_keeps_the_oth
 
 
 async def test_the_pin_file_wrong_or_missing(softhsm, hsm_kek, tmp_path):
-    # No client of this process is open here, so the token's login is this test's own.
+    # No client of this process is open here, so the token's login is this test's own (an open one
+    # would have logged the process in, and the wrong PIN would never be asked for).
+    assert not hsm_module._TOKENS, "a PKCS#11 client of an earlier test is still open"
     wrong = tmp_path / "pin"
     wrong.write_text("0000\n")
     client = Pkcs11Kms(Pkcs11Settings(softhsm.module, softhsm.label, str(wrong), timeout_s=2.0))
