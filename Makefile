@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-slow lint bench bench-deps system-deps kerberos-deps monitoring image-deps docs
+.PHONY: demo test test-fast test-slow test-deep lint bench bench-deps system-deps kerberos-deps monitoring image-deps docs
 
 # The native codec accelerator is built by the editable install: rebuild when its source changes.
 # The distribution is kproxy-kafka (`kproxy` on the package index is someone else's): a .venv made
@@ -19,9 +19,10 @@ $(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c | kerberos-deps
 
 # From Debian, installed when missing and we may use apt: kcat for the end-to-end tests, promtool
 # (package prometheus; no service starts) to lint /metrics, haproxy (the load balancer in front of
-# kproxy in the PROXY protocol tests, which run their own in the foreground), and a Java runtime
-# (17 or newer) for PySpark, which `kproxy report` and its tests run on. Otherwise the tests that
-# need them fail saying so.
+# kproxy in the PROXY protocol tests, which run their own in the foreground), softhsm2 (a software
+# PKCS#11 token: the tests of kms.pkcs11 initialise their own in a temporary folder), and a Java
+# runtime (17 or newer) for PySpark, which `kproxy report` and its tests run on. Otherwise the tests
+# that need them fail saying so.
 system-deps: kerberos-deps
 	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
 	if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then \
@@ -45,6 +46,11 @@ system-deps: kerberos-deps
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      haproxy) >/dev/null || echo "warning: could not install haproxy"; \
 	  else echo "warning: haproxy missing and apt-get unavailable"; fi; }
+	@command -v softhsm2-util >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      softhsm2) >/dev/null || echo "warning: could not install softhsm2"; \
+	  else echo "warning: softhsm2 missing and apt-get unavailable"; fi; }
 
 # MIT Kerberos from Debian, installed when missing and we may use apt: libkrb5-dev (krb5-config and the
 # headers pip builds the gssapi package with), and for the Kerberos tests a real KDC: krb5-kdc
@@ -85,6 +91,11 @@ image-deps:
 # run with podman (about 90 s cold, 30 s with the base image cached in ~/.cache/kproxy-tests).
 test-slow: $(VENV)/.installed system-deps image-deps
 	$(BIN)/python -m pytest -q -m slow
+
+# The codec fuzzers and cross-checks with four times the default run's Hypothesis examples
+# (tests/budget.py); about four times as long as their share of `make test`.
+test-deep: $(VENV)/.installed
+	KPROXY_EXAMPLES=4 $(BIN)/python -m pytest -q -n 2 tests/protocol
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check kproxy tests bench

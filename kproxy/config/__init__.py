@@ -26,7 +26,7 @@ from kproxy.protocol but its errors.
 
 from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError
 from kproxy.config.clusters import DEFAULT_NAME, PROCESS_SETTINGS, cluster_settings, derived_cluster_id
-from kproxy.config.kms import AwsKmsConfig, KmsConfig, LocalKmsConfig, VaultKmsConfig
+from kproxy.config.kms import AwsKmsConfig, KmsConfig, LocalKmsConfig, Pkcs11KmsConfig, VaultKmsConfig
 from kproxy.config.limits import LimitsConfig, effective_buffer_budget, effective_workers
 from kproxy.config.listener import (
     ExposureConfig,
@@ -67,6 +67,7 @@ __all__ = [
     "LimitsConfig",
     "LocalKmsConfig",
     "MetricsConfig",
+    "Pkcs11KmsConfig",
     "PrincipalConfig",
     "ProxyConfig",
     "ProxyProtocolConfig",

@@ -1,5 +1,5 @@
 """The ``kms:`` section: which KMS holds the key-encryption keys (KEKs) that record encryption wraps
-its data keys with (``vault``, ``aws`` or a development-only ``local`` key file), and how long a data
+its data keys with (``vault``, ``aws``, a ``pkcs11`` token or a development-only ``local`` key file), and how long a data
 key serves. The values are checked here like every setting; ``kproxy.kms.settings`` turns the
 section into the client's own settings (``KmsConfig.client_settings``)."""
 
@@ -63,6 +63,26 @@ class AwsKmsConfig:
 
 
 @attrs.frozen(field_transformer=with_checks)
+class Pkcs11KmsConfig:
+    """A PKCS#11 token (an HSM, or SoftHSM): the vendor's PKCS#11 library (``module``), the token's
+    label, and ``pin_file`` holding the user PIN. KEKs are AES keys on the token, named by label."""
+
+    module: str = setting(file=True)
+    token_label: str = setting()
+    pin_file: str = setting(file=True)
+    timeout_s: float = setting(5.0, above=0, max=60)
+
+    def __attrs_post_init__(self) -> None:
+        from kproxy.kms.settings import KmsSettingError, Pkcs11Settings
+
+        check_files(self)
+        try:
+            Pkcs11Settings(self.module, self.token_label, self.pin_file, self.timeout_s)
+        except KmsSettingError as e:
+            raise SettingError(path_of(self, e.path[-1]), e.problem) from None
+
+
+@attrs.frozen(field_transformer=with_checks)
 class LocalKmsConfig:
     """KEKs in a local file: for development only. kproxy warns at start, and a ``mode: gateway``
     config refuses it unless ``allow_in_gateway`` is true."""
@@ -83,21 +103,22 @@ class KmsConfig:
     vault: VaultKmsConfig | None = None
     aws: AwsKmsConfig | None = None
     local: LocalKmsConfig | None = None
+    pkcs11: Pkcs11KmsConfig | None = None
     dek_max_records: int = setting(1 << 24, min=1, max=1 << 30)
     dek_max_age_s: float = setting(600.0, above=0)
     cache_entries: int = setting(1024, min=1)
     cache_age_s: float = setting(600.0, above=0)
 
     def __attrs_post_init__(self) -> None:
-        given = [n for n in ("vault", "aws", "local") if getattr(self, n) is not None]
+        given = [n for n in ("vault", "aws", "pkcs11", "local") if getattr(self, n) is not None]
         if len(given) != 1:
             raise SettingError(path_of(self, "vault")[:-1],
-                               "needs exactly one of vault, aws or local" if not given
+                               "needs exactly one of vault, aws, pkcs11 or local" if not given
                                else f"names {' and '.join(given)}: give exactly one")
 
     @property
     def backend(self) -> str:
-        return "vault" if self.vault is not None else "aws" if self.aws is not None else "local"
+        return next(n for n in ("vault", "aws", "pkcs11", "local") if getattr(self, n) is not None)
 
     def client_settings(self) -> Any:
         """The KMS client's settings (``kproxy.kms.settings.KmsSettings``)."""
@@ -110,6 +131,9 @@ class KmsConfig:
         if self.aws is not None:
             a = self.aws
             return s.KmsSettings(aws=s.AwsKmsSettings(a.region, a.endpoint_url, a.timeout_s))
+        if self.pkcs11 is not None:
+            p = self.pkcs11
+            return s.KmsSettings(pkcs11=s.Pkcs11Settings(p.module, p.token_label, p.pin_file, p.timeout_s))
         assert self.local is not None
         return s.KmsSettings(local=s.LocalKeySettings(self.local.file, self.local.allow_in_gateway))
 

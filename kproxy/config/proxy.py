@@ -114,7 +114,7 @@ class ProxyConfig:
         local = self.kms.local if self.kms is not None else None
         if local is not None and self.mode == "gateway" and not local.allow_in_gateway:
             raise SettingError(("kms", "local"), "a local key file is for development only and mode: gateway "
-                                                 "refuses it; use vault or aws, or set allow_in_gateway: true")
+                                                 "refuses it; use vault, aws or pkcs11, or set allow_in_gateway: true")
         admin = self.admin.listen
         if admin is not None and may_share(admin.host, self.listen.host):
             taken = {self.listen.port}

@@ -42,6 +42,7 @@ class Kms(enum.IntEnum):
     VAULT_TRANSIT = 1
     AWS_KMS = 2
     LOCAL_FILE = 3
+    PKCS11 = 4
 
 
 class Part(enum.IntEnum):

@@ -1,6 +1,6 @@
 """The KMS backends by name: the one place that turns `kms:` settings into a client.
 
-Each backend is imported only when it is configured, so boto3 loads only for `kms.aws`.
+Each backend is imported only when it is configured, so boto3 loads only for `kms.aws` and python-pkcs11 only for `kms.pkcs11`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ def open_client(settings: KmsSettings) -> KmsClient:
         from kproxy.kms.aws import AwsKms
 
         return AwsKms(settings.aws)
+    if settings.pkcs11 is not None:
+        from kproxy.kms.hsm import Pkcs11Kms
+
+        return Pkcs11Kms(settings.pkcs11)
     assert settings.local is not None
     from kproxy.kms.local import LocalKeyFile
 

@@ -45,7 +45,7 @@ class KmsClient(Protocol):
     """What ``kproxy.kms.service.KeyService`` needs of a KMS."""
 
     kind: Kms     # the envelope's byte naming this kind of KMS
-    name: str     # "vault", "aws" or "local": the backend label of metrics and logs
+    name: str     # "vault", "aws", "pkcs11" or "local": the backend label of metrics and logs
 
     async def generate(self, kek: str) -> NewKey: ...
 

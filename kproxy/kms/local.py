@@ -82,7 +82,7 @@ class LocalKeyFile:
         self.calls = 0
         log.warning("kms: using the local key file %s: its key-encryption keys sit in plain on this machine, "
                     "so anyone who reads the file can decrypt every record. For development only; use "
-                    "Vault/OpenBao or AWS KMS for data that matters.", path)
+                    "Vault/OpenBao, AWS KMS or an HSM for data that matters.", path)
 
     def describe(self) -> str:
         return f"local key file {self.path} (development only)"

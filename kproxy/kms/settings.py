@@ -1,6 +1,7 @@
 """The ``kms:`` section's settings, checked on construction, and the checks ``kproxy check`` makes of
-them: one backend (``vault``, ``aws`` or ``local``), https except on loopback, the token file there,
-and a local key file refused in ``mode: gateway`` unless ``allow_in_gateway`` says otherwise.
+them: one backend (``vault``, ``aws``, ``pkcs11`` or ``local``), https except on loopback, the token,
+PIN and module files there, and a local key file refused in ``mode: gateway`` unless
+``allow_in_gateway`` says otherwise.
 
 A bad value raises ``KmsSettingError`` naming the setting (``kms.vault.url``); the YAML loader adds
 the file and line when the section is wired into ``kproxy.config``.
@@ -133,36 +134,60 @@ class AwsKmsSettings:
 
 
 @attrs.frozen
+class Pkcs11Settings:
+    """A PKCS#11 token (an HSM, or SoftHSM): ``module``, the path of the vendor's PKCS#11 library;
+    ``token_label``, the token's label; ``pin_file`` holding the user PIN (surrounding whitespace
+    stripped). KEKs are AES secret keys on the token, named by their label."""
+
+    module: str
+    token_label: str
+    pin_file: str
+    timeout_s: float = 5.0           # per call, waiting for the token included
+
+    def __attrs_post_init__(self) -> None:
+        _file("pkcs11", "module", self.module)
+        if not isinstance(self.token_label, str) or not 0 < len(self.token_label.encode()) <= 32:
+            raise _fail("pkcs11", "token_label", f"expected a token label of 1 to 32 bytes, got {self.token_label!r}")
+        _file("pkcs11", "pin_file", self.pin_file)
+        _timeout("pkcs11", self.timeout_s)
+
+
+BACKENDS: Final = ("vault", "aws", "pkcs11", "local")
+
+
+@attrs.frozen
 class KmsSettings:
     """The ``kms:`` section: exactly one backend."""
 
     vault: VaultSettings | None = None
     aws: AwsKmsSettings | None = None
     local: LocalKeySettings | None = None
+    pkcs11: Pkcs11Settings | None = None
 
     def __attrs_post_init__(self) -> None:
-        given = [n for n in ("vault", "aws", "local") if getattr(self, n) is not None]
+        given = [n for n in BACKENDS if getattr(self, n) is not None]
         if len(given) != 1:
-            raise KmsSettingError(("kms",), "needs exactly one of vault, aws or local" if not given
+            raise KmsSettingError(("kms",), "needs exactly one of vault, aws, pkcs11 or local" if not given
                                   else f"names {' and '.join(given)}: give exactly one")
 
     @property
     def backend(self) -> str:
-        return "vault" if self.vault is not None else "aws" if self.aws is not None else "local"
+        return next(n for n in BACKENDS if getattr(self, n) is not None)
 
 
-_SECTIONS: Final[Mapping[str, type]] = {"vault": VaultSettings, "aws": AwsKmsSettings, "local": LocalKeySettings}
+_SECTIONS: Final[Mapping[str, type]] = {"vault": VaultSettings, "aws": AwsKmsSettings, "pkcs11": Pkcs11Settings,
+                                        "local": LocalKeySettings}
 
 
 def kms_settings(data: Any) -> KmsSettings:
     """``KmsSettings`` from the ``kms:`` mapping as YAML gives it; KmsSettingError names what is wrong."""
     if not isinstance(data, Mapping):
-        raise KmsSettingError(("kms",), f"expected a mapping with one of vault, aws or local, got {data!r}")
+        raise KmsSettingError(("kms",), f"expected a mapping with one of vault, aws, pkcs11 or local, got {data!r}")
     sections: dict[str, Any] = {}
     for name, body in data.items():
         cls = _SECTIONS.get(name)
         if cls is None:
-            raise KmsSettingError(("kms", str(name)), "unknown KMS; kproxy knows vault, aws and local")
+            raise KmsSettingError(("kms", str(name)), "unknown KMS; kproxy knows vault, aws, pkcs11 and local")
         if not isinstance(body, Mapping):
             raise KmsSettingError(("kms", name), f"expected a mapping, got {body!r}")
         known = {f.name for f in attrs.fields(cls)}
@@ -187,6 +212,9 @@ def file_problems(settings: KmsSettings) -> list[KmsSettingError]:
             named.append((("kms", "vault", "ca_file"), settings.vault.ca_file))
     if settings.local is not None:
         named.append((("kms", "local", "file"), settings.local.file))
+    if settings.pkcs11 is not None:
+        named.append((("kms", "pkcs11", "module"), settings.pkcs11.module))
+        named.append((("kms", "pkcs11", "pin_file"), settings.pkcs11.pin_file))
     out = []
     for path, name in named:
         if not os.access(name, os.R_OK) or not os.path.isfile(name):
@@ -202,5 +230,5 @@ def local_key_problem(settings: KmsSettings, mode: str) -> KmsSettingError | Non
     if local is None or mode != "gateway" or local.allow_in_gateway:
         return None
     return KmsSettingError(("kms", "local"), "a local key file is for development only and mode: gateway "
-                                             "refuses it; use vault or aws, or set allow_in_gateway: true")
+                                             "refuses it; use vault, aws or pkcs11, or set allow_in_gateway: true")
 

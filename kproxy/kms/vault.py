@@ -70,10 +70,11 @@ def expand_ciphertext(wrapped: bytes) -> str:
 
 
 class TokenFile:
-    """A token kept in a file, read again when the file changes."""
+    """A token (or a PIN: ``what``) kept in a file, read again when the file changes."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, what: str = "token") -> None:
         self.path = path
+        self.what = what
         self._seen: tuple[int, int, int, int] | None = None
         self._token = ""
         self.reads = 0
@@ -90,10 +91,10 @@ class TokenFile:
         except (OSError, UnicodeDecodeError) as e:
             self._seen = None
             # Retriable: a token file being replaced comes back; the operator sees the reason.
-            raise KmsError("token", f"cannot read the token file {self.path}: "
+            raise KmsError("token", f"cannot read the {self.what} file {self.path}: "
                                     f"{getattr(e, 'strerror', None) or type(e).__name__}", retriable=True) from None
         if not self._token:
-            raise KmsError("token", f"the token file {self.path} is empty", retriable=True)
+            raise KmsError("token", f"the {self.what} file {self.path} is empty", retriable=True)
         return self._token
 
 

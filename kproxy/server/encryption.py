@@ -26,7 +26,7 @@ def open_key_service(config: ProxyConfig) -> tuple[KeyService, RecordCrypto] | N
         return None
     if kms.local is not None:
         log.warning("kms: KEKs come from the local key file %s: FOR DEVELOPMENT ONLY (anyone who reads it "
-                    "can open every record); use vault or aws in production", kms.local.file)
+                    "can open every record); use vault, aws or pkcs11 in production", kms.local.file)
     service = KeyService(open_client(kms.client_settings()), kms.key_policy())
     return service, RecordCrypto(service.ring, service.cache, service.clock)
 

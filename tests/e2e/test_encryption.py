@@ -1,4 +1,4 @@
-"""Record encryption and masking end to end: real clients (confluent-kafka, kafka-python) through
+"""Record encryption and masking end to end: real clients (confluent-kafka, kafka-python, aiokafka, kcat) through
 kproxy on tansu, with the KEKs in a real OpenBao dev server (``bao server -dev``).
 
 - plaintext through kproxy, only envelopes on the broker (read directly);
@@ -7,7 +7,11 @@ kproxy on tansu, with the KEKs in a real OpenBao dev server (``bao server -dev``
   succeed after SIGCONT; paused while a fresh kproxy needs a DEK to open a Fetch: nothing is
   delivered meanwhile, then everything;
 - a record tampered with on the broker, or moved to another topic, is never delivered;
-- a mask rule hides a field from one client while another reads it in the clear.
+- a mask rule hides a field from one client while another reads it in the clear;
+- with AWS KMS (moto's server mode, an emulator of its API): plaintext through kproxy, envelopes
+  on the broker, records still open after the key's rotation, an unknown key refused at start;
+- with a PKCS#11 token (SoftHSM): the same round trip, and an unknown key label refused by
+  ``kproxy check``, at start and on reload.
 
 One OpenBao, one tansu and one kproxy serve the module; tests that pause OpenBao use KEKs of their
 own (``own-*`` topics name their KEK by ``${topic}``) so no cached DEK hides the outage.
@@ -15,6 +19,7 @@ own (``own-*`` topics name their KEK by ``${topic}``) so no cached DEK hides the
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import time
@@ -23,18 +28,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiokafka
 import confluent_kafka
 import pytest
 import trio
 
 from kproxy.envelope import is_sealed, parse_header
+from kproxy.envelope.format import Kms
 from kproxy.kms.vault import expand_ciphertext
 from kproxy.server.embedded import ProxyThread
 from kproxy.tansu import Tansu
+from tests.e2e.kcat import kcat_roundtrip
 from tests.e2e.proxied import start_proxy
 from tests.e2e.tansu import unique_name
 from tests.e2e.test_policy import TIMEOUT, ck_producer, create_topics
+from tests.kms.moto import CREDENTIALS as AWS_CREDENTIALS
+from tests.kms.moto import REGION as AWS_REGION
+from tests.kms.moto import MotoKms
 from tests.kms.openbao import OpenBao
+from tests.kms.softhsm import SoftHsm, shared_softhsm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -357,3 +369,245 @@ def test_kproxy_check_asks_the_kms_for_the_keks(stack: Stack, tmp_path: Path, ca
     rules.write_text(rules.read_text().replace("pay-kekk", KEK))
     assert check_config_file(str(config)) == 0
     assert capsys.readouterr().out.startswith(f"ok: {config}")
+
+
+# -- AWS KMS (moto's server mode, an emulator of the AWS KMS API) on the module's broker
+
+AWS_RULES = """\
+rules:
+  - name: encrypt-aws
+    match: {topic: "aws-*"}
+    action: encrypt
+    encrypt: {kek: "alias/aws-kek"}
+"""
+
+
+class AwsStack:
+    def __init__(self, moto: MotoKms, key_id: str, proxy: ProxyThread, kms: dict[str, Any], rules: str) -> None:
+        self.moto, self.key_id, self.proxy, self.kms, self.rules = moto, key_id, proxy, kms, rules
+
+
+@pytest.fixture(scope="module")
+def aws_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AwsStack]:
+    """A kproxy with ``kms: {aws: ...}`` on the module's tansu, its KEK an alias in a moto server."""
+    work = tmp_path_factory.mktemp("aws")
+    moto = MotoKms(work).start()
+    proxy = None
+    # boto3 in kproxy's thread finds its credentials in the environment, as it would on a host.
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in AWS_CREDENTIALS.items():
+            env.setenv(name, value)
+        try:
+            key_id = str(moto.client().create_key()["KeyMetadata"]["KeyId"])
+            moto.client().create_alias(AliasName="alias/aws-kek", TargetKeyId=key_id)
+            rules = work / "rules.yaml"
+            rules.write_text(AWS_RULES)
+            kms = {"aws": {"region": AWS_REGION, "endpoint_url": moto.url, "timeout_s": 2.0}}
+            proxy = start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms,
+                                upstream_settings={"request_timeout_s": 5.0})
+            yield AwsStack(moto, key_id, proxy, kms, str(rules))
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            moto.stop()
+
+
+def test_aws_kms_plaintext_through_kproxy_envelopes_on_the_broker_and_a_rotated_key_still_opens(
+        stack: Stack, aws_stack: AwsStack):
+    topic = unique_name("aws")
+    create_topics(aws_stack.proxy.bootstrap, topic)
+    p = ck_producer(aws_stack.proxy.bootstrap, "ck-aws", **{"compression.type": "lz4"})
+    for i in range(10):
+        p.produce(topic, key=b"k%d" % i, value=card(i), partition=0)
+    assert p.flush(TIMEOUT) == 0
+    assert [m.value() for m in read(aws_stack.proxy.bootstrap, topic, 10)] == [card(i) for i in range(10)]
+    direct = read(stack.tansu.bootstrap, topic, 10, "direct")
+    assert len(direct) == 10
+    for m in direct:
+        assert is_sealed(m.value()) and b"secret-plaintext" not in m.value() and b"4111" not in m.value()
+        ref = parse_header(m.value())[0]
+        assert ref.kms == Kms.AWS_KMS and ref.kek == "alias/aws-kek"
+
+    # The key's material rotated in the KMS; a fresh kproxy (nothing cached) asks AWS KMS to
+    # Decrypt the DEK the records name, wrapped with the old material, and reads them all.
+    aws_stack.moto.client().rotate_key_on_demand(KeyId=aws_stack.key_id)
+    decrypts = aws_stack.moto.requests("Decrypt")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in AWS_CREDENTIALS.items():
+            env.setenv(name, value)
+        fresh = start_proxy(stack.tansu.bootstrap, rules=[aws_stack.rules], kms=aws_stack.kms)
+        try:
+            assert [m.value() for m in read(fresh.bootstrap, topic, 10, "fresh")] == [card(i) for i in range(10)]
+        finally:
+            fresh.stop()
+    assert aws_stack.moto.requests("Decrypt") == decrypts + 1      # one DEK, one call
+
+
+def test_aws_kms_an_unknown_key_is_refused_at_start(stack: Stack, aws_stack: AwsStack, tmp_path: Path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(AWS_RULES.replace("alias/aws-kek", "alias/no-such-key"))
+    with pytest.MonkeyPatch.context() as env, pytest.raises(BaseExceptionGroup) as caught:
+        for name, value in AWS_CREDENTIALS.items():
+            env.setenv(name, value)
+        start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=aws_stack.kms)
+    (error,) = caught.value.exceptions
+    assert f"{rules}:2: encrypt.kek: rule 'encrypt-aws' names KEK 'alias/no-such-key'" in str(error)
+    del caught, error
+    gc.collect()
+
+
+# -- the other real clients: aiokafka and kcat (Debian's, librdkafka 2.0.2) on the Vault stack
+
+
+async def _aiokafka_round_trip(bootstrap: str, topic: str, values: list[bytes]) -> list[tuple[bytes, bytes]]:
+    # Not idempotent: aiokafka 0.14 sends InitProducerId v0, which tansu 0.6 fails (docs/testing.md);
+    # idempotent sealed batches are confluent-kafka's part above.
+    producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap, client_id="ak-pay", acks="all",
+                                         enable_idempotence=False, compression_type="gzip",
+                                         request_timeout_ms=10_000)
+    try:
+        await producer.start()
+        sent = [await producer.send(topic, key=b"k%d" % i, value=v, partition=0) for i, v in enumerate(values)]
+        await producer.flush()
+        await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
+    consumer = aiokafka.AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="ak-read", group_id=None,
+                                         enable_auto_commit=False, auto_offset_reset="earliest",
+                                         request_timeout_ms=10_000)
+    got: list[tuple[bytes, bytes]] = []
+    try:
+        await consumer.start()
+        consumer.assign([aiokafka.TopicPartition(topic, 0)])
+        await consumer.seek_to_beginning()
+        deadline = time.monotonic() + TIMEOUT
+        while len(got) < len(values) and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=200)).values():
+                got.extend((m.key, m.value) for m in messages)
+    finally:
+        await consumer.stop()
+    return got
+
+
+def assert_only_envelopes_on_the_broker(stack: Stack, topic: str, count: int, plaintext: bytes) -> None:
+    direct = read(stack.tansu.bootstrap, topic, count, "direct")
+    assert len(direct) == count
+    for m in direct:
+        assert is_sealed(m.value()) and plaintext not in m.value(), m.value()[:40]
+        assert parse_header(m.value())[0].kek == KEK
+
+
+def test_aiokafka_writes_and_reads_plaintext_through_kproxy_and_the_broker_holds_envelopes(stack: Stack):
+    topic = unique_name("pay")
+    create_topics(stack.proxy.bootstrap, topic)
+    values = [card(i) for i in range(10)]
+    got = asyncio.run(asyncio.wait_for(_aiokafka_round_trip(stack.proxy.bootstrap, topic, values), 3 * TIMEOUT))
+    assert got == [(b"k%d" % i, v) for i, v in enumerate(values)]
+    assert_only_envelopes_on_the_broker(stack, topic, 10, b"secret-plaintext")
+
+
+@pytest.mark.usefixtures("kcat_binary")
+def test_kcat_writes_and_reads_plaintext_through_kproxy_and_the_broker_holds_envelopes(stack: Stack):
+    # Debian's kcat cannot talk to tansu directly (tests/e2e/kcat.py), but through kproxy it can.
+    topic = unique_name("pay")
+    create_topics(stack.proxy.bootstrap, topic)
+    records = [(f"key-{i}", f"kcat-plaintext-{i}") for i in range(10)]
+    ok, output = kcat_roundtrip(stack.proxy.bootstrap, topic, records)
+    assert ok, output
+    assert_only_envelopes_on_the_broker(stack, topic, 10, b"kcat-plaintext")
+
+
+# -- a PKCS#11 token (SoftHSM, Debian's softhsm2) on the module's broker
+
+HSM_RULES = """\
+rules:
+  - name: encrypt-hsm
+    match: {topic: "hsm-*"}
+    action: encrypt
+    encrypt: {kek: "hsm-kek", keys: true}
+"""
+
+
+class HsmStack:
+    def __init__(self, hsm: SoftHsm, proxy: ProxyThread, kms: dict[str, Any], rules: str) -> None:
+        self.hsm, self.proxy, self.kms, self.rules = hsm, proxy, kms, rules
+
+
+@pytest.fixture(scope="module")
+def hsm_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HsmStack]:
+    """A kproxy with ``kms: {pkcs11: ...}`` on the module's tansu, its KEK an AES key on a SoftHSM token."""
+    hsm = shared_softhsm()
+    hsm.create_key("hsm-kek")
+    rules = tmp_path_factory.mktemp("hsm") / "rules.yaml"
+    rules.write_text(HSM_RULES)
+    kms = {"pkcs11": {"module": hsm.module, "token_label": hsm.label, "pin_file": str(hsm.pin_file)}}
+    proxy = start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms, upstream_settings={"request_timeout_s": 5.0})
+    try:
+        yield HsmStack(hsm, proxy, kms, str(rules))
+    finally:
+        proxy.stop()
+
+
+def test_pkcs11_plaintext_through_kproxy_envelopes_on_the_broker_and_a_fresh_kproxy_reads_them(
+        stack: Stack, hsm_stack: HsmStack):
+    proxy, kms, rules = hsm_stack.proxy, hsm_stack.kms, hsm_stack.rules
+    topic = unique_name("hsm")
+    create_topics(proxy.bootstrap, topic)
+    p = ck_producer(proxy.bootstrap, "ck-hsm", **{"compression.type": "snappy", "enable.idempotence": True})
+    for i in range(10):
+        p.produce(topic, key=b"k%d" % i, value=card(i), partition=0)
+    assert p.flush(TIMEOUT) == 0
+    assert [(m.key(), m.value()) for m in read(proxy.bootstrap, topic, 10)] == [(b"k%d" % i, card(i)) for i in range(10)]
+    direct = read(stack.tansu.bootstrap, topic, 10, "direct")
+    assert len(direct) == 10
+    for m in direct:
+        assert is_sealed(m.key()) and is_sealed(m.value()) and b"secret-plaintext" not in m.value()
+        ref = parse_header(m.value())[0]
+        assert ref.kms == Kms.PKCS11 and ref.kek == "hsm-kek"
+    # A second kproxy in this process (nothing cached) unwraps the DEK on the token: it shares the
+    # process's login with the first, and stopping it leaves the first logged in.
+    fresh = start_proxy(stack.tansu.bootstrap, rules=[rules], kms=kms)
+    try:
+        assert [m.value() for m in read(fresh.bootstrap, topic, 10, "fresh")] == [card(i) for i in range(10)]
+    finally:
+        fresh.stop()
+    again = unique_name("hsm")
+    create_topics(proxy.bootstrap, again)
+    p.produce(again, value=card(1), partition=0)
+    assert p.flush(TIMEOUT) == 0
+    assert [m.value() for m in read(proxy.bootstrap, again, 1)] == [card(1)]
+
+
+def test_pkcs11_an_unknown_key_is_refused_by_kproxy_check_at_start_and_on_reload(
+        stack: Stack, hsm_stack: HsmStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from kproxy.cli import check_config_file
+
+    hsm, kms = hsm_stack.hsm, hsm_stack.kms
+    bad = HSM_RULES.replace('"hsm-kek"', '"no-such-label"')
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(bad)
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(f'listen: "127.0.0.1:19092"\nupstream: {{bootstrap_servers: ["{stack.tansu.bootstrap}"]}}\n'
+                      f'mode: sidecar\nrules: [{rules}]\nkms:\n  pkcs11: {{module: {hsm.module}, '
+                      f'token_label: {hsm.label}, pin_file: {hsm.pin_file}}}\n')
+    assert check_config_file(str(config)) == 2
+    assert f"{rules}:2: encrypt.kek: rule 'encrypt-hsm' names KEK 'no-such-label'" in capsys.readouterr().err
+    with pytest.raises(BaseExceptionGroup) as caught:
+        start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms)
+    (error,) = caught.value.exceptions
+    assert f"{rules}:2: encrypt.kek: rule 'encrypt-hsm' names KEK 'no-such-label'" in str(error)
+    del caught, error
+    gc.collect()
+
+    rules.write_text(HSM_RULES)
+    assert check_config_file(str(config)) == 0
+    proxy = start_proxy(stack.tansu.bootstrap, rules=[str(rules)], kms=kms)
+    try:
+        store = proxy.server.rule_store
+        assert store is not None
+        rules.write_text(bad)
+        assert trio.from_thread.run(proxy.server.reload_rules_checked, "test", trio_token=proxy._token) is False
+        assert "no-such-label" in (store.last_error or "")
+        assert [r.name for r in store.rule_set.rules] == ["encrypt-hsm"]
+    finally:
+        proxy.stop()

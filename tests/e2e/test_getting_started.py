@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kproxy.localports import free_port_run
 from kproxy.tansu import HOST, free_port
 
 pytestmark = pytest.mark.e2e
@@ -61,9 +62,8 @@ def clone(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def ports() -> dict[str, str]:
-    broker, listen = free_port(HOST), free_port(HOST)
-    while free_port(HOST) == listen + 1:  # the first broker port must be free too
-        listen = free_port(HOST)
+    broker = free_port(HOST)
+    listen = free_port_run(2, HOST)  # kproxy's listener and its first broker port, both leased to this run
     return {"19092": str(broker), "9092": str(listen), "9093": str(listen + 1)}
 
 

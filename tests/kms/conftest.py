@@ -1,6 +1,7 @@
 """Fixtures for the KMS tests: one OpenBao dev server per session (``tests/kms/openbao.py``) and a token
-file holding its root token; one moto server (an AWS KMS emulator, ``tests/kms/moto.py``). These tests talk to a real server,
-so they carry the e2e marker (``make test-fast`` leaves them out)."""
+file holding its root token; one moto server (an AWS KMS emulator, ``tests/kms/moto.py``); one SoftHSM
+token per process (``tests/kms/softhsm.py``). These tests talk to a real server or token, so they carry
+the e2e marker (``make test-fast`` leaves them out)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import pytest
 import trio
 
 from kproxy.kms.aws import AwsKms
-from kproxy.kms.settings import AwsKmsSettings, VaultSettings
+from kproxy.kms.hsm import Pkcs11Kms
+from kproxy.kms.settings import AwsKmsSettings, Pkcs11Settings, VaultSettings
 from kproxy.kms.vault import VaultTransit
 from tests.kms.moto import CREDENTIALS, REGION, MotoKms
 from tests.kms.openbao import OpenBao
 from tests.kms.process import ServerProcess
+from tests.kms.softhsm import SoftHsm, shared_softhsm
 
 KMS_DIR = Path(__file__).parent
 S = TypeVar("S", bound=ServerProcess)
@@ -86,3 +89,27 @@ async def aws(moto_kms: MotoKms, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
         yield client
     finally:
         await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def softhsm() -> SoftHsm:
+    # softhsm2 comes from `make system-deps`: a missing one is a broken install, not a skip.
+    return shared_softhsm()
+
+
+@pytest.fixture
+def hsm_kek(softhsm: SoftHsm) -> str:
+    """A fresh AES KEK on the token, allowed to wrap and unwrap."""
+    name = f"hsm-kek-{next(_names)}"
+    softhsm.create_key(name)
+    return name
+
+
+@pytest.fixture
+async def hsm(softhsm: SoftHsm) -> AsyncIterator[Pkcs11Kms]:
+    client = Pkcs11Kms(Pkcs11Settings(softhsm.module, softhsm.label, str(softhsm.pin_file), timeout_s=2.0))
+    try:
+        yield client
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()

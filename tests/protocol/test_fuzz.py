@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from kproxy.protocol import DecodeError, decode_request, decode_response, encode_request
 from kproxy.protocol.compiler import encode_to, get_codec, join_parts
 from kproxy.protocol.messages import Request, request_codecs
+from tests.budget import examples
 
 from .strategies import all_messages, message_strategy
 from .variants import lazy_variants, outcome
@@ -60,7 +61,7 @@ def _encoded(msg, v):
 def test_mutated_bodies_raise_only_decode_error(msg):
     versions = list(range(msg.versions.lo, msg.versions.hi + 1))
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.sampled_from(versions).flatmap(lambda v: _encoded(msg, v)).flatmap(
         lambda cd: st.tuples(st.just(cd[0]), mutated(cd[1]))))
     def check(case):
@@ -81,7 +82,7 @@ def test_mutated_frames_raise_only_decode_error(api_key):
         return message_strategy(msg, v).map(
             lambda body: bytes(join_parts(*_parts(Request.build(api_key, v, 7, "fuzz", body)))))
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.sampled_from(versions).flatmap(frame).flatmap(mutated))
     def check(data):
         with contextlib.suppress(DecodeError):

@@ -19,6 +19,7 @@ from kio.static.primitive import Records
 from kproxy.protocol import compiler
 from kproxy.protocol.compiler import get_codec, join_parts
 from kproxy.protocol.messages import apis
+from tests.budget import examples
 
 from .kio_bridge import kio_api_names, kio_class, kio_strategy, kio_versions, to_plain
 from .variants import lazy_variants
@@ -70,7 +71,7 @@ def test_kio_agrees(name, kind, msg, v):
     cls = kio_class(name, v, kind)
 
     # No shrinking: a failing example is printed as found; shrinking kio entities takes minutes.
-    @settings(max_examples=30, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    @settings(max_examples=examples(15), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(kio_strategy(cls))
     def check(entity):

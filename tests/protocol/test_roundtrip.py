@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kproxy.protocol import compiler
 from kproxy.protocol.compiler import get_codec, join_parts
+from tests.budget import examples
 
 from .strategies import all_messages, message_strategy
 from .variants import lazy_variants
@@ -33,7 +34,7 @@ def test_round_trip(msg, v):
     codec = get_codec(msg, v)
     variants = [codec, *lazy_variants(codec)]
 
-    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(message_strategy(msg, v))
     def check(obj):
         data = _encode(codec, obj)

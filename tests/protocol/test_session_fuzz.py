@@ -17,6 +17,7 @@ from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.session import Session
 from kproxy.proxy.versions import ApiVersionsNarrower
+from tests.budget import examples
 
 from .strategies import message_strategy
 from .test_fuzz import mutated
@@ -55,7 +56,7 @@ def _only_actions(out: object) -> None:
 
 @pytest.mark.parametrize("api_key", API_KEYS)
 def test_mutated_requests_only_ever_yield_actions(api_key):
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(12), deadline=None, suppress_health_check=list(HealthCheck))
     @given(_frame(api_key, "request").flatmap(lambda vf: mutated(vf[1])))
     def check(data):
         _only_actions(_session().client_frame(memoryview(bytearray(data))))
@@ -66,7 +67,7 @@ def test_mutated_requests_only_ever_yield_actions(api_key):
 @pytest.mark.parametrize("api_key", API_KEYS)
 def test_mutated_responses_only_ever_yield_actions(api_key):
     # A valid request goes up first, so the (mutated) answer meets a real in-flight entry.
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(12), deadline=None, suppress_health_check=list(HealthCheck))
     @given(_frame(api_key, "request"), _frame(api_key, "response"), st.data())
     def check(req, resp, data):
         _, req_bytes = req

@@ -86,6 +86,11 @@ def test_a_local_key_file_is_refused_in_a_gateway_unless_allowed(key_file):
     ({"vault": {"url": "https://v", "token_file": " "}}, "kms.vault.token_file", "file name"),
     ({"local": {"file": "f", "allow_in_gateway": "yes"}}, "kms.local.allow_in_gateway", "true or false"),
     ({"aws": {"region": "Not A Region"}}, "kms.aws.region", "region"),
+    ({"pkcs11": {"module": "m.so", "pin_file": "p"}}, "kms.pkcs11.token_label", "is required"),
+    ({"pkcs11": {"module": "m.so", "token_label": "x" * 33, "pin_file": "p"}}, "kms.pkcs11.token_label", "32 bytes"),
+    ({"pkcs11": {"module": "m.so", "token_label": "t", "pin_file": " "}}, "kms.pkcs11.pin_file", "file name"),
+    ({"pkcs11": {"module": "m.so", "token_label": "t", "pin_file": "p"}, "aws": {"region": "eu-west-1"}}, "kms",
+     "aws and pkcs11"),
 ])
 def test_settings_errors_name_the_setting(data, where, what):
     with pytest.raises(KmsSettingError) as e:
@@ -101,6 +106,11 @@ def test_settings_defaults_and_files(tmp_path):
     (tmp_path / "token").write_text("t")
     assert file_problems(s) == []
     assert file_problems(KmsSettings(local=LocalKeySettings(str(tmp_path)))) != []   # a directory
+    hsm = kms_settings({"pkcs11": {"module": str(tmp_path / "token"), "token_label": "t",
+                                   "pin_file": str(tmp_path / "pin")}})
+    assert hsm.backend == "pkcs11"
+    (problem,) = file_problems(hsm)
+    assert problem.path == ("kms", "pkcs11", "pin_file") and "does not exist" in problem.problem
 
 
 def test_transit_ciphertexts_are_kept_compact():
@@ -112,3 +122,15 @@ def test_transit_ciphertexts_are_kept_compact():
     for bad in (b"", b"\x02abc", b"\x01", b"\x01\x00abc"):
         with pytest.raises(ValueError):
             expand_ciphertext(bad)
+
+
+def test_pkcs11_wrapped_deks_name_their_key_id_and_ids_rank_by_length_then_bytes():
+    from kproxy.kms.hsm import key_order, pack_wrapped, unpack_wrapped
+
+    blob = bytes(range(40))
+    assert unpack_wrapped(pack_wrapped(b"\x07", blob)) == (b"\x07", blob)
+    assert unpack_wrapped(pack_wrapped(b"", blob)) == (b"", blob)
+    for bad in (b"", b"\x01\x07" + blob[:-1], pack_wrapped(b"x" * 65, blob), b"\x80"):
+        with pytest.raises(ValueError):
+            unpack_wrapped(bad)
+    assert sorted([b"\x02", b"\x01\x00", b"\x09", b""], key=key_order) == [b"", b"\x02", b"\x09", b"\x01\x00"]

@@ -58,7 +58,15 @@ def test_kms_errors_name_the_file_line_and_setting(tmp_path: Path) -> None:
     err = load_error(tmp_path, HEADER + f"kms:\n  vault:\n    url: http://vault.example:8200\n    token_file: {token}\n")
     assert err.line == 6 and "kms.vault.url: http:// is allowed only for a loopback address" in str(err)
     err = load_error(tmp_path, HEADER + "kms:\n  dek_max_age_s: 60\n")
-    assert err.line == 4 and "needs exactly one of vault, aws or local" in str(err)
+    assert err.line == 4 and "needs exactly one of vault, aws, pkcs11 or local" in str(err)
+    err = load_error(tmp_path, HEADER + f"kms:\n  pkcs11:\n    module: {tmp_path}/no.so\n    token_label: t\n"
+                                        f"    pin_file: {token}\n")
+    assert err.line == 6 and f"kms.pkcs11.module: file not found: {tmp_path}/no.so" in str(err)
+    err = load_error(tmp_path, HEADER + f"kms:\n  pkcs11:\n    module: {token}\n    token_label: t\n"
+                                        f"    pin_file: {tmp_path}/pin\n")
+    assert err.line == 8 and f"kms.pkcs11.pin_file: file not found: {tmp_path}/pin" in str(err)
+    err = load_error(tmp_path, HEADER + f"kms:\n  pkcs11:\n    module: {token}\n    pin_file: {token}\n")
+    assert err.line == 5 and "kms.pkcs11: missing required key 'token_label'" in str(err)
     keys = tmp_path / "keys.json"
     keys.write_text("{}")
     err = load_error(tmp_path, HEADER + f"kms:\n  local:\n    file: {keys}\n")
