@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", default="local[2]", help="Spark master URL (default local[2])")
     args = parser.parse_args(argv)
 
-    from kproxy.analytics.job import STAGES, Progress, ReportOptions, print_summary, run_report
-    from kproxy.analytics.session import build_session
-    from kproxy.analytics.source import ReportError
-
     try:
+        from kproxy.analytics.job import STAGES, Progress, ReportOptions, print_summary, run_report
+        from kproxy.analytics.session import build_session
+        from kproxy.analytics.source import ReportError
+
         spark = build_session(args.master, progress_bar=False, small_input=True)
-    except Exception as e:     # pyspark raises its own error types, and OSError when java is missing
+    except Exception as e:     # ImportError without PySpark; pyspark's own errors when its JVM cannot start
         print(f"kproxy report: Spark did not start: {type(e).__name__}: {e}", file=sys.stderr)
         return SPARK_FAILED
     try:
