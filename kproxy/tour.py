@@ -9,11 +9,13 @@ smaller round trip of ``kproxy.demo``, which dispatches between the two.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -228,12 +230,72 @@ def _report_available() -> str | None:
     return None
 
 
-def _run_report(log_dir: Path, out: Path) -> tuple[bool, list[str]]:
-    """``kproxy report`` in its own process (its JVM goes with it); success and its last lines."""
-    done = subprocess.run([sys.executable, "-m", "kproxy", "report", str(log_dir), "--out", str(out),
-                           "--master", "local[2]"], capture_output=True, text=True, timeout=REPORT_TIMEOUT_S)
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    return done.returncode == 0 and (out / "report.html").is_file(), lines[-6:]
+# Set in the environment of the report's process, and so of its JVM: the work directory of the demo
+# that started them (the tests look for processes that carry it after the demo ends).
+DEMO_DIR_ENV = "KPROXY_DEMO_DIR"
+
+
+class ReportProcess:
+    """``kproxy report`` in its own process (``kproxy.analytics.standby``), started before the tour's
+    first step so that its Spark session comes up while the steps run; ``run`` then hands it the
+    traffic log. It runs in a session (process group) of its own, so a Ctrl-C reaches the tour only,
+    and ``stop`` ends the group, its JVM included; should the tour die unannounced, the process sees
+    its stdin close and exits, and its JVM with it."""
+
+    def __init__(self, work: Path) -> None:
+        # What it prints, Spark's warnings included, for the lines shown when it fails.
+        self.log_path = work / "report.log"
+        self._log = self.log_path.open("w+", encoding="utf-8")  # closed by stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kproxy.analytics.standby", "--master", "local[2]"],
+            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True, env={**os.environ, DEMO_DIR_ENV: str(work)})
+
+    def run(self, log_dir: Path, out: Path) -> tuple[bool, list[str]]:
+        """The report over ``log_dir`` into ``out``: success, and its last lines (what went wrong)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"logs": [str(log_dir)], "out": str(out)}) + "\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass               # it has already ended (Spark did not start): its stderr says why
+        try:
+            code = self.proc.wait(timeout=REPORT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return False, [f"no report after {REPORT_TIMEOUT_S:.0f} s; stopped"]
+        self._log.seek(0)
+        lines = [line for line in self._log.read().splitlines() if line.strip()]
+        return code == 0 and (out / "report.html").is_file(), lines[-6:]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Ends the process and everything it started (its JVM): TERM to the group, then KILL to what
+        is left after ``grace_s``. Safe to call more than once."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)   # the group outlives its leader while the JVM runs
+        deadline = time.monotonic() + grace_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
+        self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _line_of(result: TourResult, **want: Any) -> dict[str, Any] | None:
@@ -242,13 +304,25 @@ def _line_of(result: TourResult, **want: Any) -> dict[str, Any] | None:
 
 def run_tour(out_dir: str | None, report: bool) -> int:
     wall = time.perf_counter()
-    kafka = import_kafka()
     work = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="kproxy-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     rules_file, log_dir = work / "rules.yaml", work / "traffic"
     rules_file.write_text(RULES)
     print("kproxy demo: what kproxy is for, on an embedded tansu broker (kproxy demo --plain: records only)\n",
           flush=True)
+    missing = _report_available() if report else "left out (--no-report)"
+    # The report's Spark session starts now, in its own process, and comes up while steps 1 to 4 run.
+    reporter = ReportProcess(work) if missing is None else None
+    try:
+        return _tour_steps(work, rules_file, log_dir, reporter, missing, wall)
+    finally:
+        if reporter is not None:
+            reporter.stop()
+
+
+def _tour_steps(work: Path, rules_file: Path, log_dir: Path, reporter: ReportProcess | None,
+                missing: str | None, wall: float) -> int:
+    kafka = import_kafka()
     result = TourResult()
     with embedded_broker() as broker:
         admin_port = free_port(HOST)
@@ -289,21 +363,20 @@ def run_tour(out_dir: str | None, report: bool) -> int:
 
     report_html = None
     print("5. The fleet report over that traffic log (kproxy report, PySpark)")
-    missing = None if report else "left out (--no-report)"
-    missing = missing or _report_available()
-    if missing:
+    if reporter is None:
         print(f"   skipped: {missing}")
     else:
-        print("   running kproxy report (Spark starts in about 10 s) ...", flush=True)
-        ok, tail = _run_report(log_dir, work / "report")
+        print("   running kproxy report (its Spark session started with step 1) ...", flush=True)
+        started = time.perf_counter()
+        ok, tail = reporter.run(log_dir, work / "report")
         if ok:
             report_html = work / "report" / "report.html"
-            print(f"   report.html: {report_html}")
+            print(f"   report.html: {report_html}  ({time.perf_counter() - started:.1f} s)")
         else:
             print("   kproxy report FAILED:\n" + "\n".join(f"     {line}" for line in tail))
 
     problems = _problems(result)
-    if report and not missing and report_html is None:
+    if reporter is not None and report_html is None:
         problems.append("kproxy report did not write report.html")
     print()
     if problems:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -113,6 +117,69 @@ def test_the_tour_ends_with_the_fleet_report(capsys: pytest.CaptureFixture[str],
     assert f"report.html: {html}" in out and html.is_file()
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["produced_records"] >= 500   # the quota step's records, at least
+    assert _left_behind(tmp_path, wait_s=10) == []
+
+
+def _left_behind(work: Path, wait_s: float = 0.0) -> list[str]:
+    """Command lines of the processes that still carry the demo's mark for ``work`` (the report's
+    process and its JVM inherit it), after waiting up to ``wait_s`` for them to go."""
+    from kproxy.tour import DEMO_DIR_ENV
+
+    mark = f"{DEMO_DIR_ENV}={work}".encode()
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if mark in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                continue   # gone, or not ours to read
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
+
+
+@pytest.mark.spark
+def test_ctrl_c_during_the_tour_leaves_no_report_process_or_jvm(tmp_path: Path) -> None:
+    """The report's Spark session starts in its own process group (a terminal's Ctrl-C does not reach
+    it), so the demo has to end it: interrupted once that JVM runs, nothing of the demo's is left."""
+    demo = subprocess.Popen([sys.executable, "-m", "kproxy", "demo", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("java" in line for line in _left_behind(tmp_path)):
+            assert demo.poll() is None and time.monotonic() < deadline, "the report's JVM never started"
+            time.sleep(0.2)
+        demo.send_signal(signal.SIGINT)
+        out, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 130, f"{out}\n{err}"
+    assert "kproxy demo: interrupted" in err
+    # Gone when the demo ends, not later: the demo waited for them (were it to leave them, they would
+    # go on their own once Spark is up and they see their stdin closed, seconds later).
+    assert _left_behind(tmp_path, wait_s=1) == []
+
+
+@pytest.mark.spark
+def test_a_report_process_whose_spark_cannot_start_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kproxy.tour import ReportProcess
+
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "no-java-here"))   # spark-submit runs $JAVA_HOME/bin/java
+    report = ReportProcess(tmp_path)
+    try:
+        ok, lines = report.run(tmp_path / "traffic", tmp_path / "report")
+    finally:
+        report.stop()
+    assert not ok
+    assert any(line.startswith("kproxy report: Spark did not start: ") for line in lines), lines
+    assert not (tmp_path / "report" / "report.html").exists()
+    assert _left_behind(tmp_path) == []
 
 
 def test_the_getting_started_page_shows_the_tours_rule_file() -> None:
