@@ -35,25 +35,26 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from per_request import HOST, start_kproxy, stop  # noqa: E402
+from small_requests import heartbeat_v4_request  # noqa: E402
 
 from kproxy.tansu import Tansu, free_port  # noqa: E402
 
 _I32 = struct.Struct(">i")
-HEARTBEAT = 12
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def heartbeat_request(correlation_id: int, group: str) -> bytes:
-    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+    return heartbeat_v4_request(correlation_id, group)
 
-    body = body_class(HEARTBEAT, "request")(group_id=group, generation_id=1, member_id="member-1")
-    return b"".join(bytes(b) for b in encode_request_frame(Request.build(HEARTBEAT, 4, correlation_id, "bench",
-                                                                         body)))
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """The process's user and system CPU seconds so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK       # utime, stime
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK       # utime, stime
+    return sum(cpu_times(pid))
 
 
 class Group:
@@ -128,17 +129,19 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
             t0 = time.monotonic()
             group.run(args.seconds, send=False)
             idle = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
-            c0 = cpu_seconds(proc.pid)
+            u0, s0 = cpu_times(proc.pid)
             t0 = time.monotonic()
             answered = group.run(args.seconds, send=True)
             elapsed = time.monotonic() - t0
-            busy = (cpu_seconds(proc.pid) - c0) / elapsed
+            u1, s1 = cpu_times(proc.pid)
+            busy = (u1 + s1 - u0 - s0) / elapsed
+            system = (s1 - s0) / elapsed
         finally:
             group.close()
     finally:
         stop(proc)
     rate = answered / elapsed
-    return {"idle": idle, "busy": busy, "rate": rate,
+    return {"idle": idle, "busy": busy, "system": system, "rate": rate,
             "per_request": (busy - idle) / rate if rate else float("nan")}
 
 
@@ -205,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{os.cpu_count()} CPUs; {load_before} before, load average "
           "{:.2f} {:.2f} {:.2f} after".format(*os.getloadavg()))
     print(f"{args.connections:,} connections, one Heartbeat each every {args.period:g} s, {args.seconds:g} s measured")
-    hdr = f"{'tree':<14}{'heartbeats/s':>14}{'CPU idle':>12}{'CPU beating':>14}{'per heartbeat':>16}"
+    hdr = (f"{'tree':<14}{'heartbeats/s':>14}{'CPU idle':>12}{'CPU beating':>14}{'of it system':>14}"
+           f"{'per heartbeat':>16}")
     print(hdr)
     print("-" * len(hdr))
     for name, g in got.items():
         print(f"{name:<14}{g['rate']:>14,.0f}{g['idle'] * 100:>11.2f}%{g['busy'] * 100:>13.2f}%"
+              f"{g['system'] * 100:>13.2f}%"
               f"{g['per_request'] * 1e6:>13.0f} us")
     print("(CPU: kproxy's user + system time as a share of one core)")
     return 0

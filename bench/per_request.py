@@ -4,7 +4,7 @@ calls (perf's syscall tracepoints) per request, for this tree and, side by side,
 (``--baseline DIR``).
 
 Run from the repository root:  ``.venv/bin/python bench/per_request.py [--baseline DIR] [--n 2000]``
-(``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce``; ``--metrics``
+(``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce,heartbeat``; ``--metrics``
 runs kproxy with an admin listener, so that every request is also recorded in its metrics).
 
 One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level WARNING) in front.
@@ -20,7 +20,7 @@ One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level W
   kind. Per request, they say how many receives, sends and event-loop waits each request costs;
   they depend a little on how requests bunch up, so the figure is the median of ``--rounds``.
 
-The two loops are those of bench/small_requests.py: Metadata v12 with no topics, and Produce v9 with
+The loops are those of bench/small_requests.py: Metadata v12 with no topics, Heartbeat v4, and Produce v9 with
 acks=1 and one 100-byte record.
 """
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, metavar="DIR",
                     help="also measure the kproxy in DIR/kproxy (git archive COMMIT kproxy | tar -x -C DIR, "
                          "plus the built kproxy/protocol/_accel*.so)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="metadata, produce or both (default)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="any of metadata, produce, heartbeat, comma-separated (default: all)")
     ap.add_argument("--n", type=int, default=2000, help="requests counted under callgrind (default 2000)")
     ap.add_argument("--clients", type=int, default=100, help="connections for the system-call count (default 100)")
     ap.add_argument("--seconds", type=float, default=4.0, help="seconds per system-call count (default 4)")

@@ -1,8 +1,9 @@
 """Many clients, small requests: requests per second and latency of small round trips from many
 concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
 
-Two loops (``kind``): ``metadata``, a Metadata v12 request with no topics, and ``produce``, a Produce
-v9 request with acks=1 carrying one record of 100 bytes to partition 0 of a topic that must exist.
+Three loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
+v9 request with acks=1 carrying one record of 100 bytes to partition 0 of a topic that must exist;
+``heartbeat``, a Heartbeat v4 for a group the broker does not know (an idle consumer's request).
 Each load process drives its share of the connections with a selector loop over raw sockets (no
 client library, so the generator itself stays cheap): every connection keeps exactly one request in
 flight and sends the next as soon as the answer is whole. The first answer on each connection is
@@ -24,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 _I32 = struct.Struct(">i")
-KINDS = ("metadata", "produce")
+KINDS = ("metadata", "produce", "heartbeat")
 PRODUCE_VALUE_BYTES = 100
 
 
@@ -51,9 +52,20 @@ def produce_v9_request(correlation_id: int, topic: str) -> bytes:
     return b"".join(bytes(b) for b in encode_request_frame(Request.build(0, 9, correlation_id, "bench", body)))
 
 
+def heartbeat_v4_request(correlation_id: int, group: str = "bench-group") -> bytes:
+    """Heartbeat v4 for a group the broker does not know (a consumer between polls: the answer is an
+    error code, the round trip is whole)."""
+    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+
+    body = body_class(12, "request")(group_id=group, generation_id=1, member_id="member-1")
+    return b"".join(bytes(b) for b in encode_request_frame(Request.build(12, 4, correlation_id, "bench", body)))
+
+
 def request_for(kind: str, topic: str | None) -> bytes:
     if kind == "metadata":
         return metadata_v12_request(1)
+    if kind == "heartbeat":
+        return heartbeat_v4_request(1)
     if kind == "produce":
         if not topic:
             raise ValueError("the produce loop needs a topic")
@@ -66,6 +78,9 @@ def check_answer(kind: str, frame: bytes) -> None:
     acknowledged without error."""
     from kproxy.protocol.messages import decode_response
 
+    if kind == "heartbeat":
+        decode_response(memoryview(frame), 12, 4)       # any error code: the group is unknown
+        return
     resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0, 12 if kind == "metadata" else 9)
     if kind == "metadata":
         if not resp.body.brokers:

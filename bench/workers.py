@@ -4,6 +4,14 @@
 Run from the repository root:  ``.venv/bin/python bench/workers.py [--rounds 3] [--records 40000]
 [--producers 8] [--size 1024]``
 
+``--small``: the small-request loops instead (bench/small_requests.py: Metadata v12 with no topics,
+and Produce v9 acks=1 with one 100-byte record), ``--clients`` connections (default 100) each keeping
+one request in flight for ``--seconds`` (default 5) per round, through kproxy with ``--workers``
+(default 1,2,4) worker processes, all running at once; the rounds interleave the worker counts (the
+order rotating). Requests per second and kproxy's CPU per request (supervisor and workers summed,
+over the warm-up and the measured seconds, divided by every answer) per worker count, medians and
+min-max. ``.venv/bin/python bench/workers.py --small [--workers 1,2,4] [--rounds 5] [--clients 100]``
+
 One tansu broker; for each round, each target in turn (order rotating): ``--producers`` processes,
 each a confluent-kafka producer (acks=all) sending ``--records`` records of ``--size`` bytes to its own
 partition; the figure is all records / the time until the last producer's last acknowledgement.
@@ -33,6 +41,10 @@ from confluent_kafka import Producer  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 from kproxy.tansu import Tansu, broker_answers  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
+from small_requests import run_load  # noqa: E402
+
 from tests.e2e.proxied import free_port_block  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -120,13 +132,69 @@ def start_kproxy(upstream: str, node_id: int, workers: int, workdir: Path) -> tu
     return proc, f"{HOST}:{port}"
 
 
+def small(args: argparse.Namespace) -> int:
+    """The small-request loops through kproxy with each worker count (see the module's text)."""
+    counts = [int(w) for w in args.workers.split(",")]
+    load = ["load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())]
+    got: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="kproxy-workers-") as tmp, Tansu() as broker:
+        admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+        node_id = next(iter(admin.list_topics(timeout=10).brokers))
+        topic = f"workers-small-{uuid.uuid4().hex[:8]}"
+        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(30)
+        del admin               # its broker connection would log the broker's shutdown
+        proxies = {w: start_kproxy(broker.bootstrap, node_id, w, Path(tmp)) for w in counts}
+        try:
+            for r in range(args.rounds):
+                for kind in ("metadata", "produce"):
+                    for w in counts[r % len(counts):] + counts[: r % len(counts)]:
+                        proc, address = proxies[w]
+                        if proc.poll() is not None:
+                            raise SystemExit(f"kproxy (workers {w}) exited: see its log")
+                        c0 = cpu_seconds(proc.pid)
+                        res = run_load(address, args.clients, args.seconds, warmup=1.0, kind=kind, topic=topic)
+                        per = (cpu_seconds(proc.pid) - c0) / res.answers_total
+                        got.setdefault((kind, w), []).append((res.requests_per_s, per))
+                        print(f"  round {r + 1}/{args.rounds}  {kind:<9} workers {w}  {res.requests_per_s:>8,.0f} "
+                              f"req/s  {per * 1e6:.0f} us CPU/request  (load average {os.getloadavg()[0]:.1f})",
+                              file=sys.stderr, flush=True)
+        finally:
+            for proc, _ in proxies.values():
+                proc.terminate()
+                proc.wait(30)
+    load.append("load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    print(f"{os.cpu_count()} CPUs shared with tansu and the load generator (2 processes); {load[0]} before, "
+          f"{load[1]} after")
+    print(f"{args.clients} connections each keeping one small request in flight, {args.seconds:g} s a round, "
+          f"{args.rounds} interleaved rounds, medians (min-max)")
+    hdr = (f"{'loop':<10}{'workers':>8}{'requests/s':>12}{'min-max':>18}{'/ 1 worker':>12}"
+           f"{'CPU/request':>13}{'min-max':>12}")
+    print(hdr)
+    print("-" * len(hdr))
+    for kind in ("metadata", "produce"):
+        one = statistics.median(x for x, _ in got[(kind, counts[0])])
+        for w in counts:
+            rates = [x for x, _ in got[(kind, w)]]
+            cpus = [c * 1e6 for _, c in got[(kind, w)]]
+            print(f"{kind:<10}{w:>8}{statistics.median(rates):>12,.0f}{f'{min(rates):,.0f}-{max(rates):,.0f}':>18}"
+                  f"{statistics.median(rates) / one:>11.2f}x{statistics.median(cpus):>10.0f} us"
+                  f"{f'{min(cpus):.0f}-{max(cpus):.0f}':>12}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--records", type=int, default=40_000, help="records per producer")
     ap.add_argument("--producers", type=int, default=8)
     ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--small", action="store_true", help="the small-request loops (Metadata, one-record Produce)")
+    ap.add_argument("--workers", default="1,2,4", help="with --small: the worker counts, comma-separated")
+    ap.add_argument("--clients", type=int, default=100, help="with --small: connections")
+    ap.add_argument("--seconds", type=float, default=5.0, help="with --small: seconds measured per round")
     args = ap.parse_args()
+    if args.small:
+        return small(args)
     with tempfile.TemporaryDirectory(prefix="kproxy-workers-") as tmp, Tansu() as broker:
         admin = AdminClient({"bootstrap.servers": broker.bootstrap})
         md = admin.list_topics(timeout=10)

@@ -145,7 +145,11 @@ class PlainTransport(Transport):
                 except (BlockingIOError, InterruptedError):
                     sent = 0
                 if sent == len(first):
-                    await self._fair()
+                    # ``_fair`` inlined: a small request or answer costs no coroutine for it.
+                    self._ready_ops += 1
+                    if self._ready_ops >= _YIELD_EVERY:
+                        self._ready_ops = 0
+                        await trio.lowlevel.checkpoint()
                     return
                 buffers = [first[sent:]]
             # Most frames are one buffer: plain send, no list bookkeeping.

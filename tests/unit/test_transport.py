@@ -14,7 +14,7 @@ import pytest
 import trio
 import trustme
 
-from kproxy.server.transport import _SLICE, TlsTransport
+from kproxy.server.transport import _SLICE, _YIELD_EVERY, PlainTransport, TlsTransport
 
 MiB = 1 << 20
 
@@ -142,3 +142,34 @@ async def test_a_multi_megabyte_answer_is_encrypted_a_slice_at_a_time(pair):
     # ciphertext); a slice at a time, a few slices (the peer's reads included).
     assert peak < 4 * _SLICE, peak
     assert turns >= total // _SLICE
+
+
+async def test_small_sends_that_never_wait_still_let_other_connections_run():
+    # A client whose small answers always fit the socket buffer never waits for the socket: the
+    # plain transport gives the other tasks a turn every _YIELD_EVERY sends all the same.
+    raws = socket.socketpair()
+    try:
+        for raw in raws:
+            raw.setblocking(False)
+        kproxy = PlainTransport(trio.socket.from_stdlib_socket(raws[0]), raws[0])
+        turns = 0
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while True:
+                await trio.lowlevel.checkpoint()
+                turns += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(count_turns)
+            await trio.lowlevel.checkpoint()      # the counter is running
+            before = turns
+            for _ in range(4 * _YIELD_EVERY):
+                await kproxy.send([b"x" * 100])
+            ran = turns - before
+            nursery.cancel_scope.cancel()
+        assert 3 <= ran <= 5, ran
+        assert len(raws[1].recv(1 << 20)) == 4 * _YIELD_EVERY * 100
+    finally:
+        for raw in raws:
+            raw.close()
