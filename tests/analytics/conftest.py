@@ -1,6 +1,7 @@
-"""One local Spark session for the whole test run: two cores, no UI, no console progress bar, two
-shuffle partitions. The test logs are small, so each Spark job's fixed cost is what dominates; whole
-stage code generation (compiling Java per query) costs more than it saves on them, so it is off."""
+"""One local Spark session for the whole test run, on two cores and with the settings ``kproxy
+report`` uses for a tiny log (SMALL_INPUT_SETTINGS: the demo's): the test logs are small, so each
+Spark job's fixed cost is what dominates; generated code and the JVM's optimising compiler cost more
+than they save on them."""
 
 from __future__ import annotations
 
@@ -13,18 +14,15 @@ import pytest
 def spark() -> Iterator[object]:
     from pyspark.sql import SparkSession
 
-    from kproxy.analytics.session import use_this_python
+    from kproxy.analytics.session import SMALL_INPUT_SETTINGS, use_this_python
 
     use_this_python()                 # the rule dry-run's Python workers need kproxy
-    session = (SparkSession.builder.master("local[2]").appName("kproxy-tests")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "2")
-               .config("spark.default.parallelism", "2")
-               .config("spark.sql.codegen.wholeStage", "false")
-               .config("spark.sql.session.timeZone", "UTC")
-               .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
-               .getOrCreate())
+    builder = SparkSession.builder.master("local[2]").appName("kproxy-tests")
+    for key, value in {**SMALL_INPUT_SETTINGS, "spark.ui.showConsoleProgress": "false",
+                       "spark.sql.session.timeZone": "UTC",
+                       "spark.sql.sources.partitionColumnTypeInference.enabled": "false"}.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
