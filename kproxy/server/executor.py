@@ -141,15 +141,20 @@ class Executor:
         # whose question it read the answer to; the watchdog through a lost connection): one at a
         # time, first come first served, which is the session's order. Uncontended (almost always)
         # the lock is taken without a trip through the scheduler.
-        if self._now() >= self._reauth_due:
+        # One clock reading serves the login check and, when nothing waits in between, the send's stamp.
+        now = self._now()
+        stamp: float | None = now
+        if now >= self._reauth_due:
             await self._renew_login_before_write()
+            stamp = None
         lock = self._upstream_lock
         if lock.locked():
             await lock.acquire()
+            stamp = None
         else:
             lock.acquire_nowait()
         try:
-            failed = await self._send_upstream(action)
+            failed = await self._send_upstream(action, stamp)
         finally:
             lock.release()
         if failed is not None:
@@ -162,8 +167,9 @@ class Executor:
                 # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
                 raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection")
 
-    async def _send_upstream(self, action: ToUpstream) -> tuple[str, bool] | None:
-        """Send one action's bytes (connecting first if need be); (why, while connecting) on failure."""
+    async def _send_upstream(self, action: ToUpstream, now: float | None = None) -> tuple[str, bool] | None:
+        """Send one action's bytes (connecting first if need be); (why, while connecting) on failure.
+        ``now``: the time read just before, when nothing has waited since."""
         entry = action.entry
         if entry is not None and entry.reply is not None:
             # Already answered: the broker connection was lost while kproxy held this request (a
@@ -174,11 +180,12 @@ class Executor:
                 await self._connect_upstream()
             except (OSError, trio.TooSlowError) as e:
                 return f"cannot connect: {str(e) or 'timed out'}", True
+            now = None
         assert self.upstream is not None
         if entry is not None:
             # Stamped before the send: while it waits for the socket, the other pump may already
             # read the answer, and the broker's time must never come out negative.
-            entry.forwarded_at = self._now()
+            entry.forwarded_at = now if now is not None else self._now()
             entry.broker = self.connected_to
         try:
             await self.upstream.send(action.buffers)
