@@ -285,7 +285,11 @@ def _judge_records(rules: Any) -> Any:
 # t: when the response completed (seconds); spent: kproxy's own time on the request (seconds).
 # instance: the kproxy that counted it, or "*" when the fleet's instances share one budget.
 # Each virtual cluster has budgets of its own, as in kproxy.
-_CHARGES = "virtual_cluster string, quota string, key string, instance string, t double, produced bigint, fetched bigint, spent double"
+_CHARGES = ("virtual_cluster string, quota string, key string, instance string, t double, produced bigint, fetched bigint, "
+            "spent double, answered double")
+# t: when the request is charged (a Produce with an answer as it arrived, as the live quota filter
+# charges it; the rest when their answer was complete); answered: when a Produce's answer came, for
+# its kproxy time (NaN for the others).
 
 _THROTTLED = ("virtual_cluster string, quota string, key string, instance string, requests bigint, throttled bigint, "
               "throttle_ms_total bigint, throttle_ms_p99 bigint, throttle_ms_max bigint")
@@ -330,6 +334,12 @@ def _charges(rules: Any, fleet: bool) -> Any:
                     answer = int(_scalar(row.response_bytes) or 0)
                     if answer > 4:
                         fetched = answer - 4
+                done_s = pd.Timestamp(done).timestamp()
+                t, answered = done_s, float("nan")
+                if row.api == "produce" and _scalar(row.acks) != 0:
+                    # Charged as it arrives, as the live quota filter charges a Produce (its throttle
+                    # mutes the client at once); its kproxy time when its answer comes.
+                    t, answered = pd.Timestamp(row.ts).timestamp(), done_s
                 connection = f"{_scalar(row.proxy) or ''}/{_scalar(row.conn)}"
                 instance = "*" if fleet else _scalar(row.proxy) or "?"
                 for q in quotas:
@@ -340,8 +350,8 @@ def _charges(rules: Any, fleet: bool) -> Any:
                         continue
                     key = key_of(q.rule.per, facts.client_id, facts.principal, facts.source, connection)
                     spent = (_scalar(row.kproxy_ms) or 0.0) / 1000.0
-                    out.append((row.virtual_cluster, q.rule.name, key, instance, pd.Timestamp(done).timestamp(),
-                                produced, fetched, spent))
+                    out.append((row.virtual_cluster, q.rule.name, key, instance, t, produced, fetched, spent,
+                                answered))
             yield pd.DataFrame(out, columns=_columns(_CHARGES))
 
     return charges
@@ -359,7 +369,7 @@ def _replay(rules: Any, share: float) -> Any:
         name, key, instance = group["quota"].iloc[0], group["key"].iloc[0], group["instance"].iloc[0]
         q = next(q for q in quotas_of(rules, share=share) if q.rule.name == name)
         group = group.sort_values("t", kind="stable")
-        ms = replay_throttles(q, zip(group["t"], group["produced"], group["fetched"], group["spent"],
+        ms = replay_throttles(q, zip(group["t"], group["produced"], group["fetched"], group["spent"], group["answered"],
                                      strict=True))
         hit = sorted(m for m in ms if m > 0)
         p99 = hit[int(0.99 * (len(hit) - 1))] if hit else 0

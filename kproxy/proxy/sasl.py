@@ -104,9 +104,11 @@ class SaslFront:
                                               auth_bytes=b""),
                                    close="client tried SASL, but kproxy originates the cluster's SASL itself")
             return None
-        if t.authenticated and t.expired(self.ctx.clock()):
+        if t.authenticated and key != SASL_HANDSHAKE and t.expired(self.ctx.clock()) and not (
+                key == SASL_AUTHENTICATE and t.reauthenticating):
             # As a broker does (KIP-368): once the session has ended, any request closes the
-            # connection, one that would start re-authentication too.
+            # connection, except a SaslHandshake, which starts re-authentication however late it
+            # comes, and the SaslAuthenticate of that exchange.
             return FrontAnswer(close="SASL session expired without re-authentication (KIP-368)")
         if key == API_VERSIONS:
             return FrontAnswer(self._api_versions(req))

@@ -13,6 +13,7 @@ connection's clock.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import struct
 from collections.abc import Iterable, Iterator
@@ -664,15 +665,39 @@ def key_of(per: str, client_id: str | None, principal: str | None, source: str |
     return "all"
 
 
-def replay_throttles(q: _Quota, events: Iterable[tuple[float, int, int, float]]) -> list[int]:
+def replay_throttles(q: _Quota, events: Iterable[tuple[float, int, int, float, float]]) -> list[int]:
     """Throttle milliseconds each request would have been told, charging ``events`` (time in seconds,
-    produced bytes, fetched bytes, seconds of kproxy time) in order to one fresh budget of ``q``. The
+    produced bytes, fetched bytes, seconds of kproxy time, when its answer came) in time order to one
+    fresh budget of ``q``, as the live filter charges them: a request whose answer time is given (a
+    Produce with an answer) is charged its bytes and count at its time, as it arrived (its throttle
+    mutes the client from then), and its kproxy time when its answer comes, and is throttled the
+    longer of the two; the others (answer time NaN) are charged everything at their time. The
     recorded times are kept as they were: what a client would have waited is not replayed into them."""
-    out = []
+    out: list[int] = []
     budget: Budget | None = None
-    for now, produced, fetched, spent in events:
+    answers: list[tuple[float, int, float, float]] = []   # (answered at, index, spent, arrival's throttle)
+
+    def answer(upto: float) -> None:
+        while answers and answers[0][0] <= upto:
+            at, i, spent, seconds = heapq.heappop(answers)
+            assert budget is not None
+            if q.time is not None:
+                took = _time_throttle(budget, q, at, spent)
+                if took > 0:
+                    (budget.muted or budget.new("muted")).record(took, at, q.windows)
+                    seconds = max(seconds, took)
+            out[i] = to_ms(seconds) if seconds > 0 else 0
+
+    for now, produced, fetched, spent, answered in events:
         if budget is None:
             budget = Budget(now, q.span_s)
+        answer(now)
+        if answered == answered:      # not NaN: charged on arrival, its time on its answer
+            seconds = _throttle(budget, q, now, produced, fetched, None)
+            out.append(0)
+            heapq.heappush(answers, (max(answered, now), len(out) - 1, spent, seconds))
+            continue
         seconds = _throttle(budget, q, now, produced, fetched, spent)
         out.append(to_ms(seconds) if seconds > 0 else 0)
+    answer(float("inf"))
     return out

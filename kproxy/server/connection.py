@@ -393,6 +393,7 @@ class ClientConnection(Executor):
         reader = FrameReader(self.settings.frame_cap, trust_claims=True,
                              limit_name=self.settings.frame_cap_setting)
         self._readers.append(reader)
+        self._answer_task = trio.lowlevel.current_task()
         session = self.session
         try:
             while True:

@@ -40,8 +40,9 @@ class Executor:
 
     # Slots, as ClientConnection has: the pumps read these on every frame, and a slot is read faster
     # than an instance dict past CPython's 30 shared keys.
-    __slots__ = ("_holding", "_login_answers", "_login_changed", "_login_ids", "_settle", "_up_locked",
-                 "_up_sending", "_up_target", "_upstream_generation", "_upstream_lock", "connected_to", "upstream")
+    __slots__ = ("_answer_task", "_holding", "_login_answers", "_login_changed", "_login_ids", "_reauth_due",
+                 "_settle", "_up_locked", "_up_sending", "_up_target", "_upstream_generation", "_upstream_lock",
+                 "connected_to", "upstream")
 
     # Set by ClientConnection: what the connection is and what it reports to.
     settings: ConnectionSettings
@@ -72,6 +73,10 @@ class Executor:
         self._login_answers: trio.MemorySendChannel[bytes] | None = None   # re-authentication under way
         self._login_ids: set[int] = set()
         self._login_changed: trio.Event | None = None   # wakes _keep_login for a new broker connection
+        # When the login falls due again (trio time; inf: never), read before each write, and the
+        # upstream pump's task, which must never wait for a login (it carries the login's answers).
+        self._reauth_due = math.inf
+        self._answer_task: trio.lowlevel.Task | None = None
         # A request streaming to the broker (cut-through): the broker connection its first piece went
         # to, whether this pump holds the broker write lock for it, and whether a piece is being sent.
         self._up_target: Transport | None = None
@@ -136,13 +141,20 @@ class Executor:
         # whose question it read the answer to; the watchdog through a lost connection): one at a
         # time, first come first served, which is the session's order. Uncontended (almost always)
         # the lock is taken without a trip through the scheduler.
+        # One clock reading serves the login check and, when nothing waits in between, the send's stamp.
+        now = self._now()
+        stamp: float | None = now
+        if now >= self._reauth_due:
+            await self._renew_login_before_write()
+            stamp = None
         lock = self._upstream_lock
         if lock.locked():
             await lock.acquire()
+            stamp = None
         else:
             lock.acquire_nowait()
         try:
-            failed = await self._send_upstream(action)
+            failed = await self._send_upstream(action, stamp)
         finally:
             lock.release()
         if failed is not None:
@@ -155,8 +167,9 @@ class Executor:
                 # acks=0 sends that cannot be made: close, as a broker does when such a produce fails.
                 raise ConnectionClosed("could not forward an acks=0 Produce: no broker connection")
 
-    async def _send_upstream(self, action: ToUpstream) -> tuple[str, bool] | None:
-        """Send one action's bytes (connecting first if need be); (why, while connecting) on failure."""
+    async def _send_upstream(self, action: ToUpstream, now: float | None = None) -> tuple[str, bool] | None:
+        """Send one action's bytes (connecting first if need be); (why, while connecting) on failure.
+        ``now``: the time read just before, when nothing has waited since."""
         entry = action.entry
         if entry is not None and entry.reply is not None:
             # Already answered: the broker connection was lost while kproxy held this request (a
@@ -167,11 +180,12 @@ class Executor:
                 await self._connect_upstream()
             except (OSError, trio.TooSlowError) as e:
                 return f"cannot connect: {str(e) or 'timed out'}", True
+            now = None
         assert self.upstream is not None
         if entry is not None:
             # Stamped before the send: while it waits for the socket, the other pump may already
             # read the answer, and the broker's time must never come out negative.
-            entry.forwarded_at = self._now()
+            entry.forwarded_at = now if now is not None else self._now()
             entry.broker = self.connected_to
         try:
             await self.upstream.send(action.buffers)
@@ -236,6 +250,8 @@ class Executor:
         it elsewhere, and the session answers the request with a retriable error once it is in."""
         entry = action.entry
         if action.first:
+            if self._now() >= self._reauth_due:
+                await self._renew_login_before_write()
             lock = self._upstream_lock
             if lock.locked():
                 await lock.acquire()
@@ -319,7 +335,9 @@ class Executor:
         assert self._nursery is not None
         self._nursery.start_soon(self._upstream_pump, self.upstream, self._upstream_generation)
         login = self.upstream.login
+        self._reauth_due = math.inf
         if login is not None and login.reauth_at is not None:
+            self._reauth_due = login.reauth_at
             if self._login_changed is None:
                 self._login_changed = trio.Event()
                 self._nursery.start_soon(self._keep_login)
@@ -331,6 +349,7 @@ class Executor:
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
+        self._reauth_due = math.inf
         if self._login_answers is not None:
             # A re-authentication waiting for its answers fails now, not at its timeout.
             self._login_answers.close()
@@ -366,6 +385,18 @@ class Executor:
                     self._closed(e)
                     return
 
+    async def _renew_login_before_write(self) -> None:
+        """A write found kproxy's login due (KIP-368): log in again before the request goes out, as
+        Kafka's client checks before each send, so that no request is sent on a broker session that
+        may have ended because the timer (``_keep_login``) has not had its turn on a busy loop. Not
+        from the upstream pump, which carries the login's answers, nor while a filter's question is
+        pending, whose held request may need the write lock; the timer renews the login then."""
+        upstream = self.upstream
+        if (upstream is None or self.session.asking is not None
+                or trio.lowlevel.current_task() is self._answer_task):
+            return
+        await self._reauthenticate_upstream(upstream)
+
     async def _reauthenticate_upstream(self, upstream: Transport) -> None:
         """Log in again on the live broker connection, holding the broker write lock so that no
         request goes out during the exchange (a broker reads only SASL while it re-authenticates);
@@ -385,6 +416,8 @@ class Executor:
         try:
             if self.upstream is not upstream or login is None:
                 return          # lost meanwhile: the next request reconnects and logs in anew
+            if not login.due(trio.current_time()):
+                return          # renewed meanwhile (the timer and a write both found it due)
             send, receive = trio.open_memory_channel[bytes](4)
 
             async def roundtrip(req: Any) -> Any:
@@ -400,6 +433,7 @@ class Executor:
             self._login_answers = send
             try:
                 await login.log_in(roundtrip)
+                self._reauth_due = login.reauth_at if login.reauth_at is not None else math.inf
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 failed = f"re-authentication failed: {str(e) or 'timed out'}"
             finally:

@@ -219,13 +219,6 @@ def read_log(bootstrap: str, topic: str, partitions: int = PARTITIONS) -> dict[i
     return out
 
 
-def wait_until(check: Any, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 class Reader:
     """One consumer of a group, in its own thread, until ``close()`` (which commits where it is)."""
 

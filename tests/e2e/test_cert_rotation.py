@@ -15,9 +15,7 @@ import os
 import socket
 import ssl
 import threading
-import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from kproxy.proxy.filters import ALL, ConnectionContext, Filter
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.sasl_gate import free_ports
 from tests.e2e.tansu import TansuBroker, unique_name
+from tests.polling import wait_until
 
 with warnings.catch_warnings():
     # kafka-python 3.0 loads its schemas with the importlib.resources calls deprecated in 3.11.
@@ -84,13 +83,6 @@ class Principals(Filter):
     def on_request(self, ctx: ConnectionContext, exchange: object) -> None:
         with self._lock:
             self.seen.add((ctx.principal, ctx.client_address[0] if ctx.client_address else None))
-
-
-def wait_for(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def metadata(sock: ssl.SSLSocket, correlation_id: int) -> Any:
@@ -170,7 +162,7 @@ admin: {{listen: "127.0.0.1:{admin}"}}
         volume.update(leaf_files(new))
         tls = proxy.server.client_tls
         assert tls is not None
-        wait_for("the reload", lambda: proxy.call(lambda: tls.reloads_ok) == 1)
+        wait_until(lambda: proxy.call(lambda: tls.reloads_ok) == 1, "the reload")
 
         second = stack.enter_context(connect(client_ctx, address))
         assert serial_of(second) == serial_of_pem(new.cert_chain_pems[0].bytes())
@@ -183,7 +175,7 @@ admin: {{listen: "127.0.0.1:{admin}"}}
         # A broken update (a third certificate with a key that does not match) keeps the new one in force.
         third = ca.issue_cert("127.0.0.1", common_name="kproxy-third", not_after=now + datetime.timedelta(days=1))
         volume.update({**leaf_files(third), "tls.key": old.private_key_pem.bytes()})
-        wait_for("the failed reload", lambda: proxy.call(lambda: tls.reloads_failed) == 1)
+        wait_until(lambda: proxy.call(lambda: tls.reloads_failed) == 1, "the failed reload")
         later = stack.enter_context(connect(client_ctx, address))
         assert serial_of(later) == serial_of_pem(new.cert_chain_pems[0].bytes())
         assert metadata(later, 1).brokers
@@ -306,12 +298,12 @@ exposure: {{advertised_host: 127.0.0.1, broker_port_start: {broker_port}, broker
         proxy = ProxyThread(cfg)
         proxy.server.tls_poll_interval_s = 0.1
         with proxy:
-            wait_for("discovery", lambda: bool(relay.peer_subjects))
+            wait_until(lambda: bool(relay.peer_subjects), "discovery")
             assert {s.partition(",")[0] for s in relay.peer_subjects} == {"CN=kproxy-1"}
             volume.update(leaf_files(second))
             up = proxy.server.upstream_tls
             assert up is not None
-            wait_for("the upstream reload", lambda: proxy.call(lambda: up.reloads_ok) == 1)
+            wait_until(lambda: proxy.call(lambda: up.reloads_ok) == 1, "the upstream reload")
             before = len(relay.peer_subjects)
             with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
                 req = Request.build(18, 0, 1, "probe", body_class(18, "request")())

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from tests.e2e.proxied import free_port_block
 from tests.e2e.tansu import TansuBroker, free_port, unique_name
 from tests.e2e.test_quotas import Acked, Throttles, bytes_between, produce_flat_out, run
 from tests.e2e.test_workers import http
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -112,7 +113,7 @@ def fleet(broker: TansuBroker, tmp_path: Path, coord_topic: str,
     try:
         for k in procs.values():
             wait_until(lambda k=k: http(f"http://127.0.0.1:{k.admin}/readyz")[0] == 200 or k.proc.poll() is not None,
-                       60, k.log.read_text)
+                       timeout=60, what=k.log.read_text)
             assert k.proc.poll() is None, k.log.read_text()
         yield procs
     finally:
@@ -136,14 +137,6 @@ def producer(bootstrap: str, client_id: str, throttles: Throttles) -> confluent_
     })
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
-    """Poll ``check`` until it holds; past the deadline, fail with ``what()`` as it reads then."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what()
-        time.sleep(0.1)
-
-
 def logs(procs: dict[str, Kproxy]) -> str:
     return "\n".join(f"--- {k.name}\n{k.log.read_text()[-3000:]}" for k in procs.values())
 
@@ -161,7 +154,7 @@ def test_a_fleet_shares_one_budget_and_falls_back_when_the_topic_goes(broker: Ta
     data = unique_name("fleet-data")
     with fleet(broker, tmp_path, coord_topic) as procs:
         coordinated = [procs[n] for n in ("a", "b", "c", "other")]
-        wait_until(lambda: all(k.coordinated() for k in coordinated), 20, lambda: logs(procs))
+        wait_until(lambda: all(k.coordinated() for k in coordinated), timeout=20, what=lambda: logs(procs))
         assert procs["off"].metric("kproxy_quota_coordination_up") is None     # no coordinator at all
 
         stop = threading.Event()
@@ -199,8 +192,8 @@ def test_a_fleet_shares_one_budget_and_falls_back_when_the_topic_goes(broker: Ta
             deleted = time.monotonic()
             admin = AdminClient({"bootstrap.servers": broker.bootstrap})
             admin.delete_topics([coord_topic])[coord_topic].result(10)
-            wait_until(lambda: not any(k.coordinated() for k in coordinated), STALE_S + 1,
-                       lambda: f"still coordinated {STALE_S}s after the topic was deleted\n{logs(procs)}")
+            wait_until(lambda: not any(k.coordinated() for k in coordinated), timeout=STALE_S + 1,
+                       what=lambda: f"still coordinated {STALE_S}s after the topic was deleted\n{logs(procs)}")
             fell_back = time.monotonic() - deleted
             # ...and keeps throttling, at the static share: the lone producer is held to a third now.
             settle = time.monotonic()
@@ -214,8 +207,8 @@ def test_a_fleet_shares_one_budget_and_falls_back_when_the_topic_goes(broker: Ta
             for k in coordinated:
                 assert "falling back to the static share" in k.log.read_text(), after
             # The topic is created again after stale_after_s, and the fleet coordinates again.
-            wait_until(lambda: all(k.coordinated() for k in coordinated), 4 * STALE_S,
-                       lambda: f"{after}; not coordinated again\n{logs(procs)}")
+            wait_until(lambda: all(k.coordinated() for k in coordinated), timeout=4 * STALE_S,
+                       what=lambda: f"{after}; not coordinated again\n{logs(procs)}")
             print(after)
         finally:
             stop.set()
@@ -278,13 +271,13 @@ def cold_start(broker: TansuBroker, tmp_path: Path, seconds: float,
         stop = threading.Event()
         threads = [run(produce_flat_out, producers[label], data, runs[label][0], stop, COLD_VALUE) for label in runs]
         try:
-            wait_until(lambda: all(a.at for a, _ in runs.values()), 30,
-                       lambda: f"a producer never got an acknowledgement\n{logs(procs)}")
+            wait_until(lambda: all(a.at for a, _ in runs.values()), timeout=30,
+                       what=lambda: f"a producer never got an acknowledgement\n{logs(procs)}")
             start = min(a.at[0][0] for a, _ in runs.values())
             # The measuring window itself: every acknowledgement before its end has been counted.
-            wait_until(lambda: time.monotonic() > start + seconds + 0.5, seconds + 30, lambda: "")
-            wait_until(lambda: all(k.coordinated() for k in procs.values()), 10,
-                       lambda: f"the fleet never coordinated\n{logs(procs)}")
+            wait_until(lambda: time.monotonic() > start + seconds + 0.5, timeout=seconds + 30, what=lambda: "")
+            wait_until(lambda: all(k.coordinated() for k in procs.values()), timeout=10,
+                       what=lambda: f"the fleet never coordinated\n{logs(procs)}")
         finally:
             stop.set()
             for t in threads:

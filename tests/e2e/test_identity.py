@@ -85,8 +85,10 @@ def kproxy_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     return caplog
 
 
-def start_proxy(gate: SaslGate, recorder: PrincipalRecorder, *, upstream_sasl: str = "", sasl: str = "",
-                extra: str = "") -> ProxyThread:
+def start_proxy(gate: SaslGate, recorder: PrincipalRecorder | None, *, upstream_sasl: str = "", sasl: str = "",
+                extra: str = "", advertised_host: str = "127.0.0.1") -> ProxyThread:
+    """kproxy in front of the SASL gate, with the given SASL sections (``advertised_host``: the name
+    clients reach its broker port by; Kerberos needs ``localhost``, the host in a service ticket)."""
     port, broker_port = free_ports(2)
     cfg = parse_config(f"""\
 listen: "127.0.0.1:{port}"
@@ -94,13 +96,13 @@ upstream:
   bootstrap_servers: ["{gate.bootstrap}"]
 {upstream_sasl}
 exposure:
-  advertised_host: 127.0.0.1
+  advertised_host: {advertised_host}
   broker_port_start: {broker_port}
   broker_port_count: 1
 {sasl}
 {extra}
 """)
-    return ProxyThread(cfg, [recorder]).start()
+    return ProxyThread(cfg, [recorder] if recorder is not None else []).start()
 
 
 def termination(users_file: Path, oidc: OidcProvider, max_session_s: float = 3600) -> str:

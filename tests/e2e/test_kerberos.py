@@ -23,13 +23,13 @@ from typing import Any
 import gssapi
 import pytest
 
-from kproxy.config import parse_config
 from kproxy.protocol.messages import body_class
 from kproxy.server.embedded import ProxyThread
 from kproxy.telemetry.metrics import kerberos_families
-from tests.e2e.sasl_gate import SaslGate, expected_pairs, free_ports, kafka_python_roundtrip
+from tests.e2e.sasl_gate import SaslGate, expected_pairs, kafka_python_roundtrip
 from tests.e2e.tansu import Tansu, unique_name
 from tests.e2e.test_identity import produce_steadily_and_read_back
+from tests.e2e.test_identity import start_proxy as identity_proxy
 from tests.e2e.test_sasl import PrincipalRecorder, kproxy_text
 from tests.e2e.wire import Wire
 from tests.kdc import Realm
@@ -99,22 +99,9 @@ def origination(realm: Realm, principal: str, keytab: Path) -> str:
 """
 
 
-def start_proxy(gate: SaslGate, recorder: PrincipalRecorder | None = None, *, upstream_sasl: str = "",
-                sasl: str = "", extra: str = "") -> ProxyThread:
-    port, broker_port = free_ports(2)
-    cfg = parse_config(f"""\
-listen: "127.0.0.1:{port}"
-upstream:
-  bootstrap_servers: ["{gate.bootstrap}"]
-{upstream_sasl}
-exposure:
-  advertised_host: localhost
-  broker_port_start: {broker_port}
-  broker_port_count: 1
-{sasl}
-{extra}
-""")
-    return ProxyThread(cfg, [recorder] if recorder is not None else []).start()
+def start_proxy(gate: SaslGate, recorder: PrincipalRecorder | None = None, **sections: str) -> ProxyThread:
+    """test_identity's kproxy, advertising ``localhost``: a client's service ticket names that host."""
+    return identity_proxy(gate, recorder, advertised_host="localhost", **sections)
 
 
 def kafka_python(proxy: ProxyThread, **extra: Any) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,6 +24,7 @@ from tests.e2e.proxied import free_port_block, in_flight, start_proxy
 from tests.e2e.scenarios import confluent_create_topic
 from tests.e2e.tansu import TansuBroker, unique_name
 from tests.e2e.wire import Wire
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -59,13 +59,6 @@ def connect_when_up(address: str, proc: subprocess.Popen[bytes], log: Path, time
     return Wire(address)
 
 
-def wait_for(condition: Any, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def readable(w: Wire) -> bool:
     """Whether bytes (or the end of the stream) wait on ``w`` right now."""
     return bool(select.select([w.sock], [], [], 0)[0])
@@ -90,7 +83,7 @@ def test_drain_closes_idle_connections_at_once_and_busy_ones_when_answered(broke
         assert idle.metadata(1).correlation_id == 1          # a consumer between polls
         busy = Wire(f"127.0.0.1:{port}")
         long_poll(busy, topic, 42, max_wait_ms=3000)
-        wait_for(lambda: in_flight(admin) == 1, "the long poll never reached kproxy")
+        wait_until(lambda: in_flight(admin) == 1, "the long poll never reached kproxy")
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert idle.closed_by_peer()                          # owes nothing: closed at once,
@@ -118,9 +111,9 @@ def test_a_second_signal_stops_at_once(broker: TansuBroker, tmp_path: Path) -> N
                         "--admin", admin) as (proc, log):
         w = connect_when_up(f"127.0.0.1:{port}", proc, log)
         long_poll(w, topic, 7, max_wait_ms=20_000)            # would hold the drain for its timeout
-        wait_for(lambda: in_flight(admin) == 1, "the long poll never reached kproxy")
+        wait_until(lambda: in_flight(admin) == 1, "the long poll never reached kproxy")
         proc.send_signal(signal.SIGINT)
-        wait_for(lambda: "draining" in log.read_text(), "SIGINT did not start a drain")
+        wait_until(lambda: "draining" in log.read_text(), "SIGINT did not start a drain")
         assert proc.poll() is None                            # draining, waiting for the long poll
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -144,8 +137,8 @@ def test_a_sigterm_once_ready_drains_even_while_discovery_still_waits(tmp_path: 
         try:
             with kproxy_process(tmp_path, "--upstream", cluster.bootstrap, "--listen", f"127.0.0.1:{port}",
                                 "--admin", admin) as (proc, log):
-                wait_for(lambda: readyz(admin) == 200 or proc.poll() is not None, "never ready")
-                wait_for(lambda: broker.received(METADATA), "discovery never asked for Metadata")
+                wait_until(lambda: readyz(admin) == 200 or proc.poll() is not None, "never ready")
+                wait_until(lambda: broker.received(METADATA), "discovery never asked for Metadata")
                 assert "kproxy listening" not in log.read_text()       # still starting: Metadata is held
                 proc.send_signal(signal.SIGTERM)
                 answer_metadata.set()

@@ -31,6 +31,7 @@ from tests.e2e.sasl_gate import (
     kafka_python_roundtrip,
 )
 from tests.e2e.tansu import Tansu, unique_name
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -365,17 +366,10 @@ def readyz(admin: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-def wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_ready_in_front_of_a_broker_that_requires_sasl(gate: SaslGate,
                                                        admin_proxy: tuple[ProxyThread, str, int]) -> None:
     proxy, admin, _ = admin_proxy
-    wait_for(lambda: readyz(admin)[0] == 200, "never ready in front of a SASL-only broker")
+    wait_until(lambda: readyz(admin)[0] == 200, "never ready in front of a SASL-only broker")
     assert readyz(admin) == (200, "ready\n")
     # Discovery's Metadata was refused (no SASL yet), and that does not stop readiness.
     assert any(api == METADATA for _, api in gate.refused)
@@ -394,16 +388,16 @@ def test_a_storm_to_an_unmapped_port_starts_one_discovery(gate: SaslGate,
 
     proxy, admin, broker_port = admin_proxy
     server = proxy.server
-    wait_for(lambda: readyz(admin)[0] == 200, "never ready")
+    wait_until(lambda: readyz(admin)[0] == 200, "never ready")
     # Past the time the last attempt answers for, so the storm needs an attempt of its own.
-    wait_for(lambda: proxy.call(lambda: server._discovery is None and server.discovery_ended_at is not None
+    wait_until(lambda: proxy.call(lambda: server._discovery is None and server.discovery_ended_at is not None
                                 and trio.current_time() - server.discovery_ended_at > DISCOVERY_REUSE_S),
              "discovery never settled")
     attempts = proxy.call(lambda: server.discovery_attempts)
     refused = sum(1 for _, api in gate.refused if api == METADATA)
     storm = [socket.create_connection(("127.0.0.1", broker_port), timeout=10) for _ in range(30)]
     try:
-        wait_for(lambda: proxy.call(lambda: len(server.connections)) == len(storm),
+        wait_until(lambda: proxy.call(lambda: len(server.connections)) == len(storm),
                  "the storm's connections were not all served")
         assert proxy.call(lambda: server.discovery_attempts) == attempts + 1
         assert sum(1 for _, api in gate.refused if api == METADATA) == refused + 1

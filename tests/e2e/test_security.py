@@ -28,6 +28,7 @@ from tests.e2e.sasl_gate import SaslGate, confluent_roundtrip, expected_pairs
 from tests.e2e.tansu import Tansu, TansuBroker, unique_name
 from tests.e2e.test_tls import Pki, kproxy_config, pki, server_tls  # noqa: F401 (pki is a fixture)
 from tests.e2e.wire import Wire
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -77,13 +78,6 @@ def forged_login(user: str = "admin", password: str = "wrong-password") -> bytes
     return b"".join(forged_login_steps(user, password))
 
 
-def wait_for(check, timeout: float = 10.0, explain=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, explain()
-        time.sleep(0.02)
-
-
 # -- 1. a forged principal
 
 
@@ -108,7 +102,7 @@ def test_a_forged_sasl_user_is_never_a_principal_behind_a_sasl_broker(tansu_bina
         w.send_raw(forged_login())
         assert w.read_frame() is not None       # the handshake's answer
         w.read_frame()                          # the refusal (the broker then closes)
-        wait_for(lambda: ids.metadata_identities())
+        wait_until(lambda: ids.metadata_identities())
         assert ids.metadata_identities() == [(None, False)]
         w.close()
         # A real login still works, and only then is there a principal.
@@ -144,7 +138,7 @@ def test_mtls_plus_a_forged_sasl_user_keeps_the_certificate_identity(broker: Tan
         with ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10),
                              server_hostname="localhost") as tls:
             tls.sendall(forged_login())
-            wait_for(lambda: ids.metadata_identities())
+            wait_until(lambda: ids.metadata_identities())
     assert ids.metadata_identities() == [(f"User:{pki.client_subject}", False)]
 
 
@@ -158,7 +152,7 @@ def test_failed_reauthentication_clears_the_identity(tansu_binary: str) -> None:
         assert ids.metadata_identities() == [("User:alice", True)]
         # KIP-368: authenticate again on the same connection, claiming another user.
         w.send_raw(forged_login("admin", "wrong"))
-        wait_for(lambda: len(ids.metadata_identities()) == 2)
+        wait_until(lambda: len(ids.metadata_identities()) == 2)
         # Pipelined behind the unanswered re-authentication: judged with the identity before it
         # (or none, if the broker's refusal of the handshake got there first), never the claim.
         assert ids.metadata_identities()[1] in (("User:alice", True), (None, False))
@@ -166,7 +160,7 @@ def test_failed_reauthentication_clears_the_identity(tansu_binary: str) -> None:
         assert w.read_frame() is not None           # the refusal
         assert w.closed_by_peer()                   # the broker closes after a failure
         w.close()
-        wait_for(lambda: ids.at_close)
+        wait_until(lambda: ids.at_close)
         assert ids.at_close == [None]               # the refusal cleared the identity
 
 
@@ -289,7 +283,7 @@ def test_client_strings_cannot_forge_log_lines(broker: TansuBroker, tmp_path: Pa
                        mechanism="PLAIN\nFORGED mechanism line"), client_id=evil))
         assert w.read_frame() is not None
         w.close()
-        wait_for(lambda: "(client id app" in log.read_text(), explain=log.read_text)
+        wait_until(lambda: "(client id app" in log.read_text(), what=log.read_text)
         text = log.read_text()
     assert not any(line.startswith(("2026-01-01", "FORGED")) for line in text.splitlines())
     assert "\x1b" not in text and "\x00" not in text
@@ -307,7 +301,7 @@ def test_an_exhausted_buffer_budget_pauses_reads_instead_of_allocating(broker: T
     try:
         hog = Wire(p.bootstrap)
         hog.send_raw(struct.pack(">i", 4 * 1024 * 1024) + b"\x00" * 600_000)   # an incomplete big frame
-        wait_for(lambda: p.call(lambda: p.server.budget.exhausted))
+        wait_until(lambda: p.call(lambda: p.server.budget.exhausted))
         other = Wire(p.bootstrap, timeout=20)
         result: list[float] = []
 

@@ -31,9 +31,9 @@ from tests.e2e.switchover import (
     only_retriable,
     pair,
     read_log,
-    wait_until,
 )
 from tests.e2e.tansu import TansuBroker
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 __all__ = ["pair"]     # the fixture: two brokers and the MM2 stand-in

@@ -18,7 +18,8 @@ import pytest
 
 from tests.e2e.proxied import free_port_block
 from tests.e2e.tansu import TansuBroker, free_port, unique_name
-from tests.e2e.test_workers import http, wait_for
+from tests.e2e.test_workers import http
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -82,7 +83,7 @@ def start_kproxy(broker: TansuBroker, tmp_path: Path, workers: int) -> tuple[sub
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)],
                                 stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
-    wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None,
+    wait_until(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None,
              what=log.read_text())
     assert proc.poll() is None, log.read_text()
     return proc, port, admin
@@ -117,7 +118,7 @@ def test_top_once_prints_the_rates_the_client_produced(broker: TansuBroker, tmp_
         adm.create_topics([confluent_kafka.admin.NewTopic(topic, 1, 1)])[topic].result(20)
         load = SteadyProducer(f"127.0.0.1:{port}", topic)
         load.start()
-        wait_for(lambda: len(load.done) >= RATE or load.error is not None, timeout=30, what="the load started")
+        wait_until(lambda: len(load.done) >= RATE or load.error is not None, timeout=30, what="the load started")
         assert load.error is None, load.error
 
         before = time.monotonic()

@@ -21,9 +21,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from kproxy.config import derived_cluster_id, parse_config
 from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block
-from tests.e2e.switchover import PARTITIONS, Load, Pair, only_retriable, pair, read_log, wait_until
+from tests.e2e.switchover import PARTITIONS, Load, Pair, only_retriable, pair, read_log
 from tests.e2e.tansu import free_port, unique_name
 from tests.e2e.test_switchover import cluster_id, http, metric
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 __all__ = ["pair"]     # the fixture: two brokers and the MM2 stand-in

@@ -24,7 +24,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -55,6 +54,7 @@ from tests.e2e.scenarios import (
 )
 from tests.e2e.tansu import TansuBroker, free_port, unique_name
 from tests.e2e.wire import Wire
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -132,13 +132,6 @@ def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 def value(text: str, name: str, **labels: str) -> float:
     return sum(v for n, have, v in samples(text) if n == name and all(have.get(k) == w for k, w in labels.items()))
-
-
-def wait_for(what: str, condition: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
 
 
 def metadata_all(wire: Wire, correlation_id: int = 1) -> Any:
@@ -459,7 +452,7 @@ def test_a_host_name_nobody_serves_on_a_shared_port_is_closed_with_one_line(sni:
         with pytest.raises((ssl.SSLError, ConnectionError)), \
                 contextlib.closing(tls_wire(sni.shared, name, sni.ca)) as sock:
             tls_metadata(sock)
-        wait_for("the log line", lambda name=name: any(name in r.getMessage() for r in caplog.records))
+        wait_until(lambda name=name: any(name in r.getMessage() for r in caplog.records), "the log line")
         lines = [r.getMessage() for r in caplog.records if r.name.startswith("kproxy")]
         assert len(lines) == 1, lines
         assert lines[0].startswith("connection from 127.0.0.1:")
@@ -472,7 +465,7 @@ def test_a_host_name_nobody_serves_on_a_shared_port_is_closed_with_one_line(sni:
     with contextlib.closing(Wire(f"127.0.0.1:{sni.shared}")) as wire:
         wire.send(API_VERSIONS, 0, 1, body_class(API_VERSIONS, "request")())
         assert wire.closed_by_peer()
-    wait_for("two lines", lambda: len([r for r in caplog.records if r.name.startswith("kproxy")]) >= 2)
+    wait_until(lambda: len([r for r in caplog.records if r.name.startswith("kproxy")]) >= 2, "two lines")
     messages = " | ".join(r.getMessage() for r in caplog.records)
     assert "the ClientHello names no host (SNI)" in messages
     assert "not a TLS ClientHello (not a TLS handshake)" in messages
@@ -508,7 +501,7 @@ def test_another_clusters_name_on_a_port_of_its_own_is_never_that_cluster(sni: S
     with pytest.raises((ssl.SSLError, ConnectionError)), \
             contextlib.closing(tls_wire(sni.alone, f"junk.{DOMAIN_D}", sni.ca)) as sock:
         tls_metadata(sock)
-    wait_for("the log line", lambda: any("junk" in r.getMessage() for r in caplog.records))
+    wait_until(lambda: any("junk" in r.getMessage() for r in caplog.records), "the log line")
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("kproxy") and "junk" in r.getMessage()]
     assert len(lines) == 1, lines
     assert f"on 127.0.0.1:{sni.alone}: no broker of this listener has the TLS host name 'junk.{DOMAIN_D}' (it " \
@@ -530,7 +523,7 @@ def test_two_workers_serve_two_virtual_clusters(tansus: tuple[ClusterTansu, Clus
         proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for("both workers ready", lambda: http(f"http://{admin}/readyz")[0] == 200 or proc.poll() is not None,
+        wait_until(lambda: http(f"http://{admin}/readyz")[0] == 200 or proc.poll() is not None, "both workers ready",
                  timeout=60)
         assert proc.poll() is None, log.read_text()
         assert http(f"http://{admin}/readyz")[1] == "ready (2 workers)\n"
@@ -542,8 +535,8 @@ def test_two_workers_serve_two_virtual_clusters(tansus: tuple[ClusterTansu, Clus
         assert value(text, "kproxy_requests_total", api="metadata", virtual_cluster="team-a") >= 8
         assert value(text, "kproxy_requests_total", api="metadata", virtual_cluster="team-b") >= 8
         # Each worker took connections, and its log lines name the virtual cluster of each.
-        wait_for("both workers' log lines", lambda: "[worker 0] [team-" in log.read_text()
-                 and "[worker 1] [team-" in log.read_text(), timeout=10)
+        wait_until(lambda: "[worker 0] [team-" in log.read_text()
+                 and "[worker 1] [team-" in log.read_text(), "both workers' log lines", timeout=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

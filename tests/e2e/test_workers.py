@@ -19,6 +19,7 @@ from tests.e2e.proxied import free_port_block
 from tests.e2e.sasl_gate import confluent_roundtrip, expected_pairs
 from tests.e2e.tansu import TansuBroker, free_port, unique_name
 from tests.e2e.wire import Wire
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -31,14 +32,6 @@ def http(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
     except OSError as e:
         return 0, str(e)
-
-
-def wait_for(check, what: Path, timeout: float = 60.0) -> None:
-    """Poll ``check`` until it holds; past the deadline, fail with the log ``what`` as it is then."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what.read_text()
-        time.sleep(0.1)
 
 
 def launch_workers(broker: TansuBroker, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, int, int]:
@@ -64,7 +57,7 @@ def launch_workers(broker: TansuBroker, tmp_path: Path) -> tuple[subprocess.Pope
 def start_workers(broker: TansuBroker, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, int, int]:
     """``kproxy run --config`` with ``workers: 2``, ready; (process, log, port, admin port)."""
     proc, log, port, admin = launch_workers(broker, tmp_path)
-    wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None, log)
+    wait_until(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200 or proc.poll() is not None, log)
     return proc, log, port, admin
 
 
@@ -94,12 +87,12 @@ def test_two_workers_share_the_ports_and_are_supervised(broker: TansuBroker, tmp
         # A worker that dies is started again; the proxy keeps serving meanwhile.
         pid = int(re.findall(r"worker 1 started \(pid (\d+)\)", log.read_text())[-1])
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: "worker 1 exited unexpectedly" in log.read_text(), log)
+        wait_until(lambda: "worker 1 exited unexpectedly" in log.read_text(), log)
         w = Wire(f"127.0.0.1:{port}")
         assert w.metadata(99).correlation_id == 99
         w.close()
-        wait_for(lambda: len(re.findall(r"worker 1 started", log.read_text())) == 2, log)
-        wait_for(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200, log)
+        wait_until(lambda: len(re.findall(r"worker 1 started", log.read_text())) == 2, log)
+        wait_until(lambda: http(f"http://127.0.0.1:{admin}/readyz")[0] == 200, log)
 
         # One SIGTERM drains both workers, and the supervisor exits with them.
         started = time.monotonic()
@@ -125,7 +118,7 @@ def test_a_sigterm_while_the_workers_start_drains_them(broker: TansuBroker, tmp_
     them outright: exit -15, no drain, no "kproxy stopped" line.)"""
     proc, log, _port, _admin = launch_workers(broker, tmp_path)
     try:
-        wait_for(lambda: "worker 1 started" in log.read_text() or proc.poll() is not None, log)
+        wait_until(lambda: "worker 1 started" in log.read_text() or proc.poll() is not None, log)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()
         text = log.read_text()
@@ -153,7 +146,7 @@ def test_workers_stop_when_their_supervisor_is_killed(broker: TansuBroker, tmp_p
                 return True
             return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
-        wait_for(lambda: all(gone(p) for p in pids), log, timeout=20)
+        wait_until(lambda: all(gone(p) for p in pids), log, timeout=20)
         assert "the supervisor (pid" in log.read_text()
         with pytest.raises(OSError):
             Wire(f"127.0.0.1:{port}", timeout=2).metadata()

@@ -192,14 +192,53 @@ def test_origination_refuses_a_clients_own_sasl() -> None:
     assert kinds(metadata(s)) == [ToUpstream]                # no SASL: requests flow (kproxy logs in upstream)
 
 
-def test_reauthentication_after_the_session_ended_is_too_late() -> None:
-    clock = Clock(100.0)
+def logged_in_until_110(clock: Clock) -> Session:
+    """A session logged in at 100 (PLAIN) for 10 s sessions."""
+    clock.now = 100.0
     s = session(clock=clock, max_session_s=10)
     handshake(s)
     authenticate(s, b"\x00alice\x00pw")
+    return s
+
+
+def test_a_late_reauthentication_is_accepted_as_a_broker_accepts_it() -> None:
+    """Kafka's broker checks a SaslHandshake for re-authentication before it checks the session's
+    expiry (SocketServer), so a client whose re-authentication comes after its session ended logs in
+    again on the same connection; any other request after the end closes it."""
+    clock = Clock()
+    s = logged_in_until_110(clock)
     clock.now = 110.5
-    actions = handshake(s, cid=5)
+    assert answered(handshake(s, cid=5)[0], SASL_HANDSHAKE, 1).body.error_code == 0
+    clock.now = 111.0
+    assert answered(authenticate(s, b"\x00alice\x00pw", cid=6)[0], SASL_AUTHENTICATE, 2).body.error_code == 0
+    clock.now = 120.9
+    assert not s.front.termination.expired(clock())          # renewed at 111 until 121
+    clock.now = 121.5
+    actions = metadata(s, cid=8)
     assert kinds(actions) == [Close] and "KIP-368" in actions[0].reason
+
+
+def test_after_the_session_ended_only_a_reauthentication_is_answered() -> None:
+    clock = Clock()
+    s = logged_in_until_110(clock)
+    clock.now = 110.5
+    handshake(s, cid=5)
+    actions = metadata(s, cid=6)                             # re-authentication begun, not finished
+    assert kinds(actions) == [Close] and "KIP-368" in actions[0].reason
+    s = logged_in_until_110(clock)                           # a SaslAuthenticate without its handshake
+    clock.now = 110.5
+    actions = authenticate(s, b"\x00alice\x00pw", cid=7)
+    assert kinds(actions) == [Close] and "KIP-368" in actions[0].reason
+
+
+def test_a_late_reauthentication_that_fails_closes() -> None:
+    clock = Clock()
+    s = logged_in_until_110(clock)
+    clock.now = 110.5
+    handshake(s, cid=5)
+    actions = authenticate(s, b"\x00alice\x00wrong", cid=6)
+    assert kinds(actions) == [Hold, ToClient, Close]
+    assert answered(actions[1], SASL_AUTHENTICATE, 2).body.error_code == 58
 
 
 def test_passthrough_of_undecodable_versions_waits_for_the_login() -> None:

@@ -20,6 +20,7 @@ from kproxy.config import UpstreamSasl, parse_config
 from kproxy.protocol.messages import Request, Response, body_class, decode_request
 from kproxy.proxy.filters import Filter
 from kproxy.server import upstream as upstream_module
+from kproxy.server.connection import ClientConnection
 from kproxy.server.origination import Originator
 from kproxy.server.transport import Transport
 from kproxy.server.upstream import (
@@ -270,6 +271,48 @@ async def test_answers_to_requests_sent_before_a_login_again_still_reach_the_cli
         answer(h, broker, broker.requests[0], metadata_response())
         await settle()
         assert h.answered_ids() == [1]
+        n.cancel_scope.cancel()
+
+
+async def test_a_write_that_finds_the_login_due_logs_in_again_before_it_is_sent(monkeypatch, autojump_clock):
+    """As Kafka's client checks before each send: a request written once the login is due goes out
+    after a login again, even when the timer has not had its turn (here it never does)."""
+
+    async def timer_not_yet(self: Any) -> None:
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(ClientConnection, "_keep_login", timer_not_yet)
+    h = proxied(monkeypatch)
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        broker, due = await connected(h, METADATA, 12, 1, metadata_request())
+        answer(h, broker, broker.requests[0], metadata_response())
+        await trio.sleep_until(due - 0.01)
+        h.ask(METADATA, 12, 2, metadata_request())               # not yet due: no login
+        await settle()
+        assert api_keys(broker) == [17, 36, METADATA, METADATA] and len(broker.logins) == 1
+        answer(h, broker, broker.requests[1], metadata_response())
+        await trio.sleep_until(due)
+        h.ask(METADATA, 12, 3, metadata_request())
+        await settle()
+        assert api_keys(broker) == [17, 36, METADATA, METADATA, 17, 36, METADATA]
+        assert len(broker.logins) == 2 and h.brokers == [broker]
+        answer(h, broker, broker.requests[2], metadata_response())
+        await settle()
+        assert h.answered_ids() == [1, 2, 3]
+        n.cancel_scope.cancel()
+
+
+async def test_a_write_and_the_timer_due_together_log_in_again_once_before_the_request(monkeypatch, autojump_clock):
+    h = proxied(monkeypatch)
+    async with trio.open_nursery() as n:
+        n.start_soon(h.conn.run)
+        broker, due = await connected(h, METADATA, 12, 1, metadata_request())
+        answer(h, broker, broker.requests[0], metadata_response())
+        await trio.sleep_until(due)
+        h.ask(METADATA, 12, 2, metadata_request())               # both runnable at once
+        await settle()
+        assert api_keys(broker) == [17, 36, METADATA, 17, 36, METADATA] and len(broker.logins) == 2
         n.cancel_scope.cancel()
 
 
