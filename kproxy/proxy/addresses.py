@@ -10,6 +10,7 @@ Pure: a port exposed for the first time is only a promise until the I/O layer re
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -232,7 +233,10 @@ def endpoint_sites(msg: MessageSpec, v: int) -> list[tuple[_Step, ...]]:
     return out
 
 
+@functools.cache
 def apis_with_endpoints() -> frozenset[int]:
+    """The APIs some version of whose answer holds a broker endpoint (a walk of the whole schema,
+    done once per process)."""
     keys = set()
     for key, api in apis().items():
         msg = api.response
@@ -256,16 +260,15 @@ class AddressRewriter(Filter):
         self.address_map = address_map
         self.response_api_keys = apis_with_endpoints()
         self._unexposable: set[tuple[str, int]] = set()   # nodes already reported as unexposable
-        self._plans: dict[tuple[int, int], tuple[str | None, list[tuple[_Step, ...]]]] = {}
 
-    def _plan(self, api_key: int, api_version: int) -> tuple[str | None, list[tuple[_Step, ...]]]:
-        key = (api_key, api_version)
-        plan = self._plans.get(key)
-        if plan is None:
-            msg = apis()[api_key].response
-            assert msg is not None
-            plan = self._plans[key] = (_node_field(msg.root, api_version), endpoint_sites(msg, api_version))
-        return plan
+    @staticmethod
+    @functools.cache
+    def _plan(api_key: int, api_version: int) -> tuple[str | None, tuple[tuple[_Step, ...], ...]]:
+        """The answer's own node id field and its endpoint paths: the same for every rewriter, so
+        worked out once per process for each API version met."""
+        msg = apis()[api_key].response
+        assert msg is not None
+        return _node_field(msg.root, api_version), tuple(endpoint_sites(msg, api_version))
 
     def reads_response(self, api_key: int, api_version: int) -> bool:
         # Only versions with endpoints: Produce answers carry KIP-951's leader hints from v10 on.
