@@ -3,9 +3,9 @@
 The codec fuzzers and cross-checks run once per message and version of the whole schema (over a
 thousand parametrised tests), so their example counts decide much of ``make test``'s time. The
 counts written in those tests are the default run's; ``KPROXY_EXAMPLES`` multiplies them for a
-deeper run (``make test-deep`` uses 4), or shrinks them for a quick look. Hypothesis draws new
-cases every run, so successive default runs keep exploring; a failure it finds is kept in the local
-example database and tried first next time."""
+deeper run (``make test-deep`` uses 3, the counts of before 2026-11), or shrinks them for a quick
+look. Hypothesis draws new cases every run, so successive default runs keep exploring; a failure it
+finds is kept in the local example database and tried first next time."""
 
 from __future__ import annotations
 

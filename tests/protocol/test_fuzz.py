@@ -61,7 +61,7 @@ def _encoded(msg, v):
 def test_mutated_bodies_raise_only_decode_error(msg):
     versions = list(range(msg.versions.lo, msg.versions.hi + 1))
 
-    @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.sampled_from(versions).flatmap(lambda v: _encoded(msg, v)).flatmap(
         lambda cd: st.tuples(st.just(cd[0]), mutated(cd[1]))))
     def check(case):
@@ -82,7 +82,7 @@ def test_mutated_frames_raise_only_decode_error(api_key):
         return message_strategy(msg, v).map(
             lambda body: bytes(join_parts(*_parts(Request.build(api_key, v, 7, "fuzz", body)))))
 
-    @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(14), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.sampled_from(versions).flatmap(frame).flatmap(mutated))
     def check(data):
         with contextlib.suppress(DecodeError):

@@ -71,7 +71,7 @@ def test_kio_agrees(name, kind, msg, v):
     cls = kio_class(name, v, kind)
 
     # No shrinking: a failing example is printed as found; shrinking kio entities takes minutes.
-    @settings(max_examples=examples(15), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    @settings(max_examples=examples(10), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(kio_strategy(cls))
     def check(entity):

@@ -34,7 +34,7 @@ def test_round_trip(msg, v):
     codec = get_codec(msg, v)
     variants = [codec, *lazy_variants(codec)]
 
-    @settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(7), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(message_strategy(msg, v))
     def check(obj):
         data = _encode(codec, obj)

@@ -56,7 +56,7 @@ def _only_actions(out: object) -> None:
 
 @pytest.mark.parametrize("api_key", API_KEYS)
 def test_mutated_requests_only_ever_yield_actions(api_key):
-    @settings(max_examples=examples(12), deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(8), deadline=None, suppress_health_check=list(HealthCheck))
     @given(_frame(api_key, "request").flatmap(lambda vf: mutated(vf[1])))
     def check(data):
         _only_actions(_session().client_frame(memoryview(bytearray(data))))
@@ -67,7 +67,7 @@ def test_mutated_requests_only_ever_yield_actions(api_key):
 @pytest.mark.parametrize("api_key", API_KEYS)
 def test_mutated_responses_only_ever_yield_actions(api_key):
     # A valid request goes up first, so the (mutated) answer meets a real in-flight entry.
-    @settings(max_examples=examples(12), deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(8), deadline=None, suppress_health_check=list(HealthCheck))
     @given(_frame(api_key, "request"), _frame(api_key, "response"), st.data())
     def check(req, resp, data):
         _, req_bytes = req
