@@ -39,37 +39,14 @@ def rebuild_batch(batch: RecordBatch, payload: bytes | bytearray | memoryview, r
     codec = batch.compression
     body = bytes(payload) if codec is Compression.NONE else compress(codec, bytes(payload), 2)
     out = bytearray(V2_HEADER_SIZE + len(body))
-    V2_HEADER.pack_into(
-        out, 0,
-        batch.base_offset,
-        V2_HEADER_SIZE - LOG_OVERHEAD + len(body),
-        batch.partition_leader_epoch,
-        2,
-        0,
-        batch.attributes,
-        batch.last_offset_delta,
-        batch.base_timestamp,
-        batch.max_timestamp,
-        batch.producer_id,
-        batch.producer_epoch,
-        batch.base_sequence,
-        batch.record_count if record_count is None else record_count,
-    )
     out[V2_HEADER_SIZE:] = body
-    struct.pack_into(">I", out, V2_CRC_OFFSET, crc32c.crc32c(memoryview(out)[V2_ATTRIBUTES_OFFSET:]))
+    _seal_header(batch, out, batch.record_count if record_count is None else record_count)
     return bytes(out)
 
 
-def rebuild_reserved(batch: RecordBatch, out: bytearray, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
-                     ) -> bytearray | bytes:
-    """``rebuild_batch`` for records written after ``V2_HEADER_SIZE`` reserved bytes of ``out``: an
-    uncompressed batch gets its header written in place (no copy of the records), a compressed one
-    is compressed from there. RecordsError when the records exceed ``max_decompressed_bytes``."""
-    size = len(out) - V2_HEADER_SIZE
-    if size > max_decompressed_bytes:
-        raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
-    if batch.compression is not Compression.NONE:
-        return rebuild_batch(batch, memoryview(out)[V2_HEADER_SIZE:])
+def _seal_header(batch: RecordBatch, out: bytearray, record_count: int) -> None:
+    """Writes ``batch``'s header (its length from ``out``'s, ``record_count``) into the first
+    ``V2_HEADER_SIZE`` bytes of ``out``, then the CRC of everything after the attributes."""
     V2_HEADER.pack_into(
         out, 0,
         batch.base_offset,
@@ -84,9 +61,22 @@ def rebuild_reserved(batch: RecordBatch, out: bytearray, max_decompressed_bytes:
         batch.producer_id,
         batch.producer_epoch,
         batch.base_sequence,
-        batch.record_count,
+        record_count,
     )
     struct.pack_into(">I", out, V2_CRC_OFFSET, crc32c.crc32c(memoryview(out)[V2_ATTRIBUTES_OFFSET:]))
+
+
+def rebuild_reserved(batch: RecordBatch, out: bytearray, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+                     ) -> bytearray | bytes:
+    """``rebuild_batch`` for records written after ``V2_HEADER_SIZE`` reserved bytes of ``out``: an
+    uncompressed batch gets its header written in place (no copy of the records), a compressed one
+    is compressed from there. RecordsError when the records exceed ``max_decompressed_bytes``."""
+    size = len(out) - V2_HEADER_SIZE
+    if size > max_decompressed_bytes:
+        raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
+    if batch.compression is not Compression.NONE:
+        return rebuild_batch(batch, memoryview(out)[V2_HEADER_SIZE:])
+    _seal_header(batch, out, batch.record_count)
     return out
 
 
