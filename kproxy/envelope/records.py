@@ -64,14 +64,19 @@ def seal_records(records: Any, count: int, runs: Sequence[tuple[int, DataKey]], 
             got: tuple[bytearray, int] = _native_seal(records, count, c_runs, nonces, value_binding.suffix,
                                           key_binding.suffix, reserve)
         except ValueError as e:
-            if len(e.args) == 2 and isinstance(e.args[0], str):
-                raise RecordsBroken(*e.args) from None
-            raise
+            raise _as_broken(e) from None
         PATHS["native"] += 1
         return got
     PATHS["python"] += 1
     return _seal_records(records, count, runs, seal_keys, nonces, value_binding, key_binding, reserve)
 
+
+def _as_broken(e: ValueError) -> Exception:
+    """The accelerator's ValueError(reason, offset) for a record that does not fit, as RecordsBroken;
+    any other ValueError as it is."""
+    if len(e.args) == 2 and isinstance(e.args[0], str):
+        return RecordsBroken(*e.args)
+    return e
 
 def open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any, value_binding: Binding,
                  key_binding: Binding, reserve: int = 0, native: bool | None = None
@@ -98,9 +103,7 @@ def open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any,
                 records, count, lookup, value_binding.suffix, key_binding.suffix, TamperedRecord, InvalidTag,
                 reserve)
         except ValueError as e:
-            if len(e.args) == 2 and isinstance(e.args[0], str):
-                raise RecordsBroken(*e.args) from None
-            raise
+            raise _as_broken(e) from None
         PATHS["native"] += 1
         return got
     PATHS["python"] += 1
