@@ -60,10 +60,31 @@ class ServerProcess:
             self.process.wait()
             self.process = None
 
-    def pause(self) -> None:
+    def pause(self, timeout: float = 10.0) -> None:
+        """Stop the server, and return only once every thread of it has stopped. kill() returns
+        before the stop takes effect: on a loaded machine a just-signalled server was seen to answer
+        requests for tens of milliseconds afterwards, so a test that then expects a timeout got an
+        answer instead."""
         assert self.process is not None
         self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _all_threads_stopped(self.process.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} (pid {self.process.pid}) did not stop within {timeout:g}s")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         if self.process is not None:
             self.process.send_signal(signal.SIGCONT)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:       # the thread ended while we looked
+            continue
+        if stat[stat.rindex(")") + 2] not in "Tt":
+            return False
+    return True
