@@ -34,8 +34,9 @@ from kproxy.envelope.format import (
 
 AUTH_FAILED = "authentication failed (the record, its envelope, topic or key was changed)"
 
-# Batches sealed or opened by each path since start: tests read it to know the accelerator ran.
-PATHS = {"native": 0, "python": 0}
+# Batches sealed or opened by each path since start: tests read it to know the accelerator ran
+# ("into": of those, batches the accelerator opened straight into a partition's buffer).
+PATHS = {"native": 0, "python": 0, "into": 0}
 
 
 class RecordsBroken(Exception):
@@ -87,6 +88,36 @@ def open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any,
     were. TamperedRecord (with the record's index) for the first record that fails, MissingDataKey
     when ``deks`` (anything with ``get``) lacks a record's DEK, RecordsBroken when a record does not
     fit: a batch is opened whole or not at all."""
+    got, opened, plain, keys_opened = _open(records, count, deks, value_binding, key_binding, reserve, native)
+    assert isinstance(got, bytearray)
+    return got, opened, plain, keys_opened
+
+
+def open_records_into(into: bytearray, at: int, records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any,
+                      value_binding: Binding, key_binding: Binding, reserve: int = 0, native: bool | None = None
+                      ) -> tuple[int, int, int, bool]:
+    """``open_records`` writing into ``into`` from ``at`` instead of a new bytearray: ``(offset after
+    what was written, values opened, plain values, keys opened)``. ``into`` must hold ``reserve +
+    len(records)`` bytes from ``at`` (an opened record is never longer than the sealed one), so a
+    partition's batches open one after another into one buffer, with no copy to join them. On an
+    error, what lies from ``at`` is undefined."""
+    if len(into) - at < reserve + len(records) or at < 0:
+        raise ValueError("no room for the records in `into` from `at`")
+    if (_native_open is not None if native is None else native) and not _OPEN_INTO:
+        # An accelerator built before it could write into a buffer: its own, copied once.
+        new, opened, plain, keys_opened = open_records(records, count, deks, value_binding, key_binding, reserve,
+                                                       native)
+        into[at:at + len(new)] = new
+        return at + len(new), opened, plain, keys_opened
+    got, opened, plain, keys_opened = _open(records, count, deks, value_binding, key_binding, reserve, native,
+                                            into, at)
+    assert isinstance(got, int)
+    return got, opened, plain, keys_opened
+
+
+def _open(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any, value_binding: Binding,
+          key_binding: Binding, reserve: int, native: bool | None, into: bytearray | None = None, at: int = 0
+          ) -> tuple[bytearray | int, int, int, bool]:
     use_native = _native_open is not None if native is None else native
     if use_native:
         assert _native_open is not None
@@ -98,16 +129,23 @@ def open_records(records: Any, count: int, deks: Mapping[KeyRef, DataKey] | Any,
                 raise MissingDataKey(ref)
             return size, flags, dek._aead.decrypt_into
 
+        where = () if into is None else (into, at)
         try:
-            got: tuple[bytearray, int, int, bool] = _native_open(
+            got: tuple[bytearray | int, int, int, bool] = _native_open(
                 records, count, lookup, value_binding.suffix, key_binding.suffix, TamperedRecord, InvalidTag,
-                reserve)
+                reserve, *where)
         except ValueError as e:
             raise _as_broken(e) from None
         PATHS["native"] += 1
+        if into is not None:
+            PATHS["into"] += 1
         return got
     PATHS["python"] += 1
-    return _open_records(records, count, deks, value_binding, key_binding, reserve)
+    new, opened, plain, keys_opened = _open_records(records, count, deks, value_binding, key_binding, reserve)
+    if into is None:
+        return new, opened, plain, keys_opened
+    into[at:at + len(new)] = new
+    return at + len(new), opened, plain, keys_opened
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,14 +272,15 @@ def _first_failure(keys: list[Any], values: list[Any], deks: Mapping[KeyRef, Dat
             open_part(v, i, k, value_found)
 
 
-def _native() -> tuple[Any, Any]:
+def _native() -> tuple[Any, Any, bool]:
     """The accelerator's seal_records and open_records, or (None, None) where it was not built or is
-    older than they are."""
+    older than they are; and whether its open_records can write into a given buffer."""
     try:
         accel = importlib.import_module("kproxy.protocol._accel")
     except ImportError:
-        return None, None
-    return getattr(accel, "seal_records", None), getattr(accel, "open_records", None)
+        return None, None, False
+    return (getattr(accel, "seal_records", None), getattr(accel, "open_records", None),
+            bool(getattr(accel, "OPEN_INTO", 0)))
 
 
-_native_seal, _native_open = _native()
+_native_seal, _native_open, _OPEN_INTO = _native()

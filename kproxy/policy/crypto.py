@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from kproxy.envelope import Binding, DataKey, KeyRef, Part, is_sealed
 from kproxy.envelope.format import MissingDataKey, TamperedRecord
 from kproxy.envelope.keys import KeyRing, UnwrapCache
-from kproxy.envelope.records import RecordsBroken, open_records, seal_records
+from kproxy.envelope.records import RecordsBroken, open_records, open_records_into, seal_records
 from kproxy.policy.model import Mask
 from kproxy.protocol.errors import RecordsError
 from kproxy.protocol.records import (
@@ -251,41 +251,57 @@ class CachedKeys:
 
 
 def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapping[KeyRef, DataKey] | CachedKeys,
-                   masks: Sequence[Mask], crypto: RecordCrypto | None, cap: int, opening: bool = True) -> bytes | None:
+                   masks: Sequence[Mask], crypto: RecordCrypto | None, cap: int, opening: bool = True
+                   ) -> bytearray | None:
     """The partition's records with sealed keys and values opened (when ``opening``: the topic is
     encrypted) and ``masks`` applied, or None when nothing changed (or the first batch cannot be
     read: the client cannot read it either, and the broker's answer stands). A batch that cannot be
     read or opened
     ends the records there: the batches before it are delivered, and the client's next Fetch starts
     at it. When it is the first, Tampered (a record fails authentication: it is never delivered, not
-    even empty) or MissingDataKey (a DEK not in ``deks``) refuses the partition."""
+    even empty) or MissingDataKey (a DEK not in ``deks``) refuses the partition.
+
+    The records are written into one buffer the size of those received: an uncompressed batch is
+    opened in place there (an opened record is never longer than the sealed one) with its header
+    written around it, so a partition of many batches costs one allocation and no copy to join them."""
     value_binding = Binding(topic, Part.VALUE)
     key_binding = Binding(topic, Part.KEY)
-    out: list[Any] = []
+    out = bytearray(sum(len(fb.batch.raw) if isinstance(fb, FetchedBatch) else len(fb) for fb in batches))
+    at = 0
     changed = False
     for fb in batches:
         if not isinstance(fb, FetchedBatch):
-            out.append(fb)
+            at = _put(out, at, fb)
             continue
         batch = fb.batch
         new: Any = None
         try:
             if opening:
                 buf, count = _payload(batch, cap)
+                in_place = batch.compression is Compression.NONE
                 try:
-                    opened_records, sealed, _plain, keys_opened = open_records(
-                        buf, count, deks, value_binding, key_binding, V2_HEADER_SIZE)
+                    if in_place:
+                        need = V2_HEADER_SIZE + len(buf)
+                        if len(out) - at < need:
+                            # Batches before it grew (masked): room for this one, bounded by its size.
+                            out.extend(bytes(need - (len(out) - at)))
+                        end, sealed, _plain, keys_opened = open_records_into(
+                            out, at, buf, count, deks, value_binding, key_binding, V2_HEADER_SIZE)
+                    else:
+                        opened_records, sealed, _plain, keys_opened = open_records(
+                            buf, count, deks, value_binding, key_binding, V2_HEADER_SIZE)
                 except RecordsBroken as e:
                     raise _records_error(batch, e) from None
                 except (TamperedRecord, MissingDataKey) as e:
-                    if out:
+                    if at:
                         # The batches before this one go to the client; its next Fetch starts here.
-                        return b"".join(out)
+                        return _cut(out, at)
                     if isinstance(e, MissingDataKey):
                         raise
                     raise Tampered(batch.base_offset + e.index, e.reason) from None
                 if sealed or keys_opened:
-                    new = opened_records
+                    new = bytearray(out[at:end]) if in_place and masks else (
+                        _OPENED_HERE if in_place else opened_records)
                     if crypto is not None:
                         crypto.records_decrypted += sealed
                         crypto.batches_decrypted += 1
@@ -299,18 +315,40 @@ def open_partition(batches: Sequence[FetchedBatch | Any], topic: str, deks: Mapp
                 if masked:
                     new = bytearray(V2_HEADER_SIZE)
                     new += join_records_payload(heads, keys, values, tails)
-            if new is not None:
-                out.append(rebuild_reserved(batch, new, cap))
+                del parts, heads, keys, values, tails     # views of `new`, let go before it is rebuilt
+            if new is _OPENED_HERE:
+                with memoryview(out) as whole:
+                    rebuild_reserved(batch, whole[at:end], cap)     # the header, in place
+                at = end
+                changed = True
+            elif new is not None:
+                at = _put(out, at, rebuild_reserved(batch, new, cap))
                 changed = True
             else:
-                out.append(batch.raw)
+                at = _put(out, at, batch.raw)
         except RecordsError:
             # The client cannot read this batch either: the batches before it go (opened), and
             # alone it is the broker's answer as it is (the client fails on it first).
-            return b"".join(out) if out else None
+            return _cut(out, at) if at else None
     if not changed:
         return None
-    return b"".join(out)
+    return _cut(out, at)
+
+
+# open_partition's mark for a batch opened where it belongs in the partition's buffer.
+_OPENED_HERE = object()
+
+
+def _put(out: bytearray, at: int, data: Any) -> int:
+    """``data`` written into ``out`` from ``at`` (``out`` grows when it runs past the end); the offset after it."""
+    end = at + len(data)
+    out[at:end] = data
+    return end
+
+
+def _cut(out: bytearray, at: int) -> bytearray:
+    del out[at:]
+    return out
 
 
 def _split_section(buf: memoryview, count: int, batch: RecordBatch) -> tuple[list[Any], list[Any], list[Any], list[Any]]:

@@ -100,7 +100,7 @@ class _Fetched:
 
     # (topic, partition data, batches read, masks, whether the topic is encrypted)
     parts: list[tuple[str, Any, list[Any], tuple[Mask, ...], bool]] = attrs.field(factory=list)
-    results: dict[int, bytes | None] = attrs.field(factory=dict)    # index in parts -> records, or unchanged
+    results: dict[int, bytes | bytearray | None] = attrs.field(factory=dict)  # index in parts -> records, or unchanged
     waiting: list[int] = attrs.field(factory=list)                   # indexes of parts that need a DEK
     missing: list[KeyRef] = attrs.field(factory=list)                # the DEKs they need
     deks: dict[KeyRef, DataKey] = attrs.field(factory=dict)

@@ -1127,22 +1127,30 @@ PyDoc_STRVAR(open_records_doc,
 "sealed key, when the batch's first non-null key is sealed), after `reserve` zero bytes; plain and\n"
 "null parts as they were. lookup(view, index) -> (header size, flags, decrypt_into) describes a\n"
 "header not seen just before. A record that fails raises tampered(index, reason) (the cipher's\n"
-"`invalid_tag` becomes that too). ValueError((reason, position)) when a record does not fit.");
+"`invalid_tag` becomes that too). ValueError((reason, position)) when a record does not fit.\n\n"
+"open_records(..., reserve, into, at) -> (end, values opened, plain values, keys opened) writes the same\n"
+"bytes into the bytearray `into` from `at` instead (it must hold reserve + len(records) bytes from\n"
+"there; an opened record is never longer than the sealed one) and gives the offset after them, so a\n"
+"partition's batches are opened one after another into one buffer.");
 
 static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "open_records() takes 8 arguments");
+    if (nargs != 8 && nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "open_records() takes 8 or 10 arguments");
         return NULL;
     }
     PyObject *src = args[0], *lookup = args[2], *vsuf = args[3], *ksuf = args[4];
     PyObject *tampered = args[5], *invalid_tag = args[6];
+    PyObject *into = nargs == 10 ? args[8] : NULL;
     Py_ssize_t count = PyLong_AsSsize_t(args[1]), reserve = PyLong_AsSsize_t(args[7]);
-    if ((count == -1 || reserve == -1) && PyErr_Occurred())
+    Py_ssize_t at = into != NULL ? PyLong_AsSsize_t(args[9]) : 0;
+    if ((count == -1 || reserve == -1 || at == -1) && PyErr_Occurred())
         return NULL;
-    if (!PyBytes_Check(vsuf) || !PyBytes_Check(ksuf) || reserve < 0) {
-        PyErr_SetString(PyExc_TypeError, "open_records() takes bytes suffixes and a reserve >= 0");
+    if (!PyBytes_Check(vsuf) || !PyBytes_Check(ksuf) || reserve < 0 || at < 0
+            || (into != NULL && !PyByteArray_Check(into))) {
+        PyErr_SetString(PyExc_TypeError, "open_records() takes bytes suffixes, a reserve >= 0 and a bytearray "
+                                         "with an offset >= 0");
         return NULL;
     }
     Py_buffer view;
@@ -1150,6 +1158,9 @@ static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     const unsigned char *b = view.buf;
     Py_ssize_t end = view.len;
+    /* Held while writing: nothing can resize `into` under the pointer (lookup runs Python). */
+    Py_buffer into_view = {0};
+    int into_held = 0;
     PyObject *out = NULL, *result = NULL;
     Head kh = {0}, vh = {0};
     Calls calls = {{NULL, NULL, NULL, NULL}, NULL, 0};
@@ -1175,10 +1186,23 @@ static PyObject *open_records(PyObject *module, PyObject *const *args, Py_ssize_
     }
     open_keys = open_keys > 0;
     /* An opened record is never longer than the sealed one: the input's size bounds the output. */
-    out = PyByteArray_FromStringAndSize(NULL, reserve + end);
-    if (out == NULL)
-        goto done;
-    unsigned char *base = (unsigned char *)PyByteArray_AS_STRING(out), *w = base + reserve;
+    unsigned char *base;
+    if (into != NULL) {
+        if (PyObject_GetBuffer(into, &into_view, PyBUF_WRITABLE) < 0)
+            goto done;
+        into_held = 1;
+        if (into_view.len < at || into_view.len - at < reserve + end) {
+            PyErr_SetString(PyExc_ValueError, "open_records(): no room for the records in `into` from `at`");
+            goto done;
+        }
+        base = (unsigned char *)into_view.buf + at;
+    } else {
+        out = PyByteArray_FromStringAndSize(NULL, reserve + end);
+        if (out == NULL)
+            goto done;
+        base = (unsigned char *)PyByteArray_AS_STRING(out);
+    }
+    unsigned char *w = base + reserve;
     memset(base, 0, (size_t)reserve);
     pos = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -1250,6 +1274,10 @@ crypto_fail:
         }
         goto fail;
     }
+    if (into != NULL) {
+        result = Py_BuildValue("(nnnO)", at + (w - base), opened, plain, open_keys ? Py_True : Py_False);
+        goto fail;
+    }
     if (PyByteArray_Resize(out, w - base) < 0)
         goto fail;
     result = Py_BuildValue("(OnnO)", out, opened, plain, open_keys ? Py_True : Py_False);
@@ -1258,7 +1286,10 @@ fail:
 done:
     head_clear(&kh);
     head_clear(&vh);
+    /* The windows onto `into` are closed before it may be resized again. */
     calls_clear(&calls);
+    if (into_held)
+        PyBuffer_Release(&into_view);
     PyBuffer_Release(&view);
     return result;
 }
@@ -1289,7 +1320,8 @@ PyMODINIT_FUNC PyInit__accel(void)
         return NULL;
     Py_INCREF(&ProgramType);
     if (PyModule_AddObject(m, "Program", (PyObject *)&ProgramType) < 0
-            || PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
+            || PyModule_AddIntConstant(m, "ABI", ABI) < 0
+            || PyModule_AddIntConstant(m, "OPEN_INTO", 1) < 0) {
         Py_DECREF(&ProgramType);
         Py_DECREF(m);
         return NULL;

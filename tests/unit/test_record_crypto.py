@@ -308,10 +308,15 @@ def test_a_fetch_answer_waits_for_dek_and_refuses_only_the_partitions_it_cannot_
     (keys,) = again()
     p0 = first_partition(keys.then({d.ref: KmsError("unknown_kek", "no such key", retriable=False)}))
     assert p0.error_code == INVALID_RECORD and not p0.records
-    # With the DEK cached the answer is opened at once, with no question.
+    # With the DEK cached the answer is opened at once, with no question, into the partition's
+    # buffer (where the accelerator is built: make test always builds it).
+    from kproxy.envelope import records as R
+
     cache.put(d, 0.0)
+    into = R.PATHS["into"]
     p0 = first_partition(again())
     assert p0.error_code == 0 and values(bytes(p0.records)) == [b"secret"]
+    assert R.PATHS["into"] > into or R._native_open is None
 
 
 def test_kproxy_decode_shows_an_envelope_without_opening_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -469,6 +474,17 @@ def test_native_seal_and_open_match_the_python_reference_byte_for_byte(monkeypat
         assert bytes(opened_n[0]) == bytes(opened_p[0]) and opened_n[1:] == opened_p[1:]
         assert bytes(opened_n[0][reserve:]) == bytes(buf)      # the records as they were produced
         assert opened_n[1] == native[1]
+        # Into a partition's buffer at an offset: the same bytes there, and nothing outside them touched.
+        at = rng.randrange(0, 100)
+        for use_native in (True, False):
+            into = bytearray(b"\xee" * (at + reserve + len(sealed) + 7))
+            end, *counts = R.open_records_into(into, at, sealed, count, by_ref, vb, kb, reserve, native=use_native)
+            assert (end, tuple(counts)) == (at + len(opened_n[0]), opened_n[1:])
+            assert into[at:end] == opened_n[0]
+            assert into[:at] == b"\xee" * at and into[-7:] == b"\xee" * 7
+            with pytest.raises(ValueError, match="no room"):
+                R.open_records_into(bytearray(at + reserve + len(sealed) - 1), at, sealed, count, by_ref, vb, kb,
+                                    reserve, native=use_native)
         # Tampered: one or two bits of the sealed section flipped (a length, a header, a nonce, a
         # cipher byte or a tag). Both paths fail alike: the same error, at the same first record.
         for trial in range(8):
@@ -513,6 +529,50 @@ def test_the_data_path_seals_and_opens_through_the_accelerator_when_it_is_built(
     opened = open_all(sealed, "pay", {d.ref: d})
     assert opened is not None and values(opened) == [b"v%d" % i for i in range(10)] * 3
     assert R.PATHS["native"] - before["native"] == 6 and R.PATHS["python"] == before["python"]
+
+
+def test_a_partition_opens_into_one_buffer_whatever_its_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uncompressed batches are opened in place in the partition's buffer (counted in PATHS["into"]);
+    compressed ones, plain ones, control ones and masked ones (which may grow) are written there too,
+    in order; the result is what opening each batch alone gives."""
+    from kproxy.envelope import records as R
+
+    d = dek()
+    plain_json = [b'{"card": {"number": "4111"}, "n": %d}' % i for i in range(4)]
+
+    def sealed(recs: list[tuple[bytes | None, bytes | None]], codec: Compression, at: int) -> bytes:
+        batches = C.sealable_batches(build_batch(recs, compression=codec, base_offset=at))
+        return C.seal_partition(batches, "pay", C.Grants([(d, 1 << 20)]), False, 1 << 24)[0]
+
+    parts = [
+        sealed([(b"k", v) for v in plain_json], Compression.NONE, 0),
+        sealed([(b"k", v) for v in plain_json], Compression.LZ4, 4),
+        build_batch([(b"k", b"plain")], base_offset=8),
+        build_batch([(None, b"\x00\x00\x00\x00\x00\x00")], is_control=True, base_offset=9),
+        sealed([(None, b"x" * 2000), (b"k", None)], Compression.NONE, 10),
+    ]
+    records = b"".join(parts)
+    expected = [v for v in plain_json] * 2 + [b"plain", b"\x00\x00\x00\x00\x00\x00", b"x" * 2000, None]
+    before = R.PATHS["into"]
+    opened = open_all(records, "pay", {d.ref: d})
+    assert opened is not None and values(opened) == expected
+    assert R.PATHS["into"] - before == 3      # the three uncompressed data batches (one of them plain)
+    assert len(list(iter_batches(opened, verify_crc=True))) == 5
+    # Masks that make values longer than the sealed ones: the buffer grows, the batches stay whole.
+    long_mask = (Mask((("card", "number"),), "*" * 300),)
+    masked = open_all(records, "pay", {d.ref: d}, long_mask)
+    assert masked is not None
+    got = values(masked)
+    assert [json.loads(v)["card"]["number"] for v in got[:8]] == ["*" * 300] * 8
+    assert got[8:] == expected[8:] and len(list(iter_batches(masked, verify_crc=True))) == 5
+    # An accelerator built before it could write into a buffer (its own output copied in), and the
+    # Python reference, give the same bytes.
+    monkeypatch.setattr(R, "_OPEN_INTO", False)
+    before = R.PATHS["into"]
+    assert open_all(records, "pay", {d.ref: d}) == opened
+    assert R.PATHS["into"] == before
+    monkeypatch.setattr(R, "_native_open", None)
+    assert open_all(records, "pay", {d.ref: d}) == opened
 
 
 def test_the_python_reference_serves_where_the_accelerator_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,7 +44,7 @@ def rebuild_batch(batch: RecordBatch, payload: bytes | bytearray | memoryview, r
     return bytes(out)
 
 
-def _seal_header(batch: RecordBatch, out: bytearray, record_count: int) -> None:
+def _seal_header(batch: RecordBatch, out: bytearray | memoryview, record_count: int) -> None:
     """Writes ``batch``'s header (its length from ``out``'s, ``record_count``) into the first
     ``V2_HEADER_SIZE`` bytes of ``out``, then the CRC of everything after the attributes."""
     V2_HEADER.pack_into(
@@ -66,11 +66,12 @@ def _seal_header(batch: RecordBatch, out: bytearray, record_count: int) -> None:
     struct.pack_into(">I", out, V2_CRC_OFFSET, crc32c.crc32c(memoryview(out)[V2_ATTRIBUTES_OFFSET:]))
 
 
-def rebuild_reserved(batch: RecordBatch, out: bytearray, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
-                     ) -> bytearray | bytes:
-    """``rebuild_batch`` for records written after ``V2_HEADER_SIZE`` reserved bytes of ``out``: an
-    uncompressed batch gets its header written in place (no copy of the records), a compressed one
-    is compressed from there. RecordsError when the records exceed ``max_decompressed_bytes``."""
+def rebuild_reserved(batch: RecordBatch, out: bytearray | memoryview,
+                     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> bytearray | memoryview | bytes:
+    """``rebuild_batch`` for records written after ``V2_HEADER_SIZE`` reserved bytes of ``out`` (a
+    bytearray, or a writable view of a larger buffer): an uncompressed batch gets its header written
+    in place (no copy of the records), a compressed one is compressed from there. RecordsError when
+    the records exceed ``max_decompressed_bytes``."""
     size = len(out) - V2_HEADER_SIZE
     if size > max_decompressed_bytes:
         raise RecordsError(f"the rewritten records exceed {max_decompressed_bytes} bytes", batch._at)
