@@ -115,7 +115,7 @@ class SessionCutThrough:
             return False
         (upstream_id,) = _I32.unpack_from(head, 0)
         entry = self._by_upstream.get(upstream_id)
-        if (entry is None or entry.request is None
+        if (entry is None or entry.decoded_request() is None
                 or (self.asking is not None and upstream_id == self.asking.upstream_correlation_id)):
             return False
         if not self.in_flight or self.in_flight[0] is not entry:

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from kproxy.protocol.compiler import NO_LAZY, native_skip, whole_skip
 from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
 from kproxy.protocol.messages import (
     Request,
@@ -35,7 +36,7 @@ from kproxy.protocol.messages import (
     decode_response,
     encode_request_frame,
     encode_response_frame,
-    peek_request_header,
+    request_codecs,
     request_header_version,
     response_codecs,
     supported_versions,
@@ -88,6 +89,7 @@ _HEAD_ID = struct.Struct(">ii")         # size prefix, correlation id
 _JOIN_BELOW = 16 * 1024
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
+FETCH = 1
 # Answers the session itself reads, whatever the filters do: the SASL exchange's outcome, and
 # ApiVersions (a broker that answers in v0 when it does not know the version asked).
 _READ_BY_SESSION = frozenset({SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE})
@@ -96,6 +98,13 @@ UNSUPPORTED_VERSION = 35
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
 _NAMES_IN_ANSWERS = frozenset({METADATA, DESCRIBE_TOPIC_PARTITIONS})   # answers topic names are learned from
+# Never relayed undecoded: requests the session reads itself, Produce (acks=0, streaming) and Fetch
+# (its hold and streamed answers read the request).
+_DECODED_ALWAYS = _READ_BY_SESSION | _NAMES_IN_ANSWERS | {PRODUCE, FETCH}
+# In ``Session._unread_by``, the relay decision of an api version sits at this bit above its answer's.
+_RELAY = 1 << 32
+_SKIP = native_skip()
+_H = struct.Struct(">h").unpack_from
 
 
 @attrs.define(slots=True, eq=False)
@@ -178,7 +187,7 @@ class Session(SessionCutThrough, SessionSasl):
         # (api key << 16 | version), whether no filter reads that version's answers (``_unread``):
         # those pass on undecoded. (One attribute: past 30, CPython 3.11 stops sharing the instance
         # dict's keys and every attribute read of the session gets slower.)
-        self._unread_by: dict[int, bool] | None = None if read_answers else {}
+        self._unread_by: dict[int, Any] | None = None if read_answers else {}
         # Rewritten answers by their bytes, when every response filter of an api is pure; never
         # while the transparency check runs (it must compare what the filters would do each time).
         self.memo = memo if reencode is None else None
@@ -248,7 +257,16 @@ class Session(SessionCutThrough, SessionSasl):
                 return actions + self._raw_sasl_token(frame)
             return [Close(f"request of {len(frame)} bytes is shorter than a request header",
                           undecodable="request")]
-        api_key, api_version, correlation_id = peek_request_header(frame)
+        api_key, api_version, correlation_id = _HHI(frame, 0)
+        unread_by = self._unread_by
+        if unread_by is not None and front is None and not self._raw_sasl and not actions:
+            programs: Any = unread_by.get(_RELAY | api_key << 16 | api_version)
+            if programs is None:
+                programs = self._relayable(unread_by, api_key, api_version)
+            if programs:
+                relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now)
+                if relayed is not None:
+                    return relayed
         try:
             req = decode_request(frame, keep_trailing=True)
         except UnsupportedVersionError as e:
@@ -287,6 +305,50 @@ class Session(SessionCutThrough, SessionSasl):
         if len(frame) >= 8 and not self.chain.for_request(api_key):
             self._untouched = frame
         return self._dispatch(entry, req, verdict, actions, original, now)
+
+    def _relayable(self, unread_by: dict[int, Any], api_key: int, version: int) -> tuple | bool:
+        """Whether requests of this api version may go to the broker undecoded, worked out once: the
+        accelerator's checks of the header and body when nothing would read the request or its answer
+        (no filter sees either, no telemetry, no transparency check, none of the session's own
+        state), else False. A policy or quota filter sees every api, so with rules nothing is relayed."""
+        chain = self.chain
+        programs: tuple | bool = False
+        if (_SKIP is not None and api_key not in _DECODED_ALWAYS and not chain.for_request(api_key)
+                and not chain.for_done(api_key) and self._unread(unread_by, api_key, version)):
+            try:
+                header_codec, body_codec = request_codecs(api_key, version)
+            except UnsupportedVersionError:
+                pass
+            else:
+                if header_codec.version > 0:        # header v0 has no client id to learn
+                    programs = (whole_skip(header_codec), whole_skip(body_codec))
+        unread_by[_RELAY | api_key << 16 | version] = programs
+        return programs
+
+    def _relay(self, frame: memoryview, programs: tuple, api_key: int, api_version: int, correlation_id: int,
+               now: float) -> list[Action] | None:
+        """A request nothing reads goes on as received, with kproxy's correlation id: checked whole by
+        the accelerator as the decoder would (None when it fails: the caller's decode says why), its
+        client id learned from the header, decoded only if something needs it later
+        (``InFlight.decoded_request``)."""
+        end = len(frame)
+        skip = _SKIP
+        assert skip is not None
+        try:
+            pos = skip(programs[0], 0, frame, 0, end, 1, None, NO_LAZY)
+            skip(programs[1], 0, frame, pos, end, 1, None, NO_LAZY)
+        except ValueError:
+            return None
+        (n,) = _H(frame, 8)         # the client id, in every header version past 0
+        if n >= 0:
+            self.ctx.client_id = str(frame[10:10 + n], "utf-8", "surrogateescape")
+        self.requests += 1
+        entry = InFlight(correlation_id, api_key, api_version, now, request_bytes=end + 4, seq=self.requests,
+                         relayed=frame)
+        self.open.add(entry)
+        upstream_id = self._forwarding(entry, False)
+        head = _HEAD.pack(end, api_key, api_version, upstream_id)
+        return [ToUpstream([head + frame[8:]] if end < _JOIN_BELOW else [head, frame[8:]], entry)]
 
     def throttled_for(self, now: float) -> float:
         """Seconds the client must not be read from any more: a filter throttled it (0 for none)."""
@@ -593,9 +655,10 @@ class Session(SessionCutThrough, SessionSasl):
         entry.answered_at = answered = self.ctx.clock()
         entry.upstream_bytes = len(frame)
         if entry.request is None:
-            patched = bytearray(frame)
-            _I32.pack_into(patched, 0, entry.client_correlation_id)
-            entry.reply = size_prefixed(patched)
+            # Forwarded undecoded (relayed, or an unknown version passed through): so is the answer,
+            # with the client's correlation id.
+            head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
+            entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
             return self._flush()
         version = entry.api_version
         unread_by = self._unread_by
@@ -698,7 +761,7 @@ class Session(SessionCutThrough, SessionSasl):
         actions += self._flush()
         return actions
 
-    def _unread(self, unread_by: dict[int, bool], api_key: int, version: int) -> bool:
+    def _unread(self, unread_by: dict[int, Any], api_key: int, version: int) -> bool:
         """Whether no one would read this answer decoded: no filter at this version, no transparency
         check, no state of the session's own kept from it (SASL, the versions a broker speaks, the
         names of topic ids). The fixed part is worked out once per api version."""
@@ -848,7 +911,7 @@ class Session(SessionCutThrough, SessionSasl):
             return [Close(f"broker connection lost after SASL authentication ({reason})")]
         for entry in waiting:
             entry.outcome = UPSTREAM_LOST
-            req = entry.request
+            req = entry.decoded_request()
             code = lost_connection_error(req.api_key) if req is not None else None
             if authenticated or req is None or code is None:
                 entry.reply = []

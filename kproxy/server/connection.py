@@ -652,7 +652,7 @@ def _unacknowledged(raw: socket.socket) -> int:
 def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
     """How long ``entry`` may wait for its response: the timeout plus any wait it asked for (the
     schema's ``hold=ms`` fields: a Fetch's max_wait_ms, a JoinGroup's rebalance timeout, ...)."""
-    req = entry.request
+    req = entry.decoded_request()
     if req is None:
         return request_timeout
     return request_timeout + hold_ms(req.body, req.api_key, req.api_version) / 1000.0
