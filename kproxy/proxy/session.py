@@ -98,9 +98,9 @@ UNSUPPORTED_VERSION = 35
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
 _NAMES_IN_ANSWERS = frozenset({METADATA, DESCRIBE_TOPIC_PARTITIONS})   # answers topic names are learned from
-# Never relayed undecoded: requests the session reads itself, Produce (acks=0, streaming) and Fetch
-# (its hold and streamed answers read the request).
-_DECODED_ALWAYS = _READ_BY_SESSION | _NAMES_IN_ANSWERS | {PRODUCE, FETCH}
+# Never relayed undecoded: requests the session reads itself, and Fetch (its hold and its streamed
+# answers read the request).
+_DECODED_ALWAYS = _READ_BY_SESSION | {FETCH}
 # In ``Session._unread_by``, the relay decision of an api version sits at this bit above its answer's.
 _RELAY = 1 << 32
 _SKIP = native_skip()
@@ -308,13 +308,15 @@ class Session(SessionCutThrough, SessionSasl):
 
     def _relayable(self, unread_by: dict[int, Any], api_key: int, version: int) -> tuple | bool:
         """Whether requests of this api version may go to the broker undecoded, worked out once: the
-        accelerator's checks of the header and body when nothing would read the request or its answer
-        (no filter sees either, no telemetry, no transparency check, none of the session's own
-        state), else False. A policy or quota filter sees every api, so with rules nothing is relayed."""
+        accelerator's checks of the header and body when nothing reads the request as it goes (no
+        request or done filter on its api, no telemetry, no transparency check, none of the
+        session's own state), else False. When its answer is decoded (a filter reads it and no
+        remembered answer serves), the request is decoded then, before the filters see the two.
+        A policy or quota filter sees every api, so with rules nothing is relayed."""
         chain = self.chain
         programs: tuple | bool = False
         if (_SKIP is not None and api_key not in _DECODED_ALWAYS and not chain.for_request(api_key)
-                and not chain.for_done(api_key) and self._unread(unread_by, api_key, version)):
+                and not chain.for_done(api_key) and self.reencode is None):
             try:
                 header_codec, body_codec = request_codecs(api_key, version)
             except UnsupportedVersionError:
@@ -339,6 +341,20 @@ class Session(SessionCutThrough, SessionSasl):
             skip(programs[1], 0, frame, pos, end, 1, None, NO_LAZY)
         except ValueError:
             return None
+        no_response = False
+        if api_key == PRODUCE:
+            if self._why_next is not None:
+                return None         # a large request declined for streaming: its entry says why
+            # acks follows the transactional id (from v3; compact from v9), right after the header.
+            if api_version < 3:
+                at = pos
+            elif api_version >= 9:
+                length, at = read_uvarint(frame, pos)
+                at += length - 1 if length else 0
+            else:
+                (length,) = _H(frame, pos)
+                at = pos + 2 + (length if length > 0 else 0)
+            no_response = _H(frame, at)[0] == 0
         (n,) = _H(frame, 8)         # the client id, in every header version past 0
         if n >= 0:
             self.ctx.client_id = str(frame[10:10 + n], "utf-8", "surrogateescape")
@@ -346,7 +362,7 @@ class Session(SessionCutThrough, SessionSasl):
         entry = InFlight(correlation_id, api_key, api_version, now, request_bytes=end + 4, seq=self.requests,
                          relayed=frame)
         self.open.add(entry)
-        upstream_id = self._forwarding(entry, False)
+        upstream_id = self._forwarding(entry, no_response)
         head = _HEAD.pack(end, api_key, api_version, upstream_id)
         return [ToUpstream([head + frame[8:]] if end < _JOIN_BELOW else [head, frame[8:]], entry)]
 
@@ -654,14 +670,17 @@ class Session(SessionCutThrough, SessionSasl):
             return [Close(f"broker answered correlation id {upstream_id}, which kproxy never sent")]
         entry.answered_at = answered = self.ctx.clock()
         entry.upstream_bytes = len(frame)
-        if entry.request is None:
-            # Forwarded undecoded (relayed, or an unknown version passed through): so is the answer,
-            # with the client's correlation id.
+        version = entry.api_version
+        unread_by = self._unread_by
+        if entry.request is None and (entry.relayed is None or (
+                unread_by is not None and unread_by.get(entry.api_key << 16 | version) is True
+                and entry.api_key not in _NAMES_IN_ANSWERS)):
+            # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
+            # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
+            # with the client's correlation id. A relayed request whose answer is read goes on below.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
             return self._flush()
-        version = entry.api_version
-        unread_by = self._unread_by
         if (unread_by is not None and unread_by.get(entry.api_key << 16 | version) is not False
                 and self._unread(unread_by, entry.api_key, version)):
             # Nobody reads this answer (no filter at this version, no telemetry, no transparency
@@ -683,6 +702,8 @@ class Session(SessionCutThrough, SessionSasl):
         except DecodeError as e:
             return [Close(f"malformed {api_name(entry.api_key)} v{version} response from the broker: {e}",
                           undecodable="response")]
+        if entry.relayed is not None:
+            entry.decoded_request()         # the filters read the request with its answer
         original: tuple[memoryview, bytes] | None = None
         check = self.reencode
         if check is not None and check.due():

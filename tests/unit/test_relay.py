@@ -18,15 +18,14 @@ from kproxy.server.connection import allowed_seconds
 
 from .rulebook import policy_filter
 from .test_session import (
+    API_VERSIONS,
     HEARTBEAT,
-    METADATA,
     OFFSET_COMMIT,
     PRODUCE,
     Clock,
     answered,
     heartbeat_request,
     kinds,
-    metadata_request,
     produce_request,
     request_frame,
     response_frame,
@@ -67,16 +66,48 @@ def test_a_request_nobody_reads_goes_to_the_broker_undecoded():
     assert out[0].done == (entry,) and entry.request is None
 
 
-@pytest.mark.parametrize(("api_key", "version", "body"), [
-    (METADATA, 12, metadata_request()),       # its answer's addresses are rewritten: decoded
-    (PRODUCE, 9, produce_request()),          # acks=0 and streaming read the request
-])
-def test_requests_the_session_or_a_builtin_reads_are_decoded(api_key, version, body):
-    from kproxy.proxy.addresses import AddressMap, AddressRewriter
+@pytest.mark.parametrize("version", range(0, 14))
+@pytest.mark.parametrize("acks", [0, 1, -1])
+def test_a_relayed_produce_request_reads_acks_from_its_bytes(version, acks):
+    s = relaying()
+    body = produce_request(acks=acks)
+    if version >= 3:
+        body.transactional_id = "a-transaction"
+    frame = request_frame(PRODUCE, version, 5, body)
+    (up,) = s.client_frame(frame)
+    entry = up.entry
+    assert entry.request is None and entry.relayed is not None
+    assert wire(up)[8:] == bytes(frame[8:])
+    # acks=0: no answer is owed, nothing waits for one.
+    assert (entry.outcome == "no_response") is (acks == 0)
+    assert s.awaiting_upstream == (0 if acks == 0 else 1)
 
-    s = relaying(AddressRewriter(AddressMap("127.0.0.1", 19000, 16)))
+
+@pytest.mark.parametrize(("api_key", "version", "body"), [
+    (API_VERSIONS, 3, body_class(API_VERSIONS, "request")(client_software_name="x", client_software_version="1")),
+])
+def test_requests_the_session_reads_itself_are_decoded(api_key, version, body):
+    s = relaying()
     (up,) = s.client_frame(request_frame(api_key, version, 5, body))
     assert up.entry.request is not None and up.entry.relayed is None
+
+
+def test_a_relayed_request_is_decoded_when_a_filter_reads_its_answer_and_not_when_memory_serves():
+    # Metadata: the address rewriter reads every answer, but not the request; a remembered answer
+    # runs no filter at all.
+    from .test_answer_memo import Client, confirm_all, metadata_answer, rewriter_setup
+
+    m, chain, memo = rewriter_setup()
+    c = Client(chain, memo, read_answers=False)
+    body = metadata_answer([(1, "b1.internal", 9092), (2, "b2.internal", 9092)])
+    _, resp, entry = c.ask(body)
+    assert entry.request is not None and entry.relayed is None        # decoded with its answer
+    assert [(b.host, b.port) for b in resp.body.brokers] == [("proxy.example", 19000), ("proxy.example", 19001)]
+    confirm_all(m)
+    c.ask(body)
+    _, resp, entry = c.ask(body)
+    assert memo.hits == 1 and entry.request is None and entry.relayed is not None
+    assert [(b.host, b.port) for b in resp.body.brokers] == [("proxy.example", 19000), ("proxy.example", 19001)]
 
 
 def test_with_telemetry_every_request_is_decoded():
