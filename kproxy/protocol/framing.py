@@ -30,6 +30,12 @@ COPY_MAX = 64 * 1024
 _SPARE: list[bytearray] = []
 
 
+# ``FrameReader.next_frame(stream_from)``'s answer for a frame that is for the streaming path: a
+# sentinel no frame is (compared by identity).
+STREAMS = memoryview(b"")
+# ``stream_from`` for a pump whose session streams nothing: only a frame already streaming is.
+STREAM_NONE = 1 << 62
+
 class FrameReader:
     """Incremental frame splitter. Not thread-safe; one per connection direction.
 
@@ -40,7 +46,7 @@ class FrameReader:
     """
 
     __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_hot", "_lent", "_next_chunk",
-                 "_ready", "_reusable", "_start", "frames", "held_bytes", "limit_name", "max_frame_size",
+                 "_ready", "_reusable", "_start", "chunk_is_large", "frames", "held_bytes", "limit_name", "max_frame_size",
                  "recv_cap", "streaming_left", "total_bytes", "trust_claims")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
@@ -64,6 +70,7 @@ class FrameReader:
         self.frames = 0          # frames returned so far
         self.streaming_left = 0  # bytes of a frame taken piece by piece (cut-through) still to take
         self.held_bytes = 0      # bytes of buffer held allocated (for the process-wide buffer budget)
+        self.chunk_is_large = False   # the receive chunk has grown past the first size
         self._reusable = False   # every byte of the chunk went out as pieces: it may be refilled
         # The last frame was taken piece by piece and no whole frame came since: the next one is
         # most likely large too, so the next receive takes a spare streaming chunk (``_SPARE``)
@@ -88,6 +95,7 @@ class FrameReader:
         if self._ready is not None:
             held += len(self._ready)
         self.held_bytes = held + (len(self._big) if self._big is not None else 0)
+        self.chunk_is_large = self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE
 
     @property
     def at_frame_boundary(self) -> bool:
@@ -111,16 +119,6 @@ class FrameReader:
         if size < 0 or (avail >= 4 + size and not whole):
             return None
         return size, memoryview(self._buf)[start + 4:start + 4 + min(avail - 4, size)]
-
-    def head_size(self) -> int:
-        """The size prefix of the frame at the head of the chunk (-1 when fewer than 4 bytes are there,
-        or the frame is held elsewhere): what ``frame_starting`` would report, without building a view,
-        so a pump can tell a small frame from one that may stream at the cost of one unpack."""
-        if self._big is not None or self._ready is not None or self.streaming_left or self._buf is None:
-            return -1
-        if self._end - self._start < 4:
-            return -1
-        return _SIZE.unpack_from(self._buf, self._start)[0]
 
     def stream_current(self) -> None:
         """Take the frame ``frame_starting`` reported piece by piece (``take_piece``) from now on.
@@ -218,8 +216,8 @@ class FrameReader:
     @property
     def idle_chunk_is_large(self) -> bool:
         """Nothing buffered, and the receive chunk has grown past the first size: worth releasing
-        if the connection is about to wait."""
-        return (self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE and self._big is None
+        if the connection is about to wait. (``chunk_is_large`` first saves the call when it has not.)"""
+        return (self.chunk_is_large and self._big is None
                 and self._ready is None and self._end == self._start and not self.streaming_left)
 
     def release_idle(self) -> int:
@@ -241,10 +239,15 @@ class FrameReader:
         self._held()
         return released
 
-    def next_frame(self) -> memoryview | None:
-        """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix."""
+    def next_frame(self, stream_from: int = 0) -> memoryview | None:
+        """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix.
+
+        A pump that streams large frames passes ``stream_from`` (their least size): ``STREAMS`` then
+        says the frame at the head is for the streaming path (its size prefix says at least that
+        much, or a streamed frame is under way), which the pump tries before it takes the frame
+        with ``next_frame()``. One call per frame, where a separate look at the head took two."""
         if self.streaming_left:
-            return None
+            return STREAMS if stream_from else None
         if self._ready is not None:
             frame, self._ready = self._ready, None
             self.frames += 1
@@ -267,6 +270,8 @@ class FrameReader:
             return None
         start = self._start
         (size,) = _SIZE.unpack_from(buf, start)
+        if stream_from and size >= stream_from:
+            return STREAMS
         if size < 0 or size > self.max_frame_size:
             raise FrameError(self._size_problem(size, buf[start:start + 4]), self.total_bytes - avail,
                              "frame.size")

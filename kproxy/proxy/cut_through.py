@@ -82,7 +82,7 @@ class SessionCutThrough:
     _by_upstream: dict[int, InFlight]
     asking: _Question | None
     requests: int
-    _throttle_until: float
+    throttle_until: float
     _raw_sasl: bool
 
     if TYPE_CHECKING:               # the session's own parts this one calls
@@ -292,7 +292,7 @@ class SessionCutThrough:
         if not transport_streams:
             return "transport"
         now = self.ctx.clock()
-        if self._throttle_until > now:
+        if self.throttle_until > now:
             return "throttled"          # it waits out the throttle whole (client_frame's Hold)
         front = self.front
         if self._raw_sasl or (front is not None and (front.raw_expected or (

@@ -169,11 +169,6 @@ def _read_order(entry: InFlight) -> int:
     return entry.seq
 
 
-def _frame_size(buffers: list) -> int:
-    # Encoded frames start with their 4-byte size prefix.
-    return _I32.unpack_from(buffers[0], 0)[0] + 4 if buffers else 0
-
-
 class Session(SessionCutThrough, SessionSasl):
     """The per-connection state machine between one client and its upstream connection."""
 
@@ -214,7 +209,7 @@ class Session(SessionCutThrough, SessionSasl):
         # Correlation ids of recent acks=0 Produce requests (bounded: only a misbehaving broker
         # answers them, and it answers promptly).
         self._no_response: collections.deque[int] = collections.deque(maxlen=1024)
-        self._throttle_until = 0.0
+        self.throttle_until = 0.0           # the client is muted until then (0: never throttled)
         self._raw_sasl = False               # after SaslHandshake v0: unframed SASL tokens follow
         self._sasl_claimed_user: str | None = None   # from the client's token; not trusted
         self._sasl_round_trips = 0
@@ -244,11 +239,11 @@ class Session(SessionCutThrough, SessionSasl):
         """A complete request frame (without its size prefix) from the client."""
         now = self.ctx.clock()
         actions: list[Action] = []
-        if self._throttle_until > now:
+        if self.throttle_until > now:
             # Kafka mutes a throttled client's channel. The I/O layer stops reading while
             # ``throttled_for`` says so; a request read before the throttle began waits here.
-            actions.append(Hold(self._throttle_until - now))
-            self._throttle_until = 0.0
+            actions.append(Hold(self.throttle_until - now))
+            self.throttle_until = 0.0
         front = self.front
         if front is not None and front.raw_expected:
             return actions + self._front_raw(front.raw_token(frame, now))
@@ -368,10 +363,10 @@ class Session(SessionCutThrough, SessionSasl):
 
     def throttled_for(self, now: float) -> float:
         """Seconds the client must not be read from any more: a filter throttled it (0 for none)."""
-        return self._throttle_until - now if self._throttle_until > now else 0.0
+        return self.throttle_until - now if self.throttle_until > now else 0.0
 
     def _mute(self, seconds: float) -> None:
-        self._throttle_until = max(self._throttle_until, self.ctx.clock() + seconds)
+        self.throttle_until = max(self.throttle_until, self.ctx.clock() + seconds)
 
     def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action],
                   original: tuple[memoryview, bytes] | None = None, since: float | None = None) -> list[Action]:
@@ -538,7 +533,8 @@ class Session(SessionCutThrough, SessionSasl):
 
     def _forwarding(self, entry: InFlight, no_response: bool) -> int:
         """``entry`` goes to the broker: its upstream correlation id, and the answer it is owed."""
-        upstream_id = self._take_correlation_id()
+        upstream_id = self._next_correlation_id
+        self._next_correlation_id = (upstream_id + 1) & 0x7FFFFFFF
         if no_response:
             # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
             # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
@@ -884,11 +880,12 @@ class Session(SessionCutThrough, SessionSasl):
             assert reply is not None
             if entry.close_after is not None:
                 if reply:
-                    entry.response_bytes = _frame_size(reply)
+                    entry.response_bytes = _I32.unpack_from(reply[0], 0)[0] + 4
                     out.append(ToClient(reply))
                 out.append(Close(entry.close_after, (entry,)))
                 break
-            entry.response_bytes = _frame_size(reply)
+            # Encoded frames start with their 4-byte size prefix.
+            entry.response_bytes = _I32.unpack_from(reply[0], 0)[0] + 4 if reply else 0
             out.append(ToClient(reply, (entry,)))
         return out
 

@@ -27,7 +27,7 @@ import trio
 from kproxy.logs import safe
 from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
-from kproxy.protocol.framing import FrameReader
+from kproxy.protocol.framing import STREAM_NONE, STREAMS, FrameReader
 from kproxy.protocol.messages import api_name
 from kproxy.protocol.records import V2_HEADER_SIZE
 from kproxy.proxy.addresses import Route
@@ -285,7 +285,7 @@ class ClientConnection(Executor):
         # A request streaming to the broker is read to its end whatever happens meanwhile (a drain, a
         # throttle): its first bytes are with the broker, which holds the write lock for the rest.
         while not self.draining or reader.streaming_left:
-            muted = session.throttled_for(self._now())
+            muted = session.throttled_for(self._now()) if session.throttle_until else 0.0
             if muted > 0 and not reader.streaming_left:
                 # Throttled: read nothing until the time is up, as a broker mutes the channel, and
                 # hold no receive buffer meanwhile (the answer that said so is already on its way).
@@ -302,7 +302,7 @@ class ClientConnection(Executor):
                 if reader.release_idle():
                     self._account()
                 await budget.wait_for_room()
-            if reader.idle_chunk_is_large and not client.readable_now():
+            if reader.chunk_is_large and reader.idle_chunk_is_large and not client.readable_now():
                 # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
                 reader.release_idle()
                 self._account()
@@ -315,14 +315,16 @@ class ClientConnection(Executor):
                 return
             reader.received(n)
             min_bytes = session.stream_min_bytes
+            stream_from = min_bytes if min_bytes is not None else STREAM_NONE
             while True:
-                if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
+                frame = reader.next_frame(stream_from)
+                if frame is STREAMS:
                     # A large Produce request starting (or going on) here may go out as it arrives
                     # (a frame too small to stream costs no coroutine).
                     await self._stream_request(reader)
                     if self.draining:
                         break
-                frame = reader.next_frame()
+                    frame = reader.next_frame()
                 if frame is None:
                     break
                 if len(session.open) >= limit:
@@ -397,7 +399,7 @@ class ClientConnection(Executor):
         session = self.session
         try:
             while True:
-                if reader.idle_chunk_is_large and not upstream.readable_now():
+                if reader.chunk_is_large and reader.idle_chunk_is_large and not upstream.readable_now():
                     reader.release_idle()
                     self._account()
                 n = await upstream.recv_into(reader.recv_buffer())
@@ -405,12 +407,14 @@ class ClientConnection(Executor):
                     raise ConnectionError("broker closed the connection")
                 reader.received(n)
                 min_bytes = session.stream_min_bytes
+                stream_from = min_bytes if min_bytes is not None else STREAM_NONE
                 while True:
-                    if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
+                    frame = reader.next_frame(stream_from)
+                    if frame is STREAMS:
                         # A large answer starting (or going on) here may go out as it arrives (one
                         # too small to stream costs no coroutine).
                         await self._stream_pieces(reader, upstream)
-                    frame = reader.next_frame()
+                        frame = reader.next_frame()
                     if frame is None:
                         break
                     if self._login_answers is not None and _I32.unpack_from(frame, 0)[0] in self._login_ids:
@@ -419,7 +423,8 @@ class ClientConnection(Executor):
                         continue
                     # Answers queue up across the frames of one read and go out in one write.
                     await self._execute(session.upstream_frame(frame), flush=False)
-                    self._settled()
+                    if self._settle is not None:
+                        self._settled()
                     if self.unrouted is not None and not session.in_flight:
                         await self.writer.flush()    # what is owed goes out before a reconnect
                         self._check_route()
