@@ -180,8 +180,10 @@ class Session(SessionCutThrough, SessionSasl):
         self.ctx = ctx
         # None when something besides the filters reads every decoded answer (telemetry); else, by
         # (api key << 16 | version), whether no filter reads that version's answers (``_unread``):
-        # those pass on undecoded. (One attribute: past 30, CPython 3.11 stops sharing the instance
-        # dict's keys and every attribute read of the session gets slower.)
+        # those pass on undecoded; and at ``_RELAY | key``, whether that version's requests may go out
+        # undecoded (``_relayable``: the accelerator's programs, or False). (One attribute: past 30,
+        # CPython 3.11 stops sharing the instance dict's keys and every attribute read of the session
+        # gets slower.)
         self._unread_by: dict[int, Any] | None = None if read_answers else {}
         # Rewritten answers by their bytes, when every response filter of an api is pure; never
         # while the transparency check runs (it must compare what the filters would do each time).
