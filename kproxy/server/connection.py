@@ -30,6 +30,7 @@ from kproxy.protocol.errors import FrameError
 from kproxy.protocol.framing import STREAM_NONE, STREAMS, FrameReader
 from kproxy.protocol.messages import api_name
 from kproxy.protocol.records import V2_HEADER_SIZE
+from kproxy.proxy.actions import ToClient, ToUpstream
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.inflight import CLIENT_GONE, CLOSED, InFlight
 from kproxy.proxy.session import Session
@@ -282,6 +283,8 @@ class ClientConnection(Executor):
         limit = self.settings.max_in_flight
         client = self.client
         budget = self.budget
+        writer = self.writer
+        counted = -1        # the reader's held bytes when last accounted for
         # A request streaming to the broker is read to its end whatever happens meanwhile (a drain, a
         # throttle): its first bytes are with the broker, which holds the write lock for the rest.
         while not self.draining or reader.streaming_left:
@@ -335,14 +338,24 @@ class ClientConnection(Executor):
                         self._room = trio.Event()
                 if self.prepare is not None:
                     await self.prepare(frame)
-                await self._execute(session.client_frame(frame))
+                actions = session.client_frame(frame)
+                if len(actions) == 1 and type(actions[0]) is ToUpstream:
+                    # A request forwarded (nearly always): to the broker without the executor's loop.
+                    await self._to_upstream(actions[0])
+                    if writer.pending:
+                        await writer.flush()
+                else:
+                    await self._execute(actions)
                 if self._pre_login and session.ctx.authenticated:
                     self._pre_login = False
                     reader.max_frame_size = self.settings.frame_cap
                     reader.limit_name = self.settings.frame_cap_setting
                 if self.draining:
                     break
-            self._account()
+            if reader.held_bytes != counted or session.streaming_up is not None:
+                # The other pump accounts for its own reader; a request streaming up holds bytes too.
+                counted = reader.held_bytes
+                self._account()
         # Draining: the requests already taken are answered; then the connection ends.
         while session.open:
             self._room = trio.Event()
@@ -397,6 +410,8 @@ class ClientConnection(Executor):
         self._readers.append(reader)
         self._answer_task = trio.lowlevel.current_task()
         session = self.session
+        writer = self.writer
+        counted = -1        # the reader's held bytes when last accounted for
         try:
             while True:
                 if reader.chunk_is_large and reader.idle_chunk_is_large and not upstream.readable_now():
@@ -422,15 +437,22 @@ class ClientConnection(Executor):
                         self._login_answers.send_nowait(bytes(frame))
                         continue
                     # Answers queue up across the frames of one read and go out in one write.
-                    await self._execute(session.upstream_frame(frame), flush=False)
+                    actions = session.upstream_frame(frame)
+                    if len(actions) == 1 and type(actions[0]) is ToClient and actions[0].buffers:
+                        # An answer (nearly always): queued as the executor would, without its loop.
+                        writer.put(actions[0].buffers, actions[0].done)
+                    else:
+                        await self._execute(actions, flush=False)
                     if self._settle is not None:
                         self._settled()
                     if self.unrouted is not None and not session.in_flight:
                         await self.writer.flush()    # what is owed goes out before a reconnect
                         self._check_route()
-                if self.writer.pending:
-                    await self.writer.flush()
-                self._account()
+                if writer.pending:
+                    await writer.flush()
+                if reader.held_bytes != counted or self._pipe is not None:
+                    counted = reader.held_bytes
+                    self._account()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             if isinstance(e, FrameError) and self.stats is not None:
                 self.stats.decode_errors["response"] += 1
