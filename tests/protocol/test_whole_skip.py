@@ -53,7 +53,7 @@ def test_whole_skip_agrees_with_the_decoder(msg, v):
     program = whole_skip(codec)
     assert program is not None
 
-    @settings(max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(2), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(message_strategy(msg, v), st.data())
     def check(obj, data):
         encoded = _encode(codec, obj)
