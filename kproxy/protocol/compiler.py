@@ -28,7 +28,7 @@ from kproxy.protocol.codegen.layout import FIXED, Layout
 from kproxy.protocol.codegen.python_decoders import generate_decoders
 from kproxy.protocol.codegen.python_encoders import generate_encoders
 from kproxy.protocol.codegen.python_source import class_source, generate_isdefault
-from kproxy.protocol.codegen.skip_program import ACCEL_ABI
+from kproxy.protocol.codegen.skip_program import ACCEL_ABI, skip_program
 from kproxy.protocol.errors import DecodeError, EncodeError
 from kproxy.protocol.lazy import LazyArray
 from kproxy.protocol.schema import FieldSpec, MessageSpec, StructSpec
@@ -350,6 +350,29 @@ def _get(msg: MessageSpec, version: int, native: bool, lazy_min_items: int) -> C
         raise ValueError("lazy_min_items must be >= 0")
     c = _codecs[key] = Codec(msg, version, native, lazy_min_items)
     return c
+
+
+# The native validating skip over a whole message, by codec (``whole_skip``).
+_WHOLE: dict[Codec, Any] = {}
+# A lazy-array threshold no array reaches: a whole-message check records no spans.
+NO_LAZY = 1 << 62
+
+
+def whole_skip(codec: Codec) -> Any:
+    """The accelerator's validating skip program over a whole message of ``codec``'s version, its root
+    as struct 0: ``_accel.skip(program, 0, buf, pos, end, 1, None, NO_LAZY)`` accepts and rejects
+    exactly what ``codec.decode`` does and returns the position after the message, building nothing
+    (a ValueError on bad bytes). None without the accelerator, or when the Python codec is chosen."""
+    got = _WHOLE.get(codec)
+    if got is None and _native and _accel is not None:
+        rows = skip_program(Layout.whole(codec.message, codec.version))
+        got = _WHOLE[codec] = _accel.Program(tuple(tuple(ops) for _, ops in rows))
+    return got
+
+
+def native_skip() -> Callable | None:
+    """``_accel.skip`` when the accelerator runs the codecs' checks, else None."""
+    return _accel.skip if _native and _accel is not None else None
 
 
 # ---------------------------------------------------------------------------------------------

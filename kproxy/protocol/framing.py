@@ -30,6 +30,12 @@ COPY_MAX = 64 * 1024
 _SPARE: list[bytearray] = []
 
 
+# ``FrameReader.next_frame(stream_from)``'s answer for a frame that is for the streaming path: a
+# sentinel no frame is (compared by identity).
+STREAMS = memoryview(b"")
+# ``stream_from`` for a pump whose session streams nothing: only a frame already streaming is.
+STREAM_NONE = 1 << 62
+
 class FrameReader:
     """Incremental frame splitter. Not thread-safe; one per connection direction.
 
@@ -40,8 +46,8 @@ class FrameReader:
     """
 
     __slots__ = ("_big", "_big_fill", "_big_size", "_buf", "_chunk_size", "_end", "_hot", "_lent", "_next_chunk",
-                 "_ready", "_reusable", "_start", "_stream_left", "frames", "limit_name", "max_frame_size",
-                 "recv_cap", "total_bytes", "trust_claims")
+                 "_ready", "_reusable", "_start", "chunk_is_large", "frames", "held_bytes", "limit_name", "max_frame_size",
+                 "recv_cap", "streaming_left", "total_bytes", "trust_claims")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, *, trust_claims: bool = True,
@@ -62,7 +68,9 @@ class FrameReader:
         self._ready: memoryview | None = None   # a complete large frame not yet taken
         self.total_bytes = 0
         self.frames = 0          # frames returned so far
-        self._stream_left = 0    # bytes of a frame taken piece by piece (cut-through) still to take
+        self.streaming_left = 0  # bytes of a frame taken piece by piece (cut-through) still to take
+        self.held_bytes = 0      # bytes of buffer held allocated (for the process-wide buffer budget)
+        self.chunk_is_large = False   # the receive chunk has grown past the first size
         self._reusable = False   # every byte of the chunk went out as pieces: it may be refilled
         # The last frame was taken piece by piece and no whole frame came since: the next one is
         # most likely large too, so the next receive takes a spare streaming chunk (``_SPARE``)
@@ -80,17 +88,18 @@ class FrameReader:
         ready = len(self._ready) + 4 if self._ready is not None else 0
         return self._end - self._start + (self._big_fill if self._big is not None else 0) + ready
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of buffer this reader holds allocated (for the process-wide buffer budget)."""
+    def _held(self) -> None:
+        # ``held_bytes``, worked out again whenever a buffer is taken, let go or replaced: the pumps
+        # read it after every receive, and most receives change none.
         held = len(self._buf) if self._buf is not None else 0
         if self._ready is not None:
             held += len(self._ready)
-        return held + (len(self._big) if self._big is not None else 0)
+        self.held_bytes = held + (len(self._big) if self._big is not None else 0)
+        self.chunk_is_large = self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE
 
     @property
     def at_frame_boundary(self) -> bool:
-        return self._big is None and self._ready is None and self._end == self._start and not self._stream_left
+        return self._big is None and self._ready is None and self._end == self._start and not self.streaming_left
 
     # -- cut-through: a large frame taken piece by piece as it arrives, never held whole
 
@@ -100,7 +109,7 @@ class FrameReader:
         ``next_frame``, which would give such a frame a buffer of its own. With ``whole``, a frame
         that has arrived whole too (its bytes, no more): taken piece by piece, its chunk is refilled
         at once, where a frame returned whole keeps its chunk (and a new one is allocated)."""
-        if self._big is not None or self._ready is not None or self._stream_left or self._buf is None:
+        if self._big is not None or self._ready is not None or self.streaming_left or self._buf is None:
             return None
         start = self._start
         avail = self._end - start
@@ -111,23 +120,13 @@ class FrameReader:
             return None
         return size, memoryview(self._buf)[start + 4:start + 4 + min(avail - 4, size)]
 
-    def head_size(self) -> int:
-        """The size prefix of the frame at the head of the chunk (-1 when fewer than 4 bytes are there,
-        or the frame is held elsewhere): what ``frame_starting`` would report, without building a view,
-        so a pump can tell a small frame from one that may stream at the cost of one unpack."""
-        if self._big is not None or self._ready is not None or self._stream_left or self._buf is None:
-            return -1
-        if self._end - self._start < 4:
-            return -1
-        return _SIZE.unpack_from(self._buf, self._start)[0]
-
     def stream_current(self) -> None:
         """Take the frame ``frame_starting`` reported piece by piece (``take_piece``) from now on.
         Its size may exceed ``max_frame_size``: only a chunk of it is ever held."""
         got = self.frame_starting(whole=True)
         if got is None:
             raise ValueError("no frame is starting")
-        self._stream_left = got[0]
+        self.streaming_left = got[0]
         self._start += 4
         assert self._buf is not None
         if len(self._buf) < STREAM_CHUNK_SIZE and len(got[1]) < got[0]:
@@ -136,23 +135,18 @@ class FrameReader:
             # Larger than a stored frame's chunk: fewer, larger receives and sends per frame.
             self._new_chunk(grow=False, need=STREAM_CHUNK_SIZE)
 
-    @property
-    def streaming_left(self) -> int:
-        """Bytes of the frame being taken piece by piece that have not been taken yet."""
-        return self._stream_left
-
     def take_piece(self) -> memoryview | None:
         """The next bytes of the streamed frame that have arrived, or None. The view is valid until
         the next ``recv_buffer``: the chunk is then refilled, so a streamed frame holds one chunk."""
-        if not self._stream_left or self._buf is None:
+        if not self.streaming_left or self._buf is None:
             return None
-        k = min(self._end - self._start, self._stream_left)
+        k = min(self._end - self._start, self.streaming_left)
         if k <= 0:
             return None
         piece = memoryview(self._buf)[self._start:self._start + k]
         self._start += k
-        self._stream_left -= k
-        if not self._stream_left:
+        self.streaming_left -= k
+        if not self.streaming_left:
             self.frames += 1
             self._hot = True
         if self._start == self._end:
@@ -162,12 +156,12 @@ class FrameReader:
     def skip_streamed(self, n: int) -> None:
         """``n`` bytes of the streamed frame went from the socket to their destination without
         passing through this reader (spliced). Only when everything received has been taken."""
-        if not 0 < n <= self._stream_left or self._start != self._end:
-            raise ValueError(f"cannot skip {n} bytes ({self._stream_left} left, "
+        if not 0 < n <= self.streaming_left or self._start != self._end:
+            raise ValueError(f"cannot skip {n} bytes ({self.streaming_left} left, "
                              f"{self._end - self._start} received and not taken)")
         self.total_bytes += n
-        self._stream_left -= n
-        if not self._stream_left:
+        self.streaming_left -= n
+        if not self.streaming_left:
             self.frames += 1
             self._hot = True
 
@@ -180,6 +174,7 @@ class FrameReader:
                 self._ready = memoryview(big)
                 self._big = None
                 self._big_fill = 0
+                self._held()
                 return self.recv_buffer()
             if self._big_fill == len(big):
                 big = self._grow_big()
@@ -187,6 +182,7 @@ class FrameReader:
         if self._buf is None:
             self._buf = _SPARE.pop() if self._hot and _SPARE else bytearray(self._next_chunk)
             self._lent = False
+            self._held()
         if self._reusable:
             self._reusable = False
             if self._start == self._end:
@@ -196,8 +192,8 @@ class FrameReader:
             if self._big is not None:
                 return self.recv_buffer()
         cap = self.recv_cap
-        if cap is not None and self._stream_left:
-            return memoryview(self._buf)[self._end:self._end + max(1, min(cap, self._stream_left))]
+        if cap is not None and self.streaming_left:
+            return memoryview(self._buf)[self._end:self._end + max(1, min(cap, self.streaming_left))]
         return memoryview(self._buf)[self._end:]
 
     def received(self, n: int) -> None:
@@ -220,9 +216,9 @@ class FrameReader:
     @property
     def idle_chunk_is_large(self) -> bool:
         """Nothing buffered, and the receive chunk has grown past the first size: worth releasing
-        if the connection is about to wait."""
-        return (self._buf is not None and len(self._buf) > FIRST_CHUNK_SIZE and self._big is None
-                and self._ready is None and self._end == self._start and not self._stream_left)
+        if the connection is about to wait. (``chunk_is_large`` first saves the call when it has not.)"""
+        return (self.chunk_is_large and self._big is None
+                and self._ready is None and self._end == self._start and not self.streaming_left)
 
     def release_idle(self) -> int:
         """Give back the receive chunk when nothing is buffered; returns the bytes released.
@@ -240,15 +236,22 @@ class FrameReader:
             _SPARE.append(self._buf)
         self._buf = None
         self._start = self._end = 0
+        self._held()
         return released
 
-    def next_frame(self) -> memoryview | None:
-        """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix."""
-        if self._stream_left:
-            return None
+    def next_frame(self, stream_from: int = 0) -> memoryview | None:
+        """The next complete frame, or None until more bytes arrive. FrameError on a bad prefix.
+
+        A pump that streams large frames passes ``stream_from`` (their least size): ``STREAMS`` then
+        says the frame at the head is for the streaming path (its size prefix says at least that
+        much, or a streamed frame is under way), which the pump tries before it takes the frame
+        with ``next_frame()``. One call per frame, where a separate look at the head took two."""
+        if self.streaming_left:
+            return STREAMS if stream_from else None
         if self._ready is not None:
             frame, self._ready = self._ready, None
             self.frames += 1
+            self._held()
             self._hot = False
             return frame
         big = self._big
@@ -258,6 +261,7 @@ class FrameReader:
             self._big = None
             self._big_fill = 0
             self.frames += 1
+            self._held()
             self._hot = False
             return memoryview(big)
         buf = self._buf
@@ -266,6 +270,8 @@ class FrameReader:
             return None
         start = self._start
         (size,) = _SIZE.unpack_from(buf, start)
+        if stream_from and size >= stream_from:
+            return STREAMS
         if size < 0 or size > self.max_frame_size:
             raise FrameError(self._size_problem(size, buf[start:start + 4]), self.total_bytes - avail,
                              "frame.size")
@@ -317,6 +323,7 @@ class FrameReader:
         self._big = big
         self._big_fill = have
         self._big_size = size
+        self._held()
 
     def _grow_big(self) -> bytearray:
         # An untrusted large frame's buffer is full: double it, never past the frame's size.
@@ -325,12 +332,13 @@ class FrameReader:
         new = bytearray(min(self._big_size, 2 * len(old)))
         new[: len(old)] = old
         self._big = new
+        self._held()
         return new
 
     def _make_room(self) -> None:
         """The chunk is full: move a large incomplete frame to its own buffer, else start a chunk."""
         assert self._buf is not None
-        if self._stream_left:
+        if self.streaming_left:
             # Mid-frame of a streamed frame: no size prefix here, the rest is taken as pieces.
             self._new_chunk(grow=False)
             return
@@ -360,6 +368,7 @@ class FrameReader:
         self._lent = False
         self._start = 0
         self._end = len(tail)
+        self._held()
 
 
 _HTTP_STARTS = (b"GET ", b"POST", b"PUT ", b"HEAD", b"DELE", b"OPTI", b"PATC", b"CONN", b"HTTP", b"PRI ")

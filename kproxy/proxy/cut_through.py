@@ -82,7 +82,7 @@ class SessionCutThrough:
     _by_upstream: dict[int, InFlight]
     asking: _Question | None
     requests: int
-    _throttle_until: float
+    throttle_until: float
     _raw_sasl: bool
 
     if TYPE_CHECKING:               # the session's own parts this one calls
@@ -115,7 +115,7 @@ class SessionCutThrough:
             return False
         (upstream_id,) = _I32.unpack_from(head, 0)
         entry = self._by_upstream.get(upstream_id)
-        if (entry is None or entry.request is None
+        if (entry is None or entry.decoded_request() is None
                 or (self.asking is not None and upstream_id == self.asking.upstream_correlation_id)):
             return False
         if not self.in_flight or self.in_flight[0] is not entry:
@@ -292,7 +292,7 @@ class SessionCutThrough:
         if not transport_streams:
             return "transport"
         now = self.ctx.clock()
-        if self._throttle_until > now:
+        if self.throttle_until > now:
             return "throttled"          # it waits out the throttle whole (client_frame's Hold)
         front = self.front
         if self._raw_sasl or (front is not None and (front.raw_expected or (

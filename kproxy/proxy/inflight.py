@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from kproxy.protocol.messages import Request, Response
+from kproxy.protocol.messages import Request, Response, decode_request
 
 # Outcomes of a request (``InFlight.outcome``).
 FORWARDED = "forwarded"          # the broker answered
@@ -84,6 +84,20 @@ class InFlight:
     response_why_stored: str | None = None
     # A response filter changed the answer (``Filter.reports_changes``): it is encoded again.
     response_changed: bool = False
+    # The request's frame when it went to the broker undecoded (``Session``'s relay path: nothing
+    # reads it); ``decoded_request`` decodes it the first time something needs it after all.
+    relayed: Any = None
+
+    def decoded_request(self) -> Request | None:
+        """``request``, decoded now from the relayed frame if it went out undecoded (a lost broker
+        connection answering it, the watchdog reading how long the broker may hold it, a large
+        answer about to stream); None for a frame forwarded opaquely (an unknown version)."""
+        if self.request is None and self.relayed is not None:
+            req = decode_request(self.relayed, keep_trailing=True)
+            if self.upstream_correlation_id is not None:
+                req.correlation_id = self.upstream_correlation_id
+            self.request, self.relayed = req, None
+        return self.request
 
     def note(self, key: str, value: Any) -> None:
         if self.notes is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from kproxy.protocol.compiler import NO_LAZY, native_skip, whole_skip
 from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
 from kproxy.protocol.messages import (
     Request,
@@ -35,7 +36,7 @@ from kproxy.protocol.messages import (
     decode_response,
     encode_request_frame,
     encode_response_frame,
-    peek_request_header,
+    request_codecs,
     request_header_version,
     response_codecs,
     supported_versions,
@@ -88,6 +89,7 @@ _HEAD_ID = struct.Struct(">ii")         # size prefix, correlation id
 _JOIN_BELOW = 16 * 1024
 
 PRODUCE, METADATA, SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE = 0, 3, 17, 18, 36
+FETCH = 1
 # Answers the session itself reads, whatever the filters do: the SASL exchange's outcome, and
 # ApiVersions (a broker that answers in v0 when it does not know the version asked).
 _READ_BY_SESSION = frozenset({SASL_HANDSHAKE, API_VERSIONS, SASL_AUTHENTICATE})
@@ -96,6 +98,13 @@ UNSUPPORTED_VERSION = 35
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
 _NAMES_IN_ANSWERS = frozenset({METADATA, DESCRIBE_TOPIC_PARTITIONS})   # answers topic names are learned from
+# Never relayed undecoded: requests the session reads itself, and Fetch (its hold and its streamed
+# answers read the request).
+_DECODED_ALWAYS = _READ_BY_SESSION | {FETCH}
+# In ``Session._unread_by``, the relay decision of an api version sits at this bit above its answer's.
+_RELAY = 1 << 32
+_SKIP = native_skip()
+_H = struct.Struct(">h").unpack_from
 
 
 @attrs.define(slots=True, eq=False)
@@ -160,11 +169,6 @@ def _read_order(entry: InFlight) -> int:
     return entry.seq
 
 
-def _frame_size(buffers: list) -> int:
-    # Encoded frames start with their 4-byte size prefix.
-    return _I32.unpack_from(buffers[0], 0)[0] + 4 if buffers else 0
-
-
 class Session(SessionCutThrough, SessionSasl):
     """The per-connection state machine between one client and its upstream connection."""
 
@@ -176,9 +180,11 @@ class Session(SessionCutThrough, SessionSasl):
         self.ctx = ctx
         # None when something besides the filters reads every decoded answer (telemetry); else, by
         # (api key << 16 | version), whether no filter reads that version's answers (``_unread``):
-        # those pass on undecoded. (One attribute: past 30, CPython 3.11 stops sharing the instance
-        # dict's keys and every attribute read of the session gets slower.)
-        self._unread_by: dict[int, bool] | None = None if read_answers else {}
+        # those pass on undecoded; and at ``_RELAY | key``, whether that version's requests may go out
+        # undecoded (``_relayable``: the accelerator's programs, or False). (One attribute: past 30,
+        # CPython 3.11 stops sharing the instance dict's keys and every attribute read of the session
+        # gets slower.)
+        self._unread_by: dict[int, Any] | None = None if read_answers else {}
         # Rewritten answers by their bytes, when every response filter of an api is pure; never
         # while the transparency check runs (it must compare what the filters would do each time).
         self.memo = memo if reencode is None else None
@@ -205,7 +211,7 @@ class Session(SessionCutThrough, SessionSasl):
         # Correlation ids of recent acks=0 Produce requests (bounded: only a misbehaving broker
         # answers them, and it answers promptly).
         self._no_response: collections.deque[int] = collections.deque(maxlen=1024)
-        self._throttle_until = 0.0
+        self.throttle_until = 0.0           # the client is muted until then (0: never throttled)
         self._raw_sasl = False               # after SaslHandshake v0: unframed SASL tokens follow
         self._sasl_claimed_user: str | None = None   # from the client's token; not trusted
         self._sasl_round_trips = 0
@@ -235,11 +241,11 @@ class Session(SessionCutThrough, SessionSasl):
         """A complete request frame (without its size prefix) from the client."""
         now = self.ctx.clock()
         actions: list[Action] = []
-        if self._throttle_until > now:
+        if self.throttle_until > now:
             # Kafka mutes a throttled client's channel. The I/O layer stops reading while
             # ``throttled_for`` says so; a request read before the throttle began waits here.
-            actions.append(Hold(self._throttle_until - now))
-            self._throttle_until = 0.0
+            actions.append(Hold(self.throttle_until - now))
+            self.throttle_until = 0.0
         front = self.front
         if front is not None and front.raw_expected:
             return actions + self._front_raw(front.raw_token(frame, now))
@@ -248,7 +254,16 @@ class Session(SessionCutThrough, SessionSasl):
                 return actions + self._raw_sasl_token(frame)
             return [Close(f"request of {len(frame)} bytes is shorter than a request header",
                           undecodable="request")]
-        api_key, api_version, correlation_id = peek_request_header(frame)
+        api_key, api_version, correlation_id = _HHI(frame, 0)
+        unread_by = self._unread_by
+        if unread_by is not None and front is None and not self._raw_sasl and not actions:
+            programs: Any = unread_by.get(_RELAY | api_key << 16 | api_version)
+            if programs is None:
+                programs = self._relayable(unread_by, api_key, api_version)
+            if programs:
+                relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now)
+                if relayed is not None:
+                    return relayed
         try:
             req = decode_request(frame, keep_trailing=True)
         except UnsupportedVersionError as e:
@@ -288,12 +303,72 @@ class Session(SessionCutThrough, SessionSasl):
             self._untouched = frame
         return self._dispatch(entry, req, verdict, actions, original, now)
 
+    def _relayable(self, unread_by: dict[int, Any], api_key: int, version: int) -> tuple | bool:
+        """Whether requests of this api version may go to the broker undecoded, worked out once: the
+        accelerator's checks of the header and body when nothing reads the request as it goes (no
+        request or done filter on its api, no telemetry, no transparency check, none of the
+        session's own state), else False. When its answer is decoded (a filter reads it and no
+        remembered answer serves), the request is decoded then, before the filters see the two.
+        A policy or quota filter sees every api, so with rules nothing is relayed."""
+        chain = self.chain
+        programs: tuple | bool = False
+        if (_SKIP is not None and api_key not in _DECODED_ALWAYS and not chain.for_request(api_key)
+                and not chain.for_done(api_key) and self.reencode is None):
+            try:
+                header_codec, body_codec = request_codecs(api_key, version)
+            except UnsupportedVersionError:
+                pass
+            else:
+                if header_codec.version > 0:        # header v0 has no client id to learn
+                    programs = (whole_skip(header_codec), whole_skip(body_codec))
+        unread_by[_RELAY | api_key << 16 | version] = programs
+        return programs
+
+    def _relay(self, frame: memoryview, programs: tuple, api_key: int, api_version: int, correlation_id: int,
+               now: float) -> list[Action] | None:
+        """A request nothing reads goes on as received, with kproxy's correlation id: checked whole by
+        the accelerator as the decoder would (None when it fails: the caller's decode says why), its
+        client id learned from the header, decoded only if something needs it later
+        (``InFlight.decoded_request``)."""
+        end = len(frame)
+        skip = _SKIP
+        assert skip is not None
+        try:
+            pos = skip(programs[0], 0, frame, 0, end, 1, None, NO_LAZY)
+            skip(programs[1], 0, frame, pos, end, 1, None, NO_LAZY)
+        except ValueError:
+            return None
+        no_response = False
+        if api_key == PRODUCE:
+            if self._why_next is not None:
+                return None         # a large request declined for streaming: its entry says why
+            # acks follows the transactional id (from v3; compact from v9), right after the header.
+            if api_version < 3:
+                at = pos
+            elif api_version >= 9:
+                length, at = read_uvarint(frame, pos)
+                at += length - 1 if length else 0
+            else:
+                (length,) = _H(frame, pos)
+                at = pos + 2 + (length if length > 0 else 0)
+            no_response = _H(frame, at)[0] == 0
+        (n,) = _H(frame, 8)         # the client id, in every header version past 0
+        if n >= 0:
+            self.ctx.client_id = str(frame[10:10 + n], "utf-8", "surrogateescape")
+        self.requests += 1
+        entry = InFlight(correlation_id, api_key, api_version, now, request_bytes=end + 4, seq=self.requests,
+                         relayed=frame)
+        self.open.add(entry)
+        upstream_id = self._forwarding(entry, no_response)
+        head = _HEAD.pack(end, api_key, api_version, upstream_id)
+        return [ToUpstream([head + frame[8:]] if end < _JOIN_BELOW else [head, frame[8:]], entry)]
+
     def throttled_for(self, now: float) -> float:
         """Seconds the client must not be read from any more: a filter throttled it (0 for none)."""
-        return self._throttle_until - now if self._throttle_until > now else 0.0
+        return self.throttle_until - now if self.throttle_until > now else 0.0
 
     def _mute(self, seconds: float) -> None:
-        self._throttle_until = max(self._throttle_until, self.ctx.clock() + seconds)
+        self.throttle_until = max(self.throttle_until, self.ctx.clock() + seconds)
 
     def _dispatch(self, entry: InFlight, req: Request, verdict: Any, actions: list[Action],
                   original: tuple[memoryview, bytes] | None = None, since: float | None = None) -> list[Action]:
@@ -460,7 +535,8 @@ class Session(SessionCutThrough, SessionSasl):
 
     def _forwarding(self, entry: InFlight, no_response: bool) -> int:
         """``entry`` goes to the broker: its upstream correlation id, and the answer it is owed."""
-        upstream_id = self._take_correlation_id()
+        upstream_id = self._next_correlation_id
+        self._next_correlation_id = (upstream_id + 1) & 0x7FFFFFFF
         if no_response:
             # acks=0: the broker sends no response, so nothing waits for one. Some brokers (tansu
             # 0.6) answer anyway; the id is remembered so such an answer is dropped, not forwarded.
@@ -592,13 +668,17 @@ class Session(SessionCutThrough, SessionSasl):
             return [Close(f"broker answered correlation id {upstream_id}, which kproxy never sent")]
         entry.answered_at = answered = self.ctx.clock()
         entry.upstream_bytes = len(frame)
-        if entry.request is None:
-            patched = bytearray(frame)
-            _I32.pack_into(patched, 0, entry.client_correlation_id)
-            entry.reply = size_prefixed(patched)
-            return self._flush()
         version = entry.api_version
         unread_by = self._unread_by
+        if entry.request is None and (entry.relayed is None or (
+                unread_by is not None and unread_by.get(entry.api_key << 16 | version) is True
+                and entry.api_key not in _NAMES_IN_ANSWERS)):
+            # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
+            # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
+            # with the client's correlation id. A relayed request whose answer is read goes on below.
+            head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
+            entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
+            return self._flush()
         if (unread_by is not None and unread_by.get(entry.api_key << 16 | version) is not False
                 and self._unread(unread_by, entry.api_key, version)):
             # Nobody reads this answer (no filter at this version, no telemetry, no transparency
@@ -620,6 +700,8 @@ class Session(SessionCutThrough, SessionSasl):
         except DecodeError as e:
             return [Close(f"malformed {api_name(entry.api_key)} v{version} response from the broker: {e}",
                           undecodable="response")]
+        if entry.relayed is not None:
+            entry.decoded_request()         # the filters read the request with its answer
         original: tuple[memoryview, bytes] | None = None
         check = self.reencode
         if check is not None and check.due():
@@ -698,7 +780,7 @@ class Session(SessionCutThrough, SessionSasl):
         actions += self._flush()
         return actions
 
-    def _unread(self, unread_by: dict[int, bool], api_key: int, version: int) -> bool:
+    def _unread(self, unread_by: dict[int, Any], api_key: int, version: int) -> bool:
         """Whether no one would read this answer decoded: no filter at this version, no transparency
         check, no state of the session's own kept from it (SASL, the versions a broker speaks, the
         names of topic ids). The fixed part is worked out once per api version."""
@@ -800,11 +882,12 @@ class Session(SessionCutThrough, SessionSasl):
             assert reply is not None
             if entry.close_after is not None:
                 if reply:
-                    entry.response_bytes = _frame_size(reply)
+                    entry.response_bytes = _I32.unpack_from(reply[0], 0)[0] + 4
                     out.append(ToClient(reply))
                 out.append(Close(entry.close_after, (entry,)))
                 break
-            entry.response_bytes = _frame_size(reply)
+            # Encoded frames start with their 4-byte size prefix.
+            entry.response_bytes = _I32.unpack_from(reply[0], 0)[0] + 4 if reply else 0
             out.append(ToClient(reply, (entry,)))
         return out
 
@@ -848,7 +931,7 @@ class Session(SessionCutThrough, SessionSasl):
             return [Close(f"broker connection lost after SASL authentication ({reason})")]
         for entry in waiting:
             entry.outcome = UPSTREAM_LOST
-            req = entry.request
+            req = entry.decoded_request()
             code = lost_connection_error(req.api_key) if req is not None else None
             if authenticated or req is None or code is None:
                 entry.reply = []

@@ -21,15 +21,13 @@ class BufferBudget:
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self.used = 0
+        # used >= limit: client pumps read nothing new (an attribute, not a property: each receive reads it)
+        self.exhausted = False
         self.peak = 0
         self.pauses = 0                  # times a reader had to wait
         self._room = trio.Event()
         self._room.set()
         self._warned = False
-
-    @property
-    def exhausted(self) -> bool:
-        return self.limit is not None and self.used >= self.limit
 
     def adjust(self, delta: int) -> None:
         self.used += delta
@@ -37,7 +35,8 @@ class BufferBudget:
             self.peak = self.used
         if self.limit is None:
             return
-        if self.used >= self.limit:
+        self.exhausted = self.used >= self.limit
+        if self.exhausted:
             if self._room.is_set():
                 self._room = trio.Event()
                 if not self._warned:

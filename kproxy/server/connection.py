@@ -27,9 +27,10 @@ import trio
 from kproxy.logs import safe
 from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
-from kproxy.protocol.framing import FrameReader
+from kproxy.protocol.framing import STREAM_NONE, STREAMS, FrameReader
 from kproxy.protocol.messages import api_name
 from kproxy.protocol.records import V2_HEADER_SIZE
+from kproxy.proxy.actions import ToClient, ToUpstream
 from kproxy.proxy.addresses import Route
 from kproxy.proxy.inflight import CLIENT_GONE, CLOSED, InFlight
 from kproxy.proxy.session import Session
@@ -282,10 +283,12 @@ class ClientConnection(Executor):
         limit = self.settings.max_in_flight
         client = self.client
         budget = self.budget
+        writer = self.writer
+        counted = -1        # the reader's held bytes when last accounted for
         # A request streaming to the broker is read to its end whatever happens meanwhile (a drain, a
         # throttle): its first bytes are with the broker, which holds the write lock for the rest.
         while not self.draining or reader.streaming_left:
-            muted = session.throttled_for(self._now())
+            muted = session.throttled_for(self._now()) if session.throttle_until else 0.0
             if muted > 0 and not reader.streaming_left:
                 # Throttled: read nothing until the time is up, as a broker mutes the channel, and
                 # hold no receive buffer meanwhile (the answer that said so is already on its way).
@@ -302,7 +305,7 @@ class ClientConnection(Executor):
                 if reader.release_idle():
                     self._account()
                 await budget.wait_for_room()
-            if reader.idle_chunk_is_large and not client.readable_now():
+            if reader.chunk_is_large and reader.idle_chunk_is_large and not client.readable_now():
                 # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
                 reader.release_idle()
                 self._account()
@@ -315,14 +318,16 @@ class ClientConnection(Executor):
                 return
             reader.received(n)
             min_bytes = session.stream_min_bytes
+            stream_from = min_bytes if min_bytes is not None else STREAM_NONE
             while True:
-                if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
+                frame = reader.next_frame(stream_from)
+                if frame is STREAMS:
                     # A large Produce request starting (or going on) here may go out as it arrives
                     # (a frame too small to stream costs no coroutine).
                     await self._stream_request(reader)
                     if self.draining:
                         break
-                frame = reader.next_frame()
+                    frame = reader.next_frame()
                 if frame is None:
                     break
                 if len(session.open) >= limit:
@@ -333,14 +338,24 @@ class ClientConnection(Executor):
                         self._room = trio.Event()
                 if self.prepare is not None:
                     await self.prepare(frame)
-                await self._execute(session.client_frame(frame))
+                actions = session.client_frame(frame)
+                if len(actions) == 1 and type(actions[0]) is ToUpstream:
+                    # A request forwarded (nearly always): to the broker without the executor's loop.
+                    await self._to_upstream(actions[0])
+                    if writer.pending:
+                        await writer.flush()
+                else:
+                    await self._execute(actions)
                 if self._pre_login and session.ctx.authenticated:
                     self._pre_login = False
                     reader.max_frame_size = self.settings.frame_cap
                     reader.limit_name = self.settings.frame_cap_setting
                 if self.draining:
                     break
-            self._account()
+            if reader.held_bytes != counted or session.streaming_up is not None:
+                # The other pump accounts for its own reader; a request streaming up holds bytes too.
+                counted = reader.held_bytes
+                self._account()
         # Draining: the requests already taken are answered; then the connection ends.
         while session.open:
             self._room = trio.Event()
@@ -395,9 +410,11 @@ class ClientConnection(Executor):
         self._readers.append(reader)
         self._answer_task = trio.lowlevel.current_task()
         session = self.session
+        writer = self.writer
+        counted = -1        # the reader's held bytes when last accounted for
         try:
             while True:
-                if reader.idle_chunk_is_large and not upstream.readable_now():
+                if reader.chunk_is_large and reader.idle_chunk_is_large and not upstream.readable_now():
                     reader.release_idle()
                     self._account()
                 n = await upstream.recv_into(reader.recv_buffer())
@@ -405,12 +422,14 @@ class ClientConnection(Executor):
                     raise ConnectionError("broker closed the connection")
                 reader.received(n)
                 min_bytes = session.stream_min_bytes
+                stream_from = min_bytes if min_bytes is not None else STREAM_NONE
                 while True:
-                    if reader.streaming_left or (min_bytes is not None and reader.head_size() >= min_bytes):
+                    frame = reader.next_frame(stream_from)
+                    if frame is STREAMS:
                         # A large answer starting (or going on) here may go out as it arrives (one
                         # too small to stream costs no coroutine).
                         await self._stream_pieces(reader, upstream)
-                    frame = reader.next_frame()
+                        frame = reader.next_frame()
                     if frame is None:
                         break
                     if self._login_answers is not None and _I32.unpack_from(frame, 0)[0] in self._login_ids:
@@ -418,14 +437,22 @@ class ClientConnection(Executor):
                         self._login_answers.send_nowait(bytes(frame))
                         continue
                     # Answers queue up across the frames of one read and go out in one write.
-                    await self._execute(session.upstream_frame(frame), flush=False)
-                    self._settled()
+                    actions = session.upstream_frame(frame)
+                    if len(actions) == 1 and type(actions[0]) is ToClient and actions[0].buffers:
+                        # An answer (nearly always): queued as the executor would, without its loop.
+                        writer.put(actions[0].buffers, actions[0].done)
+                    else:
+                        await self._execute(actions, flush=False)
+                    if self._settle is not None:
+                        self._settled()
                     if self.unrouted is not None and not session.in_flight:
                         await self.writer.flush()    # what is owed goes out before a reconnect
                         self._check_route()
-                if self.writer.pending:
-                    await self.writer.flush()
-                self._account()
+                if writer.pending:
+                    await writer.flush()
+                if reader.held_bytes != counted or self._pipe is not None:
+                    counted = reader.held_bytes
+                    self._account()
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             if isinstance(e, FrameError) and self.stats is not None:
                 self.stats.decode_errors["response"] += 1
@@ -652,7 +679,7 @@ def _unacknowledged(raw: socket.socket) -> int:
 def allowed_seconds(entry: InFlight, request_timeout: float) -> float:
     """How long ``entry`` may wait for its response: the timeout plus any wait it asked for (the
     schema's ``hold=ms`` fields: a Fetch's max_wait_ms, a JoinGroup's rebalance timeout, ...)."""
-    req = entry.request
+    req = entry.decoded_request()
     if req is None:
         return request_timeout
     return request_timeout + hold_ms(req.body, req.api_key, req.api_version) / 1000.0

@@ -148,11 +148,9 @@ class Executor:
             await self._renew_login_before_write()
             stamp = None
         lock = self._upstream_lock
-        if lock.locked():
+        if not lock.take():
             await lock.acquire()
             stamp = None
-        else:
-            lock.acquire_nowait()
         try:
             failed = await self._send_upstream(action, stamp)
         finally:

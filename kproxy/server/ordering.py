@@ -40,8 +40,8 @@ class ClientWriter:
     send) while the others wait until what they queued is out. Queuing never waits, so the order is
     the session's; ``complete`` is called for each answer's entries once its bytes are written."""
 
-    __slots__ = ("_failed", "_idle", "_now", "_queue", "_queued", "_waiting", "_written", "complete", "transport",
-                 "writing")
+    __slots__ = ("_failed", "_idle", "_now", "_queue", "_queued", "_waiting", "_written", "complete", "pending",
+                 "transport", "writing")
 
     def __init__(self, transport: Transport, complete: Callable[[tuple[InFlight, ...], float], None]) -> None:
         self.transport = transport
@@ -49,20 +49,17 @@ class ClientWriter:
         self._queue: list[tuple[list, tuple[InFlight, ...]]] = []
         self._queued = 0          # answers ever queued
         self._written = 0         # answers ever written
+        self.pending = 0          # answers queued and not yet written (read after every answer)
         self.writing = False
         self._idle = trio.Event()
         self._waiting = 0         # tasks waiting for another's write to finish
         self._now = run_clock()
         self._failed: BaseException | None = None
 
-    @property
-    def pending(self) -> int:
-        """Answers queued and not yet written."""
-        return self._queued - self._written
-
     def put(self, buffers: list, done: tuple[InFlight, ...]) -> None:
         self._queue.append((buffers, done))
         self._queued += 1
+        self.pending += 1
 
     async def flush(self) -> None:
         """Return once everything queued so far is written; ClientGone if the client went away."""
@@ -89,6 +86,7 @@ class ClientWriter:
                     self._failed = e
                     raise ClientGone(f"client connection error: {e!r}") from e
                 self._written += len(batch)
+                self.pending -= len(batch)
                 now = self._now()
                 for _, done in batch:
                     if done:
@@ -131,6 +129,13 @@ class FifoLock:
 
     def locked(self) -> bool:
         return self._held
+
+    def take(self) -> bool:
+        """Take it if it is free (True), without waiting; False when another task holds it."""
+        if self._held:
+            return False
+        self._held = True
+        return True
 
     def acquire_nowait(self) -> None:
         if self._held:

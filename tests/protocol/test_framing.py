@@ -47,9 +47,18 @@ def test_any_chunking_yields_the_same_frames(payloads, cuts, chunk, trust):
             dst[:k] = mv[:k]
             r.received(k)
             mv = mv[k:]
+            assert r.held_bytes == _allocated(r)
             got += _drain(r)
+            assert r.held_bytes == _allocated(r)
     assert [bytes(f) for f in got] == payloads
     assert r.at_frame_boundary
+    r.release_idle()
+    assert r.held_bytes == _allocated(r) == 0
+
+
+def _allocated(r) -> int:
+    # What the reader holds, counted from its buffers: ``held_bytes`` is kept current as they change.
+    return sum(len(b) for b in (r._buf, r._ready, r._big) if b is not None)
 
 
 def test_frames_stay_valid_after_more_data_arrives():

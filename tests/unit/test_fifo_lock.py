@@ -82,3 +82,24 @@ async def test_a_cancelled_acquire_holds_nothing():
 def test_release_of_a_lock_not_held_is_an_error():
     with pytest.raises(RuntimeError):
         FifoLock().release()
+
+
+async def test_take_holds_a_free_lock_and_never_barges_in():
+    lock = FifoLock()
+    assert lock.take() and lock.locked()
+    assert not lock.take()              # held: the caller must wait its turn with acquire()
+    got: list[str] = []
+
+    async def waiter() -> None:
+        await lock.acquire()
+        got.append("waiter")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        lock.release()                  # handed to the waiter, still held
+        assert not lock.take()
+        await trio.testing.wait_all_tasks_blocked()
+    assert got == ["waiter"] and lock.locked()
+    lock.release()
+    assert lock.take()

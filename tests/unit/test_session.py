@@ -1336,3 +1336,14 @@ def test_an_answer_a_filter_sees_without_saying_what_it_changed_is_encoded_again
     reply = _two_byte_tag_count(response_frame(HEARTBEAT, 4, 0, body_class(HEARTBEAT, "response")(error_code=0)))
     got = _answer(make_session(Observer()), HEARTBEAT, 4, heartbeat_request(), reply)
     assert got == struct.pack(">i", 77) + reply[4:-2] + b"\x00"     # kproxy's own encoding
+
+
+def test_without_the_accelerator_every_request_is_decoded(monkeypatch):
+    # The relay path needs the accelerator's whole-message check; without it (no compiler, or
+    # KPROXY_CODEC=python) requests take the full path, as before it existed.
+    from kproxy.proxy import session as session_module
+
+    monkeypatch.setattr(session_module, "_SKIP", None)
+    s = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=False)
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 5, heartbeat_request()))
+    assert isinstance(up, ToUpstream) and up.entry.request is not None and up.entry.relayed is None

@@ -25,6 +25,14 @@ class Layout:
         self.lz = lazy_min_items
         self._skip_structs: list[StructSpec] | None = None
 
+    @classmethod
+    def whole(cls, msg: MessageSpec, v: int) -> Layout:
+        """A layout whose validating skip walks the whole message, its root as struct 0: a check of a
+        frame that decodes nothing (``compiler.whole_skip``)."""
+        vf = cls(msg, v, native=True)
+        vf._skip_structs = vf.structs()
+        return vf
+
     def fields(self, s: StructSpec) -> tuple[list[FieldSpec], list[FieldSpec]]:
         regular, tagged = [], []
         for f in s.fields:

@@ -1,0 +1,182 @@
+"""The session's relay path: a request that nothing reads (no filter sees its api, no telemetry, no
+transparency check) goes to the broker undecoded, checked whole by the accelerator, with kproxy's
+correlation id; everything that needs the request decoded still gets it (``InFlight.decoded_request``),
+and a request a filter or a rule sees always takes the full path."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from kproxy.protocol.compiler import native_skip
+from kproxy.protocol.messages import body_class, decode_request
+from kproxy.proxy.actions import Close, ToClient, ToUpstream
+from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
+from kproxy.proxy.session import Session
+from kproxy.server.connection import allowed_seconds
+
+from .rulebook import policy_filter
+from .test_session import (
+    API_VERSIONS,
+    HEARTBEAT,
+    OFFSET_COMMIT,
+    PRODUCE,
+    Clock,
+    answered,
+    heartbeat_request,
+    kinds,
+    produce_request,
+    request_frame,
+    response_frame,
+    wire,
+)
+
+JOIN_GROUP = 11
+pytestmark = pytest.mark.skipif(native_skip() is None, reason="the relay path needs the native accelerator")
+
+
+def relaying(*filters: Filter, read_answers: bool = False) -> Session:
+    """A session as the server makes one without telemetry (``read_answers=False``)."""
+    return Session(ConnectionContext(1, clock=Clock()), FilterChain(filters), read_answers=read_answers)
+
+
+def heartbeat_answer(correlation_id: int, error_code: int = 0) -> bytes:
+    return response_frame(HEARTBEAT, 4, correlation_id, body_class(HEARTBEAT, "response")(error_code=error_code))
+
+
+def test_a_request_nobody_reads_goes_to_the_broker_undecoded():
+    s = relaying()
+    frame = request_frame(HEARTBEAT, 4, 41, heartbeat_request(), client_id="consumer-7")
+    (up,) = s.client_frame(frame)
+    assert isinstance(up, ToUpstream)
+    entry = up.entry
+    # The path counter: relayed, never decoded.
+    assert entry.request is None and entry.relayed is not None
+    sent = wire(up)
+    # The client's bytes, byte for byte, but for kproxy's correlation id.
+    assert sent[:4] == bytes(frame[:4]) and sent[8:] == bytes(frame[8:])
+    (upstream_id,) = struct.unpack_from(">i", sent, 4)
+    assert upstream_id == entry.upstream_correlation_id
+    assert s.ctx.client_id == "consumer-7"
+    out = s.upstream_frame(memoryview(heartbeat_answer(upstream_id, error_code=27)))
+    assert kinds(out) == [ToClient]
+    back = answered(out[0], HEARTBEAT, 4)
+    assert (back.correlation_id, back.body.error_code) == (41, 27)
+    assert out[0].done == (entry,) and entry.request is None
+
+
+@pytest.mark.parametrize("version", range(0, 14))
+@pytest.mark.parametrize("acks", [0, 1, -1])
+def test_a_relayed_produce_request_reads_acks_from_its_bytes(version, acks):
+    s = relaying()
+    body = produce_request(acks=acks)
+    if version >= 3:
+        body.transactional_id = "a-transaction"
+    frame = request_frame(PRODUCE, version, 5, body)
+    (up,) = s.client_frame(frame)
+    entry = up.entry
+    assert entry.request is None and entry.relayed is not None
+    assert wire(up)[8:] == bytes(frame[8:])
+    # acks=0: no answer is owed, nothing waits for one.
+    assert (entry.outcome == "no_response") is (acks == 0)
+    assert s.awaiting_upstream == (0 if acks == 0 else 1)
+
+
+@pytest.mark.parametrize(("api_key", "version", "body"), [
+    (API_VERSIONS, 3, body_class(API_VERSIONS, "request")(client_software_name="x", client_software_version="1")),
+])
+def test_requests_the_session_reads_itself_are_decoded(api_key, version, body):
+    s = relaying()
+    (up,) = s.client_frame(request_frame(api_key, version, 5, body))
+    assert up.entry.request is not None and up.entry.relayed is None
+
+
+def test_a_relayed_request_is_decoded_when_a_filter_reads_its_answer_and_not_when_memory_serves():
+    # Metadata: the address rewriter reads every answer, but not the request; a remembered answer
+    # runs no filter at all.
+    from .test_answer_memo import Client, confirm_all, metadata_answer, rewriter_setup
+
+    m, chain, memo = rewriter_setup()
+    c = Client(chain, memo, read_answers=False)
+    body = metadata_answer([(1, "b1.internal", 9092), (2, "b2.internal", 9092)])
+    _, resp, entry = c.ask(body)
+    assert entry.request is not None and entry.relayed is None        # decoded with its answer
+    assert [(b.host, b.port) for b in resp.body.brokers] == [("proxy.example", 19000), ("proxy.example", 19001)]
+    confirm_all(m)
+    c.ask(body)
+    _, resp, entry = c.ask(body)
+    assert memo.hits == 1 and entry.request is None and entry.relayed is not None
+    assert [(b.host, b.port) for b in resp.body.brokers] == [("proxy.example", 19000), ("proxy.example", 19001)]
+
+
+def test_with_telemetry_every_request_is_decoded():
+    s = relaying(read_answers=True)
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 5, heartbeat_request()))
+    assert up.entry.request is not None and up.entry.relayed is None
+
+
+class SeesHeartbeats(Filter):
+    name = "sees-heartbeats"
+    request_api_keys = frozenset({HEARTBEAT})
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_request(self, ctx, exchange):
+        self.seen.append(exchange.request.body.group_id)
+
+
+def test_a_request_a_filter_sees_takes_the_full_path():
+    f = SeesHeartbeats()
+    s = relaying(f)
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 5, heartbeat_request()))
+    assert f.seen == ["g"] and up.entry.request is not None
+
+
+def test_a_request_a_rule_matches_takes_the_full_path(tmp_path):
+    rules = policy_filter(tmp_path, "rules: [{name: no-heartbeats, match: {api: heartbeat}, action: deny}]\n")
+    s = relaying(rules)
+    out = s.client_frame(request_frame(HEARTBEAT, 4, 5, heartbeat_request()))
+    # Refused by the rule, answered by kproxy: relayed, it would have gone to the broker.
+    assert kinds(out) == [ToClient]
+    assert answered(out[0], HEARTBEAT, 4).body.error_code != 0
+
+
+def test_a_malformed_request_is_refused_as_before():
+    s = relaying()
+    frame = bytes(request_frame(HEARTBEAT, 4, 5, heartbeat_request()))
+    out = s.client_frame(memoryview(frame[:-3]))
+    assert kinds(out) == [Close]
+    assert out[0].reason.startswith("malformed heartbeat v4 request: string member_id")
+
+
+def test_a_lost_broker_connection_answers_a_relayed_request_as_a_decoded_one():
+    s = relaying()
+    s.client_frame(request_frame(HEARTBEAT, 4, 11, heartbeat_request()))
+    oc = body_class(OFFSET_COMMIT, "request")
+    (up,) = s.client_frame(request_frame(OFFSET_COMMIT, 8, 12, oc(group_id="g", member_id="m", topics=[
+        oc.OffsetCommitRequestTopic(name="a", partitions=[
+            oc.OffsetCommitRequestPartition(partition_index=0, committed_offset=5)])])))
+    assert up.entry.relayed is not None
+    out = s.upstream_lost("connection reset")
+    assert kinds(out) == [ToClient, ToClient]
+    heartbeat = answered(out[0], HEARTBEAT, 4)
+    assert (heartbeat.correlation_id, heartbeat.body.error_code) == (11, 15)
+    commit = answered(out[1], OFFSET_COMMIT, 8)
+    assert commit.correlation_id == 12 and [p.error_code for p in commit.body.topics[0].partitions] == [15]
+
+
+def test_the_watchdog_reads_a_relayed_requests_hold_from_its_bytes():
+    s = relaying()
+    jg = body_class(JOIN_GROUP, "request")(group_id="g", session_timeout_ms=10_000, rebalance_timeout_ms=60_000,
+                                           member_id="", protocol_type="consumer", protocols=[])
+    (up,) = s.client_frame(request_frame(JOIN_GROUP, 9, 3, jg))
+    entry = up.entry
+    assert entry.request is None
+    # A JoinGroup may be held for its rebalance timeout: the watchdog must allow that much.
+    assert allowed_seconds(entry, 30.0) == 90.0
+    req = entry.decoded_request()
+    assert req is not None and req.correlation_id == entry.upstream_correlation_id
+    assert req.body.group_id == "g" and entry.relayed is None
+    assert decode_request(wire(up)).body == req.body
