@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import signal
 import subprocess
@@ -146,19 +147,26 @@ def _left_behind(work: Path, wait_s: float = 0.0) -> list[str]:
 def test_ctrl_c_during_the_tour_leaves_no_report_process_or_jvm(tmp_path: Path) -> None:
     """The report's Spark session starts in its own process group (a terminal's Ctrl-C does not reach
     it), so the demo has to end it: interrupted once that JVM runs, nothing of the demo's is left."""
+    # PYTHONFAULTHANDLER: should the demo not end, SIGABRT makes it print where each thread is.
     demo = subprocess.Popen([sys.executable, "-m", "kproxy", "demo", "--out", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
         deadline = time.monotonic() + 120
         while not any("java" in line for line in _left_behind(tmp_path)):
             assert demo.poll() is None and time.monotonic() < deadline, "the report's JVM never started"
             time.sleep(0.2)
         demo.send_signal(signal.SIGINT)
-        out, err = demo.communicate(timeout=60)
+        try:
+            out, err = demo.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            demo.send_signal(signal.SIGABRT)
+            out, err = demo.communicate(timeout=30)
+            pytest.fail(f"the demo did not end within 60 s of a Ctrl-C; where it was:\n{out[-3000:]}\n{err[-6000:]}")
     finally:
         if demo.poll() is None:
             demo.kill()
-            demo.wait()
+        demo.communicate()       # reaps it and closes the pipes (left open, a later test's gc would warn)
     assert demo.returncode == 130, f"{out}\n{err}"
     assert "kproxy demo: interrupted" in err
     # Gone when the demo ends, not later: the demo waited for them (were it to leave them, they would
