@@ -62,7 +62,7 @@ def _gunzip(payload: memoryview, cap: int, at: int) -> memoryview:
     # member's size mod 2**32 in its final four bytes, sizes the buffer once in the usual one-member
     # case; it is only a hint, so a wrong one costs a resize, never more than the cap.
     hint = _UINT32_LE.unpack_from(payload, len(payload) - 4)[0] if len(payload) >= 4 else 0
-    out = bytearray(min(hint, cap))
+    out = bytearray(min(hint, cap + 1))
     used = 0
     ipos = 0
     while True:  # one pass per gzip member; Java's GZIPInputStream reads concatenated members too
@@ -80,6 +80,7 @@ def _gunzip(payload: memoryview, cap: int, at: int) -> memoryview:
                 raise RecordsError("gzip payload ends before its stream does", at)
             out[used : used + len(chunk)] = chunk
             used += len(chunk)
+            del chunk      # not alive beside the next one (zlib builds each from blocks: twice its size)
             if used > cap:
                 raise RecordsError(f"gzip payload decompresses to more than {cap} bytes", at)
             pending = d.unconsumed_tail
