@@ -143,14 +143,21 @@ def _left_behind(work: Path, wait_s: float = 0.0) -> list[str]:
         time.sleep(0.2)
 
 
+def _terminal_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.spark
 def test_ctrl_c_during_the_tour_leaves_no_report_process_or_jvm(tmp_path: Path) -> None:
     """The report's Spark session starts in its own process group (a terminal's Ctrl-C does not reach
     it), so the demo has to end it: interrupted once that JVM runs, nothing of the demo's is left."""
+    # The demo gets Ctrl-C as from a terminal, however this test run was started: a shell without job
+    # control starts a background job (`make test &`) with SIGINT ignored, its children inherit that,
+    # and Python then installs no KeyboardInterrupt for it (the demo ran on to its end, exit 0).
     # PYTHONFAULTHANDLER: should the demo not end, SIGABRT makes it print where each thread is.
     demo = subprocess.Popen([sys.executable, "-m", "kproxy", "demo", "--out", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"}, preexec_fn=_terminal_sigint)
     try:
         deadline = time.monotonic() + 120
         while not any("java" in line for line in _left_behind(tmp_path)):
