@@ -27,6 +27,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # kafka-python leaves the socket of a failed connect for the garbage collector (tests/client_fixes.py).
+    from tests.client_fixes import close_failed_connects
+    close_failed_connects()
     codec = config.getoption("--codec")
     compiler.set_codec(native=None if codec == "auto" else codec == "native",
                        lazy_min_items=config.getoption("--lazy-min"))
