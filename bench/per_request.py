@@ -5,7 +5,8 @@ calls (perf's syscall tracepoints) per request, for this tree and, side by side,
 
 Run from the repository root:  ``.venv/bin/python bench/per_request.py [--baseline DIR] [--n 2000]``
 (``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce,heartbeat``; ``--metrics``
-runs kproxy with an admin listener, so that every request is also recorded in its metrics).
+runs kproxy with an admin listener, so that every request is also recorded in its metrics; ``--traffic-log``
+also writes the traffic log, every request; ``--rules FILE`` loads a rule file, as production does).
 
 One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level WARNING) in front.
 
@@ -171,12 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="system-call counts per tree and loop (default 3)")
     ap.add_argument("--metrics", action="store_true",
                     help="run kproxy with an admin listener, so that each request is recorded in its metrics")
+    ap.add_argument("--traffic-log", action="store_true",
+                    help="also write the traffic log (every request) into a temporary directory")
+    ap.add_argument("--rules", type=Path, metavar="FILE", help="run kproxy with this rule file (e.g. "
+                    "bench/rules_produce_fetch.yaml: rules that address only Produce and Fetch)")
     ap.add_argument("--no-callgrind", action="store_true")
     ap.add_argument("--no-syscalls", action="store_true")
     args = ap.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
     if args.metrics:
         EXTRA_ARGS[:] = ["--admin", HOST + ":{admin_port}"]
+    if args.rules is not None:
+        EXTRA_ARGS.extend(["--rules", str(args.rules.resolve())])
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds: one or more of {', '.join(KINDS)}")
     trees: dict[str, Path | None] = {"kproxy": None}
@@ -193,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     sc: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kproxy-per-request-") as tmp, Tansu(port=free_port()) as broker:
         workdir = Path(tmp)
+        if args.traffic_log:
+            EXTRA_ARGS.extend(["--traffic-log", str(workdir / "traffic")])
         topic = None
         if "produce" in kinds:
             from confluent_kafka.admin import AdminClient, NewTopic
@@ -217,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"({got['req/s']:,.0f} req/s)", file=sys.stderr, flush=True)
     print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {load_before} before, "
           "load average {:.2f} {:.2f} {:.2f} after".format(*os.getloadavg())
-          + ("; kproxy with an admin listener (metrics)" if args.metrics else ""))
+          + ("; kproxy with an admin listener (metrics)" if args.metrics else "")
+          + ("; with the traffic log" if args.traffic_log else "")
+          + (f"; rules {args.rules}" if args.rules is not None else ""))
     if ir:
         print()
         print(f"Instructions per request in kproxy's process (callgrind, user space), {args.n:,} requests one "

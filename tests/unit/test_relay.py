@@ -180,3 +180,68 @@ def test_the_watchdog_reads_a_relayed_requests_hold_from_its_bytes():
     assert req is not None and req.correlation_id == entry.upstream_correlation_id
     assert req.body.group_id == "g" and entry.relayed is None
     assert decode_request(wire(up)).body == req.body
+
+
+# -- metrics without a decode: the same figures from the frames' headers and sizes
+
+METADATA, OFFSET_DELETE = 3, 47
+
+
+def _metrics_traffic(s: Session) -> tuple[list, bytes]:
+    """A few exchanges through ``s``, each completed entry recorded in fresh metrics: (what each entry
+    says, the metrics' exposition)."""
+    from kproxy.telemetry.exchange import Exchange, Learned
+    from kproxy.telemetry.metrics import Metrics
+
+    hb = body_class(HEARTBEAT, "response")
+    od = body_class(OFFSET_DELETE, "response")
+    exchanges = [
+        (HEARTBEAT, 4, heartbeat_request(), hb(throttle_time_ms=120, error_code=27)),
+        (HEARTBEAT, 0, heartbeat_request(), hb(error_code=0)),          # no throttle time in v0
+        (METADATA, 12, body_class(METADATA, "request")(topics=[]), body_class(METADATA, "response")(
+            throttle_time_ms=7)),
+        (PRODUCE, 9, produce_request(), body_class(PRODUCE, "response")(throttle_time_ms=5)),
+        # Its throttle time is not its first field: decoded, so that metrics read the same.
+        (OFFSET_DELETE, 0, body_class(OFFSET_DELETE, "request")(group_id="g", topics=[]),
+         od(error_code=0, throttle_time_ms=33)),
+    ]
+    metrics, learned, seen = Metrics(), Learned(), []
+    for i, (key, version, body, answer) in enumerate(exchanges):
+        (up,) = s.client_frame(request_frame(key, version, 100 + i, body, client_id=f"client-{i}"))
+        (out,) = s.upstream_frame(memoryview(response_frame(key, version, up.entry.upstream_correlation_id,
+                                                            answer)))
+        (entry,) = out.done
+        s.finish(entry)
+        metrics.record(Exchange(entry, s.ctx, learned))
+        seen.append((entry.api_key, entry.request_bytes, entry.response_bytes, entry.throttle_ms, entry.outcome,
+                     s.ctx.client_id, entry.request is None, entry.response is None))
+    return seen, metrics.exposition()
+
+
+def test_metrics_read_the_same_figures_from_relayed_exchanges_as_from_decoded_ones():
+    relayed, relayed_metrics = _metrics_traffic(Session(
+        ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=False,
+        telemetry_reads=frozenset({PRODUCE, 1})))
+    decoded, decoded_metrics = _metrics_traffic(relaying(read_answers=True))
+    # The path counter: Heartbeat and Metadata went both ways undecoded; Produce (records are
+    # counted) and OffsetDelete (throttle time not first; relayed, decoded with its answer) were read.
+    assert [r[-2:] for r in relayed] == [(True, True), (True, True), (True, True), (False, False), (False, False)]
+    assert all(r[-2:] == (False, False) for r in decoded)
+    assert [r[:-2] for r in relayed] == [r[:-2] for r in decoded]
+    assert [r[3] for r in relayed] == [120, 0, 7, 5, 33]
+    assert relayed_metrics == decoded_metrics
+    assert b'kproxy_throttle_seconds_total{rule="broker"} 0.165' in relayed_metrics
+
+
+def test_a_throttle_time_behind_header_tagged_fields_is_read_as_the_decoder_reads_it():
+    from kproxy.protocol.messages import decode_response
+
+    s = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=False,
+                telemetry_reads=frozenset({PRODUCE}))
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 9, heartbeat_request()))
+    cid = up.entry.upstream_correlation_id
+    # Header v1 with one tagged field (tag 3, two bytes), then throttle_time_ms, error_code, no tags.
+    frame = struct.pack(">i", cid) + b"\x01\x03\x02ab" + struct.pack(">ih", 250, 0) + b"\x00"
+    assert decode_response(frame, HEARTBEAT, 4).body.throttle_time_ms == 250
+    (out,) = s.upstream_frame(memoryview(frame))
+    assert out.done[0].response is None and out.done[0].throttle_ms == 250
