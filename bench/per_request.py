@@ -61,13 +61,16 @@ EXTRA_ARGS: list[str] = []
 def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, name: str,
                  timeout: float) -> tuple[subprocess.Popen[bytes], int]:
     kp = free_port()
+    admin = free_port()
+    while admin == kp:      # nothing holds kp yet: the next free port may be the same
+        admin = free_port()
     env = dict(os.environ)
     if tree is not None:
         # As bench/proxy.py's kproxy-base: the other tree first on the path, the working directory off it.
         env.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
     argv = [*wrap, sys.executable, "-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}",
             "--listen", f"{HOST}:{kp}", "--log-level", "WARNING",
-            *(a.replace("{admin_port}", str(free_port())) for a in EXTRA_ARGS)]
+            *(a.replace("{admin_port}", str(admin)) for a in EXTRA_ARGS)]
     with open(workdir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)

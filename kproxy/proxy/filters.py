@@ -176,6 +176,16 @@ class Filter:
     # client as the broker's own bytes with the correlation id patched, without being encoded again.
     # A filter that leaves this False is taken to change every answer it sees.
     reports_changes: bool = False
+    # True when the filter may let some apis go by unread although it sees every one (``passes``).
+    may_pass: bool = False
+
+    def passes(self, api_key: int, api_version: int) -> bool:
+        """On filters that set ``may_pass``: whether, with the configuration in force now, the filter
+        would do nothing at all with a request of this api version (``on_request`` returns None and
+        keeps nothing, so ``on_response`` has nothing to do with its answer). Asked for every request
+        the session could relay undecoded, so it must be cheap; the answer may change when the
+        filter's configuration reloads (the next request sees the new one)."""
+        return False
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         """See (and possibly change) ``exchange.request``. Return None to forward it.
@@ -329,13 +339,34 @@ class FilterChain:
 
     def reads_answers(self, api_key: int, api_version: int) -> bool:
         """Whether a filter reads this api version's decoded answers: a response filter with something
-        to do at that version (``Filter.reads_response``), or one told of the finished exchange."""
+        to do at that version (``Filter.reads_response``), or one told of the finished exchange. A
+        filter that ``may_pass`` is left out: it reads only answers to requests it saw
+        (``reads_seen_answers``)."""
         key = (api_key, api_version)
         got = self._reads.get(key)
         if got is None:
             got = self._reads[key] = bool(self.for_done(api_key)) or any(
-                f.reads_response(api_key, api_version) for f in self.for_response(api_key))
+                f.reads_response(api_key, api_version) for f in self.for_response(api_key) if not f.may_pass)
         return got
+
+    def reads_seen_answers(self, api_key: int, api_version: int) -> bool:
+        """Whether a response filter that ``may_pass`` reads this api version's answers: it does when it
+        saw the request decoded (it may have kept something for the answer), never when the request
+        went by it undecoded."""
+        key = (api_key, api_version | 1 << 16)
+        got = self._reads.get(key)
+        if got is None:
+            got = self._reads[key] = any(f.reads_response(api_key, api_version) for f in self.for_response(api_key)
+                                         if f.may_pass)
+        return got
+
+    def pass_guards(self, api_key: int) -> tuple[Filter, ...] | None:
+        """The filters a request of ``api_key`` must pass (``Filter.passes``) to go by undecoded; None
+        when one of its request filters never lets it by, or a filter hears of it when done."""
+        filters = self.for_request(api_key)
+        if self.for_done(api_key) or not all(f.may_pass for f in filters):
+            return None
+        return filters
 
     def for_done(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_done_key.get(api_key)

@@ -302,9 +302,13 @@ class Session(SessionCutThrough, SessionSasl):
             if programs is None:
                 programs = self._relayable(unread_by, api_key, api_version)
             if programs:
-                relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now)
-                if relayed is not None:
-                    return relayed
+                for f in programs[2]:
+                    if not f.passes(api_key, api_version):
+                        break       # a rule addresses it now (rules reload): the full path
+                else:
+                    relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now)
+                    if relayed is not None:
+                        return relayed
         try:
             req = decode_request(frame, keep_trailing=True)
         except UnsupportedVersionError as e:
@@ -350,19 +354,21 @@ class Session(SessionCutThrough, SessionSasl):
         request or done filter on its api, no telemetry, no transparency check, none of the
         session's own state), else False. When its answer is decoded (a filter reads it and no
         remembered answer serves), the request is decoded then, before the filters see the two.
-        A policy or quota filter sees every api, so with rules nothing is relayed."""
+        A filter that sees every api but ``may_pass`` (the policy filter: apis no rule addresses)
+        is asked each time (the programs' third part), as its configuration may reload; a quota
+        filter sees Produce and Fetch only."""
         chain = self.chain
         programs: tuple | bool = False
-        if (_SKIP is not None and api_key not in _DECODED_ALWAYS and not chain.for_request(api_key)
-                and not chain.for_done(api_key) and self.reencode is None
-                and api_key not in unread_by.get(_TELEMETRY, ())):
+        guards = chain.pass_guards(api_key)
+        if (_SKIP is not None and api_key not in _DECODED_ALWAYS and guards is not None
+                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())):
             try:
                 header_codec, body_codec = request_codecs(api_key, version)
             except UnsupportedVersionError:
                 pass
             else:
                 if header_codec.version > 0:        # header v0 has no client id to learn
-                    programs = (whole_skip(header_codec), whole_skip(body_codec))
+                    programs = (whole_skip(header_codec), whole_skip(body_codec), guards)
         unread_by[_RELAY | api_key << 16 | version] = programs
         return programs
 
@@ -724,7 +730,8 @@ class Session(SessionCutThrough, SessionSasl):
                 _note_throttle(entry, frame, unread)
             return self._flush()
         if (unread_by is not None and unread_by.get(entry.api_key << 16 | version) is not False
-                and (unread := self._unread(unread_by, entry.api_key, version))):
+                and (unread := self._unread(unread_by, entry.api_key, version))
+                and (entry.request is None or not self.chain.reads_seen_answers(entry.api_key, version))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
             # telemetry only counts it): the broker's bytes go on with the client's correlation id.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)

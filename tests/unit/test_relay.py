@@ -245,3 +245,82 @@ def test_a_throttle_time_behind_header_tagged_fields_is_read_as_the_decoder_read
     assert decode_response(frame, HEARTBEAT, 4).body.throttle_time_ms == 250
     (out,) = s.upstream_frame(memoryview(frame))
     assert out.done[0].response is None and out.done[0].throttle_ms == 250
+
+
+# -- rules-aware relay: apis no rule can address go by the policy filter undecoded
+
+
+class _Reloading:
+    """A RuleSource whose rules a test replaces, as ``RuleStore.install`` does on a reload."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+
+
+def _rules(tmp_path, text: str):
+    from kproxy.policy.engine import Policy
+
+    from .rulebook import rule_set
+    return Policy(rule_set(tmp_path, text))
+
+
+def _policy_session(source) -> Session:
+    import random
+
+    from kproxy.policy.filter import PolicyFilter
+    return relaying(PolicyFilter(source, random.Random(1)))
+
+
+PRODUCE_FETCH_ONLY = """
+    default: allow
+    rules:
+      - {name: audited-writes, match: {api: produce, topic: "audited-*"}, action: log}
+      - {name: no-secrets, match: {api: fetch, topic: "secret-*"}, action: deny}
+"""
+
+
+def test_a_rule_added_on_reload_reaches_the_next_heartbeat_of_an_open_connection(tmp_path):
+    source = _Reloading(_rules(tmp_path, PRODUCE_FETCH_ONLY))
+    s = _policy_session(source)
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 1, heartbeat_request()))
+    # No rule addresses Heartbeat: relayed both ways, never decoded.
+    assert up.entry.request is None and up.entry.relayed is not None
+    (out,) = s.upstream_frame(memoryview(heartbeat_answer(up.entry.upstream_correlation_id)))
+    assert out.done[0].request is None and out.done[0].response is None
+    source.policy = _rules(tmp_path, PRODUCE_FETCH_ONLY + "      - {name: no-heartbeats, match: {api: heartbeat}, "
+                                                          "action: deny}\n")
+    out = s.client_frame(request_frame(HEARTBEAT, 4, 2, heartbeat_request()))
+    # The same connection's next Heartbeat meets the new rule: refused by kproxy, never sent upstream.
+    assert kinds(out) == [ToClient]
+    refused = answered(out[0], HEARTBEAT, 4)
+    assert refused.correlation_id == 2 and refused.body.error_code != 0
+    assert out[0].done[0].notes["rule"] == "no-heartbeats"
+    source.policy = _rules(tmp_path, PRODUCE_FETCH_ONLY)
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 3, heartbeat_request()))
+    assert up.entry.request is None and up.entry.relayed is not None
+
+
+@pytest.mark.parametrize(("text", "relayed"), [
+    (PRODUCE_FETCH_ONLY, True),
+    # A rule without an api selector may apply to any api, whatever its other selectors say.
+    ("rules: [{name: one-client, match: {client_id: nobody-here}, action: deny}]", False),
+    ("rules: [{name: groups, match: {api: [heartbeat, join_group]}, action: log}]", False),
+    ("rules: [{name: groups, match: {api: join_group}, action: log}]", True),
+    ("default: deny\nrules: [{name: writes, match: {api: produce}, action: allow}]", False),
+])
+def test_only_apis_no_rule_can_address_are_relayed(tmp_path, text, relayed):
+    s = _policy_session(_Reloading(_rules(tmp_path, text)))
+    (out,) = s.client_frame(request_frame(HEARTBEAT, 4, 1, heartbeat_request(), client_id="someone"))
+    entry = out.entry if isinstance(out, ToUpstream) else out.done[0]
+    assert (entry.relayed is not None) is relayed
+
+
+def test_a_request_a_rule_addresses_has_its_answer_read_while_others_pass_unread(tmp_path):
+    # The rule logs Produce requests to audited topics: a Produce is decoded and judged, and its
+    # answer read; the Heartbeat beside it is not.
+    s = _policy_session(_Reloading(_rules(tmp_path, PRODUCE_FETCH_ONLY)))
+    (up,) = s.client_frame(request_frame(PRODUCE, 9, 1, produce_request(topics=(("audited-x", (0,)),))))
+    assert up.entry.request is not None
+    (out,) = s.upstream_frame(memoryview(response_frame(PRODUCE, 9, up.entry.upstream_correlation_id,
+                                                        body_class(PRODUCE, "response")(responses=[]))))
+    assert out.done[0].response is not None
