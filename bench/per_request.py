@@ -62,7 +62,7 @@ def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, nam
                  timeout: float) -> tuple[subprocess.Popen[bytes], int]:
     kp = free_port()
     admin = free_port()
-    while admin == kp:      # nothing holds kp yet: the next free port may be the same
+    while kp <= admin <= kp + 64:   # the broker ports follow the listener's (and nothing holds them yet)
         admin = free_port()
     env = dict(os.environ)
     if tree is not None:
