@@ -182,7 +182,8 @@ class Filter:
     def passes(self, api_key: int, api_version: int) -> bool:
         """On filters that set ``may_pass``: whether, with the configuration in force now, the filter
         would do nothing at all with a request of this api version (``on_request`` returns None and
-        keeps nothing, so ``on_response`` has nothing to do with its answer). Asked for every request
+        keeps nothing), and ``on_response`` does nothing with an answer to a request for which it
+        kept nothing (such answers may then be remembered, ``memo_key``). Asked for every request
         the session could relay undecoded, so it must be cheap; the answer may change when the
         filter's configuration reloads (the next request sees the new one)."""
         return False

@@ -107,6 +107,7 @@ _DECODED_ALWAYS = _READ_BY_SESSION | {FETCH}
 # and the api keys telemetry reads decoded (``telemetry_reads``) at this key.
 _RELAY = 1 << 32
 _TELEMETRY = -1
+_PASSED = "passed"      # a memo key's part for a filter that let the exchange by (Filter.passes)
 _SKIP = native_skip()
 _H = struct.Struct(">h").unpack_from
 
@@ -856,14 +857,20 @@ class Session(SessionCutThrough, SessionSasl):
         return names is not None and names.learning and (
             (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS)
 
-    def _filter_keys(self, api_key: int) -> tuple | None:
-        """Every response filter's memo key for ``api_key``; None when one is not pure (or none runs:
-        then nothing is rewritten, and answers with nothing to rewrite rarely repeat)."""
+    def _filter_keys(self, entry: InFlight, version: int) -> tuple | None:
+        """Every response filter's memo key for the answer to ``entry``; None when one is not pure (or
+        none runs: then nothing is rewritten, and answers with nothing to rewrite rarely repeat). A
+        filter that ``passes`` this api version and kept nothing for the request has nothing to do
+        with its answer: it counts as pure."""
+        api_key = entry.api_key
         filters = self.chain.for_response(api_key)
         if not filters:
             return None
         keys = []
         for f in filters:
+            if f.may_pass and f.passes(api_key, version) and entry.kept(f) is None:
+                keys.append(_PASSED)
+                continue
             k = f.memo_key(self.ctx, api_key)
             if k is None:
                 return None
@@ -880,7 +887,7 @@ class Session(SessionCutThrough, SessionSasl):
                 or self._learns_names(api_key, version)):
             # SASL answers move the session's state; learned topic names must be read from each answer.
             return None, None
-        keys = self._filter_keys(api_key)
+        keys = self._filter_keys(entry, version)
         if keys is None:
             return None, None
         seen = bytes(frame[4:])
@@ -905,7 +912,7 @@ class Session(SessionCutThrough, SessionSasl):
         (what they learned from this answer is part of the state the next one meets)."""
         memo = self.memo
         assert memo is not None and entry.reply is not None
-        keys = self._filter_keys(entry.api_key)
+        keys = self._filter_keys(entry, version)
         if keys is None:
             return
         data = joined(entry.reply)

@@ -324,3 +324,28 @@ def test_a_request_a_rule_addresses_has_its_answer_read_while_others_pass_unread
     (out,) = s.upstream_frame(memoryview(response_frame(PRODUCE, 9, up.entry.upstream_correlation_id,
                                                         body_class(PRODUCE, "response")(responses=[]))))
     assert out.done[0].response is not None
+
+
+@pytest.mark.parametrize(("extra", "remembered"), [
+    ("", True),
+    # A rule that addresses Metadata: the policy filter reads every answer, none is remembered.
+    ("      - {name: look, match: {api: metadata}, action: log}\n", False),
+])
+def test_answers_the_policy_filter_lets_by_are_remembered(tmp_path, extra, remembered):
+    import random
+
+    from kproxy.policy.filter import PolicyFilter
+
+    from .test_answer_memo import Client, confirm_all, metadata_answer
+    from .test_answer_memo import rewriter_setup as setup
+
+    m, chain, memo = setup()
+    rules = PolicyFilter(_Reloading(_rules(tmp_path, PRODUCE_FETCH_ONLY + extra)), random.Random(1))
+    c = Client(FilterChain([rules, *chain.filters]), memo, read_answers=False)
+    body = metadata_answer([(1, "b1.internal", 9092)])
+    c.ask(body)
+    confirm_all(m)
+    c.ask(body)
+    _, resp, _ = c.ask(body)
+    assert (memo.hits == 1) is remembered
+    assert [(b.host, b.port) for b in resp.body.brokers] == [("proxy.example", 19000)]
