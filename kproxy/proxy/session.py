@@ -866,7 +866,7 @@ class Session(SessionCutThrough, SessionSasl):
         filters = self.chain.for_response(api_key)
         if not filters:
             return None
-        keys = []
+        keys: list[Any] = []
         for f in filters:
             if f.may_pass and f.passes(api_key, version) and entry.kept(f) is None:
                 keys.append(_PASSED)
