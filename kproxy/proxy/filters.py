@@ -341,8 +341,8 @@ class FilterChain:
     def reads_answers(self, api_key: int, api_version: int) -> bool:
         """Whether a filter reads this api version's decoded answers: a response filter with something
         to do at that version (``Filter.reads_response``), or one told of the finished exchange. A
-        filter that ``may_pass`` is left out: it reads only answers to requests it saw
-        (``reads_seen_answers``)."""
+        filter that ``may_pass`` is left out: whether it reads one answer is asked of it each time
+        (``answer_guards``)."""
         key = (api_key, api_version)
         got = self._reads.get(key)
         if got is None:
@@ -350,16 +350,10 @@ class FilterChain:
                 f.reads_response(api_key, api_version) for f in self.for_response(api_key) if not f.may_pass)
         return got
 
-    def reads_seen_answers(self, api_key: int, api_version: int) -> bool:
-        """Whether a response filter that ``may_pass`` reads this api version's answers: it does when it
-        saw the request decoded (it may have kept something for the answer), never when the request
-        went by it undecoded."""
-        key = (api_key, api_version | 1 << 16)
-        got = self._reads.get(key)
-        if got is None:
-            got = self._reads[key] = any(f.reads_response(api_key, api_version) for f in self.for_response(api_key)
-                                         if f.may_pass)
-        return got
+    def answer_guards(self, api_key: int, api_version: int) -> tuple[Filter, ...]:
+        """The response filters of this api version that ``may_pass``: one reads an answer unless it
+        ``passes`` the api version now and kept nothing for the request."""
+        return tuple(f for f in self.for_response(api_key) if f.may_pass and f.reads_response(api_key, api_version))
 
     def pass_guards(self, api_key: int) -> tuple[Filter, ...] | None:
         """The filters a request of ``api_key`` must pass (``Filter.passes``) to go by undecoded; None

@@ -107,6 +107,7 @@ _DECODED_ALWAYS = _READ_BY_SESSION | {FETCH}
 # and the api keys telemetry reads decoded (``telemetry_reads``) at this key.
 _RELAY = 1 << 32
 _TELEMETRY = -1
+_ANSWER_GUARDS = 1 << 33    # and there, by api version, the filters asked about each answer (FilterChain.answer_guards)
 _PASSED = "passed"      # a memo key's part for a filter that let the exchange by (Filter.passes)
 _SKIP = native_skip()
 _H = struct.Struct(">h").unpack_from
@@ -189,6 +190,13 @@ def _throttle_at(api_key: int, version: int) -> bool | int:
     if fields[0].name != "throttle_time_ms" or fields[0].type != "int32":
         return False
     return 5 if response_header_version(api_key, version) >= 1 else 4
+
+
+def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int) -> bool:
+    """Whether a filter that may pass reads this answer: it does not pass its api version now, or it
+    kept something for the request."""
+    key = entry.api_key
+    return any(not f.passes(key, version) or entry.kept(f) is not None for f in guards)
 
 
 def _note_throttle(entry: InFlight, frame: memoryview, at: Any) -> None:
@@ -721,7 +729,9 @@ class Session(SessionCutThrough, SessionSasl):
         unread_by = self._unread_by
         if entry.request is None and (entry.relayed is None or (
                 unread_by is not None and (unread := unread_by.get(entry.api_key << 16 | version))
-                and entry.api_key not in _NAMES_IN_ANSWERS)):
+                and entry.api_key not in _NAMES_IN_ANSWERS
+                and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
+                         and _guarded(entry, guards, version)))):
             # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
             # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
             # with the client's correlation id. A relayed request whose answer is read goes on below.
@@ -732,7 +742,8 @@ class Session(SessionCutThrough, SessionSasl):
             return self._flush()
         if (unread_by is not None and unread_by.get(entry.api_key << 16 | version) is not False
                 and (unread := self._unread(unread_by, entry.api_key, version))
-                and (entry.request is None or not self.chain.reads_seen_answers(entry.api_key, version))):
+                and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
+                         and _guarded(entry, guards, version))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
             # telemetry only counts it): the broker's bytes go on with the client's correlation id.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
@@ -841,6 +852,7 @@ class Session(SessionCutThrough, SessionSasl):
         version: True, or, when metrics count it, where its throttle time sits (``_throttle_at``)."""
         unread = unread_by.get(api_key << 16 | version)
         if unread is None:
+            unread_by[_ANSWER_GUARDS | api_key << 16 | version] = self.chain.answer_guards(api_key, version)
             counted = unread_by.get(_TELEMETRY)
             unread = unread_by[api_key << 16 | version] = (
                 api_key not in _READ_BY_SESSION and self.reencode is None

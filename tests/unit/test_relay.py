@@ -349,3 +349,25 @@ def test_answers_the_policy_filter_lets_by_are_remembered(tmp_path, extra, remem
     _, resp, _ = c.ask(body)
     assert (memo.hits == 1) is remembered
     assert [(b.host, b.port) for b in resp.body.brokers] == [("proxy.example", 19000)]
+
+
+def test_with_rules_and_no_quota_the_quota_filter_lets_heartbeats_by_and_a_quota_stops_that(tmp_path):
+    import random
+
+    from kproxy.policy.filter import PolicyFilter
+    from kproxy.quota.engine import QuotaFilter
+
+    source = _Reloading(_rules(tmp_path, PRODUCE_FETCH_ONLY))
+    s = relaying(PolicyFilter(source, random.Random(1)), QuotaFilter(source))
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 1, heartbeat_request()))
+    assert up.entry.relayed is not None
+    (out,) = s.upstream_frame(memoryview(heartbeat_answer(up.entry.upstream_correlation_id)))
+    assert out.done[0].response is None
+    source.policy = _rules(tmp_path, PRODUCE_FETCH_ONLY + "    quotas:\n"
+                                                          "      - {name: calls, per: client_id, requests_per_s: 100}\n")
+    (up,) = s.client_frame(request_frame(HEARTBEAT, 4, 2, heartbeat_request()))
+    # A request-rate quota counts every api's answers (its requests are not the quota filter's): the
+    # answer is read, and the request decoded with it.
+    (out,) = s.upstream_frame(memoryview(heartbeat_answer(up.entry.upstream_correlation_id)))
+    assert out.done[0].response is not None and out.done[0].request is not None
+    assert out.done[0].notes["quota"]["rule"] == "calls"
