@@ -403,7 +403,8 @@ class Policy:
         self._encrypted: dict[str, bool] = {}
         # Every rule, whatever its connection selectors: what some connection's View could hold.
         self._anyone = View(rule_set.rules, self.default_deny)
-        self._addressed: dict[int, bool] = {}
+        # addresses() by (api key << 16 | version), for callers that look up before they call.
+        self.addressed: dict[int, bool] = {}
 
     def addresses(self, api_key: int, version: int) -> bool:
         """Whether a rule could apply to this api version on some connection, or the default denies:
@@ -412,11 +413,11 @@ class Policy:
         connection selector (a superset of any connection's plan). False means the policy lets
         every such request through untouched and unread, whoever sends it."""
         key = api_key << 16 | version
-        got = self._addressed.get(key)
+        got = self.addressed.get(key)
         if got is None:
-            if len(self._addressed) >= CACHE_LIMIT:
-                self._addressed.clear()
-            got = self._addressed[key] = self.default_deny or not self._anyone.plan(api_key, version).idle
+            if len(self.addressed) >= CACHE_LIMIT:
+                self.addressed.clear()
+            got = self.addressed[key] = self.default_deny or not self._anyone.plan(api_key, version).idle
         return got
 
     def encrypts(self, topic: str) -> bool:

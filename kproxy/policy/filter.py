@@ -153,7 +153,11 @@ class PolicyFilter(Filter):
         """No rule in force could apply to this api version on any connection, and the default
         allows: ``on_request`` would return at once (an idle plan) and keep nothing. Fetch and
         ShareFetch answers are read for record rules whatever their requests were, so never pass."""
-        return api_key not in (FETCH, SHARE_FETCH) and not self.source.policy.addresses(api_key, api_version)
+        policy = self.source.policy
+        addressed = policy.addressed.get(api_key << 16 | api_version)    # asked per request: no call when known
+        if addressed is None:
+            addressed = policy.addresses(api_key, api_version)
+        return not addressed and api_key not in (FETCH, SHARE_FETCH)
 
     # -- requests
 

@@ -743,8 +743,11 @@ class Session(SessionCutThrough, SessionSasl):
             if entry.relayed is not None and unread is not True:
                 _note_throttle(entry, frame, unread)
             return self._flush()
-        if (unread_by is not None and unread_by.get(entry.api_key << 16 | version) is not False
-                and (unread := self._unread(unread_by, entry.api_key, version))
+        if unread_by is not None:
+            unread = unread_by.get(entry.api_key << 16 | version)
+            if unread is None or (unread and entry.api_key in _NAMES_IN_ANSWERS):
+                unread = self._unread(unread_by, entry.api_key, version)
+        if (unread_by is not None and unread
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
                          and _guarded(entry, guards, version))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
