@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
+import per_request  # noqa: E402
 from per_request import HOST, start_kproxy, stop  # noqa: E402
 from small_requests import heartbeat_v4_request  # noqa: E402
 
@@ -184,7 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, metavar="DIR", help="also measure the kproxy in DIR/kproxy")
     ap.add_argument("--instructions", action="store_true",
                     help="count kproxy's instructions per second with the connections quiet (callgrind)")
+    ap.add_argument("--metrics", action="store_true", help="kproxy with an admin listener (metrics on)")
+    ap.add_argument("--rules", type=Path, metavar="FILE", help="kproxy with this rule file")
     args = ap.parse_args(argv)
+    if args.metrics:
+        per_request.EXTRA_ARGS.extend(["--admin", HOST + ":{admin_port}"])
+    if args.rules is not None:
+        per_request.EXTRA_ARGS.extend(["--rules", str(args.rules.resolve())])
     trees: dict[str, Path | None] = {"kproxy": None}
     if args.baseline is not None:
         trees["kproxy-base"] = args.baseline.resolve()

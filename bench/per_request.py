@@ -5,7 +5,8 @@ calls (perf's syscall tracepoints) per request, for this tree and, side by side,
 
 Run from the repository root:  ``.venv/bin/python bench/per_request.py [--baseline DIR] [--n 2000]``
 (``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce,heartbeat``; ``--metrics``
-runs kproxy with an admin listener, so that every request is also recorded in its metrics).
+runs kproxy with an admin listener, so that every request is also recorded in its metrics; ``--traffic-log``
+also writes the traffic log, every request; ``--rules FILE`` loads a rule file, as production does).
 
 One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level WARNING) in front.
 
@@ -55,18 +56,34 @@ SYSCALLS = ("recvfrom", "sendto", "sendmsg", "epoll_wait", "epoll_ctl")
 # kproxy's own options for every run (``--metrics`` adds an admin listener: metrics are recorded per
 # request only when one is configured).
 EXTRA_ARGS: list[str] = []
+# ``--no-loop-lag``: kproxy started with the loop-lag probe (200 wake-ups a second while an admin
+# listener is on) asleep, so that only per-request work is counted; a bench-only patch, the same for
+# both trees.
+NO_LOOP_LAG: list[bool] = [False]
+_WITHOUT_LOOP_LAG = (
+    "import sys, trio\n"
+    "from kproxy.server import process\n"
+    "async def _asleep(self, period=0.005):\n"
+    "    await trio.sleep_forever()\n"
+    "process.SharedParts.watch_loop_lag = _asleep\n"
+    "from kproxy.cli import main\n"
+    "sys.exit(main())\n")
 
 
 def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, name: str,
                  timeout: float) -> tuple[subprocess.Popen[bytes], int]:
     kp = free_port()
+    admin = free_port()
+    while kp <= admin <= kp + 64:   # the broker ports follow the listener's (and nothing holds them yet)
+        admin = free_port()
     env = dict(os.environ)
     if tree is not None:
         # As bench/proxy.py's kproxy-base: the other tree first on the path, the working directory off it.
         env.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
-    argv = [*wrap, sys.executable, "-m", "kproxy", "run", "--upstream", f"{HOST}:{bp}",
+    entry = ["-c", _WITHOUT_LOOP_LAG] if NO_LOOP_LAG[0] else ["-m", "kproxy"]
+    argv = [*wrap, sys.executable, *entry, "run", "--upstream", f"{HOST}:{bp}",
             "--listen", f"{HOST}:{kp}", "--log-level", "WARNING",
-            *(a.replace("{admin_port}", str(free_port())) for a in EXTRA_ARGS)]
+            *(a.replace("{admin_port}", str(admin)) for a in EXTRA_ARGS)]
     with open(workdir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -110,7 +127,9 @@ def sequential(port: int, request: bytes, n: int) -> None:
 
 
 def callgrind_per_request(bp: int, tree: Path | None, name: str, kind: str, topic: str | None, n: int,
-                          workdir: Path) -> float:
+                          workdir: Path, idle: float = 0.0) -> tuple[float, float | None]:
+    """(instructions per request; the same less what kproxy spends by the clock, not by the request,
+    when ``idle`` seconds of an idle process were counted too, else None)."""
     out = workdir / f"callgrind.{name}.{kind}.out"
     wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     proc, kp = start_kproxy(bp, tree, wrap, workdir, f"{name}-callgrind-{kind}", timeout=300)
@@ -119,8 +138,17 @@ def callgrind_per_request(bp: int, tree: Path | None, name: str, kind: str, topi
         sequential(kp, request, 200)           # warm-up: codecs built, the answer memo filled
         pid = proc.pid                         # valgrind runs the program in its own process
         subprocess.run(["callgrind_control", "-i", "on", str(pid)], check=True, capture_output=True)
+        began = time.monotonic()
         sequential(kp, request, n)
+        busy = time.monotonic() - began
         subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+        if idle > 0:
+            # Timers (the loop-lag probe's 200 wake-ups a second with metrics on, the rule files'
+            # poll) run by the clock; under callgrind's slowdown they land on every request.
+            began = time.monotonic()
+            time.sleep(idle)
+            subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+            idle_s = time.monotonic() - began
     finally:
         stop(proc)
     # The dump asked for (-d) is OUT.1 and holds the n requests (and the idle loop's few instructions
@@ -129,7 +157,12 @@ def callgrind_per_request(bp: int, tree: Path | None, name: str, kind: str, topi
               if line.startswith("summary:")]
     if not counts:
         raise RuntimeError(f"no callgrind summary in {out}.1")
-    return sum(counts) / n
+    if idle <= 0:
+        return sum(counts) / n, None
+    quiet = [int(line.split()[1]) for line in Path(f"{out}.2").read_text(errors="replace").splitlines()
+             if line.startswith("summary:")]
+    per_second = sum(quiet) / idle_s
+    return sum(counts) / n, max(0.0, sum(counts) - per_second * busy) / n
 
 
 def syscalls_per_request(bp: int, tree: Path | None, name: str, kind: str, topic: str | None, clients: int,
@@ -171,12 +204,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="system-call counts per tree and loop (default 3)")
     ap.add_argument("--metrics", action="store_true",
                     help="run kproxy with an admin listener, so that each request is recorded in its metrics")
+    ap.add_argument("--traffic-log", action="store_true",
+                    help="also write the traffic log (every request) into a temporary directory")
+    ap.add_argument("--rules", type=Path, metavar="FILE", help="run kproxy with this rule file (e.g. "
+                    "bench/rules_produce_fetch.yaml: rules that address only Produce and Fetch)")
+    ap.add_argument("--idle", type=float, default=0.0, metavar="S",
+                    help="also count S seconds of the idle process under callgrind, and print the figures less "
+                         "what kproxy spends by the clock rather than by the request (timers)")
+    ap.add_argument("--no-loop-lag", action="store_true",
+                    help="keep kproxy's loop-lag probe asleep (it wakes 200 times a second with --metrics, and "
+                         "callgrind's slowdown puts those wake-ups on every request)")
     ap.add_argument("--no-callgrind", action="store_true")
     ap.add_argument("--no-syscalls", action="store_true")
     args = ap.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
     if args.metrics:
         EXTRA_ARGS[:] = ["--admin", HOST + ":{admin_port}"]
+    if args.rules is not None:
+        EXTRA_ARGS.extend(["--rules", str(args.rules.resolve())])
+    NO_LOOP_LAG[0] = args.no_loop_lag
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds: one or more of {', '.join(KINDS)}")
     trees: dict[str, Path | None] = {"kproxy": None}
@@ -190,9 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("perf is not installed (Debian: apt-get install linux-perf), or pass --no-syscalls")
     load_before = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     ir: dict[tuple[str, str], float] = {}
+    ir_less: dict[tuple[str, str], float] = {}
     sc: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kproxy-per-request-") as tmp, Tansu(port=free_port()) as broker:
         workdir = Path(tmp)
+        if args.traffic_log:
+            EXTRA_ARGS.extend(["--traffic-log", str(workdir / "traffic")])
         topic = None
         if "produce" in kinds:
             from confluent_kafka.admin import AdminClient, NewTopic
@@ -204,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             if not args.no_callgrind:
                 for name, tree in trees.items():
-                    ir[(kind, name)] = callgrind_per_request(broker.port, tree, name, kind, topic, args.n, workdir)
-                    print(f"  {kind:<9}{name:<13}{ir[(kind, name)]:>12,.0f} instructions/request",
+                    ir[(kind, name)], less = callgrind_per_request(broker.port, tree, name, kind, topic, args.n,
+                                                                   workdir, args.idle)
+                    if less is not None:
+                        ir_less[(kind, name)] = less
+                    print(f"  {kind:<9}{name:<13}{ir[(kind, name)]:>12,.0f} instructions/request"
+                          + (f" ({less:,.0f} less the timers)" if less is not None else ""),
                           file=sys.stderr, flush=True)
             if not args.no_syscalls:
                 for r in range(args.rounds):
@@ -217,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"({got['req/s']:,.0f} req/s)", file=sys.stderr, flush=True)
     print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {load_before} before, "
           "load average {:.2f} {:.2f} {:.2f} after".format(*os.getloadavg())
-          + ("; kproxy with an admin listener (metrics)" if args.metrics else ""))
+          + ("; kproxy with an admin listener (metrics)" if args.metrics else "")
+          + ("; with the traffic log" if args.traffic_log else "")
+          + ("; the loop-lag probe asleep" if args.no_loop_lag else "")
+          + (f"; rules {args.rules}" if args.rules is not None else ""))
     if ir:
         print()
         print(f"Instructions per request in kproxy's process (callgrind, user space), {args.n:,} requests one "
@@ -229,6 +285,17 @@ def main(argv: list[str] | None = None) -> int:
             row = f"{kind:<10}" + "".join(f"{ir[(kind, name)]:>16,.0f}" for name in trees)
             if len(trees) > 1:
                 row += f"{ir[(kind, 'kproxy')] / ir[(kind, 'kproxy-base')]:>13.3f}x"
+            print(row)
+    if ir_less:
+        print()
+        print(f"The same, less what the idle process spends per second ({args.idle:g} s counted) times the "
+              "loop's duration")
+        print(hdr)
+        print("-" * len(hdr))
+        for kind in kinds:
+            row = f"{kind:<10}" + "".join(f"{ir_less[(kind, name)]:>16,.0f}" for name in trees)
+            if len(trees) > 1:
+                row += f"{ir_less[(kind, 'kproxy')] / ir_less[(kind, 'kproxy-base')]:>13.3f}x"
             print(row)
     if sc:
         print()

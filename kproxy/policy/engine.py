@@ -401,6 +401,24 @@ class Policy:
         self.encrypting = tuple(r for r in rule_set.rules if r.action == "encrypt")
         self.masking = any(r.action == "mask" for r in rule_set.rules)
         self._encrypted: dict[str, bool] = {}
+        # Every rule, whatever its connection selectors: what some connection's View could hold.
+        self._anyone = View(rule_set.rules, self.default_deny)
+        # addresses() by (api key << 16 | version), for callers that look up before they call.
+        self.addressed: dict[int, bool] = {}
+
+    def addresses(self, api_key: int, version: int) -> bool:
+        """Whether a rule could apply to this api version on some connection, or the default denies:
+        the rules' ``api`` and ``api_version`` selectors, and whether what a rule selects can be in
+        such a request (``_can_apply``), as a connection's ``View`` chooses them, but ignoring every
+        connection selector (a superset of any connection's plan). False means the policy lets
+        every such request through untouched and unread, whoever sends it."""
+        key = api_key << 16 | version
+        got = self.addressed.get(key)
+        if got is None:
+            if len(self.addressed) >= CACHE_LIMIT:
+                self.addressed.clear()
+            got = self.addressed[key] = self.default_deny or not self._anyone.plan(api_key, version).idle
+        return got
 
     def encrypts(self, topic: str) -> bool:
         """Whether an encrypt rule names ``topic`` (its Fetch answers may hold sealed records)."""

@@ -135,6 +135,8 @@ class PolicyFilter(Filter):
     reports_changes = True    # on_response marks every answer it may have changed
 
     asks_for_response = True   # a Fetch answer with sealed records may need DEKs first
+    # Apis no rule addresses go by undecoded (``passes``); their answers then have nothing to read.
+    may_pass = True
 
     def __init__(self, source: RuleSource, rng: random.Random | None = None,
                  topic_ids: TopicNames | None = None, crypto: C.RecordCrypto | None = None) -> None:
@@ -146,6 +148,16 @@ class PolicyFilter(Filter):
         # while rules name topics.
         self.topic_ids = topic_ids if topic_ids is not None else TopicNames()
         self.topic_ids.want(lambda: self.source.policy.uses_topic_names)
+
+    def passes(self, api_key: int, api_version: int) -> bool:
+        """No rule in force could apply to this api version on any connection, and the default
+        allows: ``on_request`` would return at once (an idle plan) and keep nothing. Fetch and
+        ShareFetch answers are read for record rules whatever their requests were, so never pass."""
+        policy = self.source.policy
+        addressed = policy.addressed.get(api_key << 16 | api_version)    # asked per request: no call when known
+        if addressed is None:
+            addressed = policy.addresses(api_key, api_version)
+        return not addressed and api_key not in (FETCH, SHARE_FETCH)
 
     # -- requests
 

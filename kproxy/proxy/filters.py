@@ -176,6 +176,17 @@ class Filter:
     # client as the broker's own bytes with the correlation id patched, without being encoded again.
     # A filter that leaves this False is taken to change every answer it sees.
     reports_changes: bool = False
+    # True when the filter may let some apis go by unread although it sees every one (``passes``).
+    may_pass: bool = False
+
+    def passes(self, api_key: int, api_version: int) -> bool:
+        """On filters that set ``may_pass``: whether, with the configuration in force now, the filter
+        would do nothing at all with a request of this api version (``on_request`` returns None and
+        keeps nothing), and ``on_response`` does nothing with an answer to a request for which it
+        kept nothing (such answers may then be remembered, ``memo_key``). Asked for every request
+        the session could relay undecoded, so it must be cheap; the answer may change when the
+        filter's configuration reloads (the next request sees the new one)."""
+        return False
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         """See (and possibly change) ``exchange.request``. Return None to forward it.
@@ -329,13 +340,28 @@ class FilterChain:
 
     def reads_answers(self, api_key: int, api_version: int) -> bool:
         """Whether a filter reads this api version's decoded answers: a response filter with something
-        to do at that version (``Filter.reads_response``), or one told of the finished exchange."""
+        to do at that version (``Filter.reads_response``), or one told of the finished exchange. A
+        filter that ``may_pass`` is left out: whether it reads one answer is asked of it each time
+        (``answer_guards``)."""
         key = (api_key, api_version)
         got = self._reads.get(key)
         if got is None:
             got = self._reads[key] = bool(self.for_done(api_key)) or any(
-                f.reads_response(api_key, api_version) for f in self.for_response(api_key))
+                f.reads_response(api_key, api_version) for f in self.for_response(api_key) if not f.may_pass)
         return got
+
+    def answer_guards(self, api_key: int, api_version: int) -> tuple[Filter, ...]:
+        """The response filters of this api version that ``may_pass``: one reads an answer unless it
+        ``passes`` the api version now and kept nothing for the request."""
+        return tuple(f for f in self.for_response(api_key) if f.may_pass and f.reads_response(api_key, api_version))
+
+    def pass_guards(self, api_key: int) -> tuple[Filter, ...] | None:
+        """The filters a request of ``api_key`` must pass (``Filter.passes``) to go by undecoded; None
+        when one of its request filters never lets it by, or a filter hears of it when done."""
+        filters = self.for_request(api_key)
+        if self.for_done(api_key) or not all(f.may_pass for f in filters):
+            return None
+        return filters
 
     def for_done(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_done_key.get(api_key)

@@ -30,6 +30,7 @@ from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
 from kproxy.protocol.messages import (
     Request,
     Response,
+    api_by_key,
     api_name,
     body_class,
     decode_request,
@@ -39,6 +40,7 @@ from kproxy.protocol.messages import (
     request_codecs,
     request_header_version,
     response_codecs,
+    response_header_version,
     supported_versions,
 )
 from kproxy.protocol.primitives import ShortBuffer, read_uvarint
@@ -101,8 +103,12 @@ _NAMES_IN_ANSWERS = frozenset({METADATA, DESCRIBE_TOPIC_PARTITIONS})   # answers
 # Never relayed undecoded: requests the session reads itself, and Fetch (its hold and its streamed
 # answers read the request).
 _DECODED_ALWAYS = _READ_BY_SESSION | {FETCH}
-# In ``Session._unread_by``, the relay decision of an api version sits at this bit above its answer's.
+# In ``Session._unread_by``, the relay decision of an api version sits at this bit above its answer's,
+# and the api keys telemetry reads decoded (``telemetry_reads``) at this key.
 _RELAY = 1 << 32
+_TELEMETRY = -1
+_ANSWER_GUARDS = 1 << 33    # and there, by api version, the filters asked about each answer (FilterChain.answer_guards)
+_PASSED = "passed"      # a memo key's part for a filter that let the exchange by (Filter.passes)
 _SKIP = native_skip()
 _H = struct.Struct(">h").unpack_from
 
@@ -169,6 +175,48 @@ def _read_order(entry: InFlight) -> int:
     return entry.seq
 
 
+@functools.cache
+def _throttle_at(api_key: int, version: int) -> bool | int:
+    """Where an answer of this api version holds the broker's throttle time, for metrics that read it
+    without decoding: 4, right behind the correlation id (header v0), or 5, behind the header's
+    tagged fields (v1: usually none, one byte); True when the version has no throttle time (nothing
+    to read); False when it is not the body's first field (Produce, a few others: decoded)."""
+    try:
+        fields = [f for f in api_by_key(api_key).response.root.fields if version in f.versions]  # type: ignore[union-attr]
+    except (KeyError, AttributeError):
+        return False
+    if not any(f.name == "throttle_time_ms" for f in fields):
+        return True
+    if fields[0].name != "throttle_time_ms" or fields[0].type != "int32":
+        return False
+    return 5 if response_header_version(api_key, version) >= 1 else 4
+
+
+def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int) -> bool:
+    """Whether a filter that may pass reads this answer: it does not pass its api version now, or it
+    kept something for the request."""
+    key = entry.api_key
+    for f in guards:    # noqa: SIM110 - a loop: any() over a generator costs a frame per answer
+        if not f.passes(key, version) or entry.kept(f) is not None:
+            return True
+    return False
+
+
+def _note_throttle(entry: InFlight, frame: memoryview, at: Any) -> None:
+    """The broker's throttle time of an answer passed on undecoded, as decoding would give it."""
+    try:
+        if at == 5 and frame[4]:
+            count, at = read_uvarint(frame, 4)      # tagged fields in the header: skipped
+            for _ in range(count):
+                _, at = read_uvarint(frame, at)
+                size, at = read_uvarint(frame, at)
+                at += size
+        (ms,) = _I32.unpack_from(frame, at)
+    except (struct.error, IndexError, ValueError, ShortBuffer):
+        return          # too short to say: the client gets the broker's bytes as they are
+    entry.throttle_ms = ms
+
+
 class Session(SessionCutThrough, SessionSasl):
     """The per-connection state machine between one client and its upstream connection."""
 
@@ -176,15 +224,20 @@ class Session(SessionCutThrough, SessionSasl):
                  passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
                  topic_names: TopicNames | None = None, front: SaslFront | None = None,
                  stream_min_bytes: int | None = STREAM_MIN_BYTES, memo: AnswerMemo | None = None,
-                 read_answers: bool = True) -> None:
+                 read_answers: bool = True, telemetry_reads: frozenset[int] | None = None) -> None:
         self.ctx = ctx
-        # None when something besides the filters reads every decoded answer (telemetry); else, by
-        # (api key << 16 | version), whether no filter reads that version's answers (``_unread``):
-        # those pass on undecoded; and at ``_RELAY | key``, whether that version's requests may go out
-        # undecoded (``_relayable``: the accelerator's programs, or False). (One attribute: past 30,
+        # None when something besides the filters reads every decoded answer (the traffic log, spans);
+        # else, by (api key << 16 | version), whether no filter reads that version's answers
+        # (``_unread``): those pass on undecoded; and at ``_RELAY | key``, whether that version's
+        # requests may go out undecoded (``_relayable``: the accelerator's programs, or False). At
+        # ``_TELEMETRY``, when metrics count every exchange, the api keys they read decoded (Produce
+        # and Fetch records): the others' figures come from the frames' headers and byte counts, the
+        # broker's throttle from its fixed offset (``_note_throttle``). (One attribute: past 30,
         # CPython 3.11 stops sharing the instance dict's keys and every attribute read of the session
         # gets slower.)
         self._unread_by: dict[int, Any] | None = None if read_answers else {}
+        if telemetry_reads is not None and self._unread_by is not None:
+            self._unread_by[_TELEMETRY] = telemetry_reads
         # Rewritten answers by their bytes, when every response filter of an api is pure; never
         # while the transparency check runs (it must compare what the filters would do each time).
         self.memo = memo if reencode is None else None
@@ -261,9 +314,13 @@ class Session(SessionCutThrough, SessionSasl):
             if programs is None:
                 programs = self._relayable(unread_by, api_key, api_version)
             if programs:
-                relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now)
-                if relayed is not None:
-                    return relayed
+                for f in programs[2]:
+                    if not f.passes(api_key, api_version):
+                        break       # a rule addresses it now (rules reload): the full path
+                else:
+                    relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now)
+                    if relayed is not None:
+                        return relayed
         try:
             req = decode_request(frame, keep_trailing=True)
         except UnsupportedVersionError as e:
@@ -309,18 +366,21 @@ class Session(SessionCutThrough, SessionSasl):
         request or done filter on its api, no telemetry, no transparency check, none of the
         session's own state), else False. When its answer is decoded (a filter reads it and no
         remembered answer serves), the request is decoded then, before the filters see the two.
-        A policy or quota filter sees every api, so with rules nothing is relayed."""
+        A filter that sees every api but ``may_pass`` (the policy filter: apis no rule addresses)
+        is asked each time (the programs' third part), as its configuration may reload; a quota
+        filter sees Produce and Fetch only."""
         chain = self.chain
         programs: tuple | bool = False
-        if (_SKIP is not None and api_key not in _DECODED_ALWAYS and not chain.for_request(api_key)
-                and not chain.for_done(api_key) and self.reencode is None):
+        guards = chain.pass_guards(api_key)
+        if (_SKIP is not None and api_key not in _DECODED_ALWAYS and guards is not None
+                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())):
             try:
                 header_codec, body_codec = request_codecs(api_key, version)
             except UnsupportedVersionError:
                 pass
             else:
                 if header_codec.version > 0:        # header v0 has no client id to learn
-                    programs = (whole_skip(header_codec), whole_skip(body_codec))
+                    programs = (whole_skip(header_codec), whole_skip(body_codec), guards)
         unread_by[_RELAY | api_key << 16 | version] = programs
         return programs
 
@@ -671,20 +731,31 @@ class Session(SessionCutThrough, SessionSasl):
         version = entry.api_version
         unread_by = self._unread_by
         if entry.request is None and (entry.relayed is None or (
-                unread_by is not None and unread_by.get(entry.api_key << 16 | version) is True
-                and entry.api_key not in _NAMES_IN_ANSWERS)):
+                unread_by is not None and (unread := unread_by.get(entry.api_key << 16 | version))
+                and entry.api_key not in _NAMES_IN_ANSWERS
+                and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
+                         and _guarded(entry, guards, version)))):
             # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
             # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
             # with the client's correlation id. A relayed request whose answer is read goes on below.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
+            if entry.relayed is not None and unread is not True:
+                _note_throttle(entry, frame, unread)
             return self._flush()
-        if (unread_by is not None and unread_by.get(entry.api_key << 16 | version) is not False
-                and self._unread(unread_by, entry.api_key, version)):
-            # Nobody reads this answer (no filter at this version, no telemetry, no transparency
-            # check): the broker's bytes go on with the client's correlation id, never decoded.
+        if unread_by is not None:
+            unread = unread_by.get(entry.api_key << 16 | version)
+            if unread is None or (unread and entry.api_key in _NAMES_IN_ANSWERS):
+                unread = self._unread(unread_by, entry.api_key, version)
+        if (unread_by is not None and unread
+                and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
+                         and _guarded(entry, guards, version))):
+            # Nobody reads this answer decoded (no filter at this version, no transparency check,
+            # telemetry only counts it): the broker's bytes go on with the client's correlation id.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
+            if unread is not True:
+                _note_throttle(entry, frame, unread)
             entry.handling_s += self.ctx.clock() - answered
             return self._flush()
         if entry.api_key == API_VERSIONS and len(frame) >= 6 and frame[4:6] == b"\x00\x23":
@@ -780,16 +851,22 @@ class Session(SessionCutThrough, SessionSasl):
         actions += self._flush()
         return actions
 
-    def _unread(self, unread_by: dict[int, Any], api_key: int, version: int) -> bool:
+    def _unread(self, unread_by: dict[int, Any], api_key: int, version: int) -> bool | int:
         """Whether no one would read this answer decoded: no filter at this version, no transparency
-        check, no state of the session's own kept from it (SASL, the versions a broker speaks, the
-        names of topic ids). The fixed part is worked out once per api version."""
+        check, no telemetry reading its body, no state of the session's own kept from it (SASL, the
+        versions a broker speaks, the names of topic ids). The fixed part is worked out once per api
+        version: True, or, when metrics count it, where its throttle time sits (``_throttle_at``)."""
         unread = unread_by.get(api_key << 16 | version)
         if unread is None:
+            unread_by[_ANSWER_GUARDS | api_key << 16 | version] = self.chain.answer_guards(api_key, version)
+            counted = unread_by.get(_TELEMETRY)
             unread = unread_by[api_key << 16 | version] = (
                 api_key not in _READ_BY_SESSION and self.reencode is None
-                and not self.chain.reads_answers(api_key, version))
-        return unread and (api_key not in _NAMES_IN_ANSWERS or not self._learns_names(api_key, version))
+                and not self.chain.reads_answers(api_key, version)
+                and (counted is None or (api_key not in counted and _throttle_at(api_key, version))))
+        if unread and api_key in _NAMES_IN_ANSWERS and self._learns_names(api_key, version):
+            return False
+        return unread
 
     # -- remembered answers (kproxy.proxy.memo)
 
@@ -798,14 +875,20 @@ class Session(SessionCutThrough, SessionSasl):
         return names is not None and names.learning and (
             (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS)
 
-    def _filter_keys(self, api_key: int) -> tuple | None:
-        """Every response filter's memo key for ``api_key``; None when one is not pure (or none runs:
-        then nothing is rewritten, and answers with nothing to rewrite rarely repeat)."""
+    def _filter_keys(self, entry: InFlight, version: int) -> tuple | None:
+        """Every response filter's memo key for the answer to ``entry``; None when one is not pure (or
+        none runs: then nothing is rewritten, and answers with nothing to rewrite rarely repeat). A
+        filter that ``passes`` this api version and kept nothing for the request has nothing to do
+        with its answer: it counts as pure."""
+        api_key = entry.api_key
         filters = self.chain.for_response(api_key)
         if not filters:
             return None
-        keys = []
+        keys: list[Any] = []
         for f in filters:
+            if f.may_pass and f.passes(api_key, version) and entry.kept(f) is None:
+                keys.append(_PASSED)
+                continue
             k = f.memo_key(self.ctx, api_key)
             if k is None:
                 return None
@@ -822,7 +905,7 @@ class Session(SessionCutThrough, SessionSasl):
                 or self._learns_names(api_key, version)):
             # SASL answers move the session's state; learned topic names must be read from each answer.
             return None, None
-        keys = self._filter_keys(api_key)
+        keys = self._filter_keys(entry, version)
         if keys is None:
             return None, None
         seen = bytes(frame[4:])
@@ -833,7 +916,8 @@ class Session(SessionCutThrough, SessionSasl):
         tail = got.tail
         head = _HEAD_ID.pack(len(tail) + 4, cid)
         entry.reply = [head + tail] if len(tail) < _JOIN_BELOW else [head, tail]
-        if self._unread_by is None or self.chain.for_done(entry.api_key):
+        if (self._unread_by is None or self.chain.for_done(entry.api_key)
+                or entry.api_key in self._unread_by.get(_TELEMETRY, ())):
             # Telemetry or an on_done filter reads the completed entry: it gets the answer decoded.
             header_codec, _ = response_codecs(entry.api_key, version)
             entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
@@ -846,7 +930,7 @@ class Session(SessionCutThrough, SessionSasl):
         (what they learned from this answer is part of the state the next one meets)."""
         memo = self.memo
         assert memo is not None and entry.reply is not None
-        keys = self._filter_keys(entry.api_key)
+        keys = self._filter_keys(entry, version)
         if keys is None:
             return
         data = joined(entry.reply)

@@ -166,6 +166,14 @@ class QuotaFilter(Filter):
     reports_changes = True    # an answer changes only when cut to max_bytes (marked there)
     # A streamed Fetch answer's batches are known once it has passed: the largest first batch.
     done_api_keys = frozenset({FETCH})
+    # With no quota in force, every api goes by it undecoded (``passes``).
+    may_pass = True
+
+    def passes(self, api_key: int, api_version: int) -> bool:
+        """No quota is in force: nothing is charged, kept or throttled (``_conn`` is None). A quota
+        added on reload counts from the next request; an answer to one that went by before it is
+        not charged."""
+        return not self.source.policy.rule_set.quotas
 
     def __init__(self, source: RuleSource, samples: int = 11, window_s: float = 1.0, share: float = 1.0,
                  budgets: Budgets | None = None, coordinated: bool = False) -> None:

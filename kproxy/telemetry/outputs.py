@@ -22,7 +22,7 @@ from kproxy.protocol.messages import apis
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.topics import TopicNames
-from kproxy.telemetry.exchange import Exchange, Learned
+from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange, Learned
 from kproxy.telemetry.metrics import Metrics, ProcessMetrics, tracing_families, traffic_log_families
 from kproxy.telemetry.spans import SpanExporter, Tracing
 from kproxy.telemetry.traffic_log import TrafficLogWriter, proxy_name, traffic_line
@@ -70,6 +70,16 @@ class TelemetryOutputs:
     def active(self) -> bool:
         return self.metrics is not None or self.traffic_log is not None or self.tracing is not None
 
+    def decoded_apis(self) -> frozenset[int] | None:
+        """The api keys whose exchanges telemetry reads decoded; None for every one. The traffic log
+        and spans name topics, groups and every error of an answer, so they read all. Metrics alone
+        count requests, bytes, latency, outcomes and the broker's throttle time, which the session
+        takes from the frames' headers and sizes (it decodes the few answers whose throttle time is
+        not their first field), so they read only Produce and Fetch (records, from batch headers)."""
+        if self.traffic_log is not None or self.tracing is not None:
+            return None
+        return frozenset({PRODUCE, FETCH})
+
     def for_cluster(self, name: str, topic_names: TopicNames | None = None) -> Telemetry:
         """The telemetry of the virtual cluster ``name``, whose topic names by id are ``topic_names``."""
         return Telemetry(self, name, topic_names)
@@ -106,6 +116,9 @@ class Telemetry:
     @property
     def active(self) -> bool:
         return self.outputs.active
+
+    def decoded_apis(self) -> frozenset[int] | None:
+        return self.outputs.decoded_apis()
 
     def completed(self, entry: InFlight, ctx: ConnectionContext) -> None:
         out = self.outputs

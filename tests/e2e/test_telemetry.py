@@ -481,3 +481,50 @@ def test_a_failing_admin_answer_is_a_500_and_kafka_traffic_goes_on(broker: Tansu
         traced_produce_consume(proxy.bootstrap, topic)
     finally:
         proxy.stop()
+
+
+def test_metrics_alone_and_rules_for_produce_and_fetch_count_what_goes_by_undecoded(
+        broker: TansuBroker, topic: str, tmp_path: Path) -> None:
+    # Production's shape: metrics on, rules that address only Produce and Fetch. The other apis go
+    # by undecoded (tests/unit/test_relay.py holds the figures equal to a decoded path's); here, a
+    # real client's traffic is counted, and a rule added on reload reaches an open connection.
+    admin = f"127.0.0.1:{free_port()}"
+    rules = tmp_path / "rules.yaml"
+    only = ("rules:\n  - {name: audited, match: {api: produce, topic: 'audited-*'}, action: log}\n"
+            "  - {name: secrets, match: {api: fetch, topic: 'secret-*'}, action: deny}\n")
+    rules.write_text(only)
+    proxy = start_proxy(broker.bootstrap, admin={"listen": admin}, rules=[str(rules)])
+    tel = Telemetered(proxy, InMemorySpanExporter(), tmp_path, admin)
+    try:
+        assert CONFLUENT.produce_consume(proxy.bootstrap, topic) == expected_records()
+        values = tel.metrics()
+        assert metric(values, "kproxy_records_total", direction="produced") == N_RECORDS
+        assert metric(values, "kproxy_records_total", direction="fetched") >= N_RECORDS
+        for api in ("api_versions", "metadata", "produce", "fetch"):
+            assert metric(values, "kproxy_requests_total", api=api) >= 1, api
+            assert metric(values, "kproxy_client_bytes_total", api=api, direction="request") > 0, api
+            assert metric(values, "kproxy_client_bytes_total", api=api, direction="response") > 0, api
+        host, port = proxy.bootstrap.rsplit(":", 1)
+        store = proxy.server.rule_store
+        assert store is not None
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            def metadata(cid: int) -> Any:
+                mt: Any = body_class(3, "request")
+                req = Request.build(3, 12, cid, "relay-e2e", mt(topics=[mt.MetadataRequestTopic(name=topic)]))
+                s.sendall(b"".join(bytes(b) for b in encode_request_frame(req)))
+                return decode_response(_recv_exactly(s, int.from_bytes(_recv_exactly(s, 4), "big")), 3, 12)
+
+            assert [t.error_code for t in metadata(1).body.topics] == [0]
+            rules.write_text(only + "  - {name: no-metadata, match: {api: metadata}, action: deny}\n")
+            deadline = time.monotonic() + 30
+            while store.generation < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert store.generation == 2
+            # The same connection's next Metadata meets the new rule.
+            assert [t.error_code for t in metadata(2).body.topics] == [29]     # TOPIC_AUTHORIZATION_FAILED
+        after = tel.metrics()
+        assert metric(after, "kproxy_requests_total", api="metadata") == \
+            metric(values, "kproxy_requests_total", api="metadata") + 2
+        assert metric(after, "kproxy_denied_requests_total", rule="no-metadata") == 1
+    finally:
+        tel.stop()
