@@ -127,14 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {kind:<9}{name:<13}{got[(kind, name)]:>10,.0f} instructions/request", file=sys.stderr,
                       flush=True)
     print(f"Instructions per completed request in Telemetry.completed, metrics on (callgrind), {args.n:,} calls")
-    hdr = f"{'loop':<10}" + "".join(f"{name:>14}" for name in trees) + (f"{'kproxy/base':>14}" if len(trees) > 1 else "")
-    print(hdr)
-    print("-" * len(hdr))
-    for kind in KINDS:
-        row = f"{kind:<10}" + "".join(f"{got[(kind, name)]:>14,.0f}" for name in trees)
-        if len(trees) > 1:
-            row += f"{got[(kind, 'kproxy')] / got[(kind, 'kproxy-base')]:>13.3f}x"
-        print(row)
+    sys.path.insert(0, str(REPO / "bench"))
+    from per_request import ir_table
+
+    ir_table(got, KINDS, trees, width=14)
     return 0
 
 

@@ -194,13 +194,13 @@ def syscalls_per_request(bp: int, tree: Path | None, name: str, kind: str, topic
 
 
 
-def _ir_table(ir: dict, kinds: Iterable[str], trees: Collection[str]) -> None:
+def ir_table(ir: dict, kinds: Iterable[str], trees: Collection[str], width: int = 16) -> None:
     """Instructions per request by loop and tree, and kproxy's over the baseline's when both ran."""
-    hdr = f"{'loop':<10}" + "".join(f"{name:>16}" for name in trees) + (f"{'kproxy/base':>14}" if len(trees) > 1 else "")
+    hdr = f"{'loop':<10}" + "".join(f"{name:>{width}}" for name in trees) + (f"{'kproxy/base':>14}" if len(trees) > 1 else "")
     print(hdr)
     print("-" * len(hdr))
     for kind in kinds:
-        row = f"{kind:<10}" + "".join(f"{ir[(kind, name)]:>16,.0f}" for name in trees)
+        row = f"{kind:<10}" + "".join(f"{ir[(kind, name)]:>{width},.0f}" for name in trees)
         if len(trees) > 1:
             row += f"{ir[(kind, 'kproxy')] / ir[(kind, 'kproxy-base')]:>13.3f}x"
         print(row)
@@ -291,12 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"Instructions per request in kproxy's process (callgrind, user space), {args.n:,} requests one "
               "after another on one connection")
-        _ir_table(ir, kinds, trees)
+        ir_table(ir, kinds, trees)
     if ir_less:
         print()
         print(f"The same, less what the idle process spends per second ({args.idle:g} s counted) times the "
               "loop's duration")
-        _ir_table(ir_less, kinds, trees)
+        ir_table(ir_less, kinds, trees)
     if sc:
         print()
         print(f"System calls per request in kproxy's process (perf), {args.clients} connections each keeping one "

@@ -53,6 +53,7 @@ from tests.e2e.scenarios import (
     sent_records,
 )
 from tests.e2e.tansu import TansuBroker, free_port, unique_name
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -516,9 +517,7 @@ def test_metrics_alone_and_rules_for_produce_and_fetch_count_what_goes_by_undeco
 
             assert [t.error_code for t in metadata(1).body.topics] == [0]
             rules.write_text(only + "  - {name: no-metadata, match: {api: metadata}, action: deny}\n")
-            deadline = time.monotonic() + 30
-            while store.generation < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: store.generation >= 2, "the rules were not reloaded", timeout=30)
             assert store.generation == 2
             # The same connection's next Metadata meets the new rule.
             assert [t.error_code for t in metadata(2).body.topics] == [29]     # TOPIC_AUTHORIZATION_FAILED
