@@ -26,10 +26,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="decode arrays of structs of N or more elements lazily (0: all of them)")
 
 
+@pytest.hookimpl(trylast=True)      # after pytest has set its unraisable hook, which this wraps
 def pytest_configure(config: pytest.Config) -> None:
     # kafka-python leaves the socket of a failed connect for the garbage collector (tests/client_fixes.py).
     from tests.client_fixes import close_failed_connects
     close_failed_connects()
+    # An unclosed socket's report says which test, thread and frames made it (tests/socket_origins.py).
+    from tests import socket_origins
+    socket_origins.track()
+    socket_origins.name_unclosed_sockets_in_reports()
     codec = config.getoption("--codec")
     compiler.set_codec(native=None if codec == "auto" else codec == "native",
                        lazy_min_items=config.getoption("--lazy-min"))

@@ -21,6 +21,7 @@ import pytest
 
 from kproxy.config import config_from_args
 from kproxy.server.embedded import ProxyThread
+from tests import socket_origins
 from tests.e2e.kcat import kcat_roundtrip
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
@@ -115,8 +116,9 @@ def test_real_clients_consume_streamed_answers_and_get_every_record(broker: Tans
                 got = consume(p.bootstrap, topic, N, 1)
                 gc.collect()
             # An unclosed socket found here twice in pair rounds, by a collection the next lines set
-            # off: collected at once, it names the client whose consume left it.
-            assert not [str(w.message) for w in left if issubclass(w.category, ResourceWarning)], name
+            # off: collected at once, it says which test, thread and frames made it.
+            assert not [f"{w.message} ({socket_origins.origin(w.source) or 'origin unknown'})"
+                        for w in left if issubclass(w.category, ResourceWarning)], name
             assert consumed_all(got), f"{name}: {len(got)} of {N} records"
             after = metrics(admin)
             assert after.get(STREAMED, 0) > before.get(STREAMED, 0), f"{name}: no answer was streamed"
