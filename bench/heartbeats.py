@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,10 +127,12 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
         group = Group(kp, args.connections, args.period)
         try:
             group.run(args.period, send=True)                      # warm-up: every connection once
+            lag0 = lag_samples(name) if args.metrics else 0
             c0 = cpu_seconds(proc.pid)
             t0 = time.monotonic()
             group.run(args.seconds, send=False)
             idle = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+            lag_rate = (lag_samples(name) - lag0) / (time.monotonic() - t0) if args.metrics else float("nan")
             u0, s0 = cpu_times(proc.pid)
             t0 = time.monotonic()
             answered = group.run(args.seconds, send=True)
@@ -142,8 +145,17 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
     finally:
         stop(proc)
     rate = answered / elapsed
-    return {"idle": idle, "busy": busy, "system": system, "rate": rate,
+    return {"idle": idle, "busy": busy, "system": system, "rate": rate, "lag_rate": lag_rate,
             "per_request": (busy - idle) / rate if rate else float("nan")}
+
+
+def lag_samples(name: str) -> int:
+    """How many times kproxy's loop-lag timer has fired (its histogram's count, from /metrics)."""
+    with urllib.request.urlopen(f"http://{HOST}:{per_request.ADMIN_PORTS[name]}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kproxy_event_loop_lag_seconds_count"):
+                return int(float(line.rsplit(" ", 1)[1]))
+    raise RuntimeError("no kproxy_event_loop_lag_seconds_count in /metrics")
 
 
 def idle_instructions(bp: int, tree: Path | None, name: str, args: argparse.Namespace, workdir: Path) -> float:
@@ -216,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
           "{:.2f} {:.2f} {:.2f} after".format(*os.getloadavg()))
     print(f"{args.connections:,} connections, one Heartbeat each every {args.period:g} s, {args.seconds:g} s measured")
     hdr = (f"{'tree':<14}{'heartbeats/s':>14}{'CPU idle':>12}{'CPU beating':>14}{'of it system':>14}"
-           f"{'per heartbeat':>16}")
+           f"{'per heartbeat':>16}{'lag timer/s quiet':>19}")
     print(hdr)
     print("-" * len(hdr))
     for name, g in got.items():
         print(f"{name:<14}{g['rate']:>14,.0f}{g['idle'] * 100:>11.2f}%{g['busy'] * 100:>13.2f}%"
               f"{g['system'] * 100:>13.2f}%"
-              f"{g['per_request'] * 1e6:>13.0f} us")
+              f"{g['per_request'] * 1e6:>13.0f} us{g['lag_rate']:>19.1f}")
     print("(CPU: kproxy's user + system time as a share of one core)")
     return 0
 
