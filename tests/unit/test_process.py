@@ -53,29 +53,33 @@ def test_every_sample_says_its_virtual_cluster_and_families_merge() -> None:
 
 async def test_a_blocked_event_loop_is_reported_as_lag_and_a_quiet_one_is_woken_seldom() -> None:
     shared = ProxyProcess.from_config(parse_config(TWO)).shared
+    lag = shared.loop_lag
+
+    def later_than(seconds: float) -> int:
+        return sum(n for bound, n in zip((*BUCKETS, float("inf")), lag.buckets, strict=True) if bound > seconds)
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(shared.watch_loop_lag)
-        # A quiet loop: the timer fires every 100 ms, not every 5 ms, and a sleep is not lag.
+        # A quiet loop: the timer fires every 100 ms, not every 5 ms (unless the machine itself held
+        # the loop 5 ms: then it samples finely, rightly).
         await trio.sleep(0.35)
-        assert shared.loop_lag_max < 0.05
-        if shared.loop_lag_max < LAG_HELD_S:        # else the machine held the loop: sampled finely, rightly
-            assert 2 <= shared.loop_lag.count <= 4
+        if shared.loop_lag_max < LAG_HELD_S:
+            assert 2 <= lag.count <= 4
         # A task that holds the loop (a blocking call, as a huge frame's work would) longer than the
         # quiet period: every connection waited, and the timer says so, late by the hold less at most
         # one quiet period.
         time.sleep(0.25)
         await trio.sleep(0.002)                     # the timer's task runs
         assert shared.loop_lag_max >= 0.15
-        assert sum(n for bound, n in zip(BUCKETS, shared.loop_lag.buckets, strict=False) if bound > 0.1) == 1
-        # Held once, the loop is sampled every 5 ms for a second: a short hold now shows nearly whole.
-        await trio.sleep(0.05)
-        count = shared.loop_lag.count
-        await trio.sleep(0.1)
-        assert shared.loop_lag.count - count >= 8
+        # Held once, the loop is sampled every 5 ms for a second (a 100 ms timer fires 3 or 4 times in
+        # 0.3 s), so a short hold now shows nearly whole.
+        count = lag.count
+        await trio.sleep(0.3)
+        assert lag.count - count >= 8
+        before = later_than(0.025)
         time.sleep(0.04)
         await trio.sleep(0.002)
-        held = dict(zip(BUCKETS, shared.loop_lag.buckets, strict=False))
-        assert held[0.05] + held[0.1] >= 1          # the 40 ms hold: a sample over 25 ms
+        assert later_than(0.025) > before
         nursery.cancel_scope.cancel()
 
 
