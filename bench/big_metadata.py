@@ -270,7 +270,7 @@ log_level: WARNING
     total = held.get("+Inf", 0)
     over = {b: total - n for b, n in held.items() if b != "+Inf"}
     worst = max((float(b) for b, n in over.items() if n > 0), default=0.0)
-    print(f"  kproxy's own event-loop lag while it ran (a 5 ms timer, {total:,} samples): "
+    print(f"  kproxy's own event-loop lag while it ran (a timer, every 5 ms while held, {total:,} samples): "
           f"{over.get('0.01', 0)} over 10 ms, {over.get('0.005', 0)} over 5 ms; the worst was over "
           f"{worst * 1000:g} ms")
     print(f"  kproxy's memory: resident {rss / 1e6:.0f} MB at the end, peak {peak_rss / 1e6:.0f} MB")

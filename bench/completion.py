@@ -2,8 +2,8 @@
 than timed: instructions of ``Telemetry.completed`` per call under valgrind's callgrind, for the two
 loops of bench/small_requests.py (Metadata v12 with no topics; Produce v9, acks=1, one 100-byte record),
 each request and its answer decoded from their bytes as the session holds them. bench/per_request.py
-counts whole requests, but with metrics on the admin listener's 5 ms loop-lag timer fires about once
-per request under callgrind's slowdown, which buries the per-request work; this counts only that work.
+counts whole requests, but with metrics on the loop-lag timer (every 5 ms while callgrind's slowdown
+holds the loop) fires about once per request, which buries the per-request work; this counts only that work.
 
 Run from the repository root:  ``.venv/bin/python bench/completion.py [--baseline DIR] [--n 5000]``
 (``--baseline DIR``: also the kproxy in DIR/kproxy, as bench/per_request.py takes it).

@@ -6,7 +6,9 @@ few seconds (a consumer between polls), the load a gateway carries for every idl
 no such group and says so; it is still a full round trip through kproxy). After the connections open
 and one period of warm-up, kproxy's own CPU time (user + system, from /proc) is read over
 ``--seconds`` (default 30). The same connections sending nothing give the floor (timers, the
-watchdog); the difference over the heartbeats answered is the CPU per heartbeat.
+watchdog); the difference over the heartbeats answered is the CPU per heartbeat. With ``--metrics``,
+the table also says how often kproxy's loop-lag timer fired (from its /metrics) in either phase: 10
+times a second on a quiet loop, 200 while the loop is being held (a loaded machine holds it too).
 
 With ``--instructions``, the idle part is counted instead: kproxy runs under valgrind's callgrind,
 every connection heartbeats once (so each has its broker connection, as a consumer's has), then the
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,15 +129,19 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
         group = Group(kp, args.connections, args.period)
         try:
             group.run(args.period, send=True)                      # warm-up: every connection once
+            lag0 = lag_samples(name) if args.metrics else 0
             c0 = cpu_seconds(proc.pid)
             t0 = time.monotonic()
             group.run(args.seconds, send=False)
             idle = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+            lag1 = lag_samples(name) if args.metrics else 0
+            lag_quiet = (lag1 - lag0) / (time.monotonic() - t0)
             u0, s0 = cpu_times(proc.pid)
             t0 = time.monotonic()
             answered = group.run(args.seconds, send=True)
             elapsed = time.monotonic() - t0
             u1, s1 = cpu_times(proc.pid)
+            lag_beating = ((lag_samples(name) if args.metrics else 0) - lag1) / elapsed
             busy = (u1 + s1 - u0 - s0) / elapsed
             system = (s1 - s0) / elapsed
         finally:
@@ -142,8 +149,17 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
     finally:
         stop(proc)
     rate = answered / elapsed
-    return {"idle": idle, "busy": busy, "system": system, "rate": rate,
+    return {"idle": idle, "busy": busy, "system": system, "rate": rate, "lag_quiet": lag_quiet, "lag_beating": lag_beating,
             "per_request": (busy - idle) / rate if rate else float("nan")}
+
+
+def lag_samples(name: str) -> int:
+    """How many times kproxy's loop-lag timer has fired (its histogram's count, from /metrics)."""
+    with urllib.request.urlopen(f"http://{HOST}:{per_request.ADMIN_PORTS[name]}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kproxy_event_loop_lag_seconds_count"):
+                return int(float(line.rsplit(" ", 1)[1]))
+    raise RuntimeError("no kproxy_event_loop_lag_seconds_count in /metrics")
 
 
 def idle_instructions(bp: int, tree: Path | None, name: str, args: argparse.Namespace, workdir: Path) -> float:
@@ -216,13 +232,14 @@ def main(argv: list[str] | None = None) -> int:
           "{:.2f} {:.2f} {:.2f} after".format(*os.getloadavg()))
     print(f"{args.connections:,} connections, one Heartbeat each every {args.period:g} s, {args.seconds:g} s measured")
     hdr = (f"{'tree':<14}{'heartbeats/s':>14}{'CPU idle':>12}{'CPU beating':>14}{'of it system':>14}"
-           f"{'per heartbeat':>16}")
+           f"{'per heartbeat':>16}" + (f"{'lag timer/s quiet':>19}{'beating':>9}" if args.metrics else ""))
     print(hdr)
     print("-" * len(hdr))
     for name, g in got.items():
         print(f"{name:<14}{g['rate']:>14,.0f}{g['idle'] * 100:>11.2f}%{g['busy'] * 100:>13.2f}%"
               f"{g['system'] * 100:>13.2f}%"
-              f"{g['per_request'] * 1e6:>13.0f} us")
+              f"{g['per_request'] * 1e6:>13.0f} us"
+              + (f"{g['lag_quiet']:>19.1f}{g['lag_beating']:>9.1f}" if args.metrics else ""))
     print("(CPU: kproxy's user + system time as a share of one core)")
     return 0
 

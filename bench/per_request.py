@@ -57,10 +57,12 @@ SYSCALLS = ("recvfrom", "sendto", "sendmsg", "epoll_wait", "epoll_ctl")
 # kproxy's own options for every run (``--metrics`` adds an admin listener: metrics are recorded per
 # request only when one is configured).
 EXTRA_ARGS: list[str] = []
-# ``--no-loop-lag``: kproxy started with the loop-lag probe (200 wake-ups a second while an admin
-# listener is on) asleep, so that only per-request work is counted; a bench-only patch, the same for
+# ``--no-loop-lag``: kproxy started with the loop-lag probe (a timer while an admin listener is on: 10
+# wake-ups a second, 200 while the loop is held or in trees before) asleep, so that only per-request work is counted; a bench-only patch, the same for
 # both trees.
 NO_LOOP_LAG: list[bool] = [False]
+# The admin port each started kproxy was given, by the name it was started under.
+ADMIN_PORTS: dict[str, int] = {}
 _WITHOUT_LOOP_LAG = (
     "import sys, trio\n"
     "from kproxy.server import process\n"
@@ -81,6 +83,7 @@ def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, nam
     if tree is not None:
         # As bench/proxy.py's kproxy-base: the other tree first on the path, the working directory off it.
         env.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
+    ADMIN_PORTS[name] = admin
     entry = ["-c", _WITHOUT_LOOP_LAG] if NO_LOOP_LAG[0] else ["-m", "kproxy"]
     argv = [*wrap, sys.executable, *entry, "run", "--upstream", f"{HOST}:{bp}",
             "--listen", f"{HOST}:{kp}", "--log-level", "WARNING",
@@ -144,8 +147,8 @@ def callgrind_per_request(bp: int, tree: Path | None, name: str, kind: str, topi
         busy = time.monotonic() - began
         subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
         if idle > 0:
-            # Timers (the loop-lag probe's 200 wake-ups a second with metrics on, the rule files'
-            # poll) run by the clock; under callgrind's slowdown they land on every request.
+            # Timers (the loop-lag probe's wake-ups with metrics on, the rule files' poll) run by
+            # the clock; under callgrind's slowdown they land on every request.
             began = time.monotonic()
             time.sleep(idle)
             subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
@@ -225,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also count S seconds of the idle process under callgrind, and print the figures less "
                          "what kproxy spends by the clock rather than by the request (timers)")
     ap.add_argument("--no-loop-lag", action="store_true",
-                    help="keep kproxy's loop-lag probe asleep (it wakes 200 times a second with --metrics, and "
-                         "callgrind's slowdown puts those wake-ups on every request)")
+                    help="keep kproxy's loop-lag probe asleep (with --metrics it wakes 10 times a second on a quiet "
+                         "loop, and 200 while the loop is held or, in trees before, always; callgrind's slowdown "
+                         "puts those wake-ups on the requests)")
     ap.add_argument("--no-callgrind", action="store_true")
     ap.add_argument("--no-syscalls", action="store_true")
     args = ap.parse_args(argv)

@@ -250,8 +250,8 @@ def build() -> dict[str, Any]:
 
     d = d.with_row(Row("Event loop, traffic log and rules"))
     d = d.with_panel(series(
-        "Event loop lag", "How late a 5 ms timer fired: how long other work held the loop (every "
-        "connection of the pod waited that long).", "s",
+        "Event loop lag", "How late a timer fired (every 5 ms while the loop is held, every 100 ms "
+        "when it is not): how long other work held the loop (every connection of the pod waited that long).", "s",
         (quantile(0.99, "kproxy_event_loop_lag_seconds", "pod, ", SEL), "p99 {{pod}}"),
         (f"max by (pod) (kproxy_event_loop_lag_max_seconds{{{SEL}}})", "max since start {{pod}}"), width=8))
     d = d.with_panel(series(

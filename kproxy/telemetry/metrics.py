@@ -522,8 +522,9 @@ def readiness_families(ready: bool) -> list[Metric]:
 def loop_lag_families(lag: Histogram, longest: float) -> list[Metric]:
     """How late the event loop ran a timer: what a frame or a filter that holds the loop costs every
     other connection."""
-    h = HistogramMetricFamily("kproxy_event_loop_lag_seconds", "How late a 5 ms timer on the event loop "
-                              "fired: time the loop was held by other work.")
+    h = HistogramMetricFamily("kproxy_event_loop_lag_seconds", "How late a timer on the event loop fired "
+                              "(every 5 ms while the loop is being held, every 100 ms when it is not): time "
+                              "the loop was held by other work.")
     h.add_metric([], lag.cumulative(), lag.sum)
     return [h, GaugeMetricFamily("kproxy_event_loop_lag_max_seconds", "The longest event loop lag seen.",
                                  value=longest)]

@@ -5,6 +5,7 @@ to whom, and reading a ClientHello's host name off a socket without taking a byt
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kproxy.config import parse_config
 from kproxy.identity.client_hello import NotClientHello, ServerName
-from kproxy.server.process import ProxyProcess, peek_client_hello
+from kproxy.server.process import LAG_HELD_S, ProxyProcess, peek_client_hello
 from kproxy.telemetry.exchange import Exchange, Learned
-from kproxy.telemetry.metrics import ProcessMetrics
+from kproxy.telemetry.metrics import BUCKETS, ProcessMetrics
 from tests.unit.test_client_hello import client_hello
 from tests.unit.test_telemetry import ctx as telemetry_ctx
 from tests.unit.test_telemetry import produce_entry
@@ -48,6 +49,38 @@ def test_every_sample_says_its_virtual_cluster_and_families_merge() -> None:
     assert 'kproxy_buffered_bytes{virtual_cluster=""} 7.0' in text
     for family in text_string_to_metric_families(text):
         assert all("virtual_cluster" in s.labels for s in family.samples), family.name
+
+
+async def test_a_blocked_event_loop_is_reported_as_lag_and_a_quiet_one_is_woken_seldom() -> None:
+    shared = ProxyProcess.from_config(parse_config(TWO)).shared
+    lag = shared.loop_lag
+
+    def later_than(seconds: float) -> int:
+        return sum(n for bound, n in zip((*BUCKETS, float("inf")), lag.buckets, strict=True) if bound > seconds)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shared.watch_loop_lag)
+        # A quiet loop: the timer fires every 100 ms, not every 5 ms (unless the machine itself held
+        # the loop 5 ms: then it samples finely, rightly).
+        await trio.sleep(0.35)
+        if shared.loop_lag_max < LAG_HELD_S:
+            assert 2 <= lag.count <= 4
+        # A task that holds the loop (a blocking call, as a huge frame's work would) longer than the
+        # quiet period: every connection waited, and the timer says so, late by the hold less at most
+        # one quiet period.
+        time.sleep(0.25)
+        await trio.sleep(0.002)                     # the timer's task runs
+        assert shared.loop_lag_max >= 0.15
+        # Held once, the loop is sampled every 5 ms for a second (a 100 ms timer fires 3 or 4 times in
+        # 0.3 s), so a short hold now shows nearly whole.
+        count = lag.count
+        await trio.sleep(0.3)
+        assert lag.count - count >= 8
+        before = later_than(0.025)
+        time.sleep(0.04)
+        await trio.sleep(0.002)
+        assert later_than(0.025) > before
+        nursery.cancel_scope.cancel()
 
 
 def test_the_process_finds_its_virtual_clusters_by_name() -> None:
