@@ -15,7 +15,7 @@ from typing import Any
 from kproxy.config import DEFAULT_NAME
 from kproxy.protocol.entities import collect
 from kproxy.protocol.errors import DecodeError, error_name
-from kproxy.protocol.messages import api_by_key, api_name
+from kproxy.protocol.messages import api_by_key, api_name, decode_request
 from kproxy.protocol.records import LegacyMessage, iter_batches
 from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ConnectionContext
@@ -60,10 +60,13 @@ class Learned:
     joined (by client address and client id)."""
 
     def __init__(self, cap: int = 100_000, learn_topics: bool = True,
-                 topic_names: TopicNames | None = None) -> None:
+                 topic_names: TopicNames | None = None, learn_groups: bool = False) -> None:
         self.topic_names = topic_names if topic_names is not None else TopicNames()
         self.groups = BoundedMap(cap)
         self.learn_topics = learn_topics
+        # Whether a group request relayed undecoded (one the traffic log and spans did not sample) is
+        # decoded for its group all the same: the Fetch lines and spans they do sample name it.
+        self.learn_groups = learn_groups
         if learn_topics:
             self.topic_names.want(lambda: True)
 
@@ -72,8 +75,16 @@ class Learned:
 
     def observe(self, entry: InFlight, ctx: ConnectionContext) -> None:
         key = entry.api_key
-        if key in GROUP_MEMBER_APIS and entry.request is not None:
-            groups = collect(entry.request.body, key, entry.api_version, "request", "group")
+        if key not in GROUP_MEMBER_APIS:
+            return
+        req = entry.request
+        if req is None and self.learn_groups and entry.relayed is not None:
+            try:    # not kept on the entry: metrics read it as they read any relayed exchange
+                req = decode_request(entry.relayed, keep_trailing=True)
+            except DecodeError:
+                return
+        if req is not None:
+            groups = collect(req.body, key, entry.api_version, "request", "group")
             if groups:
                 self.groups.put(_client_key(ctx), groups[0])
 
