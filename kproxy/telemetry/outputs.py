@@ -97,11 +97,11 @@ class TelemetryOutputs:
 
     def sample(self, api_key: int) -> int:
         """Which outputs sample an exchange of ``api_key`` (``LOGGED``, ``SPANNED``): one draw per
-        output whose ratio for it is below 1, as its request arrives. The ratios are read each time."""
+        output whose ratio for it is between 0 and 1, as its request arrives. The ratios are read each time."""
         sampled = 0
         if self.traffic_log is not None:
             ratio = self.log_ratio.get(api_key, self.log_default)
-            if ratio >= 1.0 or self.random() < ratio:
+            if ratio >= 1.0 or (ratio > 0.0 and self.random() < ratio):
                 sampled = LOGGED
         tracing = self.tracing
         if tracing is not None and tracing.sampled():
