@@ -19,7 +19,7 @@ from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.session import Session
 from kproxy.telemetry.exchange import Learned
-from kproxy.telemetry.outputs import LOGGED, TelemetryOutputs
+from kproxy.telemetry.outputs import LOGGED, SPANNED, TelemetryOutputs
 
 from .test_relay import JOIN_GROUP, _metrics_traffic
 from .test_session import (
@@ -56,8 +56,8 @@ class Logged:
         self.tel = out.for_cluster("")
         self.lines: list[dict[str, Any]] = []
         self.relayed_up: set[InFlight] = set()     # entries whose request went to the broker undecoded
-        assert out.traffic_log is not None
-        out.traffic_log.offer = self.lines.append      # type: ignore[method-assign,assignment]
+        if out.traffic_log is not None:
+            out.traffic_log.offer = self.lines.append      # type: ignore[method-assign,assignment]
         reads = self.tel.decoded_apis()
         self.session = Session(ConnectionContext(1, clock=Clock()), FilterChain([]),
                                topic_names=self.tel.learned.topic_names, read_answers=reads is None,
@@ -198,3 +198,26 @@ def test_the_draw_is_made_once_as_the_request_arrives(tmp_path):
     t.tel.outputs.random = counted
     t.exchange(HEARTBEAT, 4, heartbeat_request(), heartbeat_answer())
     assert len(draws) == 1
+
+
+def test_spans_sampled_below_1_are_drawn_as_the_request_arrives_and_the_others_relayed(tmp_path):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    spans = InMemorySpanExporter()
+    cfg = config_from_args("127.0.0.1:9092", "127.0.0.1:19092", tracing={"enabled": True, "sample_ratio": 0.3})
+    out = TelemetryOutputs(cfg, span_exporter=spans, env={})
+    assert out.tracing is not None
+    out.tracing._random = random.Random(3).random
+    try:
+        t = Logged(out)
+        assert t.tel.sampler() is not None
+        entries = [t.exchange(HEARTBEAT, 4, heartbeat_request(), heartbeat_answer(), cid=i) for i in range(100)]
+        out.tracing.provider.force_flush()
+        spanned = [e for e in entries if e.sampled]
+        assert 10 < len(spanned) < 60 and all(e.sampled == SPANNED for e in spanned)
+        assert all(decoded(t, e) for e in spanned)
+        assert all(e in t.relayed_up and e.response is None for e in entries if not e.sampled)
+        # A span per sampled exchange (no client span: no I/O layer stamped forwarded_at), none for the others.
+        assert len(spans.get_finished_spans()) == len(spanned)
+    finally:
+        out.close()
