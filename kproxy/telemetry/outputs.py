@@ -122,6 +122,9 @@ class TelemetryOutputs:
                      self.traffic_log.cfg.compression)
         if self.tracing is not None:
             log.info("%s", self.tracing.describe())
+        if self.sampler() is not None:
+            log.info("telemetry: exchanges that neither the traffic log nor spans sample are relayed "
+                     "undecoded, as with metrics alone")
 
     def close(self) -> None:
         """Write out what is queued: the traffic log's last lines and the spans not yet exported."""
