@@ -59,6 +59,9 @@ class TelemetryOutputs:
         self.log_ratio = {key: float(tl.sample.get(api.name, default)) for key, api in apis().items()}
         self.log_default = default
         self.random = random.Random().random
+        # Whether the traffic log or spans leave some exchanges out (``sampler``).
+        self.draws = ((self.traffic_log is not None and min([*self.log_ratio.values(), default]) < 1.0)
+                      or (self.tracing is not None and self.tracing.ratio < 1.0))
         self.proxy = proxy_name()
         self.epoch_offset = 0.0      # seconds to add to the session clock for the epoch
         self.epoch_ns = 0
@@ -90,10 +93,7 @@ class TelemetryOutputs:
         """``sample``, when the traffic log or spans leave some exchanges out (a ratio below 1): the
         session asks it as each request arrives, and relays the exchanges no output samples as it
         does without them. None when every exchange is sampled (or neither output is on)."""
-        if ((self.traffic_log is not None and min([*self.log_ratio.values(), self.log_default]) < 1.0)
-                or (self.tracing is not None and self.tracing.ratio < 1.0)):
-            return self.sample
-        return None
+        return self.sample if self.draws else None
 
     def sample(self, api_key: int) -> int:
         """Which outputs sample an exchange of ``api_key`` (``LOGGED``, ``SPANNED``): one draw per
@@ -162,8 +162,8 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.record(x)
         sampled = entry.sampled
-        if sampled is None:         # not decided as the request arrived: now
-            sampled = out.sample(entry.api_key)
+        if sampled is None:         # not decided as the request arrived: now (no draw when all are at 1)
+            sampled = out.sample(entry.api_key) if out.draws else LOGGED | SPANNED
         writer = out.traffic_log
         if writer is not None and sampled & LOGGED:
             writer.offer(traffic_line(x, out.epoch_offset, out.proxy))
