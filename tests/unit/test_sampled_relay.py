@@ -18,7 +18,7 @@ from kproxy.protocol.messages import body_class
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.session import Session
-from kproxy.telemetry.exchange import Learned
+from kproxy.telemetry.exchange import GROUP_MEMBER_APIS, Learned, _group_first, group_in_frame
 from kproxy.telemetry.outputs import LOGGED, SPANNED, TelemetryOutputs
 
 from .test_relay import JOIN_GROUP, _metrics_traffic
@@ -221,3 +221,27 @@ def test_spans_sampled_below_1_are_drawn_as_the_request_arrives_and_the_others_r
         assert len(spans.get_finished_spans()) == len(spanned)
     finally:
         out.close()
+
+
+@pytest.mark.parametrize("api_key", sorted(GROUP_MEMBER_APIS))
+@pytest.mark.parametrize("group", ["g", "", "grüppe-" + "x" * 300])
+@pytest.mark.parametrize("client_id", ["app", None])
+def test_a_group_read_from_the_bytes_is_the_group_decoding_finds(api_key, group, client_id):
+    from kproxy.protocol.messages import Request, encode_request_frame, supported_versions
+
+    lo, hi = supported_versions()[api_key]
+    for version in range(lo, hi + 1):
+        body = body_class(api_key, "request")()
+        if hasattr(body, "group_id"):
+            body.group_id = group
+        frame = memoryview(b"".join(encode_request_frame(Request.build(api_key, version, 9, client_id, body)))[4:])
+        ctx = ConnectionContext(1, client_address=("10.0.0.1", 5000))
+        ctx.client_id = client_id
+        relayed = Learned(learn_groups=True)
+        relayed.observe(InFlight(9, api_key, version, 1.0, relayed=frame), ctx)
+        decoded_req = Learned()
+        decoded_req.observe(InFlight(9, api_key, version, 1.0, request=Request.build(api_key, version, 9, client_id,
+                                                                                      body)), ctx)
+        assert relayed.group_of(ctx) == decoded_req.group_of(ctx), (api_key, version)
+        if _group_first(api_key, version):
+            assert group_in_frame(frame) == group
