@@ -68,8 +68,9 @@ class Learned:
         self.topic_names = topic_names if topic_names is not None else TopicNames()
         self.groups = BoundedMap(cap)
         self.learn_topics = learn_topics
-        # Whether a group request relayed undecoded (one the traffic log and spans did not sample) is
-        # decoded for its group all the same: the Fetch lines and spans they do sample name it.
+        # Whether a group request relayed undecoded (one the traffic log and spans did not sample)
+        # gives its group all the same (read from its bytes, ``group_in_frame``, or decoded): the
+        # Fetch lines and spans they do sample name it.
         self.learn_groups = learn_groups
         if learn_topics:
             self.topic_names.want(lambda: True)
