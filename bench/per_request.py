@@ -6,7 +6,8 @@ calls (perf's syscall tracepoints) per request, for this tree and, side by side,
 Run from the repository root:  ``.venv/bin/python bench/per_request.py [--baseline DIR] [--n 2000]``
 (``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce,heartbeat``; ``--metrics``
 runs kproxy with an admin listener, so that every request is also recorded in its metrics; ``--traffic-log``
-also writes the traffic log, every request; ``--rules FILE`` loads a rule file, as production does).
+also writes the traffic log, every request, or with ``--traffic-log-sample R`` that share of them (kproxy then
+runs from a configuration file holding the same settings); ``--rules FILE`` loads a rule file, as production does).
 
 One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level WARNING) in front.
 
@@ -28,6 +29,7 @@ acks=1 and one 100-byte record.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -57,8 +59,12 @@ SYSCALLS = ("recvfrom", "sendto", "sendmsg", "epoll_wait", "epoll_ctl")
 # kproxy's own options for every run (``--metrics`` adds an admin listener: metrics are recorded per
 # request only when one is configured).
 EXTRA_ARGS: list[str] = []
+# ``--traffic-log-sample``: kproxy's traffic_log section, written with the other settings into a
+# configuration file for each run (the quick options have no sample); empty: quick options only.
+TRAFFIC_LOG: dict[str, object] = {}
 # ``--no-loop-lag``: kproxy started with the loop-lag probe (a timer while an admin listener is on: 10
-# wake-ups a second, 200 while the loop is held or in trees before) asleep, so that only per-request work is counted; a bench-only patch, the same for
+# wake-ups a second, 200 while the loop is held or in trees before) asleep, so that only per-request
+# work is counted; a bench-only patch, the same for
 # both trees.
 NO_LOOP_LAG: list[bool] = [False]
 # The admin port each started kproxy was given, by the name it was started under.
@@ -85,9 +91,15 @@ def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, nam
         env.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
     ADMIN_PORTS[name] = admin
     entry = ["-c", _WITHOUT_LOOP_LAG] if NO_LOOP_LAG[0] else ["-m", "kproxy"]
-    argv = [*wrap, sys.executable, *entry, "run", "--upstream", f"{HOST}:{bp}",
-            "--listen", f"{HOST}:{kp}", "--log-level", "WARNING",
-            *(a.replace("{admin_port}", str(admin)) for a in EXTRA_ARGS)]
+    extra = [a.replace("{admin_port}", str(admin)) for a in EXTRA_ARGS]
+    if TRAFFIC_LOG:
+        settings = config_settings(f"{HOST}:{bp}", f"{HOST}:{kp}", extra)
+        config = workdir / f"{name}.yaml"
+        config.write_text(json.dumps(settings))        # JSON is YAML
+        options = ["--config", str(config)]
+    else:
+        options = ["--upstream", f"{HOST}:{bp}", "--listen", f"{HOST}:{kp}", *extra]
+    argv = [*wrap, sys.executable, *entry, "run", *options, "--log-level", "WARNING"]
     with open(workdir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -99,6 +111,21 @@ def start_kproxy(bp: int, tree: Path | None, wrap: list[str], workdir: Path, nam
                                + (workdir / f"{name}.log").read_text(errors="replace")[-3000:])
         time.sleep(0.2)
     return proc, kp
+
+
+def config_settings(upstream: str, listen: str, options: list[str]) -> dict[str, object]:
+    """The configuration file's settings for the quick ``options`` (``--admin``, ``--rules``), with
+    ``TRAFFIC_LOG`` as its traffic_log section."""
+    settings: dict[str, object] = {"listen": listen, "upstream": {"bootstrap_servers": upstream},
+                                   "traffic_log": TRAFFIC_LOG}
+    flags = dict(zip(options[::2], options[1::2], strict=True))
+    if "--admin" in flags:
+        settings["admin"] = {"listen": flags.pop("--admin")}
+    if "--rules" in flags:
+        settings["rules"] = [flags.pop("--rules")]
+    flags.pop("--traffic-log", None)
+    assert not flags, f"no configuration setting for {sorted(flags)}"
+    return settings
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -222,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run kproxy with an admin listener, so that each request is recorded in its metrics")
     ap.add_argument("--traffic-log", action="store_true",
                     help="also write the traffic log (every request) into a temporary directory")
+    ap.add_argument("--traffic-log-sample", type=float, metavar="R",
+                    help="with --traffic-log: the share of requests logged (traffic_log.sample's default)")
     ap.add_argument("--rules", type=Path, metavar="FILE", help="run kproxy with this rule file (e.g. "
                     "bench/rules_produce_fetch.yaml: rules that address only Produce and Fetch)")
     ap.add_argument("--idle", type=float, default=0.0, metavar="S",
@@ -240,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rules is not None:
         EXTRA_ARGS.extend(["--rules", str(args.rules.resolve())])
     NO_LOOP_LAG[0] = args.no_loop_lag
+    if args.traffic_log_sample is not None and not (args.traffic_log and 0 <= args.traffic_log_sample <= 1):
+        ap.error("--traffic-log-sample: a share from 0 to 1, with --traffic-log")
     if set(kinds) - set(KINDS):
         ap.error(f"--kinds: one or more of {', '.join(KINDS)}")
     trees: dict[str, Path | None] = {"kproxy": None}
@@ -259,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         if args.traffic_log:
             EXTRA_ARGS.extend(["--traffic-log", str(workdir / "traffic")])
+            if args.traffic_log_sample is not None:
+                TRAFFIC_LOG.update(dir=str(workdir / "traffic"), sample={"default": args.traffic_log_sample})
         topic = None
         if "produce" in kinds:
             from confluent_kafka.admin import AdminClient, NewTopic
@@ -289,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
           "load average {:.2f} {:.2f} {:.2f} after".format(*os.getloadavg())
           + ("; kproxy with an admin listener (metrics)" if args.metrics else "")
           + ("; with the traffic log" if args.traffic_log else "")
+          + (f" sampled at {args.traffic_log_sample:g}" if args.traffic_log and args.traffic_log_sample is not None
+             else "")
           + ("; the loop-lag probe asleep" if args.no_loop_lag else "")
           + (f"; rules {args.rules}" if args.rules is not None else ""))
     if ir:

@@ -92,6 +92,8 @@ class SessionCutThrough:
 
         def _mute(self, seconds: float) -> None: ...
 
+        def _sample(self, api_key: int) -> int | None: ...
+
         def _flush(self) -> list[Action]: ...
 
         def _forwarding(self, entry: InFlight, no_response: bool) -> int: ...
@@ -313,7 +315,7 @@ class SessionCutThrough:
         if values.get("client_id") is not None:
             ctx.client_id = values["client_id"]      # as _observe_request does, for the filters' selectors
         entry = InFlight(values["correlation_id"], PRODUCE, head.api_version, up.started,
-                         request_bytes=head.size + 4)
+                         request_bytes=head.size + 4, sampled=self._sample(PRODUCE))
         for f in self.chain.whole_frame_filters(PRODUCE, "request"):
             try:
                 ok = f.may_stream_request(ctx, entry, head)

@@ -87,6 +87,10 @@ class InFlight:
     # The request's frame when it went to the broker undecoded (``Session``'s relay path: nothing
     # reads it); ``decoded_request`` decodes it the first time something needs it after all.
     relayed: Any = None
+    # Which telemetry outputs sampled this exchange, decided when its request arrived (the bits of
+    # ``kproxy.telemetry.outputs.sample``; 0: none, so it may be relayed undecoded); None when the
+    # session did not decide (no output samples, or a request read before sampling): decided on completion.
+    sampled: int | None = None
 
     def decoded_request(self) -> Request | None:
         """``request``, decoded now from the relayed frame if it went out undecoded (a lost broker

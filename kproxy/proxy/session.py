@@ -107,6 +107,7 @@ _DECODED_ALWAYS = _READ_BY_SESSION | {FETCH}
 # and the api keys telemetry reads decoded (``telemetry_reads``) at this key.
 _RELAY = 1 << 32
 _TELEMETRY = -1
+_SAMPLE = -2    # and there, when the traffic log or spans sample, their draw as a request arrives (``sample``)
 _ANSWER_GUARDS = 1 << 33    # and there, by api version, the filters asked about each answer (FilterChain.answer_guards)
 _PASSED = "passed"      # a memo key's part for a filter that let the exchange by (Filter.passes)
 _SKIP = native_skip()
@@ -224,7 +225,8 @@ class Session(SessionCutThrough, SessionSasl):
                  passthrough_unknown_versions: bool = False, reencode: ReencodeCheck | None = None,
                  topic_names: TopicNames | None = None, front: SaslFront | None = None,
                  stream_min_bytes: int | None = STREAM_MIN_BYTES, memo: AnswerMemo | None = None,
-                 read_answers: bool = True, telemetry_reads: frozenset[int] | None = None) -> None:
+                 read_answers: bool = True, telemetry_reads: frozenset[int] | None = None,
+                 sample: Callable[[int], int] | None = None) -> None:
         self.ctx = ctx
         # None when something besides the filters reads every decoded answer (the traffic log, spans);
         # else, by (api key << 16 | version), whether no filter reads that version's answers
@@ -234,10 +236,15 @@ class Session(SessionCutThrough, SessionSasl):
         # and Fetch records): the others' figures come from the frames' headers and byte counts, the
         # broker's throttle from its fixed offset (``_note_throttle``). (One attribute: past 30,
         # CPython 3.11 stops sharing the instance dict's keys and every attribute read of the session
-        # gets slower.)
+        # gets slower.) At ``_SAMPLE``, when the traffic log or spans leave some exchanges out, what
+        # decides as each request arrives which outputs take it (``TelemetryOutputs.sample``): an
+        # exchange one of them samples is read whole, the others as if those outputs were off.
         self._unread_by: dict[int, Any] | None = None if read_answers else {}
-        if telemetry_reads is not None and self._unread_by is not None:
-            self._unread_by[_TELEMETRY] = telemetry_reads
+        if self._unread_by is not None:
+            if telemetry_reads is not None:
+                self._unread_by[_TELEMETRY] = telemetry_reads
+            if sample is not None:
+                self._unread_by[_SAMPLE] = sample
         # Rewritten answers by their bytes, when every response filter of an api is pure; never
         # while the transparency check runs (it must compare what the filters would do each time).
         self.memo = memo if reencode is None else None
@@ -309,7 +316,10 @@ class Session(SessionCutThrough, SessionSasl):
                           undecodable="request")]
         api_key, api_version, correlation_id = _HHI(frame, 0)
         unread_by = self._unread_by
-        if unread_by is not None and front is None and not self._raw_sasl and not actions:
+        sampled: int | None = None
+        if unread_by is not None and (sample := unread_by.get(_SAMPLE)) is not None:
+            sampled = sample(api_key)
+        if unread_by is not None and not sampled and front is None and not self._raw_sasl and not actions:
             programs: Any = unread_by.get(_RELAY | api_key << 16 | api_version)
             if programs is None:
                 programs = self._relayable(unread_by, api_key, api_version)
@@ -318,7 +328,7 @@ class Session(SessionCutThrough, SessionSasl):
                     if not f.passes(api_key, api_version):
                         break       # a rule addresses it now (rules reload): the full path
                 else:
-                    relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now)
+                    relayed = self._relay(frame, programs, api_key, api_version, correlation_id, now, sampled)
                     if relayed is not None:
                         return relayed
         try:
@@ -337,7 +347,7 @@ class Session(SessionCutThrough, SessionSasl):
             self._raw_sasl = False
         self.requests += 1
         entry = InFlight(correlation_id, api_key, api_version, now, req, request_bytes=len(frame) + 4,
-                         seq=self.requests)
+                         seq=self.requests, sampled=sampled)
         if self._why_next is not None:
             entry.why_stored, self._why_next = self._why_next, None
         self.open.add(entry)
@@ -373,7 +383,11 @@ class Session(SessionCutThrough, SessionSasl):
         programs: tuple | bool = False
         guards = chain.pass_guards(api_key)
         if (_SKIP is not None and api_key not in _DECODED_ALWAYS and guards is not None
-                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())):
+                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())
+                # An answer names are learned from is decoded, and its request with it: relaying the
+                # request would only check it before decoding it all the same (a cache: should
+                # learning stop, the request is decoded, as it is on the full path).
+                and not (api_key in _NAMES_IN_ANSWERS and self._learns_names(api_key, version))):
             try:
                 header_codec, body_codec = request_codecs(api_key, version)
             except UnsupportedVersionError:
@@ -385,7 +399,7 @@ class Session(SessionCutThrough, SessionSasl):
         return programs
 
     def _relay(self, frame: memoryview, programs: tuple, api_key: int, api_version: int, correlation_id: int,
-               now: float) -> list[Action] | None:
+               now: float, sampled: int | None) -> list[Action] | None:
         """A request nothing reads goes on as received, with kproxy's correlation id: checked whole by
         the accelerator as the decoder would (None when it fails: the caller's decode says why), its
         client id learned from the header, decoded only if something needs it later
@@ -417,11 +431,16 @@ class Session(SessionCutThrough, SessionSasl):
             self.ctx.client_id = str(frame[10:10 + n], "utf-8", "surrogateescape")
         self.requests += 1
         entry = InFlight(correlation_id, api_key, api_version, now, request_bytes=end + 4, seq=self.requests,
-                         relayed=frame)
+                         relayed=frame, sampled=sampled)
         self.open.add(entry)
         upstream_id = self._forwarding(entry, no_response)
         head = _HEAD.pack(end, api_key, api_version, upstream_id)
         return [ToUpstream([head + frame[8:]] if end < _JOIN_BELOW else [head, frame[8:]], entry)]
+
+    def _sample(self, api_key: int) -> int | None:
+        """The traffic log's and spans' draw for a request arriving now (``InFlight.sampled``)."""
+        sample = self._unread_by.get(_SAMPLE) if self._unread_by is not None else None
+        return sample(api_key) if sample is not None else None
 
     def throttled_for(self, now: float) -> float:
         """Seconds the client must not be read from any more: a filter throttled it (0 for none)."""
@@ -743,12 +762,14 @@ class Session(SessionCutThrough, SessionSasl):
             if entry.relayed is not None and unread is not True:
                 _note_throttle(entry, frame, unread)
             return self._flush()
-        if unread_by is not None:
+        if unread_by is not None and not entry.sampled:
             unread = unread_by.get(entry.api_key << 16 | version)
             if unread is None or (unread and entry.api_key in _NAMES_IN_ANSWERS):
                 unread = self._unread(unread_by, entry.api_key, version)
-        if (unread_by is not None and unread
-                and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
+        else:
+            unread = False      # the traffic log or spans sampled it: read whole
+        if (unread
+                and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])  # type: ignore[index]
                          and _guarded(entry, guards, version))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
             # telemetry only counts it): the broker's bytes go on with the client's correlation id.
@@ -916,7 +937,7 @@ class Session(SessionCutThrough, SessionSasl):
         tail = got.tail
         head = _HEAD_ID.pack(len(tail) + 4, cid)
         entry.reply = [head + tail] if len(tail) < _JOIN_BELOW else [head, tail]
-        if (self._unread_by is None or self.chain.for_done(entry.api_key)
+        if (self._unread_by is None or self.chain.for_done(entry.api_key) or entry.sampled
                 or entry.api_key in self._unread_by.get(_TELEMETRY, ())):
             # Telemetry or an on_done filter reads the completed entry: it gets the answer decoded.
             header_codec, _ = response_codecs(entry.api_key, version)

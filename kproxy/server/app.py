@@ -607,12 +607,14 @@ class ProxyServer:
         cluster = await self.upstreams.current()
         chain = cluster.chain_now(self.switch_book.switched)
         front = self.identity.front(ctx)
-        # Telemetry reads every exchange decoded (None), those of a few apis (metrics alone), or none.
+        # Telemetry reads every exchange decoded (None), those of a few apis (metrics alone), or none;
+        # and, when the traffic log or spans sample, the exchanges their draw takes as each arrives.
         reads = self.telemetry.decoded_apis() if self.telemetry.active else frozenset()
         session = Session(ctx, chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=cluster.topic_names, front=front,
                           stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo,
-                          read_answers=reads is None, telemetry_reads=reads or None)
+                          read_answers=reads is None, telemetry_reads=reads or None,
+                          sample=self.telemetry.sampler() if self.telemetry.active else None)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)
         record = self.clients.opened(ctx)

@@ -8,6 +8,7 @@ from the traffic itself into small bounded maps.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections import OrderedDict
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 from kproxy.config import DEFAULT_NAME
 from kproxy.protocol.entities import collect
 from kproxy.protocol.errors import DecodeError, error_name
-from kproxy.protocol.messages import api_by_key, api_name
+from kproxy.protocol.messages import api_by_key, api_name, decode_request, request_header_version
+from kproxy.protocol.primitives import ShortBuffer, read_uvarint
 from kproxy.protocol.records import LegacyMessage, iter_batches
 from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ConnectionContext
@@ -29,6 +31,8 @@ PRODUCE, FETCH = 0, 1
 # connection is attributed to that group.
 GROUP_MEMBER_APIS = frozenset({8, 9, 11, 12, 14, 68, 76})
 _CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
+_H = struct.Struct(">h").unpack_from
+_HH = struct.Struct(">hh").unpack_from
 
 
 class BoundedMap:
@@ -60,10 +64,14 @@ class Learned:
     joined (by client address and client id)."""
 
     def __init__(self, cap: int = 100_000, learn_topics: bool = True,
-                 topic_names: TopicNames | None = None) -> None:
+                 topic_names: TopicNames | None = None, learn_groups: bool = False) -> None:
         self.topic_names = topic_names if topic_names is not None else TopicNames()
         self.groups = BoundedMap(cap)
         self.learn_topics = learn_topics
+        # Whether a group request relayed undecoded (one the traffic log and spans did not sample)
+        # gives its group all the same (read from its bytes, ``group_in_frame``, or decoded): the
+        # Fetch lines and spans they do sample name it.
+        self.learn_groups = learn_groups
         if learn_topics:
             self.topic_names.want(lambda: True)
 
@@ -72,13 +80,63 @@ class Learned:
 
     def observe(self, entry: InFlight, ctx: ConnectionContext) -> None:
         key = entry.api_key
-        if key in GROUP_MEMBER_APIS and entry.request is not None:
-            groups = collect(entry.request.body, key, entry.api_version, "request", "group")
+        if key not in GROUP_MEMBER_APIS:
+            return
+        req = entry.request
+        if req is None and self.learn_groups and entry.relayed is not None:
+            if _group_first(key, entry.api_version):
+                group = group_in_frame(entry.relayed)
+                if group is not None:
+                    self.groups.put(_client_key(ctx), group)
+                return
+            try:    # not kept on the entry: metrics read it as they read any relayed exchange
+                req = decode_request(entry.relayed, keep_trailing=True)
+            except DecodeError:
+                return
+        if req is not None:
+            groups = collect(req.body, key, entry.api_version, "request", "group")
             if groups:
                 self.groups.put(_client_key(ctx), groups[0])
 
     def group_of(self, ctx: ConnectionContext) -> str | None:
         return self.groups.get(_client_key(ctx))
+
+
+@functools.cache
+def _group_first(api_key: int, version: int) -> bool:
+    """Whether requests of this api version hold their group id as the body's first field (every
+    group request but OffsetFetch from v8, which names its groups in an array)."""
+    try:
+        fields = [f for f in api_by_key(api_key).request.root.fields if version in f.versions]  # type: ignore[union-attr]
+    except (KeyError, AttributeError):
+        return False
+    return bool(fields) and fields[0].name == "group_id" and fields[0].type == "string"
+
+
+def group_in_frame(frame: Any) -> str | None:
+    """The group id of a request frame (no size prefix) whose body starts with it (``_group_first``),
+    read from the bytes: the header (v1, or v2 with its tagged fields), then the string, compact
+    from header v2 (flexible versions) on. None when the bytes are too short to say."""
+    api_key, version = _HH(frame, 0)
+    try:
+        (n,) = _H(frame, 8)                          # client id (int16 length; -1 is null)
+        pos = 10 + max(n, 0)
+        if request_header_version(api_key, version) >= 2:
+            count, pos = read_uvarint(frame, pos)    # header tagged fields, skipped
+            for _ in range(count):
+                _, pos = read_uvarint(frame, pos)
+                size, pos = read_uvarint(frame, pos)
+                pos += size
+            length, pos = read_uvarint(frame, pos)
+            length -= 1
+        else:
+            (length,) = _H(frame, pos)
+            pos += 2
+        if length < 0 or pos + length > len(frame):
+            return None
+        return str(frame[pos:pos + length], "utf-8", "surrogateescape")
+    except (struct.error, IndexError, ValueError, ShortBuffer):
+        return None
 
 
 def _client_key(ctx: ConnectionContext) -> tuple[str | None, str | None]:

@@ -4,7 +4,8 @@ completion point.
 ``TelemetryOutputs`` is the process's: metrics, the traffic log and spans. ``Telemetry.completed``
 (one ``Telemetry`` per virtual cluster) is called once per completed request, after its answer was
 written; it builds the shared ``Exchange`` once, naming the virtual cluster, and hands it to the
-cluster's metrics, the traffic log (sampled per API) and spans. With every output off the proxy does
+cluster's metrics, the traffic log (sampled per API) and spans. Both samples are drawn as the
+request arrives (``sample``), so the session relays undecoded what neither samples. With every output off the proxy does
 not call it at all. No trio: the server gives it the offset between its clock and the epoch once, at
 start.
 """
@@ -15,7 +16,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kproxy.config import ConfigError, ProxyConfig
 from kproxy.protocol.messages import apis
@@ -28,6 +29,9 @@ from kproxy.telemetry.spans import SpanExporter, Tracing
 from kproxy.telemetry.traffic_log import TrafficLogWriter, proxy_name, traffic_line
 
 log = logging.getLogger("kproxy.telemetry")
+
+# The outputs that sample an exchange (``TelemetryOutputs.sample``, ``InFlight.sampled``).
+LOGGED, SPANNED = 1, 2
 
 
 class TelemetryOutputs:
@@ -55,6 +59,9 @@ class TelemetryOutputs:
         self.log_ratio = {key: float(tl.sample.get(api.name, default)) for key, api in apis().items()}
         self.log_default = default
         self.random = random.Random().random
+        # Whether the traffic log or spans leave some exchanges out (``sampler``).
+        self.draws = ((self.traffic_log is not None and min([*self.log_ratio.values(), default]) < 1.0)
+                      or (self.tracing is not None and self.tracing.ratio < 1.0))
         self.proxy = proxy_name()
         self.epoch_offset = 0.0      # seconds to add to the session clock for the epoch
         self.epoch_ns = 0
@@ -71,14 +78,35 @@ class TelemetryOutputs:
         return self.metrics is not None or self.traffic_log is not None or self.tracing is not None
 
     def decoded_apis(self) -> frozenset[int] | None:
-        """The api keys whose exchanges telemetry reads decoded; None for every one. The traffic log
-        and spans name topics, groups and every error of an answer, so they read all. Metrics alone
-        count requests, bytes, latency, outcomes and the broker's throttle time, which the session
-        takes from the frames' headers and sizes (it decodes the few answers whose throttle time is
-        not their first field), so they read only Produce and Fetch (records, from batch headers)."""
-        if self.traffic_log is not None or self.tracing is not None:
+        """The api keys whose exchanges telemetry reads decoded, besides those the traffic log and
+        spans sample (``sampler``); None for every one. The traffic log and spans name topics, groups
+        and every error of an answer, so they read every exchange they sample: all of them when
+        neither samples below 1. Metrics count requests, bytes, latency, outcomes and the broker's
+        throttle time, which the session takes from the frames' headers and sizes (it decodes the few
+        answers whose throttle time is not their first field), so they read only Produce and Fetch
+        (records, from batch headers)."""
+        if (self.traffic_log is not None or self.tracing is not None) and self.sampler() is None:
             return None
-        return frozenset({PRODUCE, FETCH})
+        return frozenset({PRODUCE, FETCH}) if self.metrics is not None else frozenset()
+
+    def sampler(self) -> Callable[[int], int] | None:
+        """``sample``, when the traffic log or spans leave some exchanges out (a ratio below 1): the
+        session asks it as each request arrives, and relays the exchanges no output samples as it
+        does without them. None when every exchange is sampled (or neither output is on)."""
+        return self.sample if self.draws else None
+
+    def sample(self, api_key: int) -> int:
+        """Which outputs sample an exchange of ``api_key`` (``LOGGED``, ``SPANNED``): one draw per
+        output whose ratio for it is between 0 and 1, as its request arrives. The ratios are read each time."""
+        sampled = 0
+        if self.traffic_log is not None:
+            ratio = self.log_ratio.get(api_key, self.log_default)
+            if ratio >= 1.0 or (ratio > 0.0 and self.random() < ratio):
+                sampled = LOGGED
+        tracing = self.tracing
+        if tracing is not None and tracing.sampled():
+            sampled |= SPANNED
+        return sampled
 
     def for_cluster(self, name: str, topic_names: TopicNames | None = None) -> Telemetry:
         """The telemetry of the virtual cluster ``name``, whose topic names by id are ``topic_names``."""
@@ -94,6 +122,9 @@ class TelemetryOutputs:
                      self.traffic_log.cfg.compression)
         if self.tracing is not None:
             log.info("%s", self.tracing.describe())
+        if self.sampler() is not None:
+            log.info("telemetry: exchanges that neither the traffic log nor spans sample are relayed "
+                     "undecoded, as with metrics alone")
 
     def close(self) -> None:
         """Write out what is queued: the traffic log's last lines and the spans not yet exported."""
@@ -111,7 +142,8 @@ class Telemetry:
         self.outputs = outputs
         self.name = name
         self.metrics: Metrics | None = outputs.metrics.cluster(name) if outputs.metrics is not None else None
-        self.learned = Learned(learn_topics=outputs.learn_topics, topic_names=topic_names)
+        self.learned = Learned(learn_topics=outputs.learn_topics, topic_names=topic_names,
+                               learn_groups=outputs.traffic_log is not None or outputs.tracing is not None)
 
     @property
     def active(self) -> bool:
@@ -120,16 +152,20 @@ class Telemetry:
     def decoded_apis(self) -> frozenset[int] | None:
         return self.outputs.decoded_apis()
 
+    def sampler(self) -> Callable[[int], int] | None:
+        return self.outputs.sampler()
+
     def completed(self, entry: InFlight, ctx: ConnectionContext) -> None:
         out = self.outputs
         x = Exchange(entry, ctx, self.learned, self.name)
         self.learned.observe(entry, ctx)
         if self.metrics is not None:
             self.metrics.record(x)
+        sampled = entry.sampled
+        if sampled is None:         # not decided as the request arrived: now (no draw when all are at 1)
+            sampled = out.sample(entry.api_key) if out.draws else LOGGED | SPANNED
         writer = out.traffic_log
-        if writer is not None:
-            ratio = out.log_ratio.get(entry.api_key, out.log_default)
-            if ratio >= 1.0 or out.random() < ratio:
-                writer.offer(traffic_line(x, out.epoch_offset, out.proxy))
+        if writer is not None and sampled & LOGGED:
+            writer.offer(traffic_line(x, out.epoch_offset, out.proxy))
         if out.tracing is not None:
-            out.tracing.emit(x, out.epoch_ns)
+            out.tracing.emit(x, out.epoch_ns, bool(sampled & SPANNED))

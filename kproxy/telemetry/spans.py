@@ -258,13 +258,18 @@ class Tracing:
         return (f"tracing on: {exp}{where}, "
                 + (f"sampler {sampler} (OTEL_TRACES_SAMPLER)" if sampler else f"sampling {self.ratio:g}"))
 
-    def emit(self, x: Exchange, epoch_ns: int) -> None:
-        """Build and end the spans of one completed request; ``epoch_ns`` converts its clock."""
+    def sampled(self) -> bool:
+        """Whether the next request gets spans (one draw below ratio 1, none at 1)."""
+        return self.ratio >= 1.0 or self._random() < self.ratio
+
+    def emit(self, x: Exchange, epoch_ns: int, sampled: bool | None = None) -> None:
+        """Build and end the spans of one completed request; ``epoch_ns`` converts its clock.
+        ``sampled``: the draw made when its request arrived (``sampled()``); None: drawn now."""
         e = x.entry
         chosen = (e.notes or {}).get("trace_context")
         # Records name a span whose ids were chosen at request time: it is always exported, or the
         # consumers' traces would point at a span nobody has.
-        if chosen is None and self.ratio < 1.0 and self._random() >= self.ratio:
+        if chosen is None and not (self.sampled() if sampled is None else sampled):
             return
         name = span_name(x)
         links = record_links(x, self.cfg.link_record_traces, self.max_decompressed) \

@@ -527,3 +527,33 @@ def test_metrics_alone_and_rules_for_produce_and_fetch_count_what_goes_by_undeco
         assert metric(after, "kproxy_denied_requests_total", rule="no-metadata") == 1
     finally:
         tel.stop()
+
+
+def test_a_sampled_traffic_log_logs_only_the_apis_it_samples_and_names_their_topics(
+        broker: TansuBroker, topic: str, tmp_path: Path) -> None:
+    # Metadata (and every other api) at 0: relayed undecoded, unlogged, but still counted, and its
+    # answers still teach topic names. Produce and Fetch at 1: every one logged, naming the topic
+    # (Fetch from v13 names it by id only, learned from a Metadata answer nobody logged).
+    admin = f"127.0.0.1:{free_port()}"
+    log_dir = tmp_path / "traffic"
+    log_dir.mkdir()
+    proxy = start_proxy(broker.bootstrap, admin={"listen": admin},
+                        traffic_log={"dir": str(log_dir), "sample": {"default": 0.0, "metadata": 0.0,
+                                                                     "produce": 1.0, "fetch": 1.0}})
+    tel = Telemetered(proxy, InMemorySpanExporter(), log_dir, admin)
+    try:
+        assert CONFLUENT.produce_consume(proxy.bootstrap, topic) == expected_records()
+        values = tel.metrics()
+        assert metric(values, "kproxy_requests_total", api="metadata") >= 1
+        assert metric(values, "kproxy_records_total", direction="produced") == N_RECORDS
+    finally:
+        tel.stop()
+    lines = tel.lines()
+    assert {line["api"] for line in lines} == {"produce", "fetch"}
+    produced = [p for line in lines if line["api"] == "produce" for p in line["partitions"]]
+    assert {p["topic"] for p in produced} == {topic}
+    assert sum(p["records"] for p in produced) == N_RECORDS
+    fetched = [(line["api_version"], p) for line in lines if line["api"] == "fetch" for p in line["partitions"]]
+    assert fetched and {p["topic"] for _, p in fetched} == {topic}
+    assert sum(p["records"] for _, p in fetched) >= N_RECORDS
+    print("fetch versions logged:", sorted({v for v, _ in fetched}))
