@@ -22,6 +22,7 @@ from kproxy.protocol but its errors.
 - ``clusters``: virtual clusters: which settings are each one's and which the process's, and the
   rules across them (names, ports, SNI host names).
 - ``loader``: YAML (file, string, quick mode) to ``ProxyConfig``, errors with file and line.
+- ``changes``: which settings differ between two configs (what a SIGHUP names as waiting for a restart).
 """
 
 from kproxy.config.checks import SASL_MECHANISMS, ConfigError, HostPort, SettingError

@@ -670,6 +670,10 @@ class ProxyServer:
         store.install(rule_set, reason)
         return True
 
+    def reload_settings(self, reason: str) -> bool:
+        """Read the config file again (SIGHUP): the process's (``ProxyProcess.reload_settings``)."""
+        return self.process.reload_settings(reason)
+
     def reload_rules(self, reason: str) -> bool:
         """Load the rule files again (SIGHUP); the old rules stay if the new ones do not load."""
         if self.rule_store is None:
@@ -848,6 +852,8 @@ class Serving(Protocol):
 
     async def drain(self, timeout: float | None = None) -> None: ...
 
+    def reload_settings(self, reason: str) -> bool: ...
+
     def reload_rules(self, reason: str) -> bool: ...
 
     async def reload_rules_checked(self, reason: str) -> bool: ...
@@ -858,8 +864,9 @@ class Serving(Protocol):
 
 
 async def serve_until_signal(server: Serving) -> None:
-    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reloads the rule files
-    and any changed TLS files, and follows a switch the state file records."""
+    """Serve; SIGTERM or SIGINT drains, a second one stops at once; SIGHUP reads the config file's
+    sample ratios again, reloads the rule files and any changed TLS files, and follows a switch the
+    state file records."""
     # Signals are kproxy's before the first port is bound: /readyz says ready as soon as a bootstrap
     # server answers, while discovery may still wait for Metadata, and a SIGTERM then (a supervisor's,
     # a kubelet's) would otherwise end the process at once without a drain or a last log line. One
@@ -872,10 +879,11 @@ async def serve_until_signal(server: Serving) -> None:
             await nursery.start(server.serve)
             if server.worker is not None:
                 nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
-            log.info("signals: SIGTERM or SIGINT drains, SIGHUP reloads the rule files")
+            log.info("signals: SIGTERM or SIGINT drains, SIGHUP reloads the rule files and sample ratios")
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGHUP:
+                    server.reload_settings("SIGHUP")
                     await server.reload_rules_checked("SIGHUP")
                     server.reload_tls()
                     # A switch another process made since is followed now (the state file says so).

@@ -5,6 +5,7 @@ goes through ``kproxy.config``'s checks, and a mistake is one line on stderr and
 before anything starts. It holds no proxy logic.
 """
 
+import functools
 import gc
 import logging
 import os
@@ -92,6 +93,8 @@ def run_from_args(args: Any) -> int:
     # Start-up objects (schema, settings, compiled codecs) never die: keep the collector off them, and
     # let young objects pile up longer between collections (a large Metadata answer makes hundreds of
     # thousands of short-lived objects; the default threshold of 700 walks them again and again).
+    if args.config:
+        process.read_config = functools.partial(config_for_run, args)
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     keep_freed_memory()

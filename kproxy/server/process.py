@@ -16,12 +16,13 @@ import functools
 import itertools
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
 
-from kproxy.config import HostPort, ProxyConfig, effective_buffer_budget
+from kproxy.config import ConfigError, HostPort, ProxyConfig, effective_buffer_budget, load_config
+from kproxy.config.changes import changed_settings
 from kproxy.identity.client_hello import MAX_HELLO_BYTES, NeedMore, NotClientHello, Result, read_server_name
 from kproxy.logs import safe
 from kproxy.proxy.filters import Filter
@@ -64,12 +65,16 @@ class SharedParts:
         self.loop_lag_max = 0.0
         # Connections closed on a shared port before any virtual cluster took them: (listener, reason).
         self.refused: dict[tuple[str, str], int] = {}
+        # Re-reads of the config file (SIGHUP) by outcome, and the changed settings that wait for a restart.
+        self.settings_reloads = {"ok": 0, "failed": 0}
+        self.settings_pending: list[str] = []
         m = self.telemetry.metrics
         if m is not None:
             m.add_reader(lambda: metric_families.loop_lag_families(self.loop_lag, self.loop_lag_max))
             m.add_reader(lambda: metric_families.budget_families(self.budget))
             m.add_reader(self.certificates.families)
             m.add_reader(lambda: metric_families.shared_port_families(self.refused))
+            m.add_reader(lambda: metric_families.settings_families(self.settings_reloads, self.settings_pending))
 
     async def watch_loop_lag(self, period: float = LAG_PERIOD_S, quiet_period: float = LAG_QUIET_PERIOD_S) -> None:
         """A timer whose lateness measures how long other work held the event loop (a big frame, a
@@ -107,6 +112,9 @@ class ProxyProcess:
         self.shared_ports: list[SharedSniPort] = []
         self._nursery: trio.Nursery | None = None
         self._draining = False
+        # How a SIGHUP reads the settings again (``kproxy run`` sets it to read them as it did at
+        # start, its command-line options included); None: the file the config came from.
+        self.read_config: Callable[[], ProxyConfig] | None = None
 
     @classmethod
     def from_config(cls, config: ProxyConfig, filters: Sequence[Filter] = (), *,
@@ -271,6 +279,35 @@ class ProxyProcess:
         """Load every virtual cluster's rule files again (SIGHUP), each new set in force only if the
         KEKs its encrypt rules name exist in that virtual cluster's KMS; True when any went in force."""
         return any([await server.reload_rules_checked(reason) for server in self.servers.values()])
+
+    def reload_settings(self, reason: str) -> bool:
+        """Read the config file again (SIGHUP) and put its traffic log and tracing sample ratios in
+        force; every other changed setting is named in a warning and waits for a restart. A file that
+        does not load is refused with its file, line and reason, and the settings in force stay. True
+        when it loaded."""
+        shared = self.shared
+        if self.read_config is None and self.config.source is None:
+            log.info("%s: the settings came from the command line; there is no file to read again", reason)
+            return False
+        try:
+            new = self.read_config() if self.read_config is not None else load_config(str(self.config.source))
+        except ConfigError as e:
+            shared.settings_reloads["failed"] += 1
+            log.error("%s: settings reload refused; the settings in force stay: %s", reason, e)
+            return False
+        shared.settings_reloads["ok"] += 1
+        changed = shared.telemetry.set_sampling(new)
+        for change in changed:
+            log.info("%s: %s (in force from the next request)", reason, change)
+        pending = changed_settings(self.config, new)
+        shared.settings_pending = pending
+        if pending:
+            log.warning("%s: the config file changes %s; %s take%s effect only at a restart (kproxy keeps "
+                        "the values it started with)", reason, ", ".join(pending),
+                        "these" if len(pending) > 1 else "it", "" if len(pending) > 1 else "s")
+        elif not changed:
+            log.info("%s: the config file's settings are the ones in force", reason)
+        return True
 
     def reload_tls(self) -> None:
         for server in self.servers.values():

@@ -48,6 +48,8 @@ MERGED_BY = {
     "kproxy_rules_loaded_timestamp_seconds": max,
     "kproxy_tls_loaded_timestamp_seconds": max,
     "kproxy_rules_reload_failing": max,
+    # Every worker reads the same file on the same SIGHUP: the most any worker has waiting.
+    "kproxy_settings_restart_pending": max,
     # Upstream clusters: a worker still on the old cluster shows as 1 too until it follows; a
     # cluster is reachable only if every worker's probe reached it.
     "kproxy_upstream_active": max,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import datetime
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -559,6 +559,16 @@ def shared_port_families(refused: Mapping[tuple[str, str], int]) -> list[Metric]
                      "share before any took them, by listener and reason (unknown_name: no virtual cluster "
                      "serves the TLS host name; no_name: the ClientHello names none; not_tls; timeout).",
                      ["listener", "reason"], refused)]
+
+
+def settings_families(reloads: Mapping[str, int], pending: Sequence[str]) -> list[Metric]:
+    """Re-reads of the config file (SIGHUP) and the changed settings that wait for a restart."""
+    return [_counter("kproxy_settings_reloads", "Re-reads of the config file on SIGHUP, by outcome (failed: "
+                     "the file did not load and the settings in force stayed).", ["outcome"],
+                     {(k,): v for k, v in reloads.items()}),
+            GaugeMetricFamily("kproxy_settings_restart_pending", "Settings the config file changed at the "
+                              "last SIGHUP that take effect only at a restart (0: the file is what runs; the "
+                              "log's warning names them).", value=len(pending))]
 
 
 def upstream_families(snap: Mapping[str, Any]) -> list[Metric]:

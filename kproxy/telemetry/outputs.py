@@ -55,13 +55,9 @@ class TelemetryOutputs:
                             if tr.enabled else None)
         except ValueError as e:   # an OTEL_* variable kproxy cannot follow
             raise ConfigError(f"tracing: {e}") from None
-        default = float(tl.sample.get("default", 1.0))
-        self.log_ratio = {key: float(tl.sample.get(api.name, default)) for key, api in apis().items()}
-        self.log_default = default
         self.random = random.Random().random
-        # Whether the traffic log or spans leave some exchanges out (``sampler``).
-        self.draws = ((self.traffic_log is not None and min([*self.log_ratio.values(), default]) < 1.0)
-                      or (self.tracing is not None and self.tracing.ratio < 1.0))
+        self.log_sample: Mapping[str, float] = {}
+        self._set_log_sample(tl.sample)
         self.proxy = proxy_name()
         self.epoch_offset = 0.0      # seconds to add to the session clock for the epoch
         self.epoch_ns = 0
@@ -72,6 +68,34 @@ class TelemetryOutputs:
             if self.tracing is not None:
                 tracing = self.tracing
                 self.metrics.add_reader(lambda: tracing_families(tracing))
+
+    def _set_log_sample(self, sample: Mapping[str, float]) -> None:
+        self.log_sample = dict(sample)
+        default = float(sample.get("default", 1.0))
+        self.log_ratio = {key: float(sample.get(api.name, default)) for key, api in apis().items()}
+        self.log_default = default
+        # Whether the traffic log or spans leave some exchanges out (``sampler``).
+        self.draws = ((self.traffic_log is not None and min([*self.log_ratio.values(), default]) < 1.0)
+                      or (self.tracing is not None and self.tracing.ratio < 1.0))
+
+    def set_sampling(self, config: ProxyConfig) -> list[str]:
+        """Take the traffic log's and spans' sample ratios from ``config`` (a reloaded file, SIGHUP).
+        The next request draws by them on every connection: the ratios are read on each request, and
+        an exchange a connection opened before did not draw for is drawn for at completion. A
+        connection opened while nothing sampled below 1 keeps reading every exchange whole until it
+        reconnects (its lines follow the new ratios; only the relay saving waits). Returns what
+        changed, one ``setting: old -> new`` each."""
+        changed = []
+        tl = config.traffic_log.sample
+        if self.traffic_log is not None and tl != self.log_sample:
+            changed.append(f"traffic_log.sample: {_ratios(self.log_sample)} -> {_ratios(tl)}")
+            self._set_log_sample(tl)
+        tracing = self.tracing
+        if tracing is not None and config.tracing.sample_ratio != tracing.cfg.sample_ratio:
+            changed.append(f"tracing.sample_ratio: {tracing.cfg.sample_ratio:g} -> "
+                           f"{config.tracing.sample_ratio:g}" + tracing.set_ratio(config.tracing.sample_ratio))
+            self._set_log_sample(self.log_sample)
+        return changed
 
     @property
     def active(self) -> bool:
@@ -169,3 +193,7 @@ class Telemetry:
             writer.offer(traffic_line(x, out.epoch_offset, out.proxy))
         if out.tracing is not None:
             out.tracing.emit(x, out.epoch_ns, bool(sampled & SPANNED))
+
+
+def _ratios(sample: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {ratio:g}" for name, ratio in sample.items()) + "}" if sample else "{} (all 1)"

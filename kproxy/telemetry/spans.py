@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
@@ -236,6 +237,7 @@ class Tracing:
         # OTEL_TRACES_SAMPLER, when set, is the SDK's to apply; otherwise kproxy samples first, so an
         # unsampled request never builds attributes.
         env_sampler = "OTEL_TRACES_SAMPLER" in env
+        self.env_sampler = env_sampler
         self.ratio = 1.0 if env_sampler else cfg.sample_ratio
         self._random = random.Random(seed).random
         self.ids = ChosenIds()
@@ -257,6 +259,14 @@ class Tracing:
         sampler = env.get("OTEL_TRACES_SAMPLER")
         return (f"tracing on: {exp}{where}, "
                 + (f"sampler {sampler} (OTEL_TRACES_SAMPLER)" if sampler else f"sampling {self.ratio:g}"))
+
+    def set_ratio(self, ratio: float) -> str:
+        """A reloaded ``tracing.sample_ratio`` (SIGHUP); '' when it is in force, else why not."""
+        self.cfg = attrs.evolve(self.cfg, sample_ratio=ratio)
+        if self.env_sampler:
+            return " (not in force: OTEL_TRACES_SAMPLER samples instead)"
+        self.ratio = ratio
+        return ""
 
     def sampled(self) -> bool:
         """Whether the next request gets spans (one draw below ratio 1, none at 1)."""

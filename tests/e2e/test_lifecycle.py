@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import select
 import signal
@@ -211,3 +212,83 @@ def test_a_broker_port_held_by_another_process_is_never_advertised(broker: Tansu
             p.stop()
     finally:
         holder.close()
+
+
+def _reload_config(path: Path, port: int, admin: str, bootstrap: str, traffic_log: Path, sample: str,
+                   in_flight: int = 256) -> None:
+    path.write_text(f"""listen: "127.0.0.1:{port}"
+upstream: {{bootstrap_servers: ["{bootstrap}"]}}
+admin: {{listen: "{admin}"}}
+limits: {{max_in_flight_requests: {in_flight}}}
+traffic_log:
+  dir: "{traffic_log}"
+  sample: {sample}
+""")
+
+
+def test_sighup_puts_new_sample_ratios_in_force_and_names_what_waits_for_a_restart(
+        broker: TansuBroker, tmp_path: Path) -> None:
+    """An operator turns the traffic log's sampling down on a running kproxy: the next requests
+    follow the new ratio, on a connection opened before too; a setting that needs a restart is
+    named, not silently ignored; a file that does not load is refused with its line, and the ratios
+    in force stay."""
+    from tests.e2e.test_cut_through import metrics
+
+    port = free_port_block()
+    admin = f"127.0.0.1:{free_port_block(1)}"
+    config = tmp_path / "kproxy.yaml"
+    tlog = tmp_path / "traffic"
+    tlog.mkdir()
+    write = functools.partial(_reload_config, config, port, admin, broker.bootstrap, tlog)
+    write("{default: 1.0}")
+
+    def counts() -> tuple[float, float]:
+        """Requests completed (every api) and traffic log lines written."""
+        m = metrics(admin)
+        return (sum(v for (name, _), v in m.items() if name == "kproxy_requests_total"),
+                m.get(("kproxy_traffic_log_lines_written_total", ()), 0.0))
+
+    def metadata_round(w: Wire, first_id: int) -> tuple[float, float]:
+        before = counts()[0]
+        for i in range(3):
+            assert w.metadata(first_id + i).correlation_id == first_id + i
+        wait_until(lambda: counts()[0] >= before + 3, "kproxy did not count the three requests")
+        return counts()
+
+    def sighup_and_wait(text: str) -> str:
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: text in log.read_text(), f"no {text!r} in the log after SIGHUP")
+        return log.read_text()
+
+    with contextlib.ExitStack() as stack:
+        proc, log = stack.enter_context(kproxy_process(tmp_path, "--config", str(config)))
+        w = connect_when_up(f"127.0.0.1:{port}", proc, log)
+        stack.callback(w.close)
+        metadata_round(w, 1)
+        wait_until(lambda: counts()[1] == counts()[0] >= 3, "every request should be logged at sample 1.0")
+
+        write("{default: 0.0}", in_flight=100)
+        text = sighup_and_wait("the config file changes")
+        assert "SIGHUP: traffic_log.sample: {default: 1} -> {default: 0} (in force from the next request)" in text
+        assert "changes limits.max_in_flight_requests; it takes effect only at a restart" in text
+        m = metrics(admin)
+        assert m[("kproxy_settings_reloads_total", (("outcome", "ok"),))] == 1
+        assert m[("kproxy_settings_restart_pending", ())] == 1
+        logged = counts()[1]
+        _, after = metadata_round(w, 4)                      # the connection opened at 1.0
+        assert after == logged, "a request was logged at sample 0.0"
+
+        config.write_text(config.read_text().replace("sample: {default: 0.0}", "sample: {default: 2.0}"))
+        text = sighup_and_wait("settings reload refused")
+        refused = next(line for line in text.splitlines() if "settings reload refused" in line)
+        assert f"{config}:7" in refused and "must be a number from 0 to 1" in refused, refused
+        assert metrics(admin)[("kproxy_settings_reloads_total", (("outcome", "failed"),))] == 1
+        _, after = metadata_round(w, 7)
+        assert after == logged, "the refused file's ratio went in force"
+
+        write("{default: 1.0, metadata: 1.0}")
+        sighup_and_wait("-> {default: 1, metadata: 1}")
+        metadata_round(w, 10)
+        wait_until(lambda: counts()[1] >= logged + 3, "the ratio raised again was not followed")
+        assert metrics(admin)[("kproxy_settings_restart_pending", ())] == 0
+        assert proc.poll() is None

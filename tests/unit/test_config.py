@@ -775,3 +775,32 @@ def test_describe_config_mentions_idle_timeout_and_log_format() -> None:
     assert "idle timeout 600s" in text and "logs INFO as text" in text
     text = describe_config(apply_overrides(cfg, log_format="json", limits=LimitsConfig(idle_timeout_s=0)))
     assert "idle timeout off" in text and "logs INFO as json" in text
+
+
+def test_changed_settings_names_every_changed_path_and_no_value() -> None:
+    from kproxy.config.changes import changed_settings
+
+    base = """listen: "127.0.0.1:9092"
+upstream: {bootstrap_servers: ["b:9092"], sasl: {mechanism: PLAIN, username: u, password: old-secret}}
+traffic_log: {sample: {default: 1.0}}
+"""
+    old = parse_config(base)
+    assert changed_settings(old, parse_config(base)) == []
+    new = parse_config(base.replace("old-secret", "new-secret").replace("b:9092", "c:9092")
+                       .replace("{default: 1.0}", "{default: 0.1}") + "limits: {max_in_flight_requests: 9}\n")
+    changed = changed_settings(old, new)
+    assert sorted(changed) == ["limits.max_in_flight_requests", "upstream.bootstrap_servers", "upstream.sasl.password"]
+    assert not any("secret" in c for c in changed)
+    # The sample ratios are what a reload puts in force: left out unless asked for.
+    assert "traffic_log.sample" in changed_settings(old, new, skip=frozenset())
+
+
+def test_changed_settings_names_the_virtual_cluster_by_position() -> None:
+    from kproxy.config.changes import changed_settings
+
+    text = """virtual_clusters:
+  - {name: a, listen: "127.0.0.1:9092", upstream: {bootstrap_servers: ["b:9092"]}}
+  - {name: b, listen: "127.0.0.1:9192", upstream: {bootstrap_servers: ["c:9092"]}}
+"""
+    changed = changed_settings(parse_config(text), parse_config(text.replace('"c:9092"', '"d:9092"')))
+    assert changed == ["virtual_clusters[1].upstream.bootstrap_servers"]

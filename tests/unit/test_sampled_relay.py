@@ -245,3 +245,28 @@ def test_a_group_read_from_the_bytes_is_the_group_decoding_finds(api_key, group,
         assert relayed.group_of(ctx) == decoded_req.group_of(ctx), (api_key, version)
         if _group_first(api_key, version):
             assert group_in_frame(frame) == group
+
+
+def test_a_reloaded_tracing_ratio_is_drawn_by_from_the_next_request_unless_the_environment_samples() -> None:
+    def config(ratio: float) -> Any:
+        return config_from_args("127.0.0.1:9092", "127.0.0.1:19092",
+                                tracing={"enabled": True, "sample_ratio": ratio, "exporter": "none"})
+
+    out = TelemetryOutputs(config(1.0), env={})
+    try:
+        assert out.sampler() is None and all(out.sample(HEARTBEAT) & SPANNED for _ in range(20))
+        assert out.set_sampling(config(1.0)) == []
+        assert out.set_sampling(config(0.0)) == ["tracing.sample_ratio: 1 -> 0"]
+        assert out.sampler() is not None                       # new connections relay what is not drawn
+        assert not any(out.sample(HEARTBEAT) & SPANNED for _ in range(20))
+        assert out.set_sampling(config(1.0)) == ["tracing.sample_ratio: 0 -> 1"]
+        assert out.sampler() is None and out.sample(HEARTBEAT) & SPANNED
+    finally:
+        out.close()
+    env_sampled = TelemetryOutputs(config(1.0), env={"OTEL_TRACES_SAMPLER": "always_off"})
+    try:
+        (said,) = env_sampled.set_sampling(config(0.0))
+        assert said.endswith("(not in force: OTEL_TRACES_SAMPLER samples instead)")
+        assert env_sampled.sample(HEARTBEAT) & SPANNED          # the SDK's sampler decides, not kproxy
+    finally:
+        env_sampled.close()
