@@ -398,7 +398,14 @@ def _problems(result: TourResult) -> list[str]:
         problems.append(f"'{DENIED_TOPIC}' was not refused with TOPIC_AUTHORIZATION_FAILED "
                         f"({result.denied_error or 'it was written'})")
     if result.client_throttle_ms <= 0:
-        problems.append("the quota's producer reported no throttle")
+        reached = sum(result.quota_acked) / len(result.quota_acked) if result.quota_acked else 0.0
+        if reached < QUOTA_BYTES_PER_S:
+            # Nothing to throttle: the step shows nothing about the quota either way.
+            problems.append(f"{QUOTA_CLIENT} reached only {reached / 1024:.0f} KiB/s, under its quota of "
+                            f"{QUOTA_BYTES_PER_S // 1024} KiB/s, so kproxy had nothing to throttle (this "
+                            "machine is too slow or too busy for the quota step; try again when it is quieter)")
+        else:
+            problems.append("the quota's producer reported no throttle")
     if steady_rate(result.quota_acked) > QUOTA_BYTES_PER_S * 1.25:
         problems.append(f"{QUOTA_CLIENT} ran at {steady_rate(result.quota_acked) / 1024:.0f} KiB/s after the burst, "
                         f"above its quota of {QUOTA_BYTES_PER_S // 1024} KiB/s")
