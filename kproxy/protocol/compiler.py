@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kproxy.protocol import primitives as P
+from kproxy.protocol.codegen.decode_program import decode_program
 from kproxy.protocol.codegen.layout import FIXED, Layout
 from kproxy.protocol.codegen.python_decoders import generate_decoders
 from kproxy.protocol.codegen.python_encoders import generate_encoders
@@ -36,6 +37,11 @@ from kproxy.protocol.schema import FieldSpec, MessageSpec, StructSpec
 # Bytes and records values at least this long are not copied into the output buffer; the encoder
 # hands them to the writer as separate buffers for one vectored send.
 ZERO_COPY_MIN = 1024
+
+# Messages whose decode runs compiled, in the accelerator's Decoder, when the native codec is chosen:
+# the Python decoder stays the reference and gets every message the compiled one does not handle.
+# Measured (docs/performance.md, "The codec"): a one-record Produce through kproxy with rules.
+COMPILED = frozenset({"ProduceRequest", "ProduceResponse", "RequestHeader", "ResponseHeader"})
 
 # Arrays of structs with at least this many elements are decoded lazily (LazyArray) by the fast
 # decoders: validated at once, decoded on first access, re-encoded as views of the input until then.
@@ -330,6 +336,9 @@ def _build(c: Codec) -> None:
     ns = exec_source(src, f"<kproxy-codec {name}>", _namespace(c.message))
     root = c.message.root.name
     c.decode, c.encode, c.source, c._traced = ns["d_" + root], ns["e_" + root], src, None
+    if c.native and c.message.name in COMPILED and hasattr(_accel, "Decoder"):
+        c.decode = _accel.Decoder(decode_program(c.message, c.version, ns), c.decode, P.make_uuid,
+                                  c.version, c.lazy_min_items)
 
 
 def get_codec(msg: MessageSpec, version: int) -> Codec:
