@@ -1320,6 +1320,8 @@ enum {
     D_NSTRUCT = 8,    /* slot sid: a nullable struct (int8 marker, negative = null) */
     D_TAGS = 9,       /* nknown tag*nknown: the tagged-field section; a known tag falls back */
 };
+/* Must match codegen/decode_program.py's DECODER_ABI; bump it when a program's encoding changes. */
+#define DECODER_ABI 1
 static const int D_ARGS[] = {0, 2, 3, 3, 4, 4, 5, 2, 2, -1};
 enum { DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT16, DT_UINT32, DT_FLOAT64, DT_BOOL, DT_UUID };
 static const int DT_SIZE[] = {1, 2, 4, 8, 2, 4, 8, 1, 16};
@@ -1346,6 +1348,9 @@ typedef struct {
     PyObject *make_uuid;
     PyObject *version;
     Py_ssize_t lazy_min;
+    ProgramObject *skip;    /* the validating skip of lazy arrays, or NULL: they fall back */
+    PyObject *lazy_cls;     /* LazyArray */
+    PyObject *lazy_rows;    /* per row: None, or (skip program's struct id, the Python da_ function) */
     Py_ssize_t nrows;
     DRow *rows;
     Py_ssize_t hits, fallbacks;
@@ -1355,6 +1360,7 @@ typedef struct {
     const DecoderObject *d;
     const uint8_t *buf;
     PyObject *mv;
+    PyObject **spans;  /* the message's span dict for its lazy arrays, made when the first is */
 } DCtx;
 
 static void decoder_dealloc(DecoderObject *self)
@@ -1367,6 +1373,9 @@ static void decoder_dealloc(DecoderObject *self)
     Py_XDECREF(self->fallback);
     Py_XDECREF(self->make_uuid);
     Py_XDECREF(self->version);
+    Py_XDECREF(self->skip);
+    Py_XDECREF(self->lazy_cls);
+    Py_XDECREF(self->lazy_rows);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1434,10 +1443,40 @@ static PyObject *d_blob(const DCtx *c, int isbytes, Py_ssize_t *pos, Py_ssize_t 
 
 static PyObject *d_struct(const DCtx *c, Py_ssize_t sid, Py_ssize_t *pos, Py_ssize_t end, int depth);
 
+/* A LazyArray of n structs sid starting at *pos (its count at start), after the validating skip the
+   Python decoder runs: as it does, LazyArray(buf, start, pos, end_of_array, n, da_<struct>, spans). */
+static PyObject *d_lazy(const DCtx *c, int64_t sid, Py_ssize_t start, Py_ssize_t *pos, Py_ssize_t end,
+                        int64_t n)
+{
+    const DecoderObject *d = c->d;
+    if (d->skip == NULL)
+        return NULL;
+    PyObject *entry = PyTuple_GET_ITEM(d->lazy_rows, sid);
+    if (entry == Py_None)
+        return NULL;
+    if (*c->spans == NULL && (*c->spans = PyDict_New()) == NULL)
+        return NULL;
+    Ctx sc = {c->buf, d->skip, *c->spans, d->lazy_min};
+    Py_ssize_t e = run(&sc, PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0)), *pos, end, n, 0);
+    if (e < 0)
+        return NULL;  /* -2 left a Python error set; -1 is bad bytes, which the fallback reports */
+    PyObject *args[7] = {c->mv, NULL, NULL, NULL, NULL, PyTuple_GET_ITEM(entry, 1), *c->spans};
+    PyObject *result = NULL;
+    if ((args[1] = PyLong_FromSsize_t(start)) && (args[2] = PyLong_FromSsize_t(*pos))
+            && (args[3] = PyLong_FromSsize_t(e)) && (args[4] = PyLong_FromLongLong(n)))
+        result = PyObject_Vectorcall(d->lazy_cls, args, 7, NULL);
+    for (int i = 1; i < 5; i++)
+        Py_XDECREF(args[i]);
+    if (result != NULL)
+        *pos = e;
+    return result;
+}
+
 static PyObject *d_array(const DCtx *c, const int64_t *op, Py_ssize_t *pos, Py_ssize_t end, int depth)
 {
     int code = (int)op[0], compact = (int)op[2], nullable = (int)op[3];
     int64_t n, unit;
+    Py_ssize_t start = *pos;
     if (d_len(c, pos, end, compact, 4, nullable, &n))
         return NULL;
     if (n == -1)
@@ -1451,7 +1490,7 @@ static PyObject *d_array(const DCtx *c, const int64_t *op, Py_ssize_t *pos, Py_s
     if (n * unit > end - *pos)
         return NULL;
     if (code == D_ARRSTRUCT && (c->d->lazy_min == 0 || n >= c->d->lazy_min))
-        return NULL;  /* a lazy array: the Python decoder makes it */
+        return d_lazy(c, op[4], start, pos, end, n);
     PyObject *list = PyList_New((Py_ssize_t)n);
     if (list == NULL)
         return NULL;
@@ -1580,8 +1619,10 @@ static PyObject *decoder_call(PyObject *self_obj, PyObject *const *args, size_t 
             PyErr_Clear();
         } else if (PyBuffer_IsContiguous(view, 'C') && view->itemsize == 1 && view->buf != NULL
                    && 0 <= pos && pos <= end && end <= view->len) {
-            DCtx c = {self, (const uint8_t *)view->buf, args[0]};
+            PyObject *spans = NULL;
+            DCtx c = {self, (const uint8_t *)view->buf, args[0], &spans};
             PyObject *obj = d_struct(&c, 0, &pos, end, 0);
+            Py_XDECREF(spans);
             if (obj != NULL) {
                 self->hits++;
                 PyObject *p = PyLong_FromSsize_t(pos);
@@ -1609,23 +1650,45 @@ static PyObject *decoder_call(PyObject *self_obj, PyObject *const *args, size_t 
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
-/* Decoder(rows, fallback, make_uuid, version, lazy_min): rows is a tuple with one row per struct, the
-   root first: (cls, slot_names, ops, defaults); slot_names are the fields, then _unknown, _explicit
-   and, for the root, _version; defaults has one (kind, value) per field (DEF_*). */
+/* Decoder(rows, fallback, make_uuid, version, lazy_min, lazy): rows is a tuple with one row per
+   struct, the root first: (cls, slot_names, ops, defaults); slot_names are the fields, then _unknown,
+   _explicit and, for the root, _version; defaults has one (kind, value) per field (DEF_*). lazy is
+   None (lazy arrays fall back) or (skip Program, LazyArray, per row None or (skip struct id, da_)). */
 static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *rows, *fallback, *make_uuid, *version;
+    PyObject *rows, *fallback, *make_uuid, *version, *lazy;
     Py_ssize_t lazy_min;
     if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
         PyErr_SetString(PyExc_TypeError, "Decoder() takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "O!OOO!n:Decoder", &PyTuple_Type, &rows, &fallback, &make_uuid,
-                          &PyLong_Type, &version, &lazy_min))
+    if (!PyArg_ParseTuple(args, "O!OOO!nO:Decoder", &PyTuple_Type, &rows, &fallback, &make_uuid,
+                          &PyLong_Type, &version, &lazy_min, &lazy))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(rows);
     if (n < 1 || lazy_min < 0 || !PyCallable_Check(fallback) || !PyCallable_Check(make_uuid))
         goto bad;
+    if (lazy != Py_None) {
+        if (!PyTuple_Check(lazy) || PyTuple_GET_SIZE(lazy) != 3
+                || !PyObject_TypeCheck(PyTuple_GET_ITEM(lazy, 0), &ProgramType)
+                || !PyCallable_Check(PyTuple_GET_ITEM(lazy, 1)) || !PyTuple_Check(PyTuple_GET_ITEM(lazy, 2))
+                || PyTuple_GET_SIZE(PyTuple_GET_ITEM(lazy, 2)) != n)
+            goto bad;
+        const ProgramObject *sp = (const ProgramObject *)PyTuple_GET_ITEM(lazy, 0);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *e = PyTuple_GET_ITEM(PyTuple_GET_ITEM(lazy, 2), i);
+            if (e == Py_None)
+                continue;
+            if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 2 || !PyLong_Check(PyTuple_GET_ITEM(e, 0))
+                    || !PyCallable_Check(PyTuple_GET_ITEM(e, 1)))
+                goto bad;
+            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
+            if (k < 0 || k >= sp->nstructs) {
+                PyErr_Clear();
+                goto bad;
+            }
+        }
+    }
     DecoderObject *self = (DecoderObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
@@ -1635,6 +1698,11 @@ static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->make_uuid = Py_NewRef(make_uuid);
     self->version = Py_NewRef(version);
     self->lazy_min = lazy_min;
+    if (lazy != Py_None) {
+        self->skip = (ProgramObject *)Py_NewRef(PyTuple_GET_ITEM(lazy, 0));
+        self->lazy_cls = Py_NewRef(PyTuple_GET_ITEM(lazy, 1));
+        self->lazy_rows = Py_NewRef(PyTuple_GET_ITEM(lazy, 2));
+    }
     self->nrows = n;
     self->rows = PyMem_Calloc((size_t)n, sizeof(DRow));
     if (self->rows == NULL) {
@@ -1791,6 +1859,7 @@ PyMODINIT_FUNC PyInit__accel(void)
     if (PyModule_AddObject(m, "Program", (PyObject *)&ProgramType) < 0
             || PyModule_AddIntConstant(m, "ABI", ABI) < 0
             || PyModule_AddObjectRef(m, "Decoder", (PyObject *)&DecoderType) < 0
+            || PyModule_AddIntConstant(m, "DECODER_ABI", DECODER_ABI) < 0
             || PyModule_AddIntConstant(m, "OPEN_INTO", 1) < 0) {
         Py_DECREF(&ProgramType);
         Py_DECREF(m);

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kproxy.protocol import primitives as P
-from kproxy.protocol.codegen.decode_program import decode_program
+from kproxy.protocol.codegen.decode_program import DECODER_ABI, decode_program, lazy_entries
 from kproxy.protocol.codegen.layout import FIXED, Layout
 from kproxy.protocol.codegen.python_decoders import generate_decoders
 from kproxy.protocol.codegen.python_encoders import generate_encoders
@@ -323,6 +323,20 @@ def codec_source(msg: MessageSpec, version: int, native: bool | None = None,
             + "\n" + generate_encoders(msg, version))
 
 
+def compiled_text(c: Codec) -> str:
+    """The decode program the accelerator's compiled decoder runs for ``c``, as comments, one row per
+    struct (class, slots, ops, defaults); empty when ``c`` decodes in generated Python only."""
+    if not hasattr(c.decode, "hits"):
+        return ""
+    lines = ["", "# Decoded by the accelerator's compiled Decoder (kproxy/protocol/_accel.c) running this program;",
+             "# d_" + c.message.root.name + " above is its reference and fallback. One row per struct:"]
+    for i, (cls, names, ops, defaults) in enumerate(decode_program(c.message, c.version, _namespace(c.message))):
+        lines.append(f"#   {i} {cls.__name__}: slots {', '.join(names)}")
+        lines.append(f"#     ops {', '.join(map(str, ops))}")
+        lines.append(f"#     defaults {', '.join(f'{k}:{v!r}' for k, v in defaults)}")
+    return "\n".join(lines) + "\n"
+
+
 def _unbuilt(*args: Any) -> Any:  # pragma: no cover - replaced by _build before any use
     raise AssertionError("codec not built")
 
@@ -336,9 +350,10 @@ def _build(c: Codec) -> None:
     ns = exec_source(src, f"<kproxy-codec {name}>", _namespace(c.message))
     root = c.message.root.name
     c.decode, c.encode, c.source, c._traced = ns["d_" + root], ns["e_" + root], src, None
-    if c.native and c.message.name in COMPILED and hasattr(_accel, "Decoder"):
+    if c.native and c.message.name in COMPILED and getattr(_accel, "DECODER_ABI", None) == DECODER_ABI:
+        lazy = (ns["_SKIP"], LazyArray, lazy_entries(c.message, c.version, ns)) if "_SKIP" in ns else None
         c.decode = _accel.Decoder(decode_program(c.message, c.version, ns), c.decode, P.make_uuid,
-                                  c.version, c.lazy_min_items)
+                                  c.version, c.lazy_min_items, lazy)
 
 
 def get_codec(msg: MessageSpec, version: int) -> Codec:

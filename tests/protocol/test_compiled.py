@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from kproxy.protocol import compiler, decode_request, decode_response
 from kproxy.protocol.codegen.layout import Layout
 from kproxy.protocol.compiler import DECODE_FAILURES, Struct, encode_to, join_parts
+from kproxy.protocol.lazy import LazyArray
 from kproxy.protocol.messages import (
     Request,
     Response,
@@ -43,10 +44,11 @@ def _covered():
 CASES = _covered()
 
 
-def _pair(msg, v):
-    """The compiled codec (native, the proxy's lazy threshold) and the pure-Python one."""
+def _pair(msg, v, lazy_min_items=compiler.DEFAULT_LAZY_MIN_ITEMS):
+    """The compiled codec (native) and the pure-Python one, arrays of structs lazy from
+    ``lazy_min_items`` elements."""
     require_accelerator()
-    native = compiler._get(msg, v, True, compiler.DEFAULT_LAZY_MIN_ITEMS)
+    native = compiler._get(msg, v, True, lazy_min_items)
     python = native.variant(native=False)
     assert hasattr(native.decode, "hits"), f"{native.name} is not decoded by the compiled decoder"
     return native, python
@@ -85,7 +87,11 @@ def _with_unknown_tags(draw, obj, msg, v):
 def _same(a, b):
     """Equal values, and the same types and explicit-default tags all the way down."""
     assert type(a) is type(b)
-    if isinstance(a, list):
+    if isinstance(a, LazyArray):
+        assert (a._start, a._pos, a._end, len(a)) == (b._start, b._pos, b._end, len(b))
+        assert a.decoded or a._dec.__name__ == b._dec.__name__
+        _same(list(a), list(b))  # decodes both
+    elif isinstance(a, list):
         assert len(a) == len(b)
         for x, y in zip(a, b, strict=True):
             _same(x, y)
@@ -101,9 +107,12 @@ def _same(a, b):
         assert a == b or (a != a and b != b)
 
 
+@pytest.mark.parametrize("lazy_min_items", [compiler.DEFAULT_LAZY_MIN_ITEMS, 0], ids=["eager", "lazy"])
 @pytest.mark.parametrize(("msg", "v"), CASES)
-def test_compiled_matches_python(msg, v):
-    native, python = _pair(msg, v)
+def test_compiled_matches_python(msg, v, lazy_min_items):
+    """Hypothesis's arrays are short: the proxy's threshold decodes them all, 0 leaves them all lazy
+    (LazyArray made by the compiled decoder after the native validating skip)."""
+    native, python = _pair(msg, v, lazy_min_items)
     before = native.decode.hits
 
     @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,6 +124,7 @@ def test_compiled_matches_python(msg, v):
         a, pa = native.decode(buf, 0, len(wire))
         b, pb = python.decode(buf, 0, len(wire))
         assert pa == pb == len(wire)
+        assert _encode(native, a) == _encode(python, b) == wire  # before lazy arrays are decoded
         _same(a, b)
         assert _encode(native, a) == _encode(python, b) == wire
 

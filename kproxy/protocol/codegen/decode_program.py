@@ -13,6 +13,8 @@ from kproxy.protocol.codegen.layout import FIXED, Layout
 from kproxy.protocol.codegen.python_source import default_expr
 from kproxy.protocol.schema import FieldSpec, MessageSpec
 
+# The encoding of a program, as _accel.c's Decoder was built for it; a mismatch runs pure Python.
+DECODER_ABI = 1
 D_FIXED, D_STRING, D_BYTES, D_ARRFIX, D_ARRBLOB, D_ARRSTRUCT, D_STRUCT, D_NSTRUCT, D_TAGS = range(1, 10)
 # Fixed-width types, as _accel.c numbers them (DT_*).
 DT = {t: i for i, t in enumerate(("int8", "int16", "int32", "int64", "uint16", "uint32", "float64",
@@ -39,6 +41,15 @@ def decode_program(msg: MessageSpec, v: int, classes: dict[str, Any]) -> tuple:
         names = (*slot, "_unknown", "_explicit", *(("_version",) if s is msg.root else ()))
         rows.append((classes["C_" + s.name], names, tuple(ops), defaults))
     return tuple(rows)
+
+
+def lazy_entries(msg: MessageSpec, v: int, ns: dict[str, Any]) -> tuple:
+    """Per row of ``decode_program``: None, or (the struct's id in the validating skip program
+    ``ns["_SKIP"]``, the generated ``da_<struct>`` a LazyArray of it decodes with)."""
+    vf = Layout(msg, v)
+    skip_ids = vf.skip_ids()
+    return tuple((skip_ids[s.name], ns["da_" + s.name]) if s.name in skip_ids and "da_" + s.name in ns
+                 else None for s in vf.structs())
 
 
 def _ops(vf: Layout, f: FieldSpec, slot: int, ids: dict[str, int]) -> list[int]:
