@@ -350,10 +350,29 @@ def _build(c: Codec) -> None:
     ns = exec_source(src, f"<kproxy-codec {name}>", _namespace(c.message))
     root = c.message.root.name
     c.decode, c.encode, c.source, c._traced = ns["d_" + root], ns["e_" + root], src, None
-    if c.native and c.message.name in COMPILED and getattr(_accel, "DECODER_ABI", None) == DECODER_ABI:
-        lazy = (ns["_SKIP"], LazyArray, lazy_entries(c.message, c.version, ns)) if "_SKIP" in ns else None
-        c.decode = _accel.Decoder(decode_program(c.message, c.version, ns), c.decode, P.make_uuid,
-                                  c.version, c.lazy_min_items, lazy)
+    if c.native and c.message.name in COMPILED and compiled_decoding():
+        c.decode = _decoder(c, ns)
+
+
+def compiled_decoding() -> bool:
+    """True when the accelerator was built with the compiled Decoder this compiler emits programs for."""
+    return getattr(_accel, "DECODER_ABI", None) == DECODER_ABI
+
+
+def _decoder(c: Codec, ns: dict[str, Any]) -> Any:
+    """The accelerator's compiled decoder of ``c`` in front of the generated ``d_`` root in ``ns``."""
+    lazy = (ns["_SKIP"], LazyArray, lazy_entries(c.message, c.version, ns)) if "_SKIP" in ns else None
+    return _accel.Decoder(decode_program(c.message, c.version, ns), ns["d_" + c.message.root.name],
+                          P.make_uuid, c.version, c.lazy_min_items, lazy)
+
+
+def compiled_decoder(c: Codec) -> Any:
+    """A compiled decoder of any native codec ``c``, COMPILED or not, for tests and benchmarks: called
+    as ``c.decode``, its Python decoder (a fresh copy) behind it."""
+    if not c.native or not compiled_decoding():
+        raise RuntimeError("the compiled decoder needs the native codec and an accelerator built with it")
+    src = codec_source(c.message, c.version, True, c.lazy_min_items)
+    return _decoder(c, exec_source(src, f"<kproxy-codec {c.name} compiled-check>", _namespace(c.message)))
 
 
 def get_codec(msg: MessageSpec, version: int) -> Codec:
