@@ -57,6 +57,12 @@ class TopicNames:
         while len(names) > self.limit:
             del names[next(iter(names))]
 
+    def taught(self, topics: Iterable[Any]) -> tuple[Any, ...]:
+        """The (topic id, name) pairs ``learn`` reads from ``topics``, kept apart from the answer they
+        came from: an answer served from memory (kproxy.proxy.memo) teaches them again, in order."""
+        return tuple(_Named(tid, t.name) for t in topics
+                     if t.name and (tid := getattr(t, "topic_id", None)) is not None and tid != ZERO_UUID)
+
     def without_prefix(self, prefix: str | None) -> TopicNames:
         """This table as a cluster whose topics carry ``prefix`` (a replica's ``primary.``) teaches
         it: the same names by id, learned with the prefix taken off, so they read as the clients'
