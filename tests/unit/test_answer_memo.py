@@ -388,3 +388,25 @@ def test_a_remembered_answer_builds_its_decoded_response_only_for_readers_of_the
         assert (entry.response is not None) is built
         if built:
             assert entry.response.correlation_id == c.cid and entry.response.body.brokers[0].port == 19000
+
+
+def test_describe_topic_partitions_answers_rules_pass_are_remembered_with_their_names(tmp_path):
+    # No filter rewrites DescribeTopicPartitions (no broker addresses); with rules that do not
+    # address it, the policy filter passes it (pure), so its answers are remembered and teach names.
+    from .rulebook import Clock
+    from .test_policy_filter import roundtrip
+
+    dtp = 75
+    cls, rcls = body_class(dtp, "request"), body_class(dtp, "response")
+    answer = rcls(topics=[rcls.DescribeTopicPartitionsResponseTopic(name="logs", topic_id=topic_id("logs"))])
+    memo = AnswerMemo()
+    tables = []
+    for _ in range(3):
+        names = TopicNames()
+        tables.append(names)
+        s = Session(ConnectionContext(1, clock=Clock()), FilterChain([policy_filter(tmp_path, FETCH_RULES, topic_ids=names)]),
+                    memo=memo, topic_names=names)
+        _, resp = roundtrip(s, dtp, 0, cls(topics=[cls.TopicRequest(name="logs")]), answer=answer)
+        assert [t.name for t in resp.body.topics] == ["logs"]
+    assert memo.stored == 1 and memo.hits == 2
+    assert [t.get(topic_id("logs")) for t in tables] == ["logs"] * 3
