@@ -388,11 +388,9 @@ class Session(SessionCutThrough, SessionSasl):
         programs: tuple | bool = False
         guards = chain.pass_guards(api_key)
         if (_SKIP is not None and api_key not in _DECODED_ALWAYS and guards is not None
-                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())
-                # An answer names are learned from is decoded, and its request with it: relaying the
-                # request would only check it before decoding it all the same (a cache: should
-                # learning stop, the request is decoded, as it is on the full path).
-                and not (api_key in _NAMES_IN_ANSWERS and self._learns_names(api_key, version))):
+                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())):
+            # An answer names are learned from is read all the same (``upstream_frame``), from memory
+            # or decoded, and its request only when decoded (``InFlight.decoded_request``).
             try:
                 header_codec, body_codec = request_codecs(api_key, version)
             except UnsupportedVersionError:
