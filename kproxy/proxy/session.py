@@ -932,10 +932,11 @@ class Session(SessionCutThrough, SessionSasl):
         assert memo is not None
         api_key = entry.api_key
         if (len(frame) > memo.max_frame or api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE) or self.sasl_in_progress
-                or (entry.sampled and self._learns_names(api_key, version))):
+                or ((entry.sampled or self._unread_by is None) and self._learns_names(api_key, version))):
             # SASL answers move the session's state. An answer that teaches names is served from memory
-            # teaching them again (``Remembered.names``), unless the traffic log or spans sampled it:
-            # that one is decoded, as before the memo served such answers.
+            # teaching them again (``Remembered.names``), unless the traffic log or spans sampled it
+            # (or read every exchange: no sampler): that one is decoded, as before the memo served
+            # such answers.
             return None, None
         keys = self._filter_keys(entry, version)
         if keys is None:

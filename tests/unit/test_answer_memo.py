@@ -213,7 +213,7 @@ def warmed(c: Client, m: AddressMap, body: Any) -> None:
 def test_topic_names_being_learned_do_not_stop_the_memory():
     m, chain, memo = rewriter_setup()
     names = learning()
-    c = Client(chain, memo, topic_names=names)
+    c = Client(chain, memo, topic_names=names, read_answers=False)
     body = named_answer({"orders": 1})
     warmed(c, m, body)
     assert memo.stored == 1 and names.get(topic_id("orders")) == "orders"
@@ -229,7 +229,7 @@ def test_an_answer_served_from_memory_teaches_the_names_it_holds():
     m, chain, memo = rewriter_setup()
     on = [False]
     names = learning(on)
-    c = Client(chain, memo, topic_names=names)
+    c = Client(chain, memo, topic_names=names, read_answers=False)
     body = named_answer({"orders": 1, "secret-x": 2})
     warmed(c, m, body)
     assert memo.stored == 1 and len(names) == 0
@@ -253,12 +253,12 @@ def test_a_rule_judges_a_topic_id_by_a_name_taught_from_memory(tmp_path):
     body = named_answer({"orders": 1, "secret-x": 2})
     first = TopicNames()
     c1 = Client(FilterChain([AddressRewriter(m), policy_filter(tmp_path, FETCH_RULES, topic_ids=first)]), memo,
-                topic_names=first)
+                topic_names=first, read_answers=False)
     warmed(c1, m, body)
     assert memo.stored == 1
     second = TopicNames()
     c2 = Client(FilterChain([AddressRewriter(m), policy_filter(tmp_path, FETCH_RULES, topic_ids=second)]), memo,
-                topic_names=second)
+                topic_names=second, read_answers=False)
     c2.ask(body)
     assert memo.hits == 1 and second.get(topic_id("secret-x")) == "secret-x"
     acts = send(c2.session, FETCH, 13, fetch_by_id(topic_id("orders"), topic_id("secret-x")))
@@ -270,7 +270,7 @@ def test_a_rule_judges_a_topic_id_by_a_name_taught_from_memory(tmp_path):
 def test_a_changed_answer_is_decoded_and_teaches_its_new_names():
     m, chain, memo = rewriter_setup()
     names = learning()
-    c = Client(chain, memo, topic_names=names)
+    c = Client(chain, memo, topic_names=names, read_answers=False)
     warmed(c, m, named_answer({"orders": 1}))
     c.ask(named_answer({"orders": 1}))
     assert memo.hits == 1
@@ -303,6 +303,10 @@ def test_a_sampled_exchange_that_teaches_names_is_decoded():
     _, resp, entry = c.ask(body)
     assert memo.hits == 1 and entry.sampled and entry.response.body.topics[0].name == "orders"
     assert [(b.host, b.port) for b in resp.body.brokers] == [(PROXY, 19000), (PROXY, 19001)]
+    # Telemetry that reads every exchange (no sampler: the traffic log at 1.0) samples them all.
+    c = Client(chain, memo, topic_names=names)
+    c.ask(body)
+    assert memo.hits == 1
 
 
 def test_no_memory_while_the_transparency_check_runs():
@@ -405,7 +409,7 @@ def test_describe_topic_partitions_answers_rules_pass_are_remembered_with_their_
         names = TopicNames()
         tables.append(names)
         s = Session(ConnectionContext(1, clock=Clock()), FilterChain([policy_filter(tmp_path, FETCH_RULES, topic_ids=names)]),
-                    memo=memo, topic_names=names)
+                    memo=memo, topic_names=names, read_answers=False)
         _, resp = roundtrip(s, dtp, 0, cls(topics=[cls.TopicRequest(name="logs")]), answer=answer)
         assert [t.name for t in resp.body.topics] == ["logs"]
     assert memo.stored == 1 and memo.hits == 2
