@@ -959,7 +959,7 @@ class Session(SessionCutThrough, SessionSasl):
             names = self.topic_names
             if names is not None and names.learning:
                 # What decoding the broker's answer would have taught (upstream_frame), in its order.
-                names.learn(got.names)
+                names.learn_again(got.names)
         entry.handling_s += self.ctx.clock() - answered
         return self._flush()
 

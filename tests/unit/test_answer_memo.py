@@ -3,6 +3,7 @@ listener's, and never when a filter that is not pure sees the api."""
 
 from __future__ import annotations
 
+import types
 import uuid
 from typing import Any
 
@@ -414,3 +415,43 @@ def test_describe_topic_partitions_answers_rules_pass_are_remembered_with_their_
         assert [t.name for t in resp.body.topics] == ["logs"]
     assert memo.stored == 1 and memo.hits == 2
     assert [t.get(topic_id("logs")) for t in tables] == ["logs"] * 3
+
+
+def test_a_served_answer_teaches_again_what_another_answer_changed_since():
+    # Teaching again is skipped only while the table is as the served pairs last left it: an answer
+    # that renamed an id in between is undone by the served one, as decoding it would.
+    m, chain, memo = rewriter_setup()
+    names = learning()
+    c = Client(chain, memo, topic_names=names, read_answers=False)
+    body = named_answer({"orders": 1})
+    warmed(c, m, body)
+    c.ask(body)
+    c.ask(body)
+    assert memo.hits == 2 and names.get(topic_id("orders")) == "orders"
+    renamed = named_answer({"orders": 1})
+    renamed.topics[0].name = "orders-v2"        # the same id under another name
+    c.ask(renamed)
+    assert names.get(topic_id("orders")) == "orders-v2"
+    c.ask(body)
+    assert memo.hits == 3 and names.get(topic_id("orders")) == "orders"
+
+
+def test_teaching_the_same_pairs_again_is_skipped_only_while_the_table_has_not_moved():
+    names = TopicNames(limit=3)
+    first = names.taught([types.SimpleNamespace(name=f"t{i}", topic_id=uuid.UUID(int=i + 1)) for i in range(2)])
+    names.learn_again(first)
+    assert [names.get(uuid.UUID(int=i + 1)) for i in range(2)] == ["t0", "t1"]
+    # Unchanged since: nothing to do (a learn would find every pair there).
+    names._names.clear()        # behind its back: the skip is what keeps the table empty now
+    names.learn_again(first)
+    assert len(names) == 0
+    # Any change since (here a new id) and the pairs are taught again.
+    names.learn([types.SimpleNamespace(name="x", topic_id=uuid.UUID(int=99))])
+    names.learn_again(first)
+    assert [names.get(uuid.UUID(int=i + 1)) for i in range(2)] == ["t0", "t1"]
+    # A table at its limit is always taught again (the pairs may have pushed out their own).
+    many = names.taught([types.SimpleNamespace(name=f"m{i}", topic_id=uuid.UUID(int=200 + i)) for i in range(4)])
+    names.learn_again(many)
+    names._names.clear()
+    names.learn_again(many)
+    assert len(names) == 3
