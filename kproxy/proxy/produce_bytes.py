@@ -66,7 +66,11 @@ def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] 
         flexible = version >= FLEXIBLE_SINCE
         if version >= 3:        # transactional_id, nullable
             if flexible:
-                length, pos = read_uvarint(frame, pos)
+                length = frame[pos]
+                if length < 0x80:
+                    pos += 1
+                else:
+                    length, pos = read_uvarint(frame, pos)
                 pos += length - 1 if length else 0
             else:
                 (length,) = _I16(frame, pos)
@@ -74,7 +78,11 @@ def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] 
         (acks,) = _I16(frame, pos)
         pos += 6                # acks, timeout_ms
         if flexible:
-            topics, pos = read_uvarint(frame, pos)
+            topics = frame[pos]
+            if topics < 0x80:
+                pos += 1
+            else:
+                topics, pos = read_uvarint(frame, pos)
             topics -= 1
         else:
             (topics,) = _I32(frame, pos)
@@ -87,7 +95,11 @@ def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] 
                 key = bytes(frame[pos:pos + 16])
                 pos += 16
             elif flexible:
-                length, pos = read_uvarint(frame, pos)
+                length = frame[pos]
+                if length < 0x80:
+                    pos += 1
+                else:
+                    length, pos = read_uvarint(frame, pos)
                 key = bytes(frame[pos:pos + length - 1])
                 pos += length - 1
             else:
@@ -95,7 +107,11 @@ def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] 
                 key = bytes(frame[pos + 2:pos + 2 + length])
                 pos += 2 + length
             if flexible:
-                partitions, pos = read_uvarint(frame, pos)
+                partitions = frame[pos]
+                if partitions < 0x80:
+                    pos += 1
+                else:
+                    partitions, pos = read_uvarint(frame, pos)
                 partitions -= 1
             else:
                 (partitions,) = _I32(frame, pos)
@@ -104,7 +120,11 @@ def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] 
                 (index,) = _I32(frame, pos)
                 pos += 4
                 if flexible:
-                    size, pos = read_uvarint(frame, pos)
+                    size = frame[pos]
+                    if size < 0x80:
+                        pos += 1
+                    else:
+                        size, pos = read_uvarint(frame, pos)
                     size -= 1
                 else:
                     (size,) = _I32(frame, pos)
@@ -119,9 +139,9 @@ def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] 
                 counts.append((key, index, n))
                 total += n
                 if flexible:
-                    pos = _skip_tags(frame, pos)
+                    pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
             if flexible:
-                pos = _skip_tags(frame, pos)
+                pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
         return acks, total, counts
     except (struct.error, IndexError, ValueError, ShortBuffer):
         return None
@@ -134,7 +154,11 @@ def answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
         flexible = version >= FLEXIBLE_SINCE
         pos = _skip_tags(frame, 4) if flexible else 4     # header v1 has tagged fields
         if flexible:
-            topics, pos = read_uvarint(frame, pos)
+            topics = frame[pos]
+            if topics < 0x80:
+                pos += 1
+            else:
+                topics, pos = read_uvarint(frame, pos)
             topics -= 1
         else:
             (topics,) = _I32(frame, pos)
@@ -148,7 +172,11 @@ def answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
                 key = frame[pos:pos + 16]
                 pos += 16
             elif flexible:
-                length, pos = read_uvarint(frame, pos)
+                length = frame[pos]
+                if length < 0x80:
+                    pos += 1
+                else:
+                    length, pos = read_uvarint(frame, pos)
                 key = frame[pos:pos + length - 1]
                 pos += length - 1
             else:
@@ -156,7 +184,11 @@ def answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
                 key = frame[pos + 2:pos + 2 + length]
                 pos += 2 + length
             if flexible:
-                partitions, pos = read_uvarint(frame, pos)
+                partitions = frame[pos]
+                if partitions < 0x80:
+                    pos += 1
+                else:
+                    partitions, pos = read_uvarint(frame, pos)
                 partitions -= 1
             else:
                 (partitions,) = _I32(frame, pos)
@@ -171,9 +203,9 @@ def answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
                 if version >= 8:
                     pos = _skip_errors(frame, pos, flexible)
                 if flexible:
-                    pos = _skip_tags(frame, pos)
+                    pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
             if flexible:
-                pos = _skip_tags(frame, pos)
+                pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
         throttle = 0
         if version >= 1:
             (throttle,) = _I32(frame, pos)
@@ -188,7 +220,11 @@ def answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
 def _skip_errors(frame: Any, pos: int, flexible: bool) -> int:
     """Past record_errors and error_message (v8+)."""
     if flexible:
-        n, pos = read_uvarint(frame, pos)
+        n = frame[pos]
+        if n < 0x80:
+            pos += 1
+        else:
+            n, pos = read_uvarint(frame, pos)
         n -= 1
     else:
         (n,) = _I32(frame, pos)
@@ -197,7 +233,7 @@ def _skip_errors(frame: Any, pos: int, flexible: bool) -> int:
         pos += 4                                    # batch_index
         pos = _skip_nullable_string(frame, pos, flexible)
         if flexible:
-            pos = _skip_tags(frame, pos)
+            pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
     return _skip_nullable_string(frame, pos, flexible)
 
 
