@@ -10,6 +10,10 @@ the two frames by the layout of ``schema/produce.kschema`` (v0..v13, flexible fr
 from v13) and give exactly what the decoded path counts; either returns None where it cannot say
 (a legacy message set, a partial batch, a malformed frame): the caller then takes the decoded path.
 
+``request_counts`` and ``answer_failures`` are the accelerator's compiled twins
+(``_accel.produce_counts``/``produce_answer``) when it is loaded; the Python walks here are the
+reference and the fallback (``KPROXY_CODEC=python``), and give the same results.
+
 A partition's key is the bytes of its topic's name (v0..v12) or id (v13) and its index, the same
 pairing the decoded path matches answers to requests by.
 """
@@ -17,8 +21,10 @@ pairing the decoded path matches answers to requests by.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
+from kproxy.protocol.compiler import native_function
 from kproxy.protocol.primitives import ShortBuffer, read_uvarint
 
 _I32 = struct.Struct(">i").unpack_from
@@ -58,7 +64,7 @@ def _skip_tags(buf: Any, pos: int) -> int:
     return pos
 
 
-def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] | None:
+def py_request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] | None:
     """Of a Produce request whose body starts at ``pos`` (checked whole already, ``compiler.whole_skip``):
     (acks, its records in all, and each partition's ``(topic key, index, records)``); None when a
     records field is not v2 batches."""
@@ -147,7 +153,7 @@ def request_counts(frame: Any, pos: int, version: int) -> tuple[int, int, list] 
         return None
 
 
-def answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
+def py_answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
     """Of a Produce answer (its frame from the correlation id on): the keys of the partitions it
     reports an error for (None: none) and its throttle time; None when it cannot be read."""
     try:
@@ -177,10 +183,14 @@ def answer_failures(frame: Any, version: int) -> tuple[set | None, int] | None:
                     pos += 1
                 else:
                     length, pos = read_uvarint(frame, pos)
+                if length < 1:
+                    return None         # a null name: not an answer the decoder would read
                 key = frame[pos:pos + length - 1]
                 pos += length - 1
             else:
                 (length,) = _I16(frame, pos)
+                if length < 0:
+                    return None
                 key = frame[pos + 2:pos + 2 + length]
                 pos += 2 + length
             if flexible:
@@ -243,6 +253,12 @@ def _skip_nullable_string(frame: Any, pos: int, flexible: bool) -> int:
         return pos + (length - 1 if length else 0)
     (length,) = _I16(frame, pos)
     return pos + 2 + (length if length > 0 else 0)
+
+
+request_counts: Callable[[Any, int, int], tuple[int, int, list] | None] = (
+    native_function("produce_counts") or py_request_counts)
+answer_failures: Callable[[Any, int], tuple[set | None, int] | None] = (
+    native_function("produce_answer") or py_answer_failures)
 
 
 def produced(total: int, counts: list | None, failed: set | None) -> int:

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kproxy.config import MetricsConfig
-from kproxy.protocol.compiler import native_skip
+from kproxy.protocol.compiler import native_function, native_skip
 from kproxy.protocol.messages import api_by_key, body_class, decode_request, decode_response, request_codecs
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.inflight import InFlight
-from kproxy.proxy.produce_bytes import answer_failures, produced, request_counts
+from kproxy.proxy.produce_bytes import produced, py_answer_failures, py_request_counts
 from kproxy.proxy.session import Session
 from kproxy.telemetry.exchange import Exchange, Learned, produced_records, records_in
 from kproxy.telemetry.metrics import Metrics
@@ -29,6 +29,10 @@ from .test_session import FETCH, PRODUCE, Clock, request_frame, response_frame
 from .test_telemetry import _legacy_message, batch
 
 VERSIONS = range(0, 14)
+# The walks: the Python reference, and the accelerator's compiled twins when it is loaded.
+WALKS = [pytest.param((py_request_counts, py_answer_failures), id="python")]
+if native_function("produce_counts") is not None:
+    WALKS.append(pytest.param((native_function("produce_counts"), native_function("produce_answer")), id="native"))
 REQUEST, RESPONSE = api_by_key(PRODUCE).request, api_by_key(PRODUCE).response
 
 
@@ -61,8 +65,11 @@ def _decorate(obj: Any, data: st.DataObject, version: int) -> None:
                 _decorate(item, data, version)
 
 
+@pytest.mark.parametrize("walks", WALKS)
 @pytest.mark.parametrize("version", VERSIONS)
-def test_counts_from_bytes_equal_the_decoders_on_generated_exchanges(version: int) -> None:
+def test_counts_from_bytes_equal_the_decoders_on_generated_exchanges(version: int, walks: Any) -> None:
+    request_counts, answer_failures = walks
+
     @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(message_strategy(REQUEST, version), message_strategy(RESPONSE, version), st.data())
     def check(req_body: Any, resp_body: Any, data: st.DataObject) -> None:
@@ -104,7 +111,9 @@ def test_counts_from_bytes_equal_the_decoders_on_generated_exchanges(version: in
     check()
 
 
-def test_a_truncated_answer_is_not_read() -> None:
+@pytest.mark.parametrize("walks", WALKS)
+def test_a_truncated_answer_is_not_read(walks: Any) -> None:
+    answer_failures = walks[1]
     cls = body_class(PRODUCE, "response")
     body = cls(responses=[cls.TopicProduceResponse(name="t", partition_responses=[
         cls.PartitionProduceResponse(index=0, base_offset=1)])], throttle_time_ms=9)
@@ -201,3 +210,32 @@ def test_a_legacy_message_set_or_per_topic_metrics_take_the_decoded_path() -> No
         return TelemetryOutputs(cfg).decoded_apis()
 
     assert reads(False) == {FETCH} and reads(True) == {PRODUCE, FETCH}
+
+
+def test_the_session_uses_the_compiled_walks_when_the_accelerator_is_loaded() -> None:
+    from kproxy.proxy import produce_bytes
+
+    native = native_function("produce_counts")
+    assert (produce_bytes.request_counts is native) if native is not None else (
+        produce_bytes.request_counts is py_request_counts)
+    assert (produce_bytes.answer_failures is native_function("produce_answer")) if native is not None else (
+        produce_bytes.answer_failures is py_answer_failures)
+
+
+@pytest.mark.skipif(len(WALKS) < 2, reason="no accelerator: only the Python walks")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_compiled_walks_agree_with_the_python_ones_on_changed_bytes(version: int) -> None:
+    native_answer, py_answer = WALKS[1].values[0][1], WALKS[0].values[0][1]
+
+    @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(message_strategy(RESPONSE, version), st.data())
+    def check(resp_body: Any, data: st.DataObject) -> None:
+        _decorate(resp_body, data, version)
+        answer = bytearray(response_frame(PRODUCE, version, 3, resp_body))
+        cut = data.draw(st.integers(0, len(answer)))
+        assert native_answer(bytes(answer[:cut]), version) == py_answer(memoryview(bytes(answer[:cut])), version)
+        if len(answer) > 4:
+            answer[data.draw(st.integers(4, len(answer) - 1))] = data.draw(st.integers(0, 255))
+            assert native_answer(bytes(answer), version) == py_answer(memoryview(bytes(answer)), version)
+
+    check()
