@@ -484,8 +484,9 @@ def test_a_failing_admin_answer_is_a_500_and_kafka_traffic_goes_on(broker: Tansu
         proxy.stop()
 
 
+@pytest.mark.parametrize("client", [KAFKA_PYTHON, CONFLUENT], ids=lambda c: c.name)
 def test_metrics_alone_count_a_real_clients_produce_from_the_relayed_bytes(
-        broker: TansuBroker, topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        broker: TansuBroker, topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: Any) -> None:
     # Metrics alone (no per-topic labels, no rules): Produce goes both ways undecoded and its records
     # are read from the batch headers (kproxy.proxy.produce_bytes); the count is what was acknowledged.
     from kproxy.proxy import session as session_module
@@ -504,7 +505,7 @@ def test_metrics_alone_count_a_real_clients_produce_from_the_relayed_bytes(
     proxy = start_proxy(broker.bootstrap, admin={"listen": admin})
     tel = Telemetered(proxy, InMemorySpanExporter(), tmp_path, admin)
     try:
-        assert CONFLUENT.produce_consume(proxy.bootstrap, topic) == expected_records()
+        assert client.produce_consume(proxy.bootstrap, topic) == expected_records()
         values = tel.metrics()
         assert metric(values, "kproxy_records_total", direction="produced") == N_RECORDS
         # The path counter: the client's Produce requests were relayed, their records read from bytes.
