@@ -75,7 +75,7 @@ from kproxy.proxy.inflight import (
     InFlight,
 )
 from kproxy.proxy.memo import AnswerMemo, Remembered
-from kproxy.proxy.produce_bytes import answer_failures, request_counts
+from kproxy.proxy.produce_bytes import WALKED_UP_TO, answer_failures, request_counts
 from kproxy.proxy.produce_bytes import produced as produced_in
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
@@ -438,7 +438,7 @@ class Session(SessionCutThrough, SessionSasl):
                 return None         # a large request declined for streaming: its entry says why
             if _TELEMETRY in self._unread_by:       # type: ignore[operator]
                 # Metrics count its records: read from its batch headers as it goes (else decoded).
-                counted = request_counts(frame, pos, api_version)
+                counted = request_counts(frame, pos, api_version) if api_version <= WALKED_UP_TO else None
                 if counted is None:
                     return None
                 no_response = counted[0] == 0

@@ -18,7 +18,7 @@ from kproxy.protocol.compiler import native_function, native_skip
 from kproxy.protocol.messages import api_by_key, body_class, decode_request, decode_response, request_codecs
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.inflight import InFlight
-from kproxy.proxy.produce_bytes import produced, py_answer_failures, py_request_counts
+from kproxy.proxy.produce_bytes import WALKED_UP_TO, produced, py_answer_failures, py_request_counts
 from kproxy.proxy.session import Session
 from kproxy.telemetry.exchange import Exchange, Learned, produced_records, records_in
 from kproxy.telemetry.metrics import Metrics
@@ -28,12 +28,18 @@ from tests.protocol.strategies import message_strategy
 from .test_session import FETCH, PRODUCE, Clock, request_frame, response_frame
 from .test_telemetry import _legacy_message, batch
 
-VERSIONS = range(0, 14)
+REQUEST, RESPONSE = api_by_key(PRODUCE).request, api_by_key(PRODUCE).response
+VERSIONS = range(REQUEST.versions.lo, REQUEST.versions.hi + 1)
 # The walks: the Python reference, and the accelerator's compiled twins when it is loaded.
 WALKS = [pytest.param((py_request_counts, py_answer_failures), id="python")]
 if native_function("produce_counts") is not None:
     WALKS.append(pytest.param((native_function("produce_counts"), native_function("produce_answer")), id="native"))
-REQUEST, RESPONSE = api_by_key(PRODUCE).request, api_by_key(PRODUCE).response
+
+
+def test_the_walks_know_every_produce_version_of_the_schema() -> None:
+    # A new Produce version in the schema is decoded (not walked) until the walks learn its layout.
+    assert REQUEST.versions.hi == RESPONSE.versions.hi == WALKED_UP_TO
+    assert REQUEST.versions.lo == RESPONSE.versions.lo == 0
 
 
 def _key(t: Any, version: int) -> bytes:
