@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kproxy.config import MetricsConfig
 from kproxy.protocol.compiler import native_function, native_skip
 from kproxy.protocol.messages import api_by_key, body_class, decode_request, decode_response, request_codecs
-from kproxy.proxy.filters import ConnectionContext, FilterChain
+from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.inflight import InFlight
 from kproxy.proxy.produce_bytes import WALKED_UP_TO, produced, py_answer_failures, py_request_counts
 from kproxy.proxy.session import Session
@@ -245,3 +245,22 @@ def test_the_compiled_walks_agree_with_the_python_ones_on_changed_bytes(version:
             assert native_answer(bytes(answer), version) == py_answer(memoryview(bytes(answer)), version)
 
     check()
+
+
+class ReadsProduceAnswers(Filter):
+    """A response filter on Produce (as the address rewriter is from v10): the answer is decoded."""
+
+    name = "reads-produce-answers"
+    response_api_keys = frozenset({PRODUCE})
+
+    def on_response(self, ctx: Any, exchange: Any, response: Any) -> float:
+        return 0.0
+
+
+@needs_accelerator
+def test_a_relayed_produce_whose_answer_a_filter_reads_is_counted_from_the_decoded_pair() -> None:
+    s = Session(ConnectionContext(1, clock=Clock()), FilterChain([ReadsProduceAnswers()]), read_answers=False,
+                telemetry_reads=frozenset({FETCH}))
+    entry = _through(s, 9, -1, RECORDS, {("orders", 1): 6})
+    assert entry.request is not None and entry.response is not None      # decoded with its answer
+    assert produced_records(entry) == 6
