@@ -75,6 +75,8 @@ from kproxy.proxy.inflight import (
     InFlight,
 )
 from kproxy.proxy.memo import AnswerMemo, Remembered
+from kproxy.proxy.produce_bytes import WALKED_UP_TO, answer_failures, request_counts
+from kproxy.proxy.produce_bytes import produced as produced_in
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
 from kproxy.proxy.sasl import SaslFront, SessionSasl
@@ -112,6 +114,8 @@ _ANSWER_GUARDS = 1 << 33    # and there, by api version, the filters asked about
 _PASSED = "passed"      # a memo key's part for a filter that let the exchange by (Filter.passes)
 _SKIP = native_skip()
 _H = struct.Struct(">h").unpack_from
+# ``_throttle_at`` for Produce: metrics read its answer from the bytes (``_note_produce``).
+_PRODUCE_ANSWER = -1
 
 
 def _teaches_names(api_key: int, version: int) -> bool:
@@ -186,7 +190,10 @@ def _throttle_at(api_key: int, version: int) -> bool | int:
     """Where an answer of this api version holds the broker's throttle time, for metrics that read it
     without decoding: 4, right behind the correlation id (header v0), or 5, behind the header's
     tagged fields (v1: usually none, one byte); True when the version has no throttle time (nothing
-    to read); False when it is not the body's first field (Produce, a few others: decoded)."""
+    to read); False when it is not the body's first field (a few apis: decoded); ``_PRODUCE_ANSWER``
+    for Produce, whose answer metrics read from its bytes (``_note_produce``)."""
+    if api_key == PRODUCE:
+        return _PRODUCE_ANSWER
     try:
         fields = [f for f in api_by_key(api_key).response.root.fields if version in f.versions]  # type: ignore[union-attr]
     except (KeyError, AttributeError):
@@ -206,6 +213,18 @@ def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int) -> bool:
         if not f.passes(key, version) or entry.kept(f) is not None:
             return True
     return False
+
+
+def _note_produce(entry: InFlight, frame: memoryview) -> bool:
+    """A relayed Produce answer passed on undecoded: its throttle time, and the records metrics count
+    (those of the partitions it reports no error for); False when it cannot be read so (decoded)."""
+    read = answer_failures(frame, entry.api_version)
+    if read is None or entry.produced is None:
+        return False
+    failed, entry.throttle_ms = read
+    if failed is not None:
+        entry.produced = produced_in(entry.produced, entry.produce_counts, failed)
+    return True
 
 
 def _note_throttle(entry: InFlight, frame: memoryview, at: Any) -> None:
@@ -416,25 +435,35 @@ class Session(SessionCutThrough, SessionSasl):
         except ValueError:
             return None
         no_response = False
+        counted: tuple | None = None
         if api_key == PRODUCE:
             if self._why_next is not None:
                 return None         # a large request declined for streaming: its entry says why
-            # acks follows the transactional id (from v3; compact from v9), right after the header.
-            if api_version < 3:
-                at = pos
-            elif api_version >= 9:
-                length, at = read_uvarint(frame, pos)
-                at += length - 1 if length else 0
+            if _TELEMETRY in self._unread_by:       # type: ignore[operator]
+                # Metrics count its records: read from its batch headers as it goes (else decoded).
+                counted = request_counts(frame, pos, api_version) if api_version <= WALKED_UP_TO else None
+                if counted is None:
+                    return None
+                no_response = counted[0] == 0
             else:
-                (length,) = _H(frame, pos)
-                at = pos + 2 + (length if length > 0 else 0)
-            no_response = _H(frame, at)[0] == 0
+                # acks follows the transactional id (from v3; compact from v9), right after the header.
+                if api_version < 3:
+                    at = pos
+                elif api_version >= 9:
+                    length, at = read_uvarint(frame, pos)
+                    at += length - 1 if length else 0
+                else:
+                    (length,) = _H(frame, pos)
+                    at = pos + 2 + (length if length > 0 else 0)
+                no_response = _H(frame, at)[0] == 0
         (n,) = _H(frame, 8)         # the client id, in every header version past 0
         if n >= 0:
             self.ctx.client_id = str(frame[10:10 + n], "utf-8", "surrogateescape")
         self.requests += 1
         entry = InFlight(correlation_id, api_key, api_version, now, request_bytes=end + 4, seq=self.requests,
                          relayed=frame, sampled=sampled)
+        if counted is not None:
+            entry.produced, entry.produce_counts = counted[1], counted[2]
         self.open.add(entry)
         upstream_id = self._forwarding(entry, no_response)
         head = _HEAD.pack(end, api_key, api_version, upstream_id)
@@ -756,13 +785,14 @@ class Session(SessionCutThrough, SessionSasl):
                 unread_by is not None and (unread := unread_by.get(entry.api_key << 16 | version))
                 and entry.api_key not in _NAMES_IN_ANSWERS
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
-                         and _guarded(entry, guards, version)))):
+                         and _guarded(entry, guards, version))
+                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame)))):
             # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
             # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
             # with the client's correlation id. A relayed request whose answer is read goes on below.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
-            if entry.relayed is not None and unread is not True:
+            if entry.relayed is not None and unread is not True and unread != _PRODUCE_ANSWER:
                 _note_throttle(entry, frame, unread)
             return self._flush()
         if unread_by is not None and not entry.sampled:
@@ -773,12 +803,14 @@ class Session(SessionCutThrough, SessionSasl):
             unread = False      # the traffic log or spans sampled it: read whole
         if (unread
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])  # type: ignore[index]
-                         and _guarded(entry, guards, version))):
+                         and _guarded(entry, guards, version))
+                # A Produce answer is read from its bytes when its request was (else decoded).
+                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
             # telemetry only counts it): the broker's bytes go on with the client's correlation id.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
-            if unread is not True:
+            if unread is not True and unread != _PRODUCE_ANSWER:
                 _note_throttle(entry, frame, unread)
             entry.handling_s += self.ctx.clock() - answered
             return self._flush()
