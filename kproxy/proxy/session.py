@@ -118,6 +118,11 @@ _H = struct.Struct(">h").unpack_from
 _PRODUCE_ANSWER = -1
 
 
+def _teaches_names(api_key: int, version: int) -> bool:
+    """Whether answers of this api version name topic ids (``TopicNames.learn`` reads them)."""
+    return (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS
+
+
 @attrs.define(slots=True, eq=False)
 class _Question:
     """A request waiting for the answer to a filter's question (``AskBroker``)."""
@@ -402,11 +407,9 @@ class Session(SessionCutThrough, SessionSasl):
         programs: tuple | bool = False
         guards = chain.pass_guards(api_key)
         if (_SKIP is not None and api_key not in _DECODED_ALWAYS and guards is not None
-                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())
-                # An answer names are learned from is decoded, and its request with it: relaying the
-                # request would only check it before decoding it all the same (a cache: should
-                # learning stop, the request is decoded, as it is on the full path).
-                and not (api_key in _NAMES_IN_ANSWERS and self._learns_names(api_key, version))):
+                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())):
+            # An answer names are learned from is read all the same (``upstream_frame``), from memory
+            # or decoded, and its request only when decoded (``InFlight.decoded_request``).
             try:
                 header_codec, body_codec = request_codecs(api_key, version)
             except UnsupportedVersionError:
@@ -833,9 +836,14 @@ class Session(SessionCutThrough, SessionSasl):
             if not check.matches("response", entry.api_key, version, frame, encoded, 4):
                 original = frame, joined(encoded)
         names = self.topic_names
-        if names is not None and self._learns_names(entry.api_key, version):
-            # The broker's own names, before any filter changes them (a tenant prefix comes off).
-            names.learn(resp.body.topics)
+        taught: tuple = ()
+        if names is not None and _teaches_names(entry.api_key, version):
+            # The broker's own names, before any filter changes them (a tenant prefix comes off); kept
+            # with the answer if it is remembered, to be taught again when memory serves it.
+            if seen is not None:
+                taught = names.taught(resp.body.topics)
+            if names.learning:
+                names.learn(taught if seen is not None else resp.body.topics)
         for f in self.chain.askers_for_response(entry.api_key):
             try:
                 ask = f.question_for_response(self.ctx, entry, resp)
@@ -844,12 +852,12 @@ class Session(SessionCutThrough, SessionSasl):
             if ask is not None:
                 # This answer (and the ones behind it, in order) waits for the key service.
                 return [Keys(ask.question, functools.partial(self._response_keys, ask.then, entry, resp, frame,
-                                                             version, original, seen, answered))]
-        return self._answer(entry, resp, frame, version, original, seen, answered)
+                                                             version, original, seen, answered, taught))]
+        return self._answer(entry, resp, frame, version, original, seen, answered, taught)
 
     def _response_keys(self, then: Callable[[Any], Any], entry: InFlight, resp: Response, frame: memoryview,
                        version: int, original: tuple[memoryview, bytes] | None, seen: bytes | None,
-                       answered: float, answer: Any) -> list[Action]:
+                       answered: float, taught: tuple, answer: Any) -> list[Action]:
         """The key service answered a response filter's question: the answer goes on."""
         if entry not in self.open:
             return []
@@ -858,11 +866,13 @@ class Session(SessionCutThrough, SessionSasl):
         except Exception:
             asker = self.chain.askers_for_response(entry.api_key)[0]
             return [Close(str(self._filter_failed(asker, "question_for_response", entry.api_key)))]
-        return self._answer(entry, resp, frame, version, original, seen, answered)
+        return self._answer(entry, resp, frame, version, original, seen, answered, taught)
 
     def _answer(self, entry: InFlight, resp: Response, frame: memoryview, version: int,
-                original: tuple[memoryview, bytes] | None, seen: bytes | None, answered: float) -> list[Action]:
-        """The response filters, then the answer to the client (in order)."""
+                original: tuple[memoryview, bytes] | None, seen: bytes | None, answered: float,
+                taught: tuple = ()) -> list[Action]:
+        """The response filters, then the answer to the client (in order). ``taught``: the topic names
+        the broker's answer teaches, remembered with it (``_remember``)."""
         try:
             throttle = self._response_filters(entry, resp)
         except FilterFailed as e:
@@ -888,7 +898,7 @@ class Session(SessionCutThrough, SessionSasl):
             head = _HEAD_ID.pack(len(frame), cid)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
             if seen is not None:
-                self._remember(entry, version, seen)
+                self._remember(entry, version, seen, taught)
         elif original is not None and joined(encode_response_frame(resp)) == original[1]:
             # No filter changed it: the client gets the broker's bytes, not kproxy's re-encoding.
             patched = bytearray(original[0])
@@ -899,7 +909,7 @@ class Session(SessionCutThrough, SessionSasl):
             resp.correlation_id = entry.client_correlation_id
             entry.reply = encode_response_frame(resp)
             if seen is not None and throttle <= 0:
-                self._remember(entry, version, seen)
+                self._remember(entry, version, seen, taught)
         entry.handling_s += ctx.clock() - answered
         actions += self._flush()
         return actions
@@ -925,8 +935,7 @@ class Session(SessionCutThrough, SessionSasl):
 
     def _learns_names(self, api_key: int, version: int) -> bool:
         names = self.topic_names
-        return names is not None and names.learning and (
-            (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS)
+        return names is not None and names.learning and _teaches_names(api_key, version)
 
     def _filter_keys(self, entry: InFlight, version: int) -> tuple | None:
         """Every response filter's memo key for the answer to ``entry``; None when one is not pure (or
@@ -955,8 +964,11 @@ class Session(SessionCutThrough, SessionSasl):
         assert memo is not None
         api_key = entry.api_key
         if (len(frame) > memo.max_frame or api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE) or self.sasl_in_progress
-                or self._learns_names(api_key, version)):
-            # SASL answers move the session's state; learned topic names must be read from each answer.
+                or ((entry.sampled or self._unread_by is None) and self._learns_names(api_key, version))):
+            # SASL answers move the session's state. An answer that teaches names is served from memory
+            # teaching them again (``Remembered.names``), unless the traffic log or spans sampled it
+            # (or read every exchange: no sampler): that one is decoded, as before the memo served
+            # such answers.
             return None, None
         keys = self._filter_keys(entry, version)
         if keys is None:
@@ -975,10 +987,15 @@ class Session(SessionCutThrough, SessionSasl):
             header_codec, _ = response_codecs(entry.api_key, version)
             entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
         entry.throttle_ms = got.throttle_ms
+        if got.names:
+            names = self.topic_names
+            if names is not None and names.learning:
+                # What decoding the broker's answer would have taught (upstream_frame), in its order.
+                names.learn_again(got.names)
         entry.handling_s += self.ctx.clock() - answered
         return self._flush()
 
-    def _remember(self, entry: InFlight, version: int, seen: bytes) -> None:
+    def _remember(self, entry: InFlight, version: int, seen: bytes, taught: tuple = ()) -> None:
         """Remember what the client got for ``seen``, keyed by the filters' state after they ran
         (what they learned from this answer is part of the state the next one meets)."""
         memo = self.memo
@@ -993,7 +1010,7 @@ class Session(SessionCutThrough, SessionSasl):
         except DecodeError:  # pragma: no cover - kproxy's own encoding decodes
             return
         memo.put((entry.api_key, version, self.ctx.listener, keys, seen),
-                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms), len(seen) + 2 * len(data))
+                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms, taught), len(seen) + 2 * len(data))
 
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""
