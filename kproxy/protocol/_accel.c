@@ -1831,8 +1831,218 @@ static PyTypeObject DecoderType = {
     .tp_members = decoder_members,
 };
 
+/* ---- Produce under metrics alone: what metrics count, read from a relayed exchange's bytes --------
+
+   The compiled twin of kproxy/proxy/produce_bytes.py (the reference and the fallback; a property test
+   holds the two equal to the decoder on every Produce version). Laid out as schema/produce.kschema:
+   flexible from v9, topic ids from v13. */
+
+static int64_t be32(const uint8_t *p)
+{
+    return (int64_t)(int32_t)(((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3]);
+}
+
+/* The records of the v2 batches in buf[pos:end] into *total; -1 for anything else. */
+static int pc_batches(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t end, int64_t *total)
+{
+    int64_t sum = 0;
+    while (pos < end) {
+        if (end - pos < 61 || buf[pos + 16] != 2)
+            return -1;
+        int64_t length = be32(buf + pos + 8), count = be32(buf + pos + 57);
+        if (length < 49 || count < 0 || length + 12 > end - pos)
+            return -1;
+        pos += (Py_ssize_t)(12 + length);
+        sum += count;
+    }
+    *total = sum;
+    return 0;
+}
+
+static int pc_tags(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end)
+{
+    int64_t n, tag, size;
+    if (read_uv(buf, pos, end, &n))
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (read_uv(buf, pos, end, &tag) || read_uv(buf, pos, end, &size) || skip_bytes(pos, end, size))
+            return -1;
+    return 0;
+}
+
+/* A count (array) or length: compact (uvarint - 1) or classic big-endian of `width`. */
+static int pc_count(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int flexible, int width, int64_t *n)
+{
+    if (flexible) {
+        if (read_uv(buf, pos, end, n))
+            return -1;
+        *n -= 1;
+        return 0;
+    }
+    return read_be(buf, pos, end, width, n);
+}
+
+/* The topic's key: the bytes of its id (v13+) or name, as a new bytes object; NULL with no error
+   set when the bytes are not there. */
+static PyObject *pc_key(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int flexible, int by_id)
+{
+    int64_t n = 16;
+    if (!by_id && (pc_count(buf, pos, end, flexible, 2, &n) || n < 0))
+        return NULL;
+    if (n > end - *pos)
+        return NULL;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)buf + *pos, (Py_ssize_t)n);
+    *pos += (Py_ssize_t)n;
+    return key;
+}
+
+PyDoc_STRVAR(produce_counts_doc,
+"produce_counts(buf, pos, version) -> (acks, total, [(topic key, index, records), ...]) | None\n\n"
+"Of a Produce request whose body starts at `pos`: as kproxy.proxy.produce_bytes.request_counts.");
+
+static PyObject *produce_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "produce_counts() takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]), version = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const uint8_t *buf = view.buf;
+    Py_ssize_t end = view.len;
+    int flexible = version >= 9, by_id = version >= 13;
+    PyObject *counts = NULL, *result = NULL, *key = NULL;
+    int64_t n, acks, topics, partitions, index, size, total = 0, records;
+    if (pos < 0 || pos > end)
+        goto done;
+    if (version >= 3 && (pc_count(buf, &pos, end, flexible, 2, &n) || skip_bytes(&pos, end, n > 0 ? n : 0)))
+        goto done;
+    if (read_be(buf, &pos, end, 2, &acks) || skip_bytes(&pos, end, 4)
+            || pc_count(buf, &pos, end, flexible, 4, &topics))
+        goto done;
+    counts = PyList_New(0);
+    if (counts == NULL)
+        goto done;
+    for (int64_t t = 0; t < topics; t++) {
+        Py_CLEAR(key);
+        key = pc_key(buf, &pos, end, flexible, by_id);
+        if (key == NULL || pc_count(buf, &pos, end, flexible, 4, &partitions))
+            goto done;
+        for (int64_t i = 0; i < partitions; i++) {
+            if (read_be(buf, &pos, end, 4, &index) || pc_count(buf, &pos, end, flexible, 4, &size))
+                goto done;
+            records = 0;
+            if (size > 0) {
+                if (size > end - pos || pc_batches(buf, pos, pos + (Py_ssize_t)size, &records))
+                    goto done;
+                pos += (Py_ssize_t)size;
+            }
+            PyObject *item = Py_BuildValue("(OLL)", key, (long long)index, (long long)records);
+            if (item == NULL || PyList_Append(counts, item) < 0) {
+                Py_XDECREF(item);
+                goto done;
+            }
+            Py_DECREF(item);
+            total += records;
+            if (flexible && pc_tags(buf, &pos, end))
+                goto done;
+        }
+        if (flexible && pc_tags(buf, &pos, end))
+            goto done;
+    }
+    result = Py_BuildValue("(LLO)", (long long)acks, (long long)total, counts);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(counts);
+    PyBuffer_Release(&view);
+    if (result == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+}
+
+PyDoc_STRVAR(produce_answer_doc,
+"produce_answer(buf, version) -> ({(topic key, index), ...} | None, throttle_ms) | None\n\n"
+"Of a Produce answer from its correlation id on: as kproxy.proxy.produce_bytes.answer_failures.");
+
+static PyObject *produce_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "produce_answer() takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t version = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const uint8_t *buf = view.buf;
+    Py_ssize_t end = view.len, pos = 4;
+    int flexible = version >= 9, by_id = version >= 13;
+    Py_ssize_t fixed = 14 + (version >= 2 ? 8 : 0) + (version >= 5 ? 8 : 0);
+    PyObject *failed = NULL, *result = NULL, *key = NULL;
+    int64_t topics, partitions, n, throttle = 0;
+    if (end < 4 || (flexible && pc_tags(buf, &pos, end)) || pc_count(buf, &pos, end, flexible, 4, &topics))
+        goto done;
+    for (int64_t t = 0; t < topics; t++) {
+        Py_CLEAR(key);
+        key = pc_key(buf, &pos, end, flexible, by_id);
+        if (key == NULL || pc_count(buf, &pos, end, flexible, 4, &partitions))
+            goto done;
+        for (int64_t i = 0; i < partitions; i++) {
+            if (fixed > end - pos)
+                goto done;
+            int64_t index = be32(buf + pos), error = (int16_t)(((uint16_t)buf[pos + 4] << 8) | buf[pos + 5]);
+            pos += fixed;
+            if (error) {
+                if (failed == NULL && (failed = PySet_New(NULL)) == NULL)
+                    goto done;
+                PyObject *item = Py_BuildValue("(OL)", key, (long long)index);
+                if (item == NULL || PySet_Add(failed, item) < 0) {
+                    Py_XDECREF(item);
+                    goto done;
+                }
+                Py_DECREF(item);
+            }
+            if (version >= 8) {         /* record_errors, then error_message */
+                int64_t errors;
+                if (pc_count(buf, &pos, end, flexible, 4, &errors))
+                    goto done;
+                for (int64_t e = 0; e < errors; e++)
+                    if (skip_bytes(&pos, end, 4) || pc_count(buf, &pos, end, flexible, 2, &n)
+                            || skip_bytes(&pos, end, n > 0 ? n : 0) || (flexible && pc_tags(buf, &pos, end)))
+                        goto done;
+                if (pc_count(buf, &pos, end, flexible, 2, &n) || skip_bytes(&pos, end, n > 0 ? n : 0))
+                    goto done;
+            }
+            if (flexible && pc_tags(buf, &pos, end))
+                goto done;
+        }
+        if (flexible && pc_tags(buf, &pos, end))
+            goto done;
+    }
+    if (version >= 1 && read_be(buf, &pos, end, 4, &throttle))
+        goto done;
+    result = Py_BuildValue("(OL)", failed ? failed : Py_None, (long long)throttle);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(failed);
+    PyBuffer_Release(&view);
+    if (result == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"skip", (PyCFunction)(void (*)(void))skip, METH_FASTCALL, skip_doc},
+    {"produce_counts", (PyCFunction)(void (*)(void))produce_counts, METH_FASTCALL, produce_counts_doc},
+    {"produce_answer", (PyCFunction)(void (*)(void))produce_answer, METH_FASTCALL, produce_answer_doc},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL, split_records_doc},
     {"join_records", (PyCFunction)(void (*)(void))join_records, METH_FASTCALL, join_records_doc},
     {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL, seal_records_doc},

@@ -419,6 +419,11 @@ def native_skip() -> Callable | None:
     return _accel.skip if _native and _accel is not None else None
 
 
+def native_function(name: str) -> Callable | None:
+    """The accelerator's function ``name`` when it runs the codecs' checks and has it, else None."""
+    return getattr(_accel, name, None) if _native and _accel is not None else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Which implementation runs the validating skips
 

@@ -91,6 +91,11 @@ class InFlight:
     # ``kproxy.telemetry.outputs.sample``; 0: none, so it may be relayed undecoded); None when the
     # session did not decide (no output samples, or a request read before sampling): decided on completion.
     sampled: int | None = None
+    # A Produce request relayed while metrics count it: its records in all, then (once the answer was
+    # read from its bytes) in the partitions the answer reports no error for; and each partition's
+    # ``(topic key, index, records)`` (``kproxy.proxy.produce_bytes``).
+    produced: int | None = None
+    produce_counts: list | None = None
 
     def decoded_request(self) -> Request | None:
         """``request``, decoded now from the relayed frame if it went out undecoded (a lost broker

@@ -7,6 +7,11 @@ is pure (``Filter.memo_key``), the session looks the answer up by (api, version,
 filters' keys, the bytes after the correlation id) and sends what it sent last time with the new
 correlation id. Bounded in entries and bytes (least recently used goes first); only small answers
 that asked for no port and no throttle are stored.
+
+An answer that teaches topic ids' names (Metadata v10+, DescribeTopicPartitions) keeps the pairs
+the broker's bytes named, before any filter changed them; serving it teaches them again, so the
+process's name table (the policy's rules, the traffic log, spans) learns from a remembered answer
+exactly what it would have learned decoding it.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ MAX_BYTES = 8 * 1024 * 1024
 @attrs.frozen(slots=True)
 class Remembered:
     """What the client got for an answer: its encoding after the correlation id, and its decoded
-    form (over bytes the entry owns) for telemetry and the completed-request entry."""
+    form (over bytes the entry owns) for telemetry and the completed-request entry; and the topic
+    names by id the broker's answer teaches (``TopicNames.taught``; empty for other answers)."""
 
     tail: bytes
     body: Any
     trailing: Any
     throttle_ms: int
+    names: tuple[Any, ...] = ()
 
 
 class AnswerMemo:

@@ -75,6 +75,8 @@ from kproxy.proxy.inflight import (
     InFlight,
 )
 from kproxy.proxy.memo import AnswerMemo, Remembered
+from kproxy.proxy.produce_bytes import WALKED_UP_TO, answer_failures, request_counts
+from kproxy.proxy.produce_bytes import produced as produced_in
 from kproxy.proxy.reencode import ReencodeCheck, joined
 from kproxy.proxy.replies import error_response, lost_connection_error, raise_throttle
 from kproxy.proxy.sasl import SaslFront, SessionSasl
@@ -112,6 +114,13 @@ _ANSWER_GUARDS = 1 << 33    # and there, by api version, the filters asked about
 _PASSED = "passed"      # a memo key's part for a filter that let the exchange by (Filter.passes)
 _SKIP = native_skip()
 _H = struct.Struct(">h").unpack_from
+# ``_throttle_at`` for Produce: metrics read its answer from the bytes (``_note_produce``).
+_PRODUCE_ANSWER = -1
+
+
+def _teaches_names(api_key: int, version: int) -> bool:
+    """Whether answers of this api version name topic ids (``TopicNames.learn`` reads them)."""
+    return (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS
 
 
 @attrs.define(slots=True, eq=False)
@@ -181,7 +190,10 @@ def _throttle_at(api_key: int, version: int) -> bool | int:
     """Where an answer of this api version holds the broker's throttle time, for metrics that read it
     without decoding: 4, right behind the correlation id (header v0), or 5, behind the header's
     tagged fields (v1: usually none, one byte); True when the version has no throttle time (nothing
-    to read); False when it is not the body's first field (Produce, a few others: decoded)."""
+    to read); False when it is not the body's first field (a few apis: decoded); ``_PRODUCE_ANSWER``
+    for Produce, whose answer metrics read from its bytes (``_note_produce``)."""
+    if api_key == PRODUCE:
+        return _PRODUCE_ANSWER
     try:
         fields = [f for f in api_by_key(api_key).response.root.fields if version in f.versions]  # type: ignore[union-attr]
     except (KeyError, AttributeError):
@@ -201,6 +213,18 @@ def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int) -> bool:
         if not f.passes(key, version) or entry.kept(f) is not None:
             return True
     return False
+
+
+def _note_produce(entry: InFlight, frame: memoryview) -> bool:
+    """A relayed Produce answer passed on undecoded: its throttle time, and the records metrics count
+    (those of the partitions it reports no error for); False when it cannot be read so (decoded)."""
+    read = answer_failures(frame, entry.api_version)
+    if read is None or entry.produced is None:
+        return False
+    failed, entry.throttle_ms = read
+    if failed is not None:
+        entry.produced = produced_in(entry.produced, entry.produce_counts, failed)
+    return True
 
 
 def _note_throttle(entry: InFlight, frame: memoryview, at: Any) -> None:
@@ -383,11 +407,9 @@ class Session(SessionCutThrough, SessionSasl):
         programs: tuple | bool = False
         guards = chain.pass_guards(api_key)
         if (_SKIP is not None and api_key not in _DECODED_ALWAYS and guards is not None
-                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())
-                # An answer names are learned from is decoded, and its request with it: relaying the
-                # request would only check it before decoding it all the same (a cache: should
-                # learning stop, the request is decoded, as it is on the full path).
-                and not (api_key in _NAMES_IN_ANSWERS and self._learns_names(api_key, version))):
+                and self.reencode is None and api_key not in unread_by.get(_TELEMETRY, ())):
+            # An answer names are learned from is read all the same (``upstream_frame``), from memory
+            # or decoded, and its request only when decoded (``InFlight.decoded_request``).
             try:
                 header_codec, body_codec = request_codecs(api_key, version)
             except UnsupportedVersionError:
@@ -413,25 +435,35 @@ class Session(SessionCutThrough, SessionSasl):
         except ValueError:
             return None
         no_response = False
+        counted: tuple | None = None
         if api_key == PRODUCE:
             if self._why_next is not None:
                 return None         # a large request declined for streaming: its entry says why
-            # acks follows the transactional id (from v3; compact from v9), right after the header.
-            if api_version < 3:
-                at = pos
-            elif api_version >= 9:
-                length, at = read_uvarint(frame, pos)
-                at += length - 1 if length else 0
+            if _TELEMETRY in self._unread_by:       # type: ignore[operator]
+                # Metrics count its records: read from its batch headers as it goes (else decoded).
+                counted = request_counts(frame, pos, api_version) if api_version <= WALKED_UP_TO else None
+                if counted is None:
+                    return None
+                no_response = counted[0] == 0
             else:
-                (length,) = _H(frame, pos)
-                at = pos + 2 + (length if length > 0 else 0)
-            no_response = _H(frame, at)[0] == 0
+                # acks follows the transactional id (from v3; compact from v9), right after the header.
+                if api_version < 3:
+                    at = pos
+                elif api_version >= 9:
+                    length, at = read_uvarint(frame, pos)
+                    at += length - 1 if length else 0
+                else:
+                    (length,) = _H(frame, pos)
+                    at = pos + 2 + (length if length > 0 else 0)
+                no_response = _H(frame, at)[0] == 0
         (n,) = _H(frame, 8)         # the client id, in every header version past 0
         if n >= 0:
             self.ctx.client_id = str(frame[10:10 + n], "utf-8", "surrogateescape")
         self.requests += 1
         entry = InFlight(correlation_id, api_key, api_version, now, request_bytes=end + 4, seq=self.requests,
                          relayed=frame, sampled=sampled)
+        if counted is not None:
+            entry.produced, entry.produce_counts = counted[1], counted[2]
         self.open.add(entry)
         upstream_id = self._forwarding(entry, no_response)
         head = _HEAD.pack(end, api_key, api_version, upstream_id)
@@ -753,13 +785,14 @@ class Session(SessionCutThrough, SessionSasl):
                 unread_by is not None and (unread := unread_by.get(entry.api_key << 16 | version))
                 and entry.api_key not in _NAMES_IN_ANSWERS
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
-                         and _guarded(entry, guards, version)))):
+                         and _guarded(entry, guards, version))
+                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame)))):
             # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
             # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
             # with the client's correlation id. A relayed request whose answer is read goes on below.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
-            if entry.relayed is not None and unread is not True:
+            if entry.relayed is not None and unread is not True and unread != _PRODUCE_ANSWER:
                 _note_throttle(entry, frame, unread)
             return self._flush()
         if unread_by is not None and not entry.sampled:
@@ -770,12 +803,14 @@ class Session(SessionCutThrough, SessionSasl):
             unread = False      # the traffic log or spans sampled it: read whole
         if (unread
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])  # type: ignore[index]
-                         and _guarded(entry, guards, version))):
+                         and _guarded(entry, guards, version))
+                # A Produce answer is read from its bytes when its request was (else decoded).
+                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
             # telemetry only counts it): the broker's bytes go on with the client's correlation id.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
-            if unread is not True:
+            if unread is not True and unread != _PRODUCE_ANSWER:
                 _note_throttle(entry, frame, unread)
             entry.handling_s += self.ctx.clock() - answered
             return self._flush()
@@ -801,9 +836,14 @@ class Session(SessionCutThrough, SessionSasl):
             if not check.matches("response", entry.api_key, version, frame, encoded, 4):
                 original = frame, joined(encoded)
         names = self.topic_names
-        if names is not None and self._learns_names(entry.api_key, version):
-            # The broker's own names, before any filter changes them (a tenant prefix comes off).
-            names.learn(resp.body.topics)
+        taught: tuple = ()
+        if names is not None and _teaches_names(entry.api_key, version):
+            # The broker's own names, before any filter changes them (a tenant prefix comes off); kept
+            # with the answer if it is remembered, to be taught again when memory serves it.
+            if seen is not None:
+                taught = names.taught(resp.body.topics)
+            if names.learning:
+                names.learn(taught if seen is not None else resp.body.topics)
         for f in self.chain.askers_for_response(entry.api_key):
             try:
                 ask = f.question_for_response(self.ctx, entry, resp)
@@ -812,12 +852,12 @@ class Session(SessionCutThrough, SessionSasl):
             if ask is not None:
                 # This answer (and the ones behind it, in order) waits for the key service.
                 return [Keys(ask.question, functools.partial(self._response_keys, ask.then, entry, resp, frame,
-                                                             version, original, seen, answered))]
-        return self._answer(entry, resp, frame, version, original, seen, answered)
+                                                             version, original, seen, answered, taught))]
+        return self._answer(entry, resp, frame, version, original, seen, answered, taught)
 
     def _response_keys(self, then: Callable[[Any], Any], entry: InFlight, resp: Response, frame: memoryview,
                        version: int, original: tuple[memoryview, bytes] | None, seen: bytes | None,
-                       answered: float, answer: Any) -> list[Action]:
+                       answered: float, taught: tuple, answer: Any) -> list[Action]:
         """The key service answered a response filter's question: the answer goes on."""
         if entry not in self.open:
             return []
@@ -826,11 +866,13 @@ class Session(SessionCutThrough, SessionSasl):
         except Exception:
             asker = self.chain.askers_for_response(entry.api_key)[0]
             return [Close(str(self._filter_failed(asker, "question_for_response", entry.api_key)))]
-        return self._answer(entry, resp, frame, version, original, seen, answered)
+        return self._answer(entry, resp, frame, version, original, seen, answered, taught)
 
     def _answer(self, entry: InFlight, resp: Response, frame: memoryview, version: int,
-                original: tuple[memoryview, bytes] | None, seen: bytes | None, answered: float) -> list[Action]:
-        """The response filters, then the answer to the client (in order)."""
+                original: tuple[memoryview, bytes] | None, seen: bytes | None, answered: float,
+                taught: tuple = ()) -> list[Action]:
+        """The response filters, then the answer to the client (in order). ``taught``: the topic names
+        the broker's answer teaches, remembered with it (``_remember``)."""
         try:
             throttle = self._response_filters(entry, resp)
         except FilterFailed as e:
@@ -856,7 +898,7 @@ class Session(SessionCutThrough, SessionSasl):
             head = _HEAD_ID.pack(len(frame), cid)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
             if seen is not None:
-                self._remember(entry, version, seen)
+                self._remember(entry, version, seen, taught)
         elif original is not None and joined(encode_response_frame(resp)) == original[1]:
             # No filter changed it: the client gets the broker's bytes, not kproxy's re-encoding.
             patched = bytearray(original[0])
@@ -867,7 +909,7 @@ class Session(SessionCutThrough, SessionSasl):
             resp.correlation_id = entry.client_correlation_id
             entry.reply = encode_response_frame(resp)
             if seen is not None and throttle <= 0:
-                self._remember(entry, version, seen)
+                self._remember(entry, version, seen, taught)
         entry.handling_s += ctx.clock() - answered
         actions += self._flush()
         return actions
@@ -893,8 +935,7 @@ class Session(SessionCutThrough, SessionSasl):
 
     def _learns_names(self, api_key: int, version: int) -> bool:
         names = self.topic_names
-        return names is not None and names.learning and (
-            (api_key == METADATA and version >= METADATA_TOPIC_IDS_SINCE) or api_key == DESCRIBE_TOPIC_PARTITIONS)
+        return names is not None and names.learning and _teaches_names(api_key, version)
 
     def _filter_keys(self, entry: InFlight, version: int) -> tuple | None:
         """Every response filter's memo key for the answer to ``entry``; None when one is not pure (or
@@ -923,8 +964,11 @@ class Session(SessionCutThrough, SessionSasl):
         assert memo is not None
         api_key = entry.api_key
         if (len(frame) > memo.max_frame or api_key in (SASL_HANDSHAKE, SASL_AUTHENTICATE) or self.sasl_in_progress
-                or self._learns_names(api_key, version)):
-            # SASL answers move the session's state; learned topic names must be read from each answer.
+                or ((entry.sampled or self._unread_by is None) and self._learns_names(api_key, version))):
+            # SASL answers move the session's state. An answer that teaches names is served from memory
+            # teaching them again (``Remembered.names``), unless the traffic log or spans sampled it
+            # (or read every exchange: no sampler): that one is decoded, as before the memo served
+            # such answers.
             return None, None
         keys = self._filter_keys(entry, version)
         if keys is None:
@@ -943,10 +987,15 @@ class Session(SessionCutThrough, SessionSasl):
             header_codec, _ = response_codecs(entry.api_key, version)
             entry.response = Response(entry.api_key, version, header_codec.cls(cid), got.body, got.trailing)
         entry.throttle_ms = got.throttle_ms
+        if got.names:
+            names = self.topic_names
+            if names is not None and names.learning:
+                # What decoding the broker's answer would have taught (upstream_frame), in its order.
+                names.learn_again(got.names)
         entry.handling_s += self.ctx.clock() - answered
         return self._flush()
 
-    def _remember(self, entry: InFlight, version: int, seen: bytes) -> None:
+    def _remember(self, entry: InFlight, version: int, seen: bytes, taught: tuple = ()) -> None:
         """Remember what the client got for ``seen``, keyed by the filters' state after they ran
         (what they learned from this answer is part of the state the next one meets)."""
         memo = self.memo
@@ -961,7 +1010,7 @@ class Session(SessionCutThrough, SessionSasl):
         except DecodeError:  # pragma: no cover - kproxy's own encoding decodes
             return
         memo.put((entry.api_key, version, self.ctx.listener, keys, seen),
-                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms), len(seen) + 2 * len(data))
+                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms, taught), len(seen) + 2 * len(data))
 
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""

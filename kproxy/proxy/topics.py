@@ -30,6 +30,10 @@ class TopicNames:
         self.limit = limit
         self._names: dict[uuid.UUID, str] = {}
         self._wants: list[Callable[[], bool]] = []
+        # How many times the table changed (shared with its views), and by ``id``, pairs taught again
+        # (``learn_again``) with the count after: while it has not moved, teaching them changes nothing.
+        self._changes = [0]
+        self._taught: dict[int, tuple[tuple[Any, ...], int]] = {}
 
     def __len__(self) -> int:
         return len(self._names)
@@ -54,8 +58,30 @@ class TopicNames:
             if name and tid is not None and tid != ZERO_UUID and names.get(tid) != name:
                 names.pop(tid, None)
                 names[tid] = name
+                self._changes[0] += 1
         while len(names) > self.limit:
             del names[next(iter(names))]
+            self._changes[0] += 1
+
+    def learn_again(self, taught: tuple[Any, ...]) -> None:
+        """``learn(taught)`` for pairs kept from an answer (``taught``), skipped when these very pairs
+        were taught last with the table as it is now: every one is there already, so learning them
+        would change nothing (a served answer naming many topics costs a look-up, not one per topic)."""
+        changes = self._changes
+        last = self._taught.get(id(taught))
+        if last is not None and last[0] is taught and last[1] == changes[0]:
+            return
+        self.learn(taught)
+        if len(self._names) < self.limit:      # else it may have pushed out some of its own pairs
+            if len(self._taught) >= 1024:
+                self._taught.clear()
+            self._taught[id(taught)] = (taught, changes[0])
+
+    def taught(self, topics: Iterable[Any]) -> tuple[Any, ...]:
+        """The (topic id, name) pairs ``learn`` reads from ``topics``, kept apart from the answer they
+        came from: an answer served from memory (kproxy.proxy.memo) teaches them again, in order."""
+        return tuple(_Named(tid, t.name) for t in topics
+                     if t.name and (tid := getattr(t, "topic_id", None)) is not None and tid != ZERO_UUID)
 
     def without_prefix(self, prefix: str | None) -> TopicNames:
         """This table as a cluster whose topics carry ``prefix`` (a replica's ``primary.``) teaches
@@ -64,7 +90,7 @@ class TopicNames:
         if not prefix:
             return self
         view = _Unprefixing(self.limit, prefix)
-        view._names, view._wants = self._names, self._wants
+        view._names, view._wants, view._changes = self._names, self._wants, self._changes
         return view
 
     def question(self, ids: Iterable[uuid.UUID]) -> Request:

@@ -22,6 +22,7 @@ from kproxy.protocol.records import LegacyMessage, iter_batches
 from kproxy.protocol.schema import StructSpec
 from kproxy.proxy.filters import ConnectionContext
 from kproxy.proxy.inflight import InFlight
+from kproxy.proxy.produce_bytes import batch_records
 from kproxy.proxy.streaming import RecordsFacts
 from kproxy.proxy.topics import TopicNames
 
@@ -235,9 +236,6 @@ def _topic(t: Any, v: int, name_field: str, learned: Learned) -> tuple[str | Non
 
 
 _I32 = struct.Struct(">i")
-# RecordBatch v2: the batch length after the 12-byte log overhead, the magic at 16, the record count
-# at 57, the header 61 bytes long (KIP-98).
-_LENGTH_AT, _MAGIC_AT, _COUNT_AT, _V2_HEADER = 8, 16, 57, 61
 
 
 def records_in(records: Any) -> int | None:
@@ -246,25 +244,15 @@ def records_in(records: Any) -> int | None:
     message set, a partial or malformed batch), which ``produce_partitions`` reads in full."""
     if records is None:
         return 0
-    end = len(records)
-    pos = total = 0
-    unpack = _I32.unpack_from
-    while pos < end:
-        if end - pos < _V2_HEADER or records[pos + _MAGIC_AT] != 2:
-            return None
-        (length,) = unpack(records, pos + _LENGTH_AT)
-        (count,) = unpack(records, pos + _COUNT_AT)
-        pos += 12 + length
-        if length < _V2_HEADER - 12 or pos > end or count < 0:
-            return None
-        total += count
-    return total
+    return batch_records(records, 0, len(records))
 
 
 def produced_records(entry: InFlight) -> int | None:
     """The records of a Produce request in the partitions its answer reports no error for: what
     metrics count, as ``produce_partitions`` would give it, from batch headers' fixed offsets; None
     when a records field (or a streamed request) needs ``produce_partitions``."""
+    if entry.produced is not None and entry.response is None:
+        return entry.produced       # relayed: read from its bytes (``kproxy.proxy.produce_bytes``)
     req = entry.request
     if req is None or entry.records_facts is not None:
         return None

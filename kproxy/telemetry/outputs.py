@@ -50,6 +50,10 @@ class TelemetryOutputs:
         # topics of Produce and Fetch v13+ (the traffic log, spans, per-topic metrics).
         self.learn_topics = tl.dir is not None or tr.enabled or (
             self.metrics is not None and config.metrics.topic_labels)
+        # What metrics read decoded: Fetch (records), and Produce when they count records by topic
+        # (names and bytes per topic); else a Produce exchange's counts come from its bytes as it is
+        # relayed (``kproxy.proxy.produce_bytes``).
+        self.metrics_read = frozenset({PRODUCE, FETCH} if config.metrics.topic_labels else {FETCH})
         try:
             self.tracing = (Tracing(tr, config.limits.max_decompressed_batch_bytes, span_exporter, env)
                             if tr.enabled else None)
@@ -107,11 +111,12 @@ class TelemetryOutputs:
         and every error of an answer, so they read every exchange they sample: all of them when
         neither samples below 1. Metrics count requests, bytes, latency, outcomes and the broker's
         throttle time, which the session takes from the frames' headers and sizes (it decodes the few
-        answers whose throttle time is not their first field), so they read only Produce and Fetch
-        (records, from batch headers)."""
+        answers whose throttle time is not their first field), so they read only Fetch (records, from
+        batch headers), and Produce when they count by topic: else the session reads a relayed
+        Produce's record counts and its answer's errors and throttle time from the bytes."""
         if (self.traffic_log is not None or self.tracing is not None) and self.sampler() is None:
             return None
-        return frozenset({PRODUCE, FETCH}) if self.metrics is not None else frozenset()
+        return self.metrics_read if self.metrics is not None else frozenset()
 
     def sampler(self) -> Callable[[int], int] | None:
         """``sample``, when the traffic log or spans leave some exchanges out (a ratio below 1): the

@@ -484,6 +484,36 @@ def test_a_failing_admin_answer_is_a_500_and_kafka_traffic_goes_on(broker: Tansu
         proxy.stop()
 
 
+@pytest.mark.parametrize("client", [KAFKA_PYTHON, CONFLUENT], ids=lambda c: c.name)
+def test_metrics_alone_count_a_real_clients_produce_from_the_relayed_bytes(
+        broker: TansuBroker, topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: Any) -> None:
+    # Metrics alone (no per-topic labels, no rules): Produce goes both ways undecoded and its records
+    # are read from the batch headers (kproxy.proxy.produce_bytes); the count is what was acknowledged.
+    from kproxy.proxy import session as session_module
+
+    read_from_bytes: list[int] = []
+    counts = session_module.request_counts
+
+    def counting(frame: Any, pos: int, version: int) -> Any:
+        out = counts(frame, pos, version)
+        if out is not None:
+            read_from_bytes.append(out[1])
+        return out
+
+    monkeypatch.setattr(session_module, "request_counts", counting)
+    admin = f"127.0.0.1:{free_port()}"
+    proxy = start_proxy(broker.bootstrap, admin={"listen": admin})
+    tel = Telemetered(proxy, InMemorySpanExporter(), tmp_path, admin)
+    try:
+        assert client.produce_consume(proxy.bootstrap, topic) == expected_records()
+        values = tel.metrics()
+        assert metric(values, "kproxy_records_total", direction="produced") == N_RECORDS
+        # The path counter: the client's Produce requests were relayed, their records read from bytes.
+        assert sum(read_from_bytes) == N_RECORDS
+    finally:
+        tel.stop()
+
+
 def test_metrics_alone_and_rules_for_produce_and_fetch_count_what_goes_by_undecoded(
         broker: TansuBroker, topic: str, tmp_path: Path) -> None:
     # Production's shape: metrics on, rules that address only Produce and Fetch. The other apis go
@@ -521,8 +551,18 @@ def test_metrics_alone_and_rules_for_produce_and_fetch_count_what_goes_by_undeco
             assert store.generation == 2
             # The same connection's next Metadata meets the new rule.
             assert [t.error_code for t in metadata(2).body.topics] == [29]     # TOPIC_AUTHORIZATION_FAILED
+        # Both of this connection's Metadata requests were counted: exactly, on its own row of
+        # /clients, and in the metric, which the produce_consume clients (their librdkafka handles
+        # not yet destroyed) may still add a Metadata refresh of their own to.
+        def own_requests() -> int:
+            with urllib.request.urlopen(f"http://{admin}/clients", timeout=10) as r:
+                table = json.loads(r.read())
+            return sum(row["requests"] for row in table["connections"] + table["recent"]
+                       if row["client_id"] == "relay-e2e")
+
+        wait_until(lambda: own_requests() == 2, lambda: f"relay-e2e's requests: {own_requests()}", timeout=10)
         after = tel.metrics()
-        assert metric(after, "kproxy_requests_total", api="metadata") == \
+        assert metric(after, "kproxy_requests_total", api="metadata") >= \
             metric(values, "kproxy_requests_total", api="metadata") + 2
         assert metric(after, "kproxy_denied_requests_total", rule="no-metadata") == 1
     finally:

@@ -3,6 +3,8 @@ listener's, and never when a filter that is not pure sees the api."""
 
 from __future__ import annotations
 
+import types
+import uuid
 from typing import Any
 
 from kproxy.protocol.messages import (
@@ -13,7 +15,7 @@ from kproxy.protocol.messages import (
     encode_request_frame,
     encode_response_frame,
 )
-from kproxy.proxy.actions import Listen, ToClient
+from kproxy.proxy.actions import Ask, Listen, ToClient
 from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, Filter, FilterChain
 from kproxy.proxy.memo import AnswerMemo, Remembered
@@ -21,7 +23,9 @@ from kproxy.proxy.reencode import ReencodeCheck
 from kproxy.proxy.session import Session
 from kproxy.proxy.topics import TopicNames
 
-METADATA = 3
+from .rulebook import policy_filter
+
+METADATA, FETCH = 3, 1
 PROXY = "proxy.example"
 
 
@@ -180,15 +184,130 @@ def test_different_bytes_and_versions_are_different_answers():
     assert memo.hits == 0 and memo.stored == 3
 
 
-def test_topic_names_being_learned_are_read_from_every_answer():
-    m, chain, memo = rewriter_setup()
+def named_answer(topics: dict[str, int], node: tuple[str, int] = ("b1.internal", 9092)) -> Any:
+    """A Metadata v12 answer naming ``topics`` (name -> the leader of its one partition), by id too."""
+    cls = body_class(METADATA, "response")
+    return cls(cluster_id="c1", controller_id=1,
+               brokers=[cls.MetadataResponseBroker(node_id=n, host=node[0], port=node[1] + n) for n in (1, 2)],
+               topics=[cls.MetadataResponseTopic(name=t, topic_id=topic_id(t), partitions=[
+                   cls.MetadataResponsePartition(partition_index=0, leader_id=leader, replica_nodes=[leader],
+                                                 isr_nodes=[leader])]) for t, leader in topics.items()])
+
+
+def topic_id(name: str) -> uuid.UUID:
+    return uuid.uuid5(uuid.NAMESPACE_DNS, name)
+
+
+def learning(flag: list[bool] | None = None) -> TopicNames:
     names = TopicNames()
-    names.want(lambda: True)
+    names.want(lambda: flag is None or flag[0])
+    return names
+
+
+def warmed(c: Client, m: AddressMap, body: Any) -> None:
+    """Ask until ``body``'s answer is remembered (the first one asks for its ports)."""
+    c.ask(body)
+    confirm_all(m)
+    c.ask(body)
+
+
+def test_topic_names_being_learned_do_not_stop_the_memory():
+    m, chain, memo = rewriter_setup()
+    names = learning()
+    c = Client(chain, memo, topic_names=names, read_answers=False)
+    body = named_answer({"orders": 1})
+    warmed(c, m, body)
+    assert memo.stored == 1 and names.get(topic_id("orders")) == "orders"
+    for n in range(1, 4):
+        _, resp, _ = c.ask(body)
+        assert memo.hits == n and [t.name for t in resp.body.topics] == ["orders"]
+    assert memo.stored == 1
+
+
+def test_an_answer_served_from_memory_teaches_the_names_it_holds():
+    # Remembered while nothing learned names (no rule named a topic, no traffic log); then something
+    # starts learning: the next answer, served from memory, teaches them as decoding it would.
+    m, chain, memo = rewriter_setup()
+    on = [False]
+    names = learning(on)
+    c = Client(chain, memo, topic_names=names, read_answers=False)
+    body = named_answer({"orders": 1, "secret-x": 2})
+    warmed(c, m, body)
+    assert memo.stored == 1 and len(names) == 0
+    on[0] = True
+    c.ask(body)
+    assert memo.hits == 1
+    assert names.get(topic_id("orders")) == "orders" and names.get(topic_id("secret-x")) == "secret-x"
+
+
+FETCH_RULES = "default: allow\nrules: [{name: no-secrets, match: {api: fetch, topic: 'secret-*'}, action: deny}]\n"
+
+
+def test_a_rule_judges_a_topic_id_by_a_name_taught_from_memory(tmp_path):
+    # Two connections with their own name tables (as two processes' tables would be) share the memo:
+    # the second learns the names only from the answer memory serves it, and its policy refuses the
+    # secret topic's id by that name, without asking the broker.
+    from .test_policy_filter import fetch_by_id, forwarded, send
+
+    m = AddressMap(PROXY, 19000, 16)
+    memo = AnswerMemo()
+    body = named_answer({"orders": 1, "secret-x": 2})
+    first = TopicNames()
+    c1 = Client(FilterChain([AddressRewriter(m), policy_filter(tmp_path, FETCH_RULES, topic_ids=first)]), memo,
+                topic_names=first, read_answers=False)
+    warmed(c1, m, body)
+    assert memo.stored == 1
+    second = TopicNames()
+    c2 = Client(FilterChain([AddressRewriter(m), policy_filter(tmp_path, FETCH_RULES, topic_ids=second)]), memo,
+                topic_names=second, read_answers=False)
+    c2.ask(body)
+    assert memo.hits == 1 and second.get(topic_id("secret-x")) == "secret-x"
+    acts = send(c2.session, FETCH, 13, fetch_by_id(topic_id("orders"), topic_id("secret-x")))
+    assert not any(isinstance(a, Ask) for a in acts)
+    up = forwarded(acts[-1])
+    assert [t.topic_id for t in up.body.topics] == [topic_id("orders")]
+
+
+def test_a_changed_answer_is_decoded_and_teaches_its_new_names():
+    m, chain, memo = rewriter_setup()
+    names = learning()
+    c = Client(chain, memo, topic_names=names, read_answers=False)
+    warmed(c, m, named_answer({"orders": 1}))
+    c.ask(named_answer({"orders": 1}))
+    assert memo.hits == 1
+    misses = memo.misses
+    # A new topic: different bytes, decoded, its name learned.
+    _, resp, _ = c.ask(named_answer({"orders": 1, "fresh": 2}))
+    assert memo.hits == 1 and memo.misses == misses + 1
+    assert [t.name for t in resp.body.topics] == ["orders", "fresh"] and names.get(topic_id("fresh")) == "fresh"
+    # A new leader: decoded, never the remembered leader.
+    _, resp, _ = c.ask(named_answer({"orders": 2, "fresh": 2}))
+    assert memo.hits == 1 and memo.misses == misses + 2
+    assert [t.partitions[0].leader_id for t in resp.body.topics] == [2, 2]
+    # A topic recreated under its old name gets a new id: the table follows the broker's bytes.
+    renamed = named_answer({"orders": 1})
+    renamed.topics[0].topic_id = new_id = uuid.UUID(int=7)
+    c.ask(renamed)
+    assert names.get(new_id) == "orders"
+
+
+def test_a_sampled_exchange_that_teaches_names_is_decoded():
+    m, chain, memo = rewriter_setup()
+    names = learning()
+    sampled = [0]
+    c = Client(chain, memo, topic_names=names, read_answers=False, sample=lambda api_key: sampled[0])
+    body = named_answer({"orders": 1})
+    warmed(c, m, body)
+    c.ask(body)
+    assert memo.hits == 1
+    sampled[0] = 1      # the traffic log (bit 0) takes the next exchange
+    _, resp, entry = c.ask(body)
+    assert memo.hits == 1 and entry.sampled and entry.response.body.topics[0].name == "orders"
+    assert [(b.host, b.port) for b in resp.body.brokers] == [(PROXY, 19000), (PROXY, 19001)]
+    # Telemetry that reads every exchange (no sampler: the traffic log at 1.0) samples them all.
     c = Client(chain, memo, topic_names=names)
-    for _ in range(3):
-        c.ask(metadata_answer([(1, "b1.internal", 9092)]))
-        confirm_all(m)
-    assert memo.stored == 0 and memo.hits == 0
+    c.ask(body)
+    assert memo.hits == 1
 
 
 def test_no_memory_while_the_transparency_check_runs():
@@ -274,3 +393,65 @@ def test_a_remembered_answer_builds_its_decoded_response_only_for_readers_of_the
         assert (entry.response is not None) is built
         if built:
             assert entry.response.correlation_id == c.cid and entry.response.body.brokers[0].port == 19000
+
+
+def test_describe_topic_partitions_answers_rules_pass_are_remembered_with_their_names(tmp_path):
+    # No filter rewrites DescribeTopicPartitions (no broker addresses); with rules that do not
+    # address it, the policy filter passes it (pure), so its answers are remembered and teach names.
+    from .rulebook import Clock
+    from .test_policy_filter import roundtrip
+
+    dtp = 75
+    cls, rcls = body_class(dtp, "request"), body_class(dtp, "response")
+    answer = rcls(topics=[rcls.DescribeTopicPartitionsResponseTopic(name="logs", topic_id=topic_id("logs"))])
+    memo = AnswerMemo()
+    tables = []
+    for _ in range(3):
+        names = TopicNames()
+        tables.append(names)
+        s = Session(ConnectionContext(1, clock=Clock()), FilterChain([policy_filter(tmp_path, FETCH_RULES, topic_ids=names)]),
+                    memo=memo, topic_names=names, read_answers=False)
+        _, resp = roundtrip(s, dtp, 0, cls(topics=[cls.TopicRequest(name="logs")]), answer=answer)
+        assert [t.name for t in resp.body.topics] == ["logs"]
+    assert memo.stored == 1 and memo.hits == 2
+    assert [t.get(topic_id("logs")) for t in tables] == ["logs"] * 3
+
+
+def test_a_served_answer_teaches_again_what_another_answer_changed_since():
+    # Teaching again is skipped only while the table is as the served pairs last left it: an answer
+    # that renamed an id in between is undone by the served one, as decoding it would.
+    m, chain, memo = rewriter_setup()
+    names = learning()
+    c = Client(chain, memo, topic_names=names, read_answers=False)
+    body = named_answer({"orders": 1})
+    warmed(c, m, body)
+    c.ask(body)
+    c.ask(body)
+    assert memo.hits == 2 and names.get(topic_id("orders")) == "orders"
+    renamed = named_answer({"orders": 1})
+    renamed.topics[0].name = "orders-v2"        # the same id under another name
+    c.ask(renamed)
+    assert names.get(topic_id("orders")) == "orders-v2"
+    c.ask(body)
+    assert memo.hits == 3 and names.get(topic_id("orders")) == "orders"
+
+
+def test_teaching_the_same_pairs_again_is_skipped_only_while_the_table_has_not_moved():
+    names = TopicNames(limit=3)
+    first = names.taught([types.SimpleNamespace(name=f"t{i}", topic_id=uuid.UUID(int=i + 1)) for i in range(2)])
+    names.learn_again(first)
+    assert [names.get(uuid.UUID(int=i + 1)) for i in range(2)] == ["t0", "t1"]
+    # Unchanged since: nothing to do (a learn would find every pair there).
+    names._names.clear()        # behind its back: the skip is what keeps the table empty now
+    names.learn_again(first)
+    assert len(names) == 0
+    # Any change since (here a new id) and the pairs are taught again.
+    names.learn([types.SimpleNamespace(name="x", topic_id=uuid.UUID(int=99))])
+    names.learn_again(first)
+    assert [names.get(uuid.UUID(int=i + 1)) for i in range(2)] == ["t0", "t1"]
+    # A table at its limit is always taught again (the pairs may have pushed out their own).
+    many = names.taught([types.SimpleNamespace(name=f"m{i}", topic_id=uuid.UUID(int=200 + i)) for i in range(4)])
+    names.learn_again(many)
+    names._names.clear()
+    names.learn_again(many)
+    assert len(names) == 3

@@ -15,8 +15,10 @@ import pytest
 from kproxy.config import config_from_args
 from kproxy.protocol.compiler import native_skip
 from kproxy.protocol.messages import body_class
+from kproxy.proxy.addresses import AddressMap, AddressRewriter
 from kproxy.proxy.filters import ConnectionContext, FilterChain
 from kproxy.proxy.inflight import InFlight
+from kproxy.proxy.memo import AnswerMemo
 from kproxy.proxy.session import Session
 from kproxy.telemetry.exchange import GROUP_MEMBER_APIS, Learned, _group_first, group_in_frame
 from kproxy.telemetry.outputs import LOGGED, SPANNED, TelemetryOutputs
@@ -26,7 +28,6 @@ from .test_session import (
     FETCH,
     HEARTBEAT,
     METADATA,
-    PRODUCE,
     Clock,
     heartbeat_request,
     request_frame,
@@ -52,16 +53,16 @@ class Logged:
     """One virtual cluster's telemetry and a session made as the server makes one for it; the lines
     the traffic log was offered."""
 
-    def __init__(self, out: TelemetryOutputs) -> None:
+    def __init__(self, out: TelemetryOutputs, *filters: Any, memo: AnswerMemo | None = None) -> None:
         self.tel = out.for_cluster("")
         self.lines: list[dict[str, Any]] = []
         self.relayed_up: set[InFlight] = set()     # entries whose request went to the broker undecoded
         if out.traffic_log is not None:
             out.traffic_log.offer = self.lines.append      # type: ignore[method-assign,assignment]
         reads = self.tel.decoded_apis()
-        self.session = Session(ConnectionContext(1, clock=Clock()), FilterChain([]),
+        self.session = Session(ConnectionContext(1, clock=Clock()), FilterChain(list(filters)),
                                topic_names=self.tel.learned.topic_names, read_answers=reads is None,
-                               telemetry_reads=reads or None, sample=self.tel.sampler())
+                               telemetry_reads=reads or None, sample=self.tel.sampler(), memo=memo)
 
     def exchange(self, api_key: int, version: int, body: Any, answer: Any, cid: int = 5) -> InFlight:
         s = self.session
@@ -139,11 +140,11 @@ def test_unsampled_exchanges_are_counted_as_with_metrics_alone(tmp_path):
     out = outputs(tmp_path, {"default": 0.0}, metrics=True)
     tel = out.for_cluster("")
     reads = tel.decoded_apis()
-    assert reads == {PRODUCE, FETCH}
+    assert reads == {FETCH}         # Produce's counts come from its bytes (no topic labels)
     unsampled = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=reads is None,
                         telemetry_reads=reads or None, sample=tel.sampler())
     metrics_alone = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=False,
-                            telemetry_reads=frozenset({PRODUCE, FETCH}))
+                            telemetry_reads=frozenset({FETCH}))
     seen, exposition = _metrics_traffic(unsampled)
     seen_alone, exposition_alone = _metrics_traffic(metrics_alone)
     assert seen == seen_alone and exposition == exposition_alone
@@ -179,6 +180,33 @@ def test_a_sampled_fetch_names_its_topic_after_an_unsampled_metadata(tmp_path, f
     (line,) = t.lines
     assert line["api"] == "fetch" and line["topics"] == ["orders"]
     assert [p["topic"] for p in line["partitions"]] == ["orders"]
+
+
+def test_a_sampled_fetch_names_its_topic_after_a_metadata_answer_served_from_memory(tmp_path):
+    # Two processes' telemetry (each its own table of names) sharing one answer memo: the second
+    # learns the topic's name only from the answer memory serves it, and its logged Fetch (by id)
+    # names the topic. Metadata is never sampled; its request goes to the broker undecoded.
+    tid = uuid.UUID(int=0x5EED)
+    md_rq, md_rs = body_class(METADATA, "request"), body_class(METADATA, "response")
+    answer = md_rs(brokers=[md_rs.MetadataResponseBroker(node_id=1, host="b1.internal", port=9092)], topics=[
+        md_rs.MetadataResponseTopic(name="orders", topic_id=tid, partitions=[])])
+    addresses, memo = AddressMap("proxy.example", 19000, 16), AnswerMemo()
+    first = Logged(outputs(tmp_path, {"default": 0.0, "fetch": 1.0}), AddressRewriter(addresses), memo=memo)
+    first.exchange(METADATA, 12, md_rq(topics=None), answer, cid=1)
+    for port in addresses.pending_ports():
+        addresses.confirm(port)
+    first.exchange(METADATA, 12, md_rq(topics=None), answer, cid=2)
+    assert memo.stored == 1 and first.tel.learned.topic(tid) == "orders"
+    t = Logged(outputs(tmp_path, {"default": 0.0, "fetch": 1.0}), AddressRewriter(addresses), memo=memo)
+    md = t.exchange(METADATA, 12, md_rq(topics=None), answer, cid=3)
+    assert memo.hits == 1 and md.sampled == 0 and md in t.relayed_up and md.request is None
+    rq, rs = body_class(FETCH, "request"), body_class(FETCH, "response")
+    t.exchange(FETCH, 13, rq(max_wait_ms=0, min_bytes=1, topics=[
+        rq.FetchTopic(topic_id=tid, partitions=[rq.FetchPartition(partition=0, fetch_offset=0)])]),
+        rs(responses=[rs.FetchableTopicResponse(topic_id=tid, partitions=[
+            rs.PartitionData(partition_index=0, high_watermark=0)])]), cid=4)
+    (line,) = t.lines
+    assert line["api"] == "fetch" and line["topics"] == ["orders"]
 
 
 def test_the_draw_is_made_once_as_the_request_arrives(tmp_path):
