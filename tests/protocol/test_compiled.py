@@ -33,9 +33,9 @@ from .variants import require_accelerator
 
 
 def _covered():
-    produce, metadata = api_by_name("produce"), api_by_name("metadata")
+    produce = api_by_name("produce")
     msgs = [produce.request, produce.response, standalone_message("RequestHeader"),
-            standalone_message("ResponseHeader"), metadata.request, metadata.response]
+            standalone_message("ResponseHeader")]
     assert {m.name for m in msgs} == compiler.COMPILED, "a compiled message this test does not cover"
     return [pytest.param(m, v, id=f"{m.name}-v{v}") for m in msgs
             for v in range(m.versions.lo, m.versions.hi + 1)]
@@ -235,30 +235,3 @@ def test_the_decode_program_fits_every_message(msg, v):
 
     check()
 
-
-def test_the_proxy_decodes_metadata_compiled():
-    """The same counter for a Metadata v12 request and its answer (brokers, a topic, partitions)."""
-    require_accelerator()
-    before = compiler.codec_settings()
-    compiler.set_codec(native=True, lazy_min_items=compiler.DEFAULT_LAZY_MIN_ITEMS)
-    try:
-        api = api_by_name("metadata")
-        qcls, acls = compiler.message_class(api.request), compiler.message_class(api.response)
-        body = qcls(topics=[qcls.MetadataRequestTopic(name="t")], allow_auto_topic_creation=False)
-        _, qb = request_codecs(3, 12)
-        hits = qb.decode.hits
-        got = decode_request(_frame(encode_request(Request.build(3, 12, 9, "c", body))))
-        assert qb.decode.hits == hits + 1 and got.body.topics[0].name == "t"
-
-        part = acls.MetadataResponsePartition
-        answer = acls(brokers=[acls.MetadataResponseBroker(node_id=1, host="h", port=9092)],
-                      topics=[acls.MetadataResponseTopic(name="t", partitions=[
-                          part(partition_index=0, leader_id=1, replica_nodes=[1], isr_nodes=[1])])])
-        _, ab = response_codecs(3, 12)
-        hits = ab.decode.hits
-        back = decode_response(_frame(encode_response(Response.build(3, 12, 9, answer))), 3, 12)
-        assert ab.decode.hits == hits + 1
-        assert back.body.topics[0].partitions[0].replica_nodes == [1]
-        assert back.body.brokers[0].host == "h"
-    finally:
-        compiler.set_codec(native=before[0], lazy_min_items=before[1])

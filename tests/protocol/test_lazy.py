@@ -287,7 +287,7 @@ def test_the_generated_skip_is_shown_and_in_tracebacks(native, shown):
     finally:
         compiler.set_codec(native=before[0], lazy_min_items=before[1])
     assert shown in text and "_Lazy(buf, _st, pos, _e, n, da_MetadataResponseTopic, sp)" in text
-    # Metadata decodes compiled where the accelerator has it: its Python decoder is the fallback.
+    # Where a message decodes compiled, its Python decoder is the fallback behind it.
     code = getattr(bc.decode, "fallback", bc.decode).__code__
     assert linecache.getline(code.co_filename, code.co_firstlineno).startswith("def d_MetadataResponse(")
 
