@@ -11,6 +11,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h>
 
 /* Must match compiler.py's _OP table; bump ABI when the encoding of a program changes. */
 #define ABI 1
@@ -1294,6 +1295,542 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------------------
+   Compiled decoding (Decoder): the decode of one message version done here, building the same
+   generated classes' instances the Python decoder builds, from a program the compiler emits from
+   the same schema (kproxy/protocol/codegen/decode_program.py documents the rows and opcodes).
+
+   It is a fast path, not a second reference: whatever it does not handle (bytes it would reject, a
+   known tagged field, an array of structs long enough to stay lazy, a buffer that is not a contiguous
+   memoryview) it hands, untouched, to the generated Python decoder, which decides and reports. So it
+   never accepts what the Python decoder rejects (every read is checked against `end`, as strictly or
+   more strictly than there) and builds equal values when it accepts: tests/protocol/test_compiled.py
+   checks both, value for value and byte for byte. Instances are allocated directly and their slots
+   set at the offsets of the classes' member descriptors: the generated __init__ only stores its
+   arguments, so skipping it changes nothing but the cost. */
+
+enum {
+    D_FIXED = 1,      /* slot type: a fixed-width value (type: DT_*) */
+    D_STRING = 2,     /* slot compact nullable: a string */
+    D_BYTES = 3,      /* slot compact nullable: bytes or records, a memoryview slice of the input */
+    D_ARRFIX = 4,     /* slot compact nullable type: an array of fixed-width values */
+    D_ARRBLOB = 5,    /* slot compact nullable isbytes: an array of strings or bytes (never null) */
+    D_ARRSTRUCT = 6,  /* slot compact nullable sid min_elem: an array of structs */
+    D_STRUCT = 7,     /* slot sid: a struct */
+    D_NSTRUCT = 8,    /* slot sid: a nullable struct (int8 marker, negative = null) */
+    D_TAGS = 9,       /* nknown tag*nknown: the tagged-field section; a known tag falls back */
+};
+/* Must match codegen/decode_program.py's DECODER_ABI; bump it when a program's encoding changes. */
+#define DECODER_ABI 1
+static const int D_ARGS[] = {0, 2, 3, 3, 4, 4, 5, 2, 2, -1};
+enum { DT_INT8, DT_INT16, DT_INT32, DT_INT64, DT_UINT16, DT_UINT32, DT_FLOAT64, DT_BOOL, DT_UUID };
+static const int DT_SIZE[] = {1, 2, 4, 8, 2, 4, 8, 1, 16};
+/* Defaults of slots no opcode sets: a constant, a fresh list, or the value of calling a class. */
+enum { DEF_SET = 0, DEF_CONST = 1, DEF_LIST = 2, DEF_CALL = 3 };
+#define D_MAX_SLOTS 64
+
+typedef struct {
+    PyTypeObject *cls;
+    Py_ssize_t nfields;     /* slots 0..nfields-1 are the fields; then _unknown, _explicit[, _version] */
+    Py_ssize_t nslots;
+    Py_ssize_t offsets[D_MAX_SLOTS];
+    int dkind[D_MAX_SLOTS];
+    PyObject *dvalue[D_MAX_SLOTS];  /* borrowed from DecoderObject.rows */
+    int64_t *ops;
+    Py_ssize_t nops;
+} DRow;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *rows_obj;     /* the rows tuple, which owns classes and defaults */
+    PyObject *fallback;     /* the generated Python decoder of the root */
+    PyObject *make_uuid;
+    PyObject *version;
+    Py_ssize_t lazy_min;
+    ProgramObject *skip;    /* the validating skip of lazy arrays, or NULL: they fall back */
+    PyObject *lazy_cls;     /* LazyArray */
+    PyObject *lazy_rows;    /* per row: None, or (skip program's struct id, the Python da_ function) */
+    Py_ssize_t nrows;
+    DRow *rows;
+    Py_ssize_t hits, fallbacks;
+} DecoderObject;
+
+typedef struct {
+    const DecoderObject *d;
+    const uint8_t *buf;
+    PyObject *mv;
+    PyObject **spans;  /* the message's span dict for its lazy arrays, made when the first is */
+} DCtx;
+
+static void decoder_dealloc(DecoderObject *self)
+{
+    if (self->rows != NULL)
+        for (Py_ssize_t i = 0; i < self->nrows; i++)
+            PyMem_Free(self->rows[i].ops);
+    PyMem_Free(self->rows);
+    Py_XDECREF(self->rows_obj);
+    Py_XDECREF(self->fallback);
+    Py_XDECREF(self->make_uuid);
+    Py_XDECREF(self->version);
+    Py_XDECREF(self->skip);
+    Py_XDECREF(self->lazy_cls);
+    Py_XDECREF(self->lazy_rows);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static uint64_t be_u(const uint8_t *p, int width)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < width; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* The functions below return a new reference, or NULL: with a Python error set for a real failure
+   (memory), without one to mean "hand this message to the Python decoder". */
+
+static PyObject *d_fixed(const DCtx *c, int type, Py_ssize_t *pos, Py_ssize_t end)
+{
+    int w = DT_SIZE[type];
+    if (end - *pos < w)
+        return NULL;
+    const uint8_t *p = c->buf + *pos;
+    *pos += w;
+    switch (type) {
+        case DT_INT8: return PyLong_FromLong((int8_t)p[0]);
+        case DT_INT16: return PyLong_FromLong((int16_t)be_u(p, 2));
+        case DT_INT32: return PyLong_FromLong((int32_t)be_u(p, 4));
+        case DT_INT64: return PyLong_FromLongLong((int64_t)be_u(p, 8));
+        case DT_UINT16: return PyLong_FromLong((long)be_u(p, 2));
+        case DT_UINT32: return PyLong_FromUnsignedLong((unsigned long)be_u(p, 4));
+        case DT_FLOAT64: return PyFloat_FromDouble(PyFloat_Unpack8((const char *)p, 0));
+        case DT_BOOL: return Py_NewRef(p[0] ? Py_True : Py_False);
+        default: {
+            PyObject *hi = PyLong_FromUnsignedLongLong(be_u(p, 8));
+            PyObject *lo = hi ? PyLong_FromUnsignedLongLong(be_u(p + 8, 8)) : NULL;
+            PyObject *u = lo ? PyObject_CallFunctionObjArgs(c->d->make_uuid, hi, lo, NULL) : NULL;
+            Py_XDECREF(hi);
+            Py_XDECREF(lo);
+            return u;
+        }
+    }
+}
+
+/* A length (strings: width 2, else 4) or a compact one; null is n == -1. -2: not acceptable here. */
+static int d_len(const DCtx *c, Py_ssize_t *pos, Py_ssize_t end, int compact, int width, int nullable,
+                 int64_t *n)
+{
+    return read_count(c->buf, pos, end, compact, width, nullable, n);
+}
+
+static PyObject *d_blob(const DCtx *c, int isbytes, Py_ssize_t *pos, Py_ssize_t end, int compact,
+                        int nullable)
+{
+    int64_t n;
+    if (d_len(c, pos, end, compact, isbytes ? 4 : 2, nullable, &n))
+        return NULL;
+    if (n == -1)
+        return Py_NewRef(Py_None);
+    if (n > end - *pos)
+        return NULL;
+    Py_ssize_t at = *pos;
+    *pos += (Py_ssize_t)n;
+    if (isbytes)
+        return PySequence_GetSlice(c->mv, at, at + (Py_ssize_t)n);
+    return PyUnicode_DecodeUTF8((const char *)c->buf + at, (Py_ssize_t)n, "surrogateescape");
+}
+
+static PyObject *d_struct(const DCtx *c, Py_ssize_t sid, Py_ssize_t *pos, Py_ssize_t end, int depth);
+
+/* A LazyArray of n structs sid starting at *pos (its count at start), after the validating skip the
+   Python decoder runs: as it does, LazyArray(buf, start, pos, end_of_array, n, da_<struct>, spans). */
+static PyObject *d_lazy(const DCtx *c, int64_t sid, Py_ssize_t start, Py_ssize_t *pos, Py_ssize_t end,
+                        int64_t n)
+{
+    const DecoderObject *d = c->d;
+    if (d->skip == NULL)
+        return NULL;
+    PyObject *entry = PyTuple_GET_ITEM(d->lazy_rows, sid);
+    if (entry == Py_None)
+        return NULL;
+    if (*c->spans == NULL && (*c->spans = PyDict_New()) == NULL)
+        return NULL;
+    Ctx sc = {c->buf, d->skip, *c->spans, d->lazy_min};
+    Py_ssize_t e = run(&sc, PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0)), *pos, end, n, 0);
+    if (e < 0)
+        return NULL;  /* -2 left a Python error set; -1 is bad bytes, which the fallback reports */
+    PyObject *args[7] = {c->mv, NULL, NULL, NULL, NULL, PyTuple_GET_ITEM(entry, 1), *c->spans};
+    PyObject *result = NULL;
+    if ((args[1] = PyLong_FromSsize_t(start)) && (args[2] = PyLong_FromSsize_t(*pos))
+            && (args[3] = PyLong_FromSsize_t(e)) && (args[4] = PyLong_FromLongLong(n)))
+        result = PyObject_Vectorcall(d->lazy_cls, args, 7, NULL);
+    for (int i = 1; i < 5; i++)
+        Py_XDECREF(args[i]);
+    if (result != NULL)
+        *pos = e;
+    return result;
+}
+
+static PyObject *d_array(const DCtx *c, const int64_t *op, Py_ssize_t *pos, Py_ssize_t end, int depth)
+{
+    int code = (int)op[0], compact = (int)op[2], nullable = (int)op[3];
+    int64_t n, unit;
+    Py_ssize_t start = *pos;
+    if (d_len(c, pos, end, compact, 4, nullable, &n))
+        return NULL;
+    if (n == -1)
+        return Py_NewRef(Py_None);
+    if (code == D_ARRFIX)
+        unit = DT_SIZE[op[4]];
+    else if (code == D_ARRBLOB)
+        unit = compact ? 1 : (op[4] ? 4 : 2);
+    else
+        unit = op[5];
+    if (n * unit > end - *pos)
+        return NULL;
+    if (code == D_ARRSTRUCT && (c->d->lazy_min == 0 || n >= c->d->lazy_min))
+        return d_lazy(c, op[4], start, pos, end, n);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)n; i++) {
+        PyObject *e;
+        if (code == D_ARRFIX)
+            e = d_fixed(c, (int)op[4], pos, end);
+        else if (code == D_ARRBLOB)
+            e = d_blob(c, (int)op[4], pos, end, compact, 0);
+        else
+            e = d_struct(c, (Py_ssize_t)op[4], pos, end, depth + 1);
+        if (e == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, e);
+    }
+    return list;
+}
+
+static PyObject *d_struct(const DCtx *c, Py_ssize_t sid, Py_ssize_t *pos, Py_ssize_t end, int depth)
+{
+    if (depth > MAX_DEPTH)
+        return NULL;
+    const DRow *r = &c->d->rows[sid];
+    PyObject *v[D_MAX_SLOTS];
+    PyObject *result = NULL, *unk = NULL;
+    memset(v, 0, sizeof(PyObject *) * (size_t)r->nslots);
+    const int64_t *op = r->ops, *stop = r->ops + r->nops;
+    while (op < stop) {
+        int64_t code = op[0];
+        PyObject *x;
+        switch (code) {
+            case D_FIXED:
+                x = d_fixed(c, (int)op[2], pos, end);
+                break;
+            case D_STRING:
+            case D_BYTES:
+                x = d_blob(c, code == D_BYTES, pos, end, (int)op[2], (int)op[3]);
+                break;
+            case D_ARRFIX:
+            case D_ARRBLOB:
+            case D_ARRSTRUCT:
+                x = d_array(c, op, pos, end, depth);
+                break;
+            case D_STRUCT:
+                x = d_struct(c, (Py_ssize_t)op[2], pos, end, depth + 1);
+                break;
+            case D_NSTRUCT:
+                if (*pos >= end)
+                    goto done;
+                if (c->buf[(*pos)++] >= 128)
+                    x = Py_NewRef(Py_None);
+                else
+                    x = d_struct(c, (Py_ssize_t)op[2], pos, end, depth + 1);
+                break;
+            default: { /* D_TAGS */
+                int64_t nt, tag, sz;
+                if (read_uv(c->buf, pos, end, &nt) || nt > end - *pos)
+                    goto done;
+                for (int64_t t = 0; t < nt; t++) {
+                    if (read_uv(c->buf, pos, end, &tag) || read_uv(c->buf, pos, end, &sz) || sz > end - *pos)
+                        goto done;
+                    for (int64_t k = 0; k < op[1]; k++)
+                        if (op[2 + k] == tag)
+                            goto done;  /* a known tagged field: the Python decoder reads it */
+                    if (unk == NULL && (unk = PyList_New(0)) == NULL)
+                        goto done;
+                    PyObject *data = PySequence_GetSlice(c->mv, *pos, *pos + (Py_ssize_t)sz);
+                    PyObject *item = data ? Py_BuildValue("(LN)", (long long)tag, data) : NULL;
+                    if (item == NULL || PyList_Append(unk, item) < 0) {
+                        Py_XDECREF(item);
+                        goto done;
+                    }
+                    Py_DECREF(item);
+                    *pos += (Py_ssize_t)sz;
+                }
+                op += 2 + op[1];
+                continue;
+            }
+        }
+        if (x == NULL)
+            goto done;
+        v[op[1]] = x;
+        op += 1 + D_ARGS[code];
+    }
+    for (Py_ssize_t i = 0; i < r->nfields; i++) {
+        if (v[i] != NULL)
+            continue;
+        switch (r->dkind[i]) {
+            case DEF_CONST: v[i] = Py_NewRef(r->dvalue[i]); break;
+            case DEF_LIST: v[i] = PyList_New(0); break;
+            case DEF_CALL: v[i] = PyObject_CallNoArgs(r->dvalue[i]); break;
+            default: break;
+        }
+        if (v[i] == NULL)
+            goto done;
+    }
+    v[r->nfields] = unk != NULL ? unk : Py_NewRef(Py_None);
+    unk = NULL;
+    v[r->nfields + 1] = Py_NewRef(Py_None);
+    if (r->nslots > r->nfields + 2)
+        v[r->nfields + 2] = Py_NewRef(c->d->version);
+    result = r->cls->tp_alloc(r->cls, 0);
+    if (result == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        *(PyObject **)((char *)result + r->offsets[i]) = v[i];
+        v[i] = NULL;
+    }
+done:
+    for (Py_ssize_t i = 0; i < r->nslots; i++)
+        Py_XDECREF(v[i]);
+    Py_XDECREF(unk);
+    return result;
+}
+
+static PyObject *decoder_call(PyObject *self_obj, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    DecoderObject *self = (DecoderObject *)self_obj;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL && nargs == 3 && PyMemoryView_Check(args[0])) {
+        Py_ssize_t pos = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+        Py_buffer *view = PyMemoryView_GET_BUFFER(args[0]);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+        } else if (PyBuffer_IsContiguous(view, 'C') && view->itemsize == 1 && view->buf != NULL
+                   && 0 <= pos && pos <= end && end <= view->len) {
+            PyObject *spans = NULL;
+            DCtx c = {self, (const uint8_t *)view->buf, args[0], &spans};
+            PyObject *obj = d_struct(&c, 0, &pos, end, 0);
+            Py_XDECREF(spans);
+            if (obj != NULL) {
+                self->hits++;
+                PyObject *p = PyLong_FromSsize_t(pos);
+                if (p == NULL) {
+                    Py_DECREF(obj);
+                    return NULL;
+                }
+                PyObject *t = PyTuple_New(2);
+                if (t == NULL) {
+                    Py_DECREF(obj);
+                    Py_DECREF(p);
+                    return NULL;
+                }
+                PyTuple_SET_ITEM(t, 0, obj);
+                PyTuple_SET_ITEM(t, 1, p);
+                return t;
+            }
+            if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_ValueError)
+                    && !PyErr_ExceptionMatches(PyExc_OverflowError))
+                return NULL;  /* memory and the like: not the bytes' fault */
+            PyErr_Clear();
+        }
+    }
+    self->fallbacks++;
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+/* Decoder(rows, fallback, make_uuid, version, lazy_min, lazy): rows is a tuple with one row per
+   struct, the root first: (cls, slot_names, ops, defaults); slot_names are the fields, then _unknown,
+   _explicit and, for the root, _version; defaults has one (kind, value) per field (DEF_*). lazy is
+   None (lazy arrays fall back) or (skip Program, LazyArray, per row None or (skip struct id, da_)). */
+static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *rows, *fallback, *make_uuid, *version, *lazy;
+    Py_ssize_t lazy_min;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "Decoder() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!OOO!nO:Decoder", &PyTuple_Type, &rows, &fallback, &make_uuid,
+                          &PyLong_Type, &version, &lazy_min, &lazy))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(rows);
+    if (n < 1 || lazy_min < 0 || !PyCallable_Check(fallback) || !PyCallable_Check(make_uuid))
+        goto bad;
+    if (lazy != Py_None) {
+        if (!PyTuple_Check(lazy) || PyTuple_GET_SIZE(lazy) != 3
+                || !PyObject_TypeCheck(PyTuple_GET_ITEM(lazy, 0), &ProgramType)
+                || !PyCallable_Check(PyTuple_GET_ITEM(lazy, 1)) || !PyTuple_Check(PyTuple_GET_ITEM(lazy, 2))
+                || PyTuple_GET_SIZE(PyTuple_GET_ITEM(lazy, 2)) != n)
+            goto bad;
+        const ProgramObject *sp = (const ProgramObject *)PyTuple_GET_ITEM(lazy, 0);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *e = PyTuple_GET_ITEM(PyTuple_GET_ITEM(lazy, 2), i);
+            if (e == Py_None)
+                continue;
+            if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 2 || !PyLong_Check(PyTuple_GET_ITEM(e, 0))
+                    || !PyCallable_Check(PyTuple_GET_ITEM(e, 1)))
+                goto bad;
+            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
+            if (k < 0 || k >= sp->nstructs) {
+                PyErr_Clear();
+                goto bad;
+            }
+        }
+    }
+    DecoderObject *self = (DecoderObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = decoder_call;
+    self->rows_obj = Py_NewRef(rows);
+    self->fallback = Py_NewRef(fallback);
+    self->make_uuid = Py_NewRef(make_uuid);
+    self->version = Py_NewRef(version);
+    self->lazy_min = lazy_min;
+    if (lazy != Py_None) {
+        self->skip = (ProgramObject *)Py_NewRef(PyTuple_GET_ITEM(lazy, 0));
+        self->lazy_cls = Py_NewRef(PyTuple_GET_ITEM(lazy, 1));
+        self->lazy_rows = Py_NewRef(PyTuple_GET_ITEM(lazy, 2));
+    }
+    self->nrows = n;
+    self->rows = PyMem_Calloc((size_t)n, sizeof(DRow));
+    if (self->rows == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyTuple_GET_ITEM(rows, i), *cls, *names, *ops, *defs;
+        DRow *r = &self->rows[i];
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 4)
+            goto bad_self;
+        cls = PyTuple_GET_ITEM(row, 0);
+        names = PyTuple_GET_ITEM(row, 1);
+        ops = PyTuple_GET_ITEM(row, 2);
+        defs = PyTuple_GET_ITEM(row, 3);
+        if (!PyType_Check(cls) || !PyTuple_Check(names) || !PyTuple_Check(ops) || !PyTuple_Check(defs))
+            goto bad_self;
+        r->cls = (PyTypeObject *)cls;
+        r->nslots = PyTuple_GET_SIZE(names);
+        r->nfields = PyTuple_GET_SIZE(defs);
+        if (r->nslots > D_MAX_SLOTS || r->nslots != r->nfields + 2 + (i == 0))
+            goto bad_self;
+        for (Py_ssize_t j = 0; j < r->nslots; j++) {
+            PyObject *d = PyObject_GetAttr(cls, PyTuple_GET_ITEM(names, j));
+            if (d == NULL) {
+                Py_DECREF(self);
+                return NULL;
+            }
+            int ok = Py_IS_TYPE(d, &PyMemberDescr_Type)
+                     && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX
+                     && !(((PyMemberDescrObject *)d)->d_member->flags & READONLY)
+                     && PyType_IsSubtype(r->cls, ((PyMemberDescrObject *)d)->d_common.d_type);
+            if (ok)
+                r->offsets[j] = ((PyMemberDescrObject *)d)->d_member->offset;
+            Py_DECREF(d);
+            if (!ok)
+                goto bad_self;
+        }
+        for (Py_ssize_t j = 0; j < r->nfields; j++) {
+            PyObject *dv = PyTuple_GET_ITEM(defs, j);
+            if (!PyTuple_Check(dv) || PyTuple_GET_SIZE(dv) != 2)
+                goto bad_self;
+            long kind = PyLong_AsLong(PyTuple_GET_ITEM(dv, 0));
+            if (kind < DEF_SET || kind > DEF_CALL || (kind == DEF_CALL && !PyCallable_Check(PyTuple_GET_ITEM(dv, 1))))
+                goto bad_self;
+            r->dkind[j] = (int)kind;
+            r->dvalue[j] = PyTuple_GET_ITEM(dv, 1);
+        }
+        r->nops = PyTuple_GET_SIZE(ops);
+        r->ops = PyMem_Calloc((size_t)r->nops + 1, sizeof(int64_t));
+        if (r->ops == NULL) {
+            Py_DECREF(self);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t j = 0; j < r->nops; j++) {
+            long long x = PyLong_AsLongLong(PyTuple_GET_ITEM(ops, j));
+            if (x == -1 && PyErr_Occurred()) {
+                Py_DECREF(self);
+                return NULL;
+            }
+            r->ops[j] = x;
+        }
+    }
+    /* Check every row once, so the interpreter can trust opcodes, arguments, slots and struct ids. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        DRow *r = &self->rows[i];
+        int set[D_MAX_SLOTS] = {0};
+        const int64_t *op = r->ops, *stop = r->ops + r->nops;
+        while (op < stop) {
+            int64_t code = op[0];
+            if (code < D_FIXED || code > D_TAGS)
+                goto bad_self;
+            Py_ssize_t na = code == D_TAGS ? (op + 1 < stop ? 1 + op[1] : -1) : D_ARGS[code];
+            if (na < 0 || op + 1 + na > stop)
+                goto bad_self;
+            if (code == D_TAGS) {
+                if (op + 1 + na != stop)
+                    goto bad_self;
+                op += 1 + na;
+                continue;
+            }
+            if (op[1] < 0 || op[1] >= r->nfields || set[op[1]]++)
+                goto bad_self;
+            if ((code == D_FIXED || code == D_ARRFIX) && (op[code == D_FIXED ? 2 : 4] < DT_INT8
+                                                          || op[code == D_FIXED ? 2 : 4] > DT_UUID))
+                goto bad_self;
+            if ((code == D_STRUCT || code == D_NSTRUCT) && (op[2] < 1 || op[2] >= n))
+                goto bad_self;
+            if (code == D_ARRSTRUCT && (op[4] < 1 || op[4] >= n || op[5] < 1))
+                goto bad_self;
+            op += 1 + na;
+        }
+        for (Py_ssize_t j = 0; j < r->nfields; j++)
+            if ((r->dkind[j] == DEF_SET) != (set[j] != 0))
+                goto bad_self;
+    }
+    return (PyObject *)self;
+bad_self:
+    Py_DECREF(self);
+bad:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "malformed decode program");
+    return NULL;
+}
+
+static PyMemberDef decoder_members[] = {
+    {"hits", T_PYSSIZET, offsetof(DecoderObject, hits), READONLY,
+     "messages decoded here (the compiled path)"},
+    {"fallbacks", T_PYSSIZET, offsetof(DecoderObject, fallbacks), READONLY,
+     "messages handed to the Python decoder"},
+    {"fallback", T_OBJECT, offsetof(DecoderObject, fallback), READONLY, "the Python decoder"},
+    {NULL},
+};
+
+static PyTypeObject DecoderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kproxy.protocol._accel.Decoder",
+    .tp_doc = "A compiled decoder of one message version: called as the generated Python decoder is,\n"
+              "(buf, pos, end) -> (obj, pos); whatever it does not handle goes to that decoder.",
+    .tp_basicsize = sizeof(DecoderObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = decoder_new,
+    .tp_dealloc = (destructor)decoder_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(DecoderObject, vectorcall),
+    .tp_members = decoder_members,
+};
+
 /* ---- Produce under metrics alone: what metrics count, read from a relayed exchange's bytes --------
 
    The compiled twin of kproxy/proxy/produce_bytes.py (the reference and the fallback; a property test
@@ -1523,7 +2060,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__accel(void)
 {
-    if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0)
+    if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0 || PyType_Ready(&DecoderType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -1531,6 +2068,8 @@ PyMODINIT_FUNC PyInit__accel(void)
     Py_INCREF(&ProgramType);
     if (PyModule_AddObject(m, "Program", (PyObject *)&ProgramType) < 0
             || PyModule_AddIntConstant(m, "ABI", ABI) < 0
+            || PyModule_AddObjectRef(m, "Decoder", (PyObject *)&DecoderType) < 0
+            || PyModule_AddIntConstant(m, "DECODER_ABI", DECODER_ABI) < 0
             || PyModule_AddIntConstant(m, "OPEN_INTO", 1) < 0) {
         Py_DECREF(&ProgramType);
         Py_DECREF(m);

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kproxy.protocol import primitives as P
+from kproxy.protocol.codegen.decode_program import DECODER_ABI, decode_program, lazy_entries
 from kproxy.protocol.codegen.layout import FIXED, Layout
 from kproxy.protocol.codegen.python_decoders import generate_decoders
 from kproxy.protocol.codegen.python_encoders import generate_encoders
@@ -36,6 +37,13 @@ from kproxy.protocol.schema import FieldSpec, MessageSpec, StructSpec
 # Bytes and records values at least this long are not copied into the output buffer; the encoder
 # hands them to the writer as separate buffers for one vectored send.
 ZERO_COPY_MIN = 1024
+
+# Messages whose decode runs compiled, in the accelerator's Decoder, when the native codec is chosen:
+# the Python decoder stays the reference and gets every message the compiled one does not handle.
+# Measured (docs/performance.md, "The codec"): a one-record Produce through kproxy with rules.
+# Metadata was measured too and left out: since its answers are served from memory where rules name
+# topics, its compiled decode moved nothing (1.000x).
+COMPILED = frozenset({"ProduceRequest", "ProduceResponse", "RequestHeader", "ResponseHeader"})
 
 # Arrays of structs with at least this many elements are decoded lazily (LazyArray) by the fast
 # decoders: validated at once, decoded on first access, re-encoded as views of the input until then.
@@ -317,6 +325,20 @@ def codec_source(msg: MessageSpec, version: int, native: bool | None = None,
             + "\n" + generate_encoders(msg, version))
 
 
+def compiled_text(c: Codec) -> str:
+    """The decode program the accelerator's compiled decoder runs for ``c``, as comments, one row per
+    struct (class, slots, ops, defaults); empty when ``c`` decodes in generated Python only."""
+    if not hasattr(c.decode, "hits"):
+        return ""
+    lines = ["", "# Decoded by the accelerator's compiled Decoder (kproxy/protocol/_accel.c) running this program;",
+             "# d_" + c.message.root.name + " above is its reference and fallback. One row per struct:"]
+    for i, (cls, names, ops, defaults) in enumerate(decode_program(c.message, c.version, _namespace(c.message))):
+        lines.append(f"#   {i} {cls.__name__}: slots {', '.join(names)}")
+        lines.append(f"#     ops {', '.join(map(str, ops))}")
+        lines.append(f"#     defaults {', '.join(f'{k}:{v!r}' for k, v in defaults)}")
+    return "\n".join(lines) + "\n"
+
+
 def _unbuilt(*args: Any) -> Any:  # pragma: no cover - replaced by _build before any use
     raise AssertionError("codec not built")
 
@@ -330,6 +352,29 @@ def _build(c: Codec) -> None:
     ns = exec_source(src, f"<kproxy-codec {name}>", _namespace(c.message))
     root = c.message.root.name
     c.decode, c.encode, c.source, c._traced = ns["d_" + root], ns["e_" + root], src, None
+    if c.native and c.message.name in COMPILED and compiled_decoding():
+        c.decode = _decoder(c, ns)
+
+
+def compiled_decoding() -> bool:
+    """True when the accelerator was built with the compiled Decoder this compiler emits programs for."""
+    return getattr(_accel, "DECODER_ABI", None) == DECODER_ABI
+
+
+def _decoder(c: Codec, ns: dict[str, Any]) -> Any:
+    """The accelerator's compiled decoder of ``c`` in front of the generated ``d_`` root in ``ns``."""
+    lazy = (ns["_SKIP"], LazyArray, lazy_entries(c.message, c.version, ns)) if "_SKIP" in ns else None
+    return _accel.Decoder(decode_program(c.message, c.version, ns), ns["d_" + c.message.root.name],
+                          P.make_uuid, c.version, c.lazy_min_items, lazy)
+
+
+def compiled_decoder(c: Codec) -> Any:
+    """A compiled decoder of any native codec ``c``, COMPILED or not, for tests and benchmarks: called
+    as ``c.decode``, its Python decoder (a fresh copy) behind it."""
+    if not c.native or not compiled_decoding():
+        raise RuntimeError("the compiled decoder needs the native codec and an accelerator built with it")
+    src = codec_source(c.message, c.version, True, c.lazy_min_items)
+    return _decoder(c, exec_source(src, f"<kproxy-codec {c.name} compiled-check>", _namespace(c.message)))
 
 
 def get_codec(msg: MessageSpec, version: int) -> Codec:
