@@ -1487,7 +1487,9 @@ static PyObject *d_array(const DCtx *c, const int64_t *op, Py_ssize_t *pos, Py_s
         unit = compact ? 1 : (op[4] ? 4 : 2);
     else
         unit = op[5];
-    if (n * unit > end - *pos)
+    /* A list is made only for elements the bytes can hold (an element of no bytes is not bounded
+       by them: the Python decoder decides). */
+    if (unit <= 0 || n * unit > end - *pos)
         return NULL;
     if (code == D_ARRSTRUCT && (c->d->lazy_min == 0 || n >= c->d->lazy_min))
         return d_lazy(c, op[4], start, pos, end, n);
