@@ -1009,8 +1009,10 @@ class Session(SessionCutThrough, SessionSasl):
             stored = decode_response(memoryview(data)[4:], entry.api_key, version, keep_trailing=True)
         except DecodeError:  # pragma: no cover - kproxy's own encoding decodes
             return
+        # The decoded body is counted as twice the bytes; the pairs taught again are counted whole.
+        size = len(seen) + 2 * len(data) + (TopicNames.taught_bytes(taught) if taught else 0)
         memo.put((entry.api_key, version, self.ctx.listener, keys, seen),
-                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms, taught), len(seen) + 2 * len(data))
+                 Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms, taught), size)
 
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""

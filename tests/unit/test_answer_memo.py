@@ -455,3 +455,22 @@ def test_teaching_the_same_pairs_again_is_skipped_only_while_the_table_has_not_m
     names._names.clear()
     names.learn_again(many)
     assert len(names) == 3
+
+
+def test_the_pairs_kept_to_teach_again_count_against_the_memorys_bytes():
+    topics = {f"topic-{i:03d}": 1 for i in range(50)}
+    body = named_answer(topics)
+    sizes = []
+    for names in (None, learning()):
+        m, chain, memo = rewriter_setup()
+        warmed(Client(chain, memo, topic_names=names, read_answers=False), m, body)
+        assert memo.stored == 1
+        sizes.append(memo.bytes)
+    # 50 pairs of a UUID and a 9-character name: each counted with what keeps it alive.
+    assert sizes[1] - sizes[0] == sum(TopicNames.taught_bytes((p,)) for p in learning().taught(body.topics))
+    assert sizes[1] - sizes[0] == 50 * (205 + 9)
+    # A memory with room for the answer but not for its pairs does not keep it.
+    m, chain, _ = rewriter_setup()
+    memo = AnswerMemo(max_bytes=sizes[1] - 1)
+    warmed(Client(chain, memo, topic_names=learning(), read_answers=False), m, body)
+    assert memo.stored == 0 and memo.bytes == 0
