@@ -1,9 +1,11 @@
 """Many clients, small requests: requests per second and latency of small round trips from many
 concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
 
-Three loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
+Four loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
 v9 request with acks=1 carrying one record of 100 bytes to partition 0 of a topic that must exist;
-``heartbeat``, a Heartbeat v4 for a group the broker does not know (an idle consumer's request).
+``produce-v11``, the same as Produce v11 (whose answer may carry KIP-951's node_endpoints, the
+newest version tansu speaks); ``heartbeat``, a Heartbeat v4 for a group the broker does not know (an
+idle consumer's request).
 Each load process drives its share of the connections with a selector loop over raw sockets (no
 client library, so the generator itself stays cheap): every connection keeps exactly one request in
 flight and sends the next as soon as the answer is whole. The first answer on each connection is
@@ -25,7 +27,9 @@ import time
 from dataclasses import dataclass
 
 _I32 = struct.Struct(">i")
-KINDS = ("metadata", "produce", "heartbeat")
+KINDS = ("metadata", "produce", "heartbeat", "produce-v11")
+# The Produce version of each produce loop.
+PRODUCE_VERSIONS = {"produce": 9, "produce-v11": 11}
 PRODUCE_VALUE_BYTES = 100
 
 
@@ -40,8 +44,9 @@ def metadata_v12_request(correlation_id: int) -> bytes:
     return _I32.pack(len(frame)) + frame
 
 
-def produce_v9_request(correlation_id: int, topic: str) -> bytes:
-    """Produce v9, acks=1, one RecordBatch v2 holding one record of ``PRODUCE_VALUE_BYTES`` bytes."""
+def produce_v9_request(correlation_id: int, topic: str, version: int = 9) -> bytes:
+    """Produce v9 (or ``version``, 9-12), acks=1, one RecordBatch v2 holding one record of
+    ``PRODUCE_VALUE_BYTES`` bytes."""
     from kproxy.protocol.messages import Request, body_class, encode_request_frame
     from kproxy.protocol.records import build_batch
 
@@ -49,7 +54,7 @@ def produce_v9_request(correlation_id: int, topic: str) -> bytes:
     batch = build_batch([(None, b"v" * PRODUCE_VALUE_BYTES)], base_timestamp=1_700_000_000_000)
     body = cls(transactional_id=None, acks=1, timeout_ms=30_000, topic_data=[
         cls.TopicProduceData(name=topic, partition_data=[cls.PartitionProduceData(index=0, records=batch)])])
-    return b"".join(bytes(b) for b in encode_request_frame(Request.build(0, 9, correlation_id, "bench", body)))
+    return b"".join(bytes(b) for b in encode_request_frame(Request.build(0, version, correlation_id, "bench", body)))
 
 
 def heartbeat_v4_request(correlation_id: int, group: str = "bench-group") -> bytes:
@@ -66,10 +71,10 @@ def request_for(kind: str, topic: str | None) -> bytes:
         return metadata_v12_request(1)
     if kind == "heartbeat":
         return heartbeat_v4_request(1)
-    if kind == "produce":
+    if kind in PRODUCE_VERSIONS:
         if not topic:
             raise ValueError("the produce loop needs a topic")
-        return produce_v9_request(1, topic)
+        return produce_v9_request(1, topic, PRODUCE_VERSIONS[kind])
     raise ValueError(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
 
 
@@ -81,7 +86,8 @@ def check_answer(kind: str, frame: bytes) -> None:
     if kind == "heartbeat":
         decode_response(memoryview(frame), 12, 4)       # any error code: the group is unknown
         return
-    resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0, 12 if kind == "metadata" else 9)
+    resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0,
+                           12 if kind == "metadata" else PRODUCE_VERSIONS[kind])
     if kind == "metadata":
         if not resp.body.brokers:
             raise SystemExit(f"a Metadata answer without brokers: {resp!r}")

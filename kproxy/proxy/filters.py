@@ -178,6 +178,8 @@ class Filter:
     reports_changes: bool = False
     # True when the filter may let some apis go by unread although it sees every one (``passes``).
     may_pass: bool = False
+    # Api keys whose answers this filter reads only when their bytes say so (``reads_answer``).
+    reads_by_bytes: frozenset[int] = frozenset()
 
     def passes(self, api_key: int, api_version: int) -> bool:
         """On filters that set ``may_pass``: whether, with the configuration in force now, the filter
@@ -187,6 +189,14 @@ class Filter:
         the session could relay undecoded, so it must be cheap; the answer may change when the
         filter's configuration reloads (the next request sees the new one)."""
         return False
+
+    def reads_answer(self, api_key: int, api_version: int, frame: Any) -> bool:
+        """For the api keys of ``reads_by_bytes``: whether ``on_response`` has anything to do with
+        this one answer of a version it ``reads_response``, told from the broker's bytes (``frame``,
+        from the correlation id on). When it says no, the answer may go on undecoded. Asked of every
+        such answer, so it must be cheap; and exact: True whenever it cannot tell (a truncated or
+        malformed answer is decoded, and the decoder says what is wrong)."""
+        return True
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         """See (and possibly change) ``exchange.request``. Return None to forward it.
@@ -341,19 +351,22 @@ class FilterChain:
     def reads_answers(self, api_key: int, api_version: int) -> bool:
         """Whether a filter reads this api version's decoded answers: a response filter with something
         to do at that version (``Filter.reads_response``), or one told of the finished exchange. A
-        filter that ``may_pass`` is left out: whether it reads one answer is asked of it each time
-        (``answer_guards``)."""
+        filter that ``may_pass``, or reads the api's answers by their bytes, is left out: whether it
+        reads one answer is asked of it each time (``answer_guards``)."""
         key = (api_key, api_version)
         got = self._reads.get(key)
         if got is None:
             got = self._reads[key] = bool(self.for_done(api_key)) or any(
-                f.reads_response(api_key, api_version) for f in self.for_response(api_key) if not f.may_pass)
+                f.reads_response(api_key, api_version) for f in self.for_response(api_key)
+                if not f.may_pass and api_key not in f.reads_by_bytes)
         return got
 
     def answer_guards(self, api_key: int, api_version: int) -> tuple[Filter, ...]:
-        """The response filters of this api version that ``may_pass``: one reads an answer unless it
-        ``passes`` the api version now and kept nothing for the request."""
-        return tuple(f for f in self.for_response(api_key) if f.may_pass and f.reads_response(api_key, api_version))
+        """The response filters of this api version that ``may_pass`` or read its answers by their
+        bytes: one reads an answer unless it ``passes`` the api version now and kept nothing for the
+        request, and its ``reads_answer`` (for ``reads_by_bytes``) says no."""
+        return tuple(f for f in self.for_response(api_key)
+                     if (f.may_pass or api_key in f.reads_by_bytes) and f.reads_response(api_key, api_version))
 
     def pass_guards(self, api_key: int) -> tuple[Filter, ...] | None:
         """The filters a request of ``api_key`` must pass (``Filter.passes``) to go by undecoded; None

@@ -205,12 +205,15 @@ def _throttle_at(api_key: int, version: int) -> bool | int:
     return 5 if response_header_version(api_key, version) >= 1 else 4
 
 
-def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int) -> bool:
+def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int, frame: memoryview) -> bool:
     """Whether a filter that may pass reads this answer: it does not pass its api version now, or it
-    kept something for the request."""
+    kept something for the request; or a filter that reads the api's answers by their bytes says
+    this one needs it (``Filter.reads_answer``: a Produce answer with node_endpoints)."""
     key = entry.api_key
-    for f in guards:    # noqa: SIM110 - a loop: any() over a generator costs a frame per answer
-        if not f.passes(key, version) or entry.kept(f) is not None:
+    for f in guards:
+        if f.may_pass and (not f.passes(key, version) or entry.kept(f) is not None):
+            return True
+        if key in f.reads_by_bytes and f.reads_answer(key, version, frame):
             return True
     return False
 
@@ -785,7 +788,7 @@ class Session(SessionCutThrough, SessionSasl):
                 unread_by is not None and (unread := unread_by.get(entry.api_key << 16 | version))
                 and entry.api_key not in _NAMES_IN_ANSWERS
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
-                         and _guarded(entry, guards, version))
+                         and _guarded(entry, guards, version, frame))
                 and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame)))):
             # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
             # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
@@ -803,7 +806,7 @@ class Session(SessionCutThrough, SessionSasl):
             unread = False      # the traffic log or spans sampled it: read whole
         if (unread
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])  # type: ignore[index]
-                         and _guarded(entry, guards, version))
+                         and _guarded(entry, guards, version, frame))
                 # A Produce answer is read from its bytes when its request was (else decoded).
                 and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
