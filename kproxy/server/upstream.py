@@ -37,10 +37,10 @@ REAUTH_FROM, REAUTH_SPREAD = 0.85, 0.10
 # ...but at least this long before the session ends: 5-15% of a short session (a 3 s one left
 # 150-450 ms) is less than a busy machine can take to wake the timer and send the handshake, and a
 # broker closes a connection whose session has ended at its next request. Never before half the
-# lifetime, though: a broker starts at most one re-authentication a second on a connection.
+# lifetime, though: a broker starts at most one re-authentication a second on a connection (counted
+# between the starts of two; under 2 s, half the lifetime is sooner, which ``UpstreamLogin.log_in``
+# puts right).
 REAUTH_MARGIN_S = 1.0
-# That limit (Kafka's KafkaChannel) counts between the starts of two re-authentications; a session
-# shorter than 2 s would otherwise bring the next one sooner (``UpstreamLogin.log_in``).
 
 
 def reauth_after(lifetime_s: float, draw: float) -> float:
@@ -113,7 +113,6 @@ class UpstreamLogin:
         timeout: LoginTimedOut past it, OriginationError when refused."""
         timeout = self.timeout
         last_sent = trio.current_time()
-
         begun: float | None = None
 
         async def timed(req: Request) -> Response:
