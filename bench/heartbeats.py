@@ -10,13 +10,22 @@ watchdog); the difference over the heartbeats answered is the CPU per heartbeat.
 the table also says how often kproxy's loop-lag timer fired (from its /metrics) in either phase: 10
 times a second on a quiet loop, 200 while the loop is being held (a loaded machine holds it too).
 
-With ``--instructions``, the idle part is counted instead: kproxy runs under valgrind's callgrind,
+With ``--instructions``, instructions are counted instead: kproxy runs under valgrind's callgrind,
 every connection heartbeats once (so each has its broker connection, as a consumer's has), then the
-instructions kproxy executes over ``--seconds`` with every connection quiet are counted. Timers fire
-by the wall clock, so the count per second does not move with the machine's load.
+instructions kproxy executes over ``--seconds`` with every connection quiet are counted, and then
+over ``--seconds`` more with the connections heartbeating every ``--instructions-period`` seconds
+(default 60: callgrind slows kproxy some 50 times, and at 3 s it could not keep up, so heartbeats
+would arrive together and share wake-ups; at 60 s each still arrives alone, as at 3 s without
+callgrind). The beating phase less the quiet one, over the heartbeats answered, is the instructions
+per heartbeat at a low rate (compare ``bench/per_request.py --kinds heartbeat``, the same request back
+to back on one connection). Timers fire by the wall clock, so the count per second does not move
+with the machine's load.
+
+With ``--syscalls``, ``perf stat`` also counts kproxy's system calls, by kind, over the heartbeating
+phase: per heartbeat, they say how many receives, sends and event-loop waits and re-arms each costs.
 
 Run from the repository root:  ``.venv/bin/python bench/heartbeats.py [--connections 1000]
-[--period 3] [--seconds 30] [--baseline DIR] [--instructions]`` (``--baseline DIR``: also the kproxy in
+[--period 3] [--seconds 30] [--baseline DIR] [--instructions [--instructions-period 60]] [--syscalls]`` (``--baseline DIR``: also the kproxy in
 DIR/kproxy, as bench/per_request.py takes it).
 """
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import selectors
+import signal
 import socket
 import struct
 import subprocess
@@ -136,11 +146,13 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
             idle = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
             lag1 = lag_samples(name) if args.metrics else 0
             lag_quiet = (lag1 - lag0) / (time.monotonic() - t0)
+            perf = syscalls_start(proc.pid, workdir / f"perf.{name}.txt") if args.syscalls else None
             u0, s0 = cpu_times(proc.pid)
             t0 = time.monotonic()
             answered = group.run(args.seconds, send=True)
             elapsed = time.monotonic() - t0
             u1, s1 = cpu_times(proc.pid)
+            calls = syscalls_read(perf, workdir / f"perf.{name}.txt") if perf is not None else {}
             lag_beating = ((lag_samples(name) if args.metrics else 0) - lag1) / elapsed
             busy = (u1 + s1 - u0 - s0) / elapsed
             system = (s1 - s0) / elapsed
@@ -149,8 +161,11 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
     finally:
         stop(proc)
     rate = answered / elapsed
-    return {"idle": idle, "busy": busy, "system": system, "rate": rate, "lag_quiet": lag_quiet, "lag_beating": lag_beating,
-            "per_request": (busy - idle) / rate if rate else float("nan")}
+    got = {"idle": idle, "busy": busy, "system": system, "rate": rate, "lag_quiet": lag_quiet, "lag_beating": lag_beating,
+           "per_request": (busy - idle) / rate if rate else float("nan")}
+    # perf counts a little longer than the phase (its start and stop): per heartbeat, a slight overstatement.
+    got.update({f"calls_{k}": v / answered for k, v in calls.items()} if answered else {})
+    return got
 
 
 def lag_samples(name: str) -> int:
@@ -162,8 +177,10 @@ def lag_samples(name: str) -> int:
     raise RuntimeError("no kproxy_event_loop_lag_seconds_count in /metrics")
 
 
-def idle_instructions(bp: int, tree: Path | None, name: str, args: argparse.Namespace, workdir: Path) -> float:
-    """Instructions per second of kproxy holding ``--connections`` quiet connections (callgrind)."""
+def counted_instructions(bp: int, tree: Path | None, name: str, args: argparse.Namespace,
+                         workdir: Path) -> dict[str, float]:
+    """kproxy's instructions per second holding ``--connections`` quiet connections, and per second and
+    per heartbeat with them heartbeating every ``--instructions-period`` seconds (callgrind)."""
     out = workdir / f"callgrind.{name}.out"
     wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     proc, kp = start_kproxy(bp, tree, wrap, workdir, f"{name}-callgrind", timeout=300)
@@ -171,8 +188,10 @@ def idle_instructions(bp: int, tree: Path | None, name: str, args: argparse.Name
         group = Group(kp, args.connections, args.period)
         try:
             # Every connection once (spread over a period), and every answer in, before counting:
-            # under callgrind kproxy takes a while to catch up, and none of that may be counted.
-            group.run(args.period, send=True)
+            # under callgrind kproxy takes a while to catch up, and none of that may be counted. A
+            # little over the period, so that the last connection's turn (due just before its end)
+            # is not missed when a wait overshoots.
+            group.run(args.period * 1.2, send=True)
             deadline = time.monotonic() + 600
             while group.answers < args.connections and time.monotonic() < deadline:
                 group.run(1.0, send=False)
@@ -183,14 +202,49 @@ def idle_instructions(bp: int, tree: Path | None, name: str, args: argparse.Name
             t0 = time.monotonic()
             group.run(args.seconds, send=False)
             subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
-            elapsed = time.monotonic() - t0
+            quiet_s = time.monotonic() - t0
+            # Each dump holds what ran since the one before: OUT.1 the quiet phase, OUT.2 the beating.
+            group.period = args.instructions_period
+            t0 = time.monotonic()
+            answered = group.run(args.seconds, send=True)
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            beating_s = time.monotonic() - t0
         finally:
             group.close()
     finally:
         stop(proc)
-    counts = [int(line.split()[1]) for line in Path(f"{out}.1").read_text(errors="replace").splitlines()
-              if line.startswith("summary:")]
-    return sum(counts) / elapsed
+
+    def total(path: Path) -> int:
+        return sum(int(line.split()[1]) for line in path.read_text(errors="replace").splitlines()
+                   if line.startswith("summary:"))
+
+    quiet = total(Path(f"{out}.1")) / quiet_s
+    beating = total(Path(f"{out}.2")) / beating_s
+    rate = answered / beating_s
+    return {"quiet": quiet, "beating": beating, "rate": rate,
+            "per_heartbeat": (beating - quiet) / rate if rate else float("nan")}
+
+
+def syscalls_start(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """``perf stat`` counting ``pid``'s system calls, all and by kind, until it is sent SIGINT."""
+    events = ",".join(["raw_syscalls:sys_enter", *(f"syscalls:sys_enter_{c}" for c in per_request.SYSCALLS)])
+    perf = subprocess.Popen(["perf", "stat", "-x", ",", "-e", events, "-p", str(pid), "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.2)
+    return perf
+
+
+def syscalls_read(perf: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
+    perf.send_signal(signal.SIGINT)
+    perf.wait(30)
+    got: dict[str, int] = {}
+    for line in out.read_text().splitlines():
+        parts = line.split(",")
+        if len(parts) > 2 and parts[0].strip().isdigit():
+            event = parts[2]
+            got["all" if event.startswith("raw_syscalls") else event.rsplit("sys_enter_", 1)[1]] = int(parts[0])
+    got["other"] = got.get("all", 0) - sum(got.get(c, 0) for c in per_request.SYSCALLS)
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=30.0, help="seconds measured, idle and heartbeating")
     ap.add_argument("--baseline", type=Path, metavar="DIR", help="also measure the kproxy in DIR/kproxy")
     ap.add_argument("--instructions", action="store_true",
-                    help="count kproxy's instructions per second with the connections quiet (callgrind)")
+                    help="count kproxy's instructions (callgrind): per second quiet, and per heartbeat")
+    ap.add_argument("--instructions-period", type=float, default=60.0, metavar="S",
+                    help="with --instructions: seconds between one connection's heartbeats under callgrind "
+                         "(default 60)")
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="with --instructions: keep callgrind's files in DIR (OUT.1 quiet, OUT.2 heartbeating; "
+                         "read them with callgrind_annotate)")
+    ap.add_argument("--syscalls", action="store_true",
+                    help="count kproxy's system calls per heartbeat while heartbeating (perf stat)")
     ap.add_argument("--metrics", action="store_true", help="kproxy with an admin listener (metrics on)")
     ap.add_argument("--rules", type=Path, metavar="FILE", help="kproxy with this rule file")
     args = ap.parse_args(argv)
@@ -216,12 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         counted = {}
         with tempfile.TemporaryDirectory(prefix="kproxy-heartbeats-") as tmp, Tansu(port=free_port()) as broker:
             for name, tree in trees.items():
-                counted[name] = idle_instructions(broker.port, tree, name, args, Path(tmp))
-                print(f"  {name}: {counted[name]:,.0f} instructions/s", file=sys.stderr, flush=True)
-        print(f"{args.connections:,} quiet connections (each heartbeated once), {args.seconds:g} s counted: "
-              "kproxy's instructions per second (callgrind, user space)")
-        for name, ips in counted.items():
-            print(f"{name:<14}{ips:>16,.0f}")
+                counted[name] = counted_instructions(broker.port, tree, name, args, args.keep or Path(tmp))
+                print(f"  {name}: {counted[name]}", file=sys.stderr, flush=True)
+        print(f"{args.connections:,} connections (each heartbeated once), {args.seconds:g} s counted quiet, then "
+              f"{args.seconds:g} s with one Heartbeat each every {args.instructions_period:g} s: kproxy's "
+              "instructions (callgrind, user space)")
+        hdr = f"{'tree':<14}{'quiet /s':>16}{'beating /s':>16}{'heartbeats/s':>14}{'per heartbeat':>16}"
+        print(hdr)
+        print("-" * len(hdr))
+        for name, c in counted.items():
+            print(f"{name:<14}{c['quiet']:>16,.0f}{c['beating']:>16,.0f}{c['rate']:>14,.1f}{c['per_heartbeat']:>16,.0f}")
+        if len(counted) > 1:
+            print(f"per heartbeat, kproxy/base: {counted['kproxy']['per_heartbeat'] / counted['kproxy-base']['per_heartbeat']:.3f}x")
         return 0
     got = {}
     with tempfile.TemporaryDirectory(prefix="kproxy-heartbeats-") as tmp, Tansu(port=free_port()) as broker:
@@ -241,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{g['per_request'] * 1e6:>13.0f} us"
               + (f"{g['lag_quiet']:>19.1f}{g['lag_beating']:>9.1f}" if args.metrics else ""))
     print("(CPU: kproxy's user + system time as a share of one core)")
+    if args.syscalls:
+        kinds = ("all", *per_request.SYSCALLS, "other")
+        print("System calls per heartbeat while heartbeating (perf stat)")
+        hdr = f"{'tree':<14}" + "".join(f"{k:>12}" for k in kinds)
+        print(hdr)
+        print("-" * len(hdr))
+        for name, g in got.items():
+            print(f"{name:<14}" + "".join(f"{g.get('calls_' + k, float('nan')):>12.2f}" for k in kinds))
     return 0
 
 
