@@ -2041,6 +2041,524 @@ done:
     return result;
 }
 
+/* ---- The relay step: a request nothing reads, and its answer nobody reads, in one call each -------
+
+   kproxy/proxy/session.py relays a request that no filter, telemetry or state of the session reads:
+   checked whole by the skip programs, its client id learned, its correlation id replaced by kproxy's,
+   an InFlight entry made for it; and its answer goes back with the client's correlation id, in
+   order. relay_request and relay_answer do those steps of Session.client_frame/_relay/_forwarding and
+   Session.upstream_frame/_flush for the common case, reading and writing the session's own
+   attributes; anything else (a frame too large to join, Produce counted by metrics, a throttled or
+   SASL-reading session, an answer something reads) returns None before changing anything, and the
+   session's Python path, the reference, handles it. relay_setup gives them the classes they build. */
+
+static PyObject *R_inflight, *R_to_upstream, *R_to_client, *R_forwarded, *R_no_response;
+static PyObject *K_sample, *K_telemetry;
+static Py_ssize_t relay_requests, relay_answers;
+
+#define NO_LAZY_MIN ((Py_ssize_t)1 << 62)   /* compiler.NO_LAZY: no lazy spans */
+#define JOIN_BELOW (16 * 1024)
+#define RELAY_BIT (1LL << 32)
+#define ANSWER_GUARDS_BIT (1LL << 33)
+
+#define S(name) static PyObject *S_##name;
+#define RELAY_NAMES(X) X(_unread_by) X(front) X(_raw_sasl) X(_why_next) X(throttle_until) X(ctx) X(clock) \
+    X(client_id) X(requests) X(_next_correlation_id) X(open) X(in_flight) X(_by_upstream) X(_no_response) \
+    X(append) X(popleft) X(relayed) X(passes) X(asking) X(request) X(api_key) X(api_version) X(kept_by) \
+    X(answered_at) X(upstream_bytes) X(client_correlation_id) X(reply) X(close_after) X(response_bytes) \
+    X(_flush)
+RELAY_NAMES(S)
+#undef S
+
+static int relay_names(void)
+{
+#define I(name) if ((S_##name = PyUnicode_InternFromString(#name)) == NULL) return -1;
+    RELAY_NAMES(I)
+#undef I
+    if ((K_sample = PyLong_FromLong(-2)) == NULL || (K_telemetry = PyLong_FromLong(-1)) == NULL)
+        return -1;
+    return 0;
+}
+
+PyDoc_STRVAR(relay_setup_doc,
+"relay_setup(InFlight, ToUpstream, ToClient, FORWARDED, NO_RESPONSE)\n\n"
+"The classes and outcomes relay_request and relay_answer build with. InFlight is called with its\n"
+"first 19 fields positionally (session.py checks their names).");
+
+static PyObject *relay_setup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "relay_setup() takes 5 arguments");
+        return NULL;
+    }
+    PyObject **slots[] = {&R_inflight, &R_to_upstream, &R_to_client, &R_forwarded, &R_no_response};
+    for (int i = 0; i < 5; i++) {
+        Py_INCREF(args[i]);
+        Py_XSETREF(*slots[i], args[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(relay_counts_doc,
+"relay_counts() -> (requests, answers)\n\n"
+"How many requests and answers the relay step has taken in this process (a path counter).");
+
+static PyObject *relay_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module; (void)args; (void)nargs;
+    return Py_BuildValue("(nn)", relay_requests, relay_answers);
+}
+
+static inline int32_t rd32(const uint8_t *p)
+{
+    return (int32_t)(((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3]);
+}
+
+static inline int16_t rd16(const uint8_t *p)
+{
+    return (int16_t)(((uint16_t)p[0] << 8) | p[1]);
+}
+
+static inline void wr32(uint8_t *p, int32_t v)
+{
+    uint32_t u = (uint32_t)v;
+    p[0] = (uint8_t)(u >> 24); p[1] = (uint8_t)(u >> 16); p[2] = (uint8_t)(u >> 8); p[3] = (uint8_t)u;
+}
+
+/* 1 when every filter of `guards` (a tuple) passes api_key/version now, 0 when one does not, -1 on error. */
+static int all_pass(PyObject *guards, PyObject *key, PyObject *version)
+{
+    if (!PyTuple_Check(guards))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(guards); i++) {
+        PyObject *call[3] = {PyTuple_GET_ITEM(guards, i), key, version};
+        PyObject *r = PyObject_VectorcallMethod(S_passes, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (r == NULL)
+            return -1;
+        int ok = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (ok <= 0)
+            return ok;
+    }
+    return 1;
+}
+
+/* A new reference to attribute `name`, or NULL with an exception. */
+#define GET(var, obj, name) do { if ((var = PyObject_GetAttr(obj, S_##name)) == NULL) goto done; } while (0)
+
+PyDoc_STRVAR(relay_request_doc,
+"relay_request(session, frame) -> [ToUpstream] | None\n\n"
+"Session.client_frame's relay of a request nothing reads, in one call: None (nothing changed) when\n"
+"the frame is not for it; the Python path then decides.");
+
+static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "relay_request() takes 2 arguments");
+        return NULL;
+    }
+    if (R_inflight == NULL)
+        Py_RETURN_NONE;
+    PyObject *s = args[0], *frame = args[1];
+    PyObject *result = NULL, *unread = NULL, *o = NULL, *key = NULL, *version = NULL, *client_id = NULL;
+    PyObject *ctx = NULL, *now = NULL, *seq = NULL, *uid_obj = NULL, *entry = NULL, *set = NULL, *out = NULL;
+    PyObject *buffers = NULL, *action = NULL;
+    int decline = 1;
+    Py_buffer view = {0};
+    GET(unread, s, _unread_by);
+    if (!PyDict_CheckExact(unread))
+        goto done;
+    int has = PyDict_Contains(unread, K_sample);
+    if (has != 0) {
+        decline = has > 0;
+        goto done;
+    }
+    GET(o, s, front);
+    if (o != Py_None)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, _raw_sasl);
+    if (o != Py_False)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, _why_next);
+    if (o != Py_None)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, throttle_until);
+    if (!PyFloat_CheckExact(o) || PyFloat_AS_DOUBLE(o) != 0.0)
+        goto done;          /* throttled now or lately: the Python path holds or clears it */
+    Py_CLEAR(o);
+    if (PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE) < 0) {
+        decline = 0;
+        goto done;
+    }
+    const uint8_t *b = view.buf;
+    Py_ssize_t end = view.len;
+    if (end < 8 || end >= JOIN_BELOW)
+        goto done;
+    int api_key = rd16(b), api_version = rd16(b + 2);
+    int32_t correlation_id = rd32(b + 4);
+    o = PyLong_FromLongLong(RELAY_BIT | ((long long)api_key << 16) | (long long)api_version);
+    if (o == NULL) {
+        decline = 0;
+        goto done;
+    }
+    PyObject *programs = PyDict_GetItemWithError(unread, o);     /* borrowed */
+    Py_CLEAR(o);
+    if (programs == NULL) {
+        decline = PyErr_Occurred() == NULL;
+        goto done;      /* not worked out yet (``_relayable``): the Python path does it */
+    }
+    if (!PyTuple_CheckExact(programs) || PyTuple_GET_SIZE(programs) != 3
+            || !PyObject_TypeCheck(PyTuple_GET_ITEM(programs, 0), &ProgramType)
+            || !PyObject_TypeCheck(PyTuple_GET_ITEM(programs, 1), &ProgramType))
+        goto done;
+    if ((key = PyLong_FromLong(api_key)) == NULL || (version = PyLong_FromLong(api_version)) == NULL) {
+        decline = 0;
+        goto done;
+    }
+    int passing = all_pass(PyTuple_GET_ITEM(programs, 2), key, version);
+    if (passing <= 0) {
+        decline = passing == 0;
+        goto done;
+    }
+    Ctx hc = {b, (const ProgramObject *)PyTuple_GET_ITEM(programs, 0), NULL, NO_LAZY_MIN};
+    Py_ssize_t pos = run(&hc, 0, 0, end, 1, 0);
+    if (pos >= 0) {
+        Ctx bc = {b, (const ProgramObject *)PyTuple_GET_ITEM(programs, 1), NULL, NO_LAZY_MIN};
+        if (run(&bc, 0, pos, end, 1, 0) < 0)
+            pos = -1;
+    }
+    if (pos < 0) {
+        if (PyErr_Occurred())
+            decline = 0;
+        goto done;      /* invalid: the Python path decodes it and says why */
+    }
+    int no_response = 0;
+    if (api_key == 0) {         /* Produce: acks=0 is owed no answer */
+        has = PyDict_Contains(unread, K_telemetry);
+        if (has != 0) {
+            decline = has > 0;
+            goto done;  /* metrics count its records: the Python path reads them */
+        }
+        Py_ssize_t at = pos;
+        if (api_version >= 9) {
+            int64_t length;
+            if (read_uv(b, &at, end, &length))
+                goto done;
+            at += length ? (Py_ssize_t)length - 1 : 0;
+        } else if (api_version >= 3) {
+            if (end - at < 2)
+                goto done;
+            int n = rd16(b + at);
+            at += 2 + (n > 0 ? n : 0);
+        }
+        if (at < 0 || end - at < 2)
+            goto done;
+        no_response = rd16(b + at) == 0;
+    }
+    int n = rd16(b + 8);        /* the client id, in every header version past 0 */
+    if (n >= 0) {
+        if (10 + n > end)
+            goto done;
+        if ((client_id = PyUnicode_DecodeUTF8((const char *)b + 10, n, "surrogateescape")) == NULL) {
+            decline = 0;
+            goto done;
+        }
+    }
+    /* From here on the request is relayed: nothing declines. */
+    decline = 0;
+    GET(ctx, s, ctx);
+    GET(o, ctx, clock);
+    if ((now = PyObject_CallNoArgs(o)) == NULL)
+        goto done;
+    Py_CLEAR(o);
+    if (client_id != NULL && PyObject_SetAttr(ctx, S_client_id, client_id) < 0)
+        goto done;
+    GET(o, s, requests);
+    long requests = PyLong_AsLong(o);
+    if ((requests == -1 && PyErr_Occurred()) || (seq = PyLong_FromLong(requests + 1)) == NULL
+            || PyObject_SetAttr(s, S_requests, seq) < 0)
+        goto done;
+    Py_CLEAR(o);
+    GET(uid_obj, s, _next_correlation_id);
+    long upstream_id = PyLong_AsLong(uid_obj);
+    if (upstream_id == -1 && PyErr_Occurred())
+        goto done;
+    if ((o = PyLong_FromLong((upstream_id + 1) & 0x7FFFFFFF)) == NULL
+            || PyObject_SetAttr(s, S__next_correlation_id, o) < 0)
+        goto done;
+    Py_CLEAR(o);
+    {
+        PyObject *cid = PyLong_FromLong(correlation_id), *size = PyLong_FromSsize_t(end + 4);
+        PyObject *zero = PyLong_FromLong(0), *zf = PyFloat_FromDouble(0.0);
+        if (cid != NULL && size != NULL && zero != NULL && zf != NULL) {
+            PyObject *fields[20] = {NULL, cid, key, version, now, Py_None, no_response ? Py_None : uid_obj,
+                                    Py_None, Py_None, size, zero, no_response ? R_no_response : R_forwarded,
+                                    Py_None, Py_None, Py_None, Py_None, Py_None, zero, zf, seq};
+            entry = PyObject_Vectorcall(R_inflight, fields + 1, 19 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+        Py_XDECREF(cid); Py_XDECREF(size); Py_XDECREF(zero); Py_XDECREF(zf);
+        if (entry == NULL)
+            goto done;
+    }
+    if (PyObject_SetAttr(entry, S_relayed, frame) < 0)
+        goto done;
+    GET(set, s, open);
+    if (PySet_Add(set, entry) < 0)
+        goto done;
+    Py_CLEAR(set);
+    if (no_response) {
+        /* acks=0: nothing waits for an answer; one that comes anyway (tansu 0.6) is dropped by id. */
+        GET(o, s, _no_response);
+        PyObject *r = PyObject_CallMethodOneArg(o, S_append, uid_obj);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    } else {
+        GET(o, s, in_flight);
+        PyObject *r = PyObject_CallMethodOneArg(o, S_append, entry);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+        Py_CLEAR(o);
+        GET(o, s, _by_upstream);
+        if (PyDict_SetItem(o, uid_obj, entry) < 0)
+            goto done;
+    }
+    Py_CLEAR(o);
+    if ((out = PyBytes_FromStringAndSize(NULL, end + 4)) == NULL)
+        goto done;
+    uint8_t *w = (uint8_t *)PyBytes_AS_STRING(out);
+    wr32(w, (int32_t)end);
+    memcpy(w + 4, b, 4);
+    wr32(w + 8, (int32_t)upstream_id);
+    memcpy(w + 12, b + 8, end - 8);
+    if ((buffers = PyList_New(1)) == NULL)
+        goto done;
+    PyList_SET_ITEM(buffers, 0, out);
+    out = NULL;
+    PyObject *call[2] = {buffers, entry};
+    if ((action = PyObject_Vectorcall(R_to_upstream, call, 2, NULL)) == NULL)
+        goto done;
+    if ((result = PyList_New(1)) == NULL)
+        goto done;
+    PyList_SET_ITEM(result, 0, action);
+    action = NULL;
+    relay_requests++;
+done:
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_XDECREF(unread); Py_XDECREF(o); Py_XDECREF(key); Py_XDECREF(version); Py_XDECREF(client_id);
+    Py_XDECREF(ctx); Py_XDECREF(now); Py_XDECREF(seq); Py_XDECREF(uid_obj); Py_XDECREF(entry);
+    Py_XDECREF(set); Py_XDECREF(out); Py_XDECREF(buffers); Py_XDECREF(action);
+    if (result == NULL && decline && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+}
+
+/* Session._flush: answers at the head of the in-order queue that are ready go to the client, each in
+   a ToClient completing its entry; a head that closes the connection is left to the Python flush. */
+static PyObject *relay_flush(PyObject *s)
+{
+    PyObject *q = PyObject_GetAttr(s, S_in_flight);
+    if (q == NULL)
+        return NULL;
+    PyObject *out = PyList_New(0), *head = NULL, *reply = NULL, *o = NULL;
+    if (out == NULL)
+        goto fail;
+    for (;;) {
+        Py_ssize_t len = PyObject_Length(q);
+        if (len < 0)
+            goto fail;
+        if (len == 0)
+            break;
+        if ((head = PySequence_GetItem(q, 0)) == NULL || (reply = PyObject_GetAttr(head, S_reply)) == NULL)
+            goto fail;
+        if (reply == Py_None)
+            break;
+        if ((o = PyObject_GetAttr(head, S_close_after)) == NULL)
+            goto fail;
+        if (o != Py_None) {
+            /* Closing after it: the Python flush does the rest as it always has. */
+            Py_CLEAR(o);
+            if ((o = PyObject_CallMethodNoArgs(s, S__flush)) == NULL || PyList_SetSlice(out, PY_SSIZE_T_MAX,
+                                                                                         PY_SSIZE_T_MAX, o) < 0)
+                goto fail;
+            break;
+        }
+        Py_CLEAR(o);
+        if ((o = PyObject_CallMethodNoArgs(q, S_popleft)) == NULL)
+            goto fail;
+        Py_CLEAR(o);
+        /* Encoded frames start with their 4-byte size prefix. */
+        Py_ssize_t n = PyObject_Length(reply);
+        if (n < 0)
+            goto fail;
+        long size = 0;
+        if (n > 0) {
+            PyObject *first = PySequence_GetItem(reply, 0);
+            if (first == NULL)
+                goto fail;
+            Py_buffer v;
+            int bad = PyObject_GetBuffer(first, &v, PyBUF_SIMPLE);
+            Py_DECREF(first);
+            if (bad < 0)
+                goto fail;
+            if (v.len < 4) {
+                PyBuffer_Release(&v);
+                PyErr_SetString(PyExc_ValueError, "an answer shorter than its size prefix");
+                goto fail;
+            }
+            size = (long)rd32(v.buf) + 4;
+            PyBuffer_Release(&v);
+        }
+        if ((o = PyLong_FromLong(size)) == NULL || PyObject_SetAttr(head, S_response_bytes, o) < 0)
+            goto fail;
+        Py_CLEAR(o);
+        PyObject *done = PyTuple_Pack(1, head);
+        if (done == NULL)
+            goto fail;
+        PyObject *call[2] = {reply, done};
+        o = PyObject_Vectorcall(R_to_client, call, 2, NULL);
+        Py_DECREF(done);
+        if (o == NULL || PyList_Append(out, o) < 0)
+            goto fail;
+        Py_CLEAR(o);
+        Py_CLEAR(head);
+        Py_CLEAR(reply);
+    }
+    Py_XDECREF(head);
+    Py_XDECREF(reply);
+    Py_DECREF(q);
+    return out;
+fail:
+    Py_XDECREF(head); Py_XDECREF(reply); Py_XDECREF(o); Py_XDECREF(out);
+    Py_DECREF(q);
+    return NULL;
+}
+
+PyDoc_STRVAR(relay_answer_doc,
+"relay_answer(session, frame) -> [ToClient, ...] | None\n\n"
+"Session.upstream_frame's relay of an answer nobody reads to a relayed request, and the in-order\n"
+"flush behind it, in one call: None (nothing changed) when the answer is not for it.");
+
+static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "relay_answer() takes 2 arguments");
+        return NULL;
+    }
+    if (R_inflight == NULL)
+        Py_RETURN_NONE;
+    PyObject *s = args[0], *frame = args[1];
+    PyObject *result = NULL, *unread = NULL, *o = NULL, *by = NULL, *uid = NULL, *key = NULL, *version = NULL;
+    PyObject *ctx = NULL, *now = NULL, *reply = NULL, *buffers = NULL, *entry = NULL;
+    Py_buffer view = {0};
+    GET(unread, s, _unread_by);
+    if (!PyDict_CheckExact(unread))
+        goto done;
+    GET(o, s, _raw_sasl);
+    if (o != Py_False)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, asking);
+    if (o != Py_None)
+        goto done;      /* an answer may be to kproxy's own question */
+    Py_CLEAR(o);
+    if (PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE) < 0)
+        goto done;
+    const uint8_t *b = view.buf;
+    Py_ssize_t end = view.len;
+    if (end < 4 || end >= JOIN_BELOW)
+        goto done;
+    GET(by, s, _by_upstream);
+    if (!PyDict_CheckExact(by) || (uid = PyLong_FromLong(rd32(b))) == NULL)
+        goto done;
+    entry = PyDict_GetItemWithError(by, uid);
+    if (entry == NULL)
+        goto done;      /* unknown, or an acks=0 Produce's: the Python path says which */
+    Py_INCREF(entry);   /* the dict lets go of it when it is popped */
+    GET(o, entry, request);
+    if (o != Py_None)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, entry, relayed);
+    if (o == Py_None)
+        goto done;
+    Py_CLEAR(o);
+    GET(key, entry, api_key);
+    GET(version, entry, api_version);
+    long k = PyLong_AsLong(key), v = PyLong_AsLong(version);
+    if (PyErr_Occurred() || k == 3 || k == 75)
+        goto done;    /* Metadata, DescribeTopicPartitions: topic names are learned from them */
+    if ((o = PyLong_FromLongLong(((long long)k << 16) | v)) == NULL)
+        goto done;
+    PyObject *unread_v = PyDict_GetItemWithError(unread, o);       /* borrowed */
+    Py_CLEAR(o);
+    if (unread_v != Py_True)
+        goto done;    /* read, or metrics read its throttle or records: the Python path */
+    if ((o = PyLong_FromLongLong(ANSWER_GUARDS_BIT | ((long long)k << 16) | v)) == NULL)
+        goto done;
+    PyObject *guards = PyDict_GetItemWithError(unread, o);         /* borrowed */
+    Py_CLEAR(o);
+    if (guards == NULL)
+        goto done;
+    if (guards != Py_None && !(PyTuple_Check(guards) && PyTuple_GET_SIZE(guards) == 0)) {
+        GET(o, entry, kept_by);
+        if (o != Py_None)
+            goto done;    /* a filter kept something for the request: it reads the answer */
+        Py_CLEAR(o);
+        int passing = all_pass(guards, key, version);
+        if (passing <= 0)
+            goto done;
+    }
+    /* From here on the answer is relayed. */
+    if (PyDict_DelItem(by, uid) < 0)
+        goto done;
+    GET(ctx, s, ctx);
+    GET(o, ctx, clock);
+    if ((now = PyObject_CallNoArgs(o)) == NULL || PyObject_SetAttr(entry, S_answered_at, now) < 0)
+        goto done;
+    Py_CLEAR(o);
+    if ((o = PyLong_FromSsize_t(end)) == NULL || PyObject_SetAttr(entry, S_upstream_bytes, o) < 0)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, entry, client_correlation_id);
+    long cid = PyLong_AsLong(o);
+    if (cid == -1 && PyErr_Occurred())
+        goto done;
+    Py_CLEAR(o);
+    if ((reply = PyBytes_FromStringAndSize(NULL, end + 4)) == NULL)
+        goto done;
+    uint8_t *w = (uint8_t *)PyBytes_AS_STRING(reply);
+    wr32(w, (int32_t)end);
+    wr32(w + 4, (int32_t)cid);
+    memcpy(w + 8, b + 4, end - 4);
+    if ((buffers = PyList_New(1)) == NULL)
+        goto done;
+    PyList_SET_ITEM(buffers, 0, reply);
+    reply = NULL;
+    if (PyObject_SetAttr(entry, S_reply, buffers) < 0)
+        goto done;
+    result = relay_flush(s);
+    if (result != NULL)
+        relay_answers++;
+done:
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_XDECREF(unread); Py_XDECREF(o); Py_XDECREF(by); Py_XDECREF(uid); Py_XDECREF(key); Py_XDECREF(version);
+    Py_XDECREF(ctx); Py_XDECREF(now); Py_XDECREF(reply); Py_XDECREF(buffers); Py_XDECREF(entry);
+    if (result == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+}
+#undef GET
+
 static PyMethodDef methods[] = {
     {"skip", (PyCFunction)(void (*)(void))skip, METH_FASTCALL, skip_doc},
     {"produce_counts", (PyCFunction)(void (*)(void))produce_counts, METH_FASTCALL, produce_counts_doc},
@@ -2049,6 +2567,10 @@ static PyMethodDef methods[] = {
     {"join_records", (PyCFunction)(void (*)(void))join_records, METH_FASTCALL, join_records_doc},
     {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL, seal_records_doc},
     {"open_records", (PyCFunction)(void (*)(void))open_records, METH_FASTCALL, open_records_doc},
+    {"relay_setup", (PyCFunction)(void (*)(void))relay_setup, METH_FASTCALL, relay_setup_doc},
+    {"relay_request", (PyCFunction)(void (*)(void))relay_request, METH_FASTCALL, relay_request_doc},
+    {"relay_answer", (PyCFunction)(void (*)(void))relay_answer, METH_FASTCALL, relay_answer_doc},
+    {"relay_counts", (PyCFunction)(void (*)(void))relay_counts, METH_FASTCALL, relay_counts_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2062,7 +2584,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__accel(void)
 {
-    if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0 || PyType_Ready(&DecoderType) < 0)
+    if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0 || PyType_Ready(&DecoderType) < 0
+            || relay_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
