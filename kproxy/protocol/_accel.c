@@ -2559,6 +2559,180 @@ done:
 }
 #undef GET
 
+/* ---- FrameReader.next_frame's common case --------------------------------------------------------
+
+   kproxy/protocol/framing.py's FrameReader.next_frame, the reference, for a frame wholly in the receive
+   chunk (lent as a view of it) or a chunk that holds no complete frame yet: the same reads and writes
+   of the reader's attributes. Every other case (a frame with a buffer of its own, one streaming, a
+   bad size prefix, a frame straddling the chunk's end, a small frame copied out of a streaming
+   chunk, a subclass) calls the Python method before anything is changed. FrameReader has __slots__:
+   its attributes are read and written at their slots' offsets, as the interpreter's own specialised
+   attribute access does (the member descriptors' offsets, checked in frames_setup). */
+
+static PyObject *F_streams, *F_python, *F_new_chunk;
+static PyTypeObject *F_type;
+static Py_ssize_t frames_native;
+
+enum { F_streaming_left, F__ready, F__big, F__buf, F__start, F__end, F_max_frame_size, F_frames, F__hot,
+       F__reusable, F__lent, F_NSLOTS };
+static const char *const F_SLOT_NAMES[F_NSLOTS] = {"streaming_left", "_ready", "_big", "_buf", "_start", "_end",
+                                                   "max_frame_size", "frames", "_hot", "_reusable", "_lent"};
+static Py_ssize_t F_off[F_NSLOTS];
+#define SLOT(o, i) (*(PyObject **)((char *)(o) + F_off[i]))
+
+#define COPY_MAX (64 * 1024)                /* framing.COPY_MAX */
+#define STREAM_CHUNK_SIZE (1024 * 1024)     /* framing.STREAM_CHUNK_SIZE */
+
+PyDoc_STRVAR(frames_setup_doc,
+"frames_setup(FrameReader, STREAMS, COPY_MAX, STREAM_CHUNK_SIZE)\n\n"
+"framing.py's reader class (its next_frame the reference, called for every case but the common\n"
+"two; its slots read at their offsets) and sentinel; the sizes are checked against the ones compiled in.");
+
+static PyObject *frames_setup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "frames_setup(FrameReader, STREAMS, COPY_MAX, STREAM_CHUNK_SIZE)");
+        return NULL;
+    }
+    if (PyLong_AsSsize_t(args[2]) != COPY_MAX || PyLong_AsSsize_t(args[3]) != STREAM_CHUNK_SIZE) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "framing.py's sizes are not the accelerator's: rebuild it");
+        return NULL;
+    }
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    for (int i = 0; i < F_NSLOTS; i++) {
+        PyObject *d = PyDict_GetItemString(type->tp_dict, F_SLOT_NAMES[i]);      /* borrowed */
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
+                || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
+                || (((PyMemberDescrObject *)d)->d_member->flags & READONLY)) {
+            PyErr_Format(PyExc_TypeError, "FrameReader.%s is not a slot", F_SLOT_NAMES[i]);
+            return NULL;
+        }
+        F_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    PyObject *method = PyObject_GetAttrString(args[0], "next_frame");
+    if (method == NULL)
+        return NULL;
+    Py_XSETREF(F_python, method);
+    if (F_new_chunk == NULL && (F_new_chunk = PyUnicode_InternFromString("_new_chunk")) == NULL)
+        return NULL;
+    Py_INCREF(args[1]);
+    Py_XSETREF(F_streams, args[1]);
+    Py_INCREF(type);
+    Py_XSETREF(F_type, type);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(frame_counts_doc,
+"frame_counts() -> int\n\nFrames next_frame has returned without the Python method (a path counter).");
+
+static PyObject *frame_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module; (void)args; (void)nargs;
+    return PyLong_FromSsize_t(frames_native);
+}
+
+/* A slot holding a non-negative int that fits: its value, else -1. */
+static inline Py_ssize_t slot_int(PyObject *o, int i)
+{
+    PyObject *v = SLOT(o, i);
+    if (v == NULL || !PyLong_CheckExact(v))
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    if (n < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return n;
+}
+
+static inline void slot_set(PyObject *o, int i, PyObject *v)     /* steals v */
+{
+    Py_XSETREF(SLOT(o, i), v);
+}
+
+PyDoc_STRVAR(next_frame_doc,
+"next_frame(reader, stream_from) -> memoryview | None\n\n"
+"FrameReader.next_frame(reader, stream_from), the common cases compiled.");
+
+static PyObject *next_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "next_frame() takes 2 arguments");
+        return NULL;
+    }
+    if (F_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "frames_setup() was not called");
+        return NULL;
+    }
+    PyObject *r = args[0];
+    Py_ssize_t stream_from = PyLong_AsSsize_t(args[1]);
+    if (stream_from == -1 && PyErr_Occurred())
+        return NULL;
+    if (!Py_IS_TYPE(r, F_type) || slot_int(r, F_streaming_left) != 0
+            || SLOT(r, F__ready) != Py_None || SLOT(r, F__big) != Py_None)
+        goto python;
+    PyObject *buf = SLOT(r, F__buf);
+    if (buf == Py_None)
+        Py_RETURN_NONE;
+    if (buf == NULL || !PyByteArray_CheckExact(buf))
+        goto python;
+    Py_ssize_t start = slot_int(r, F__start), end = slot_int(r, F__end), max = slot_int(r, F_max_frame_size);
+    Py_ssize_t frames = slot_int(r, F_frames), blen = PyByteArray_GET_SIZE(buf);
+    if (start < 0 || end < start || end > blen || max < 0 || frames < 0)
+        goto python;
+    if (end - start < 4)
+        Py_RETURN_NONE;
+    int32_t size = rd32((const uint8_t *)PyByteArray_AS_STRING(buf) + start);
+    if (stream_from && size >= stream_from)
+        return Py_NewRef(F_streams);
+    if (size < 0 || size > max)
+        goto python;        /* the Python method raises FrameError with its reason */
+    Py_ssize_t next = start + 4 + size;
+    if (next > end) {
+        if (next <= blen)
+            Py_RETURN_NONE;     /* fits in the current chunk: keep receiving into it */
+        goto python;            /* a fresh chunk or a buffer of its own */
+    }
+    if (size <= COPY_MAX && blen == STREAM_CHUNK_SIZE)
+        goto python;        /* maybe copied out of a streaming chunk */
+    PyObject *mv = PyMemoryView_FromObject(buf);
+    if (mv == NULL)
+        return NULL;
+    PyObject *frame = PySequence_GetSlice(mv, start + 4, next);
+    Py_DECREF(mv);
+    if (frame == NULL)
+        return NULL;
+    PyObject *v_next = PyLong_FromSsize_t(next), *v_frames = PyLong_FromSsize_t(frames + 1);
+    if (v_next == NULL || v_frames == NULL) {
+        Py_XDECREF(v_next);
+        Py_XDECREF(v_frames);
+        Py_DECREF(frame);
+        return NULL;
+    }
+    slot_set(r, F__start, v_next);
+    slot_set(r, F_frames, v_frames);
+    slot_set(r, F__hot, Py_NewRef(Py_False));
+    slot_set(r, F__reusable, Py_NewRef(Py_False));   /* the frame is a view of the chunk */
+    slot_set(r, F__lent, Py_NewRef(Py_True));
+    if (next == end && end > blen / 2) {
+        /* Everything consumed and the chunk half used: the next frame starts on a fresh chunk. */
+        PyObject *call[2] = {r, end == blen ? Py_True : Py_False};
+        PyObject *done = PyObject_VectorcallMethod(F_new_chunk, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (done == NULL) {
+            Py_DECREF(frame);
+            return NULL;
+        }
+        Py_DECREF(done);
+    }
+    frames_native++;
+    return frame;
+python:
+    return PyObject_CallFunctionObjArgs(F_python, r, args[1], NULL);
+}
+
 static PyMethodDef methods[] = {
     {"skip", (PyCFunction)(void (*)(void))skip, METH_FASTCALL, skip_doc},
     {"produce_counts", (PyCFunction)(void (*)(void))produce_counts, METH_FASTCALL, produce_counts_doc},
@@ -2571,6 +2745,9 @@ static PyMethodDef methods[] = {
     {"relay_request", (PyCFunction)(void (*)(void))relay_request, METH_FASTCALL, relay_request_doc},
     {"relay_answer", (PyCFunction)(void (*)(void))relay_answer, METH_FASTCALL, relay_answer_doc},
     {"relay_counts", (PyCFunction)(void (*)(void))relay_counts, METH_FASTCALL, relay_counts_doc},
+    {"frames_setup", (PyCFunction)(void (*)(void))frames_setup, METH_FASTCALL, frames_setup_doc},
+    {"next_frame", (PyCFunction)(void (*)(void))next_frame, METH_FASTCALL, next_frame_doc},
+    {"frame_counts", (PyCFunction)(void (*)(void))frame_counts, METH_FASTCALL, frame_counts_doc},
     {NULL, NULL, 0, NULL},
 };
 
