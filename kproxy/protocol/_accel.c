@@ -2052,7 +2052,7 @@ done:
    SASL-reading session, an answer something reads) returns None before changing anything, and the
    session's Python path, the reference, handles it. relay_setup gives them the classes they build. */
 
-static PyObject *R_inflight, *R_to_upstream, *R_to_client, *R_forwarded, *R_no_response;
+static PyObject *R_to_upstream, *R_to_client, *R_forwarded, *R_no_response;
 static PyObject *K_sample, *K_telemetry;
 static Py_ssize_t relay_requests, relay_answers;
 
@@ -2080,22 +2080,78 @@ static int relay_names(void)
     return 0;
 }
 
+/* InFlight's slots: an entry is made as a copy of a template entry (attrs' defaults, all constants) with
+   the request's own fields set, and read and written at the slots' offsets, as the interpreter's own
+   specialised attribute access does; relay_setup checks that every member is an object slot. */
+enum { I_client_correlation_id, I_api_key, I_api_version, I_started, I_request, I_upstream_correlation_id,
+       I_reply, I_close_after, I_request_bytes, I_response_bytes, I_outcome, I_answered_at, I_seq, I_kept_by,
+       I_upstream_bytes, I_relayed, I_N };
+static const char *const I_NAMES[I_N] = {
+    "client_correlation_id", "api_key", "api_version", "started", "request", "upstream_correlation_id", "reply",
+    "close_after", "request_bytes", "response_bytes", "outcome", "answered_at", "seq", "kept_by",
+    "upstream_bytes", "relayed"};
+static Py_ssize_t I_off[I_N];
+static PyTypeObject *I_type;
+static PyObject *I_template;
+#define ISLOT(o, i) (*(PyObject **)((char *)(o) + I_off[i]))
+
+static void islot_set(PyObject *o, int i, PyObject *v)     /* steals v */
+{
+    Py_XSETREF(ISLOT(o, i), v);
+}
+
+/* A new InFlight: the template's values in every slot. */
+static PyObject *inflight_new(void)
+{
+    PyObject *e = I_type->tp_alloc(I_type, 0);
+    if (e == NULL)
+        return NULL;
+    for (PyMemberDef *m = I_type->tp_members; m->name != NULL; m++)
+        *(PyObject **)((char *)e + m->offset) = Py_NewRef(*(PyObject **)((char *)I_template + m->offset));
+    return e;
+}
+
 PyDoc_STRVAR(relay_setup_doc,
-"relay_setup(InFlight, ToUpstream, ToClient, FORWARDED, NO_RESPONSE)\n\n"
-"The classes and outcomes relay_request and relay_answer build with. InFlight is called with its\n"
-"first 19 fields positionally (session.py checks their names).");
+"relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, NO_RESPONSE)\n\n"
+"The classes and outcomes relay_request and relay_answer build with; entries are copies of\n"
+"`template` (an InFlight of attrs' defaults, which must all be constants) with their own fields set.");
 
 static PyObject *relay_setup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "relay_setup() takes 5 arguments");
+    if (nargs != 6 || !PyType_Check(args[0]) || !Py_IS_TYPE(args[1], (PyTypeObject *)args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, NO_RESPONSE)");
         return NULL;
     }
-    PyObject **slots[] = {&R_inflight, &R_to_upstream, &R_to_client, &R_forwarded, &R_no_response};
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    if (type->tp_members == NULL || type->tp_dictoffset != 0) {
+        PyErr_SetString(PyExc_TypeError, "InFlight must have __slots__ and no __dict__");
+        return NULL;
+    }
+    for (PyMemberDef *m = type->tp_members; m->name != NULL; m++) {
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY)
+                || *(PyObject **)((char *)args[1] + m->offset) == NULL) {
+            PyErr_Format(PyExc_TypeError, "InFlight.%s is not a set object slot", m->name);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < I_N; i++) {
+        PyMemberDef *m = type->tp_members;
+        while (m->name != NULL && strcmp(m->name, I_NAMES[i]) != 0)
+            m++;
+        if (m->name == NULL) {
+            PyErr_Format(PyExc_TypeError, "InFlight has no slot %s", I_NAMES[i]);
+            return NULL;
+        }
+        I_off[i] = m->offset;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(I_type, type);
+    PyObject **slots[] = {&I_template, &R_to_upstream, &R_to_client, &R_forwarded, &R_no_response};
     for (int i = 0; i < 5; i++) {
-        Py_INCREF(args[i]);
-        Py_XSETREF(*slots[i], args[i]);
+        Py_INCREF(args[i + 1]);
+        Py_XSETREF(*slots[i], args[i + 1]);
     }
     Py_RETURN_NONE;
 }
@@ -2159,7 +2215,7 @@ static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "relay_request() takes 2 arguments");
         return NULL;
     }
-    if (R_inflight == NULL)
+    if (I_type == NULL)
         Py_RETURN_NONE;
     PyObject *s = args[0], *frame = args[1];
     PyObject *result = NULL, *unread = NULL, *o = NULL, *key = NULL, *version = NULL, *client_id = NULL;
@@ -2294,19 +2350,23 @@ static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize
     Py_CLEAR(o);
     {
         PyObject *cid = PyLong_FromLong(correlation_id), *size = PyLong_FromSsize_t(end + 4);
-        PyObject *zero = PyLong_FromLong(0), *zf = PyFloat_FromDouble(0.0);
-        if (cid != NULL && size != NULL && zero != NULL && zf != NULL) {
-            PyObject *fields[20] = {NULL, cid, key, version, now, Py_None, no_response ? Py_None : uid_obj,
-                                    Py_None, Py_None, size, zero, no_response ? R_no_response : R_forwarded,
-                                    Py_None, Py_None, Py_None, Py_None, Py_None, zero, zf, seq};
-            entry = PyObject_Vectorcall(R_inflight, fields + 1, 19 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        }
-        Py_XDECREF(cid); Py_XDECREF(size); Py_XDECREF(zero); Py_XDECREF(zf);
-        if (entry == NULL)
+        if (cid == NULL || size == NULL || (entry = inflight_new()) == NULL) {
+            Py_XDECREF(cid);
+            Py_XDECREF(size);
             goto done;
+        }
+        islot_set(entry, I_client_correlation_id, cid);
+        islot_set(entry, I_api_key, Py_NewRef(key));
+        islot_set(entry, I_api_version, Py_NewRef(version));
+        islot_set(entry, I_started, Py_NewRef(now));
+        islot_set(entry, I_request_bytes, size);
+        islot_set(entry, I_seq, Py_NewRef(seq));
+        islot_set(entry, I_relayed, Py_NewRef(frame));
+        if (no_response)
+            islot_set(entry, I_outcome, Py_NewRef(R_no_response));
+        else
+            islot_set(entry, I_upstream_correlation_id, Py_NewRef(uid_obj));
     }
-    if (PyObject_SetAttr(entry, S_relayed, frame) < 0)
-        goto done;
     GET(set, s, open);
     if (PySet_Add(set, entry) < 0)
         goto done;
@@ -2376,21 +2436,18 @@ static PyObject *relay_flush(PyObject *s)
             goto fail;
         if (len == 0)
             break;
-        if ((head = PySequence_GetItem(q, 0)) == NULL || (reply = PyObject_GetAttr(head, S_reply)) == NULL)
+        if ((head = PySequence_GetItem(q, 0)) == NULL)
             goto fail;
-        if (reply == Py_None)
-            break;
-        if ((o = PyObject_GetAttr(head, S_close_after)) == NULL)
-            goto fail;
-        if (o != Py_None) {
-            /* Closing after it: the Python flush does the rest as it always has. */
-            Py_CLEAR(o);
+        if (!Py_IS_TYPE(head, I_type) || ISLOT(head, I_close_after) != Py_None) {
+            /* Not an entry, or closing after it: the Python flush does the rest as it always has. */
             if ((o = PyObject_CallMethodNoArgs(s, S__flush)) == NULL || PyList_SetSlice(out, PY_SSIZE_T_MAX,
                                                                                          PY_SSIZE_T_MAX, o) < 0)
                 goto fail;
             break;
         }
-        Py_CLEAR(o);
+        reply = Py_NewRef(ISLOT(head, I_reply));
+        if (reply == Py_None)
+            break;
         if ((o = PyObject_CallMethodNoArgs(q, S_popleft)) == NULL)
             goto fail;
         Py_CLEAR(o);
@@ -2416,9 +2473,10 @@ static PyObject *relay_flush(PyObject *s)
             size = (long)rd32(v.buf) + 4;
             PyBuffer_Release(&v);
         }
-        if ((o = PyLong_FromLong(size)) == NULL || PyObject_SetAttr(head, S_response_bytes, o) < 0)
+        if ((o = PyLong_FromLong(size)) == NULL)
             goto fail;
-        Py_CLEAR(o);
+        islot_set(head, I_response_bytes, o);
+        o = NULL;
         PyObject *done = PyTuple_Pack(1, head);
         if (done == NULL)
             goto fail;
@@ -2433,6 +2491,7 @@ static PyObject *relay_flush(PyObject *s)
     }
     Py_XDECREF(head);
     Py_XDECREF(reply);
+    Py_XDECREF(o);
     Py_DECREF(q);
     return out;
 fail:
@@ -2453,7 +2512,7 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "relay_answer() takes 2 arguments");
         return NULL;
     }
-    if (R_inflight == NULL)
+    if (I_type == NULL)
         Py_RETURN_NONE;
     PyObject *s = args[0], *frame = args[1];
     PyObject *result = NULL, *unread = NULL, *o = NULL, *by = NULL, *uid = NULL, *key = NULL, *version = NULL;
@@ -2483,16 +2542,10 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
     if (entry == NULL)
         goto done;      /* unknown, or an acks=0 Produce's: the Python path says which */
     Py_INCREF(entry);   /* the dict lets go of it when it is popped */
-    GET(o, entry, request);
-    if (o != Py_None)
+    if (!Py_IS_TYPE(entry, I_type) || ISLOT(entry, I_request) != Py_None || ISLOT(entry, I_relayed) == Py_None)
         goto done;
-    Py_CLEAR(o);
-    GET(o, entry, relayed);
-    if (o == Py_None)
-        goto done;
-    Py_CLEAR(o);
-    GET(key, entry, api_key);
-    GET(version, entry, api_version);
+    key = Py_NewRef(ISLOT(entry, I_api_key));
+    version = Py_NewRef(ISLOT(entry, I_api_version));
     long k = PyLong_AsLong(key), v = PyLong_AsLong(version);
     if (PyErr_Occurred() || k == 3 || k == 75)
         goto done;    /* Metadata, DescribeTopicPartitions: topic names are learned from them */
@@ -2509,10 +2562,8 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
     if (guards == NULL)
         goto done;
     if (guards != Py_None && !(PyTuple_Check(guards) && PyTuple_GET_SIZE(guards) == 0)) {
-        GET(o, entry, kept_by);
-        if (o != Py_None)
+        if (ISLOT(entry, I_kept_by) != Py_None)
             goto done;    /* a filter kept something for the request: it reads the answer */
-        Py_CLEAR(o);
         int passing = all_pass(guards, key, version);
         if (passing <= 0)
             goto done;
@@ -2522,17 +2573,17 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
         goto done;
     GET(ctx, s, ctx);
     GET(o, ctx, clock);
-    if ((now = PyObject_CallNoArgs(o)) == NULL || PyObject_SetAttr(entry, S_answered_at, now) < 0)
+    if ((now = PyObject_CallNoArgs(o)) == NULL)
         goto done;
     Py_CLEAR(o);
-    if ((o = PyLong_FromSsize_t(end)) == NULL || PyObject_SetAttr(entry, S_upstream_bytes, o) < 0)
+    islot_set(entry, I_answered_at, Py_NewRef(now));
+    if ((o = PyLong_FromSsize_t(end)) == NULL)
         goto done;
-    Py_CLEAR(o);
-    GET(o, entry, client_correlation_id);
-    long cid = PyLong_AsLong(o);
+    islot_set(entry, I_upstream_bytes, o);
+    o = NULL;
+    long cid = PyLong_AsLong(ISLOT(entry, I_client_correlation_id));
     if (cid == -1 && PyErr_Occurred())
         goto done;
-    Py_CLEAR(o);
     if ((reply = PyBytes_FromStringAndSize(NULL, end + 4)) == NULL)
         goto done;
     uint8_t *w = (uint8_t *)PyBytes_AS_STRING(reply);
@@ -2543,8 +2594,8 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
         goto done;
     PyList_SET_ITEM(buffers, 0, reply);
     reply = NULL;
-    if (PyObject_SetAttr(entry, S_reply, buffers) < 0)
-        goto done;
+    islot_set(entry, I_reply, buffers);
+    buffers = NULL;
     result = relay_flush(s);
     if (result != NULL)
         relay_answers++;

@@ -1183,22 +1183,20 @@ class Session(SessionCutThrough, SessionSasl):
         self.ctx.clear_state()
 
 
-# The InFlight fields the accelerator's relay step passes positionally, in attrs' order.
-_POSITIONAL = ("client_correlation_id", "api_key", "api_version", "started", "request", "upstream_correlation_id",
-               "reply", "close_after", "request_bytes", "response_bytes", "outcome", "response", "forwarded_at",
-               "answered_at", "finished_at", "broker", "throttle_ms", "handling_s", "seq")
-
-
 def _relay_step() -> tuple[Callable | None, Callable | None]:
     """The accelerator's relay step (``_accel.relay_request``/``relay_answer``): what ``client_frame``
     and ``_relay``/``_forwarding`` do for a request nothing reads, and what ``upstream_frame`` and
     ``_flush`` do for its answer when nobody reads that either, each in one C call that returns None
     (having changed nothing) for any other frame, which then takes the Python path, the reference.
-    (None, None) without the accelerator (``KPROXY_CODEC=python``, a build without a compiler)."""
+    Its entries are copies of an entry of attrs' defaults, so those must all be constants (a
+    factory's list would be shared). (None, None) without the accelerator (``KPROXY_CODEC=python``, a
+    build without a compiler)."""
     setup = native_function("relay_setup")
-    if setup is None or tuple(f.name for f in attrs.fields(InFlight))[:len(_POSITIONAL)] != _POSITIONAL:
+    if setup is None:
         return None, None
-    setup(InFlight, ToUpstream, ToClient, FORWARDED, NO_RESPONSE)
+    if any(isinstance(f.default, attrs.Factory) for f in attrs.fields(InFlight)):  # type: ignore[arg-type]
+        raise TypeError("InFlight's defaults must be constants for the accelerator's relay step")
+    setup(InFlight, InFlight(0, 0, 0, 0.0), ToUpstream, ToClient, FORWARDED, NO_RESPONSE)
     return native_function("relay_request"), native_function("relay_answer")
 
 

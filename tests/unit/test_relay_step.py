@@ -95,11 +95,17 @@ def test_the_python_path_does_not_count():
     assert counts() == before
 
 
-def test_the_positional_fields_are_inflights_own():
-    # The C step passes InFlight's first fields by position: a reordering must switch it off, not
-    # fill the wrong fields (``_relay_step`` compares the names).
-    assert tuple(f.name for f in attrs.fields(InFlight))[:19] == session_module._POSITIONAL
+def test_entries_are_copies_of_constant_defaults():
+    # The C step copies an entry of attrs' defaults: a factory default (a list) would be shared by
+    # every entry, so the session refuses to set the step up with one.
+    assert not any(isinstance(f.default, attrs.Factory) for f in attrs.fields(InFlight))
     assert session_module._RELAY_REQUEST is not None
+    s = relaying()
+    ups = [s.client_frame(request_frame(HEARTBEAT, 4, i, heartbeat_request()))[0].entry for i in range(3)]
+    made = ups[2]
+    assert type(made) is InFlight and made is not ups[1]
+    made.note("k", 1)
+    assert ups[1].notes is None and InFlight(0, 0, 0, 0.0).notes is None
 
 
 # -- the compiled step against the Python path, on random traffic
@@ -189,7 +195,7 @@ def _run(script: list, rules: bool, tmp_path, python: bool) -> list:
     return log
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(frames=_client_frames(), data=st.data(), rules=st.booleans())
 def test_the_compiled_step_does_what_the_python_path_does(frames, data, rules, tmp_path):
     stream = b"".join(frames)
