@@ -2085,14 +2085,15 @@ static int relay_names(void)
    specialised attribute access does; relay_setup checks that every member is an object slot. */
 enum { I_client_correlation_id, I_api_key, I_api_version, I_started, I_request, I_upstream_correlation_id,
        I_reply, I_close_after, I_request_bytes, I_response_bytes, I_outcome, I_answered_at, I_seq, I_kept_by,
-       I_upstream_bytes, I_relayed, I_N };
+       I_upstream_bytes, I_relayed, I_throttle_ms, I_produced, I_produce_counts, I_N };
 static const char *const I_NAMES[I_N] = {
     "client_correlation_id", "api_key", "api_version", "started", "request", "upstream_correlation_id", "reply",
     "close_after", "request_bytes", "response_bytes", "outcome", "answered_at", "seq", "kept_by",
-    "upstream_bytes", "relayed"};
+    "upstream_bytes", "relayed", "throttle_ms", "produced", "produce_counts"};
 static Py_ssize_t I_off[I_N];
 static PyTypeObject *I_type;
 static PyObject *I_template;
+static long produce_walked_up_to = -1;
 #define ISLOT(o, i) (*(PyObject **)((char *)(o) + I_off[i]))
 
 static void islot_set(PyObject *o, int i, PyObject *v)     /* steals v */
@@ -2112,18 +2113,22 @@ static PyObject *inflight_new(void)
 }
 
 PyDoc_STRVAR(relay_setup_doc,
-"relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, NO_RESPONSE)\n\n"
+"relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, NO_RESPONSE, WALKED_UP_TO)\n\n"
 "The classes and outcomes relay_request and relay_answer build with; entries are copies of\n"
-"`template` (an InFlight of attrs' defaults, which must all be constants) with their own fields set.");
+"`template` (an InFlight of attrs' defaults, which must all be constants) with their own fields set.\n"
+"WALKED_UP_TO: the last Produce version produce_counts reads (produce_bytes.py).");
 
 static PyObject *relay_setup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6 || !PyType_Check(args[0]) || !Py_IS_TYPE(args[1], (PyTypeObject *)args[0])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, NO_RESPONSE)");
+    if (nargs != 7 || !PyType_Check(args[0]) || !Py_IS_TYPE(args[1], (PyTypeObject *)args[0])) {
+        PyErr_SetString(PyExc_TypeError, "relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, "
+                        "NO_RESPONSE, WALKED_UP_TO)");
         return NULL;
     }
+    long walked = PyLong_AsLong(args[6]);
+    if (walked == -1 && PyErr_Occurred())
+        return NULL;
     PyTypeObject *type = (PyTypeObject *)args[0];
     if (type->tp_members == NULL || type->tp_dictoffset != 0) {
         PyErr_SetString(PyExc_TypeError, "InFlight must have __slots__ and no __dict__");
@@ -2148,6 +2153,7 @@ static PyObject *relay_setup(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     Py_INCREF(type);
     Py_XSETREF(I_type, type);
+    produce_walked_up_to = walked;
     PyObject **slots[] = {&I_template, &R_to_upstream, &R_to_client, &R_forwarded, &R_no_response};
     for (int i = 0; i < 5; i++) {
         Py_INCREF(args[i + 1]);
@@ -2220,7 +2226,7 @@ static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize
     PyObject *s = args[0], *frame = args[1];
     PyObject *result = NULL, *unread = NULL, *o = NULL, *key = NULL, *version = NULL, *client_id = NULL;
     PyObject *ctx = NULL, *now = NULL, *seq = NULL, *uid_obj = NULL, *entry = NULL, *set = NULL, *out = NULL;
-    PyObject *buffers = NULL, *action = NULL;
+    PyObject *buffers = NULL, *action = NULL, *counted = NULL;
     int decline = 1;
     Py_buffer view = {0};
     GET(unread, s, _unread_by);
@@ -2294,12 +2300,36 @@ static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize
         goto done;      /* invalid: the Python path decodes it and says why */
     }
     int no_response = 0;
-    if (api_key == 0) {         /* Produce: acks=0 is owed no answer */
-        has = PyDict_Contains(unread, K_telemetry);
-        if (has != 0) {
-            decline = has > 0;
-            goto done;  /* metrics count its records: the Python path reads them */
+    has = api_key == 0 ? PyDict_Contains(unread, K_telemetry) : 0;
+    if (has < 0) {
+        decline = 0;
+        goto done;
+    }
+    if (has) {
+        /* Produce, and metrics count its records: read from its batch headers as it goes. */
+        if (api_version > produce_walked_up_to)
+            goto done;
+        PyObject *at = PyLong_FromSsize_t(pos);
+        if (at == NULL) {
+            decline = 0;
+            goto done;
         }
+        PyObject *call[3] = {frame, at, version};
+        counted = produce_counts(NULL, call, 3);
+        Py_DECREF(at);
+        if (counted == NULL) {
+            decline = 0;
+            goto done;
+        }
+        if (!PyTuple_CheckExact(counted) || PyTuple_GET_SIZE(counted) != 3)
+            goto done;      /* None: it cannot say (a legacy message set...): decoded */
+        long acks = PyLong_AsLong(PyTuple_GET_ITEM(counted, 0));
+        if (acks == -1 && PyErr_Occurred()) {
+            decline = 0;
+            goto done;
+        }
+        no_response = acks == 0;
+    } else if (api_key == 0) {         /* Produce: acks=0 is owed no answer */
         Py_ssize_t at = pos;
         if (api_version >= 9) {
             int64_t length;
@@ -2362,6 +2392,10 @@ static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize
         islot_set(entry, I_request_bytes, size);
         islot_set(entry, I_seq, Py_NewRef(seq));
         islot_set(entry, I_relayed, Py_NewRef(frame));
+        if (counted != NULL && counted != Py_None) {
+            islot_set(entry, I_produced, Py_NewRef(PyTuple_GET_ITEM(counted, 1)));
+            islot_set(entry, I_produce_counts, Py_NewRef(PyTuple_GET_ITEM(counted, 2)));
+        }
         if (no_response)
             islot_set(entry, I_outcome, Py_NewRef(R_no_response));
         else
@@ -2414,7 +2448,7 @@ done:
         PyBuffer_Release(&view);
     Py_XDECREF(unread); Py_XDECREF(o); Py_XDECREF(key); Py_XDECREF(version); Py_XDECREF(client_id);
     Py_XDECREF(ctx); Py_XDECREF(now); Py_XDECREF(seq); Py_XDECREF(uid_obj); Py_XDECREF(entry);
-    Py_XDECREF(set); Py_XDECREF(out); Py_XDECREF(buffers); Py_XDECREF(action);
+    Py_XDECREF(set); Py_XDECREF(out); Py_XDECREF(buffers); Py_XDECREF(action); Py_XDECREF(counted);
     if (result == NULL && decline && !PyErr_Occurred())
         Py_RETURN_NONE;
     return result;
@@ -2553,8 +2587,13 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
         goto done;
     PyObject *unread_v = PyDict_GetItemWithError(unread, o);       /* borrowed */
     Py_CLEAR(o);
-    if (unread_v != Py_True)
-        goto done;    /* read, or metrics read its throttle or records: the Python path */
+    /* True: nobody reads it; 4 or 5: metrics read the broker's throttle time there (session.py's
+       _throttle_at, _note_throttle); anything else (read, a Produce answer's records): Python. */
+    long throttle_at = unread_v == Py_True ? 0 : (unread_v != NULL && PyLong_CheckExact(unread_v)) ? PyLong_AsLong(unread_v) : -1;
+    if (throttle_at != 0 && throttle_at != 4 && (throttle_at != 5 || end < 5 || b[4] != 0)) {
+        PyErr_Clear();
+        goto done;      /* (5 with tagged fields in the header: skipped by the Python path) */
+    }
     if ((o = PyLong_FromLongLong(ANSWER_GUARDS_BIT | ((long long)k << 16) | v)) == NULL)
         goto done;
     PyObject *guards = PyDict_GetItemWithError(unread, o);         /* borrowed */
@@ -2596,6 +2635,13 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
     reply = NULL;
     islot_set(entry, I_reply, buffers);
     buffers = NULL;
+    if (throttle_at && end - throttle_at >= 4) {
+        /* Too short to say: the client gets the broker's bytes as they are, with no throttle noted. */
+        if ((o = PyLong_FromLong(rd32(b + throttle_at))) == NULL)
+            goto done;
+        islot_set(entry, I_throttle_ms, o);
+        o = NULL;
+    }
     result = relay_flush(s);
     if (result != NULL)
         relay_answers++;

@@ -1196,7 +1196,7 @@ def _relay_step() -> tuple[Callable | None, Callable | None]:
         return None, None
     if any(isinstance(f.default, attrs.Factory) for f in attrs.fields(InFlight)):  # type: ignore[arg-type]
         raise TypeError("InFlight's defaults must be constants for the accelerator's relay step")
-    setup(InFlight, InFlight(0, 0, 0, 0.0), ToUpstream, ToClient, FORWARDED, NO_RESPONSE)
+    setup(InFlight, InFlight(0, 0, 0, 0.0), ToUpstream, ToClient, FORWARDED, NO_RESPONSE, WALKED_UP_TO)
     return native_function("relay_request"), native_function("relay_answer")
 
 

@@ -6,6 +6,7 @@ session state, whatever the frames are and however they arrive."""
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 from collections.abc import Iterator
 
@@ -36,6 +37,7 @@ from .test_session import (
     request_frame,
     response_frame,
 )
+from .test_telemetry import batch
 
 pytestmark = pytest.mark.skipif(native_function("relay_request") is None,
                                 reason="the relay step is the accelerator's")
@@ -53,8 +55,11 @@ class Ticking:
         return self.now
 
 
-def relaying(*filters) -> Session:
-    return Session(ConnectionContext(1, clock=Ticking()), FilterChain(filters), read_answers=False)
+def relaying(*filters, metrics: bool = False) -> Session:
+    """A session as the server makes one without telemetry, or (``metrics``) with metrics alone,
+    which read Fetch decoded and count Produce from its bytes."""
+    return Session(ConnectionContext(1, clock=Ticking()), FilterChain(filters), read_answers=False,
+                   telemetry_reads=frozenset({1}) if metrics else None)
 
 
 @contextlib.contextmanager
@@ -120,8 +125,15 @@ def _client_frames() -> st.SearchStrategy[list[bytes]]:
     heartbeat = st.builds(lambda c, i: prefixed(request_frame(HEARTBEAT, 4, c, heartbeat_request(), client_id=i)),
                           cid, client_id)
     old_heartbeat = st.builds(lambda c: prefixed(request_frame(HEARTBEAT, 1, c, heartbeat_request())), cid)
-    produce = st.builds(lambda c, v, acks: prefixed(request_frame(PRODUCE, v, c, produce_request(acks=acks))),
-                        cid, st.sampled_from([3, 8, 9, 11]), st.sampled_from([0, 1, -1]))
+    def produce_frame(c: int, v: int, acks: int, records: int) -> bytes:
+        body = produce_request(acks=acks)
+        for topic in body.topic_data:
+            for part in topic.partition_data:
+                part.records = batch(records) if records else b"batch"     # a real batch, or not one
+        return prefixed(request_frame(PRODUCE, v, c, body))
+
+    produce = st.builds(produce_frame, cid, st.sampled_from([3, 8, 9, 11]), st.sampled_from([0, 1, -1]),
+                        st.integers(0, 3))
     metadata = st.builds(lambda c: prefixed(request_frame(METADATA, 12, c, metadata_request())), cid)
     api_versions = st.builds(lambda c: prefixed(request_frame(
         API_VERSIONS, 3, c, body_class(API_VERSIONS, "request")(client_software_name="x",
@@ -142,7 +154,7 @@ def _client_frames() -> st.SearchStrategy[list[bytes]]:
 def _entry(e: InFlight) -> tuple:
     return tuple(bytes(v) if isinstance(v, memoryview) else
                  [bytes(b) for b in v] if f.name == "reply" and v is not None else
-                 repr(v) if f.name in ("request", "response") and v is not None else v
+                 re.sub(r" at 0x[0-9a-f]+", "", repr(v)) if f.name in ("request", "response") and v is not None else v
                  for f, v in zip(attrs.fields(InFlight), attrs.astuple(e, recurse=False), strict=True))
 
 
@@ -160,13 +172,22 @@ def _state(s: Session) -> tuple:
             sorted(s._by_upstream), list(s._no_response), s.throttle_until)
 
 
-def _run(script: list, rules: bool, tmp_path, python: bool) -> list:
+def _answer(entry: InFlight, throttle: int) -> bytes:
+    """The broker's answer to ``entry``, with this throttle time where the answer has one."""
+    body = body_class(entry.api_key, "response")()
+    if hasattr(body, "throttle_time_ms"):
+        body.throttle_time_ms = throttle
+    frame = response_frame(entry.api_key, entry.api_version, 0, body)
+    return struct.pack(">i", entry.upstream_correlation_id) + frame[4:]
+
+
+def _run(script: list, rules: bool, metrics: bool, tmp_path, python: bool) -> list:
     """Feed the client's bytes in the script's pieces through a FrameReader, answering requests as the
     script says; everything the session did, in order."""
     filters = ()
     if rules:
         filters = (policy_filter(tmp_path, "rules: [{name: no-dels, match: {api: delete_topics}, action: deny}]\n"),)
-    s = relaying(*filters)
+    s = relaying(*filters, metrics=metrics)
     reader = FrameReader(1 << 20, trust_claims=False)
     log: list = []
     waiting: list[InFlight] = []
@@ -188,20 +209,19 @@ def _run(script: list, rules: bool, tmp_path, python: bool) -> list:
                 if not waiting:
                     break
                 entry = waiting.pop(pick % len(waiting))    # the broker may answer out of order
-                answer = struct.pack(">i", entry.upstream_correlation_id) + (
-                    response_frame(entry.api_key, entry.api_version, 0, body_class(entry.api_key, "response")())[4:])
-                log.append(_actions(s.upstream_frame(memoryview(answer))))
+                log.append(_actions(s.upstream_frame(memoryview(_answer(entry, pick * 37)))))
             log.append(_state(s))
     return log
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(frames=_client_frames(), data=st.data(), rules=st.booleans())
-def test_the_compiled_step_does_what_the_python_path_does(frames, data, rules, tmp_path):
+@given(frames=_client_frames(), data=st.data(), rules=st.booleans(), metrics=st.booleans())
+def test_the_compiled_step_does_what_the_python_path_does(frames, data, rules, metrics, tmp_path):
     stream = b"".join(frames)
     # Cut the stream anywhere: frames split across receives, several in one receive.
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(stream) - 1)), max_size=8)))
     pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True) if b > a]
     script = [(p, data.draw(st.lists(st.integers(0, 10), max_size=3))) for p in pieces]
     script.append((b"", [0] * 20))      # every request still owed is answered at the end
-    assert _run(script, rules, tmp_path, python=False) == _run(script, rules, tmp_path, python=True)
+    compiled = _run(script, rules, metrics, tmp_path, python=False)
+    assert compiled == _run(script, rules, metrics, tmp_path, python=True)
