@@ -2226,7 +2226,7 @@ static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize
     PyObject *s = args[0], *frame = args[1];
     PyObject *result = NULL, *unread = NULL, *o = NULL, *key = NULL, *version = NULL, *client_id = NULL;
     PyObject *ctx = NULL, *now = NULL, *seq = NULL, *uid_obj = NULL, *entry = NULL, *set = NULL, *out = NULL;
-    PyObject *buffers = NULL, *action = NULL, *counted = NULL;
+    PyObject *buffers = NULL, *action = NULL, *counted = NULL, *programs = NULL;
     int decline = 1;
     Py_buffer view = {0};
     GET(unread, s, _unread_by);
@@ -2268,7 +2268,7 @@ static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize
         decline = 0;
         goto done;
     }
-    PyObject *programs = PyDict_GetItemWithError(unread, o);     /* borrowed */
+    programs = Py_XNewRef(PyDict_GetItemWithError(unread, o));   /* held: a filter's passes runs below */
     Py_CLEAR(o);
     if (programs == NULL) {
         decline = PyErr_Occurred() == NULL;
@@ -2449,6 +2449,7 @@ done:
     Py_XDECREF(unread); Py_XDECREF(o); Py_XDECREF(key); Py_XDECREF(version); Py_XDECREF(client_id);
     Py_XDECREF(ctx); Py_XDECREF(now); Py_XDECREF(seq); Py_XDECREF(uid_obj); Py_XDECREF(entry);
     Py_XDECREF(set); Py_XDECREF(out); Py_XDECREF(buffers); Py_XDECREF(action); Py_XDECREF(counted);
+    Py_XDECREF(programs);
     if (result == NULL && decline && !PyErr_Occurred())
         Py_RETURN_NONE;
     return result;
@@ -2603,7 +2604,9 @@ static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_
     if (guards != Py_None && !(PyTuple_Check(guards) && PyTuple_GET_SIZE(guards) == 0)) {
         if (ISLOT(entry, I_kept_by) != Py_None)
             goto done;    /* a filter kept something for the request: it reads the answer */
+        Py_INCREF(guards);      /* a filter's passes runs Python code */
         int passing = all_pass(guards, key, version);
+        Py_DECREF(guards);
         if (passing <= 0)
             goto done;
     }
