@@ -2104,6 +2104,846 @@ static PyObject *produce_endpoints(PyObject *module, PyObject *const *args, Py_s
     return PyBool_FromLong(found);
 }
 
+/* ---- The relay step: a request nothing reads, and its answer nobody reads, in one call each -------
+
+   kproxy/proxy/session.py relays a request that no filter, telemetry or state of the session reads:
+   checked whole by the skip programs, its client id learned, its correlation id replaced by kproxy's,
+   an InFlight entry made for it; and its answer goes back with the client's correlation id, in
+   order. relay_request and relay_answer do those steps of Session.client_frame/_relay/_forwarding and
+   Session.upstream_frame/_flush for the common case, reading and writing the session's own
+   attributes; anything else (a frame too large to join, Produce counted by metrics, a throttled or
+   SASL-reading session, an answer something reads) returns None before changing anything, and the
+   session's Python path, the reference, handles it. relay_setup gives them the classes they build. */
+
+static PyObject *R_to_upstream, *R_to_client, *R_forwarded, *R_no_response;
+static PyObject *K_sample, *K_telemetry;
+static Py_ssize_t relay_requests, relay_answers;
+
+#define NO_LAZY_MIN ((Py_ssize_t)1 << 62)   /* compiler.NO_LAZY: no lazy spans */
+#define JOIN_BELOW (16 * 1024)
+#define RELAY_BIT (1LL << 32)
+#define ANSWER_GUARDS_BIT (1LL << 33)
+
+#define S(name) static PyObject *S_##name;
+#define RELAY_NAMES(X) X(_unread_by) X(front) X(_raw_sasl) X(_why_next) X(throttle_until) X(ctx) X(clock) \
+    X(client_id) X(requests) X(_next_correlation_id) X(open) X(in_flight) X(_by_upstream) X(_no_response) \
+    X(append) X(popleft) X(relayed) X(passes) X(asking) X(request) X(api_key) X(api_version) X(kept_by) \
+    X(answered_at) X(upstream_bytes) X(client_correlation_id) X(reply) X(close_after) X(response_bytes) \
+    X(_flush) X(may_pass) X(reads_by_bytes) X(reads_answer)
+RELAY_NAMES(S)
+#undef S
+
+static int relay_names(void)
+{
+#define I(name) if ((S_##name = PyUnicode_InternFromString(#name)) == NULL) return -1;
+    RELAY_NAMES(I)
+#undef I
+    if ((K_sample = PyLong_FromLong(-2)) == NULL || (K_telemetry = PyLong_FromLong(-1)) == NULL)
+        return -1;
+    return 0;
+}
+
+/* InFlight's slots: an entry is made as a copy of a template entry (attrs' defaults, all constants) with
+   the request's own fields set, and read and written at the slots' offsets, as the interpreter's own
+   specialised attribute access does; relay_setup checks that every member is an object slot. */
+enum { I_client_correlation_id, I_api_key, I_api_version, I_started, I_request, I_upstream_correlation_id,
+       I_reply, I_close_after, I_request_bytes, I_response_bytes, I_outcome, I_answered_at, I_seq, I_kept_by,
+       I_upstream_bytes, I_relayed, I_throttle_ms, I_produced, I_produce_counts, I_N };
+static const char *const I_NAMES[I_N] = {
+    "client_correlation_id", "api_key", "api_version", "started", "request", "upstream_correlation_id", "reply",
+    "close_after", "request_bytes", "response_bytes", "outcome", "answered_at", "seq", "kept_by",
+    "upstream_bytes", "relayed", "throttle_ms", "produced", "produce_counts"};
+static Py_ssize_t I_off[I_N];
+static PyTypeObject *I_type;
+static PyObject *I_template;
+static long produce_walked_up_to = -1;
+#define ISLOT(o, i) (*(PyObject **)((char *)(o) + I_off[i]))
+
+static void islot_set(PyObject *o, int i, PyObject *v)     /* steals v */
+{
+    Py_XSETREF(ISLOT(o, i), v);
+}
+
+/* A new InFlight: the template's values in every slot. */
+static PyObject *inflight_new(void)
+{
+    PyObject *e = I_type->tp_alloc(I_type, 0);
+    if (e == NULL)
+        return NULL;
+    for (PyMemberDef *m = I_type->tp_members; m->name != NULL; m++)
+        *(PyObject **)((char *)e + m->offset) = Py_NewRef(*(PyObject **)((char *)I_template + m->offset));
+    return e;
+}
+
+PyDoc_STRVAR(relay_setup_doc,
+"relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, NO_RESPONSE, WALKED_UP_TO)\n\n"
+"The classes and outcomes relay_request and relay_answer build with; entries are copies of\n"
+"`template` (an InFlight of attrs' defaults, which must all be constants) with their own fields set.\n"
+"WALKED_UP_TO: the last Produce version produce_counts reads (produce_bytes.py).");
+
+static PyObject *relay_setup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7 || !PyType_Check(args[0]) || !Py_IS_TYPE(args[1], (PyTypeObject *)args[0])) {
+        PyErr_SetString(PyExc_TypeError, "relay_setup(InFlight, template, ToUpstream, ToClient, FORWARDED, "
+                        "NO_RESPONSE, WALKED_UP_TO)");
+        return NULL;
+    }
+    long walked = PyLong_AsLong(args[6]);
+    if (walked == -1 && PyErr_Occurred())
+        return NULL;
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    if (type->tp_members == NULL || type->tp_dictoffset != 0) {
+        PyErr_SetString(PyExc_TypeError, "InFlight must have __slots__ and no __dict__");
+        return NULL;
+    }
+    for (PyMemberDef *m = type->tp_members; m->name != NULL; m++) {
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY)
+                || *(PyObject **)((char *)args[1] + m->offset) == NULL) {
+            PyErr_Format(PyExc_TypeError, "InFlight.%s is not a set object slot", m->name);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < I_N; i++) {
+        PyMemberDef *m = type->tp_members;
+        while (m->name != NULL && strcmp(m->name, I_NAMES[i]) != 0)
+            m++;
+        if (m->name == NULL) {
+            PyErr_Format(PyExc_TypeError, "InFlight has no slot %s", I_NAMES[i]);
+            return NULL;
+        }
+        I_off[i] = m->offset;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(I_type, type);
+    produce_walked_up_to = walked;
+    PyObject **slots[] = {&I_template, &R_to_upstream, &R_to_client, &R_forwarded, &R_no_response};
+    for (int i = 0; i < 5; i++) {
+        Py_INCREF(args[i + 1]);
+        Py_XSETREF(*slots[i], args[i + 1]);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(relay_counts_doc,
+"relay_counts() -> (requests, answers)\n\n"
+"How many requests and answers the relay step has taken in this process (a path counter).");
+
+static PyObject *relay_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module; (void)args; (void)nargs;
+    return Py_BuildValue("(nn)", relay_requests, relay_answers);
+}
+
+static inline int32_t rd32(const uint8_t *p)
+{
+    return (int32_t)(((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3]);
+}
+
+static inline int16_t rd16(const uint8_t *p)
+{
+    return (int16_t)(((uint16_t)p[0] << 8) | p[1]);
+}
+
+static inline void wr32(uint8_t *p, int32_t v)
+{
+    uint32_t u = (uint32_t)v;
+    p[0] = (uint8_t)(u >> 24); p[1] = (uint8_t)(u >> 16); p[2] = (uint8_t)(u >> 8); p[3] = (uint8_t)u;
+}
+
+/* 1 when every filter of `guards` (a tuple) passes api_key/version now, 0 when one does not, -1 on error. */
+static int all_pass(PyObject *guards, PyObject *key, PyObject *version)
+{
+    if (!PyTuple_Check(guards))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(guards); i++) {
+        PyObject *call[3] = {PyTuple_GET_ITEM(guards, i), key, version};
+        PyObject *r = PyObject_VectorcallMethod(S_passes, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (r == NULL)
+            return -1;
+        int ok = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (ok <= 0)
+            return ok;
+    }
+    return 1;
+}
+
+/* Session._guarded's answer for an entry nothing kept anything for: 0 when a filter of `guards` (a
+   tuple) reads this answer (one that may_pass does not pass the api version now, or one that reads
+   the api's answers by their bytes says this one needs it: a Produce answer with node_endpoints),
+   1 when none does, -1 on error. */
+static int answer_unguarded(PyObject *guards, PyObject *key, PyObject *version, PyObject *frame)
+{
+    if (!PyTuple_Check(guards))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(guards); i++) {
+        PyObject *f = PyTuple_GET_ITEM(guards, i);
+        PyObject *a = PyObject_GetAttr(f, S_may_pass);
+        if (a == NULL)
+            return -1;
+        int may_pass = PyObject_IsTrue(a);
+        Py_DECREF(a);
+        if (may_pass < 0)
+            return -1;
+        if (may_pass) {
+            PyObject *call[3] = {f, key, version};
+            PyObject *r = PyObject_VectorcallMethod(S_passes, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            if (r == NULL)
+                return -1;
+            int ok = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (ok <= 0)
+                return ok;
+        }
+        PyObject *by_bytes = PyObject_GetAttr(f, S_reads_by_bytes);
+        if (by_bytes == NULL)
+            return -1;
+        int reads = PySequence_Contains(by_bytes, key);
+        Py_DECREF(by_bytes);
+        if (reads < 0)
+            return -1;
+        if (reads) {
+            PyObject *call[4] = {f, key, version, frame};
+            PyObject *r = PyObject_VectorcallMethod(S_reads_answer, call, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            if (r == NULL)
+                return -1;
+            int needs = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (needs != 0)
+                return needs < 0 ? -1 : 0;
+        }
+    }
+    return 1;
+}
+
+/* A new reference to attribute `name`, or NULL with an exception. */
+#define GET(var, obj, name) do { if ((var = PyObject_GetAttr(obj, S_##name)) == NULL) goto done; } while (0)
+
+PyDoc_STRVAR(relay_request_doc,
+"relay_request(session, frame) -> [ToUpstream] | None\n\n"
+"Session.client_frame's relay of a request nothing reads, in one call: None (nothing changed) when\n"
+"the frame is not for it; the Python path then decides.");
+
+static PyObject *relay_request(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "relay_request() takes 2 arguments");
+        return NULL;
+    }
+    if (I_type == NULL)
+        Py_RETURN_NONE;
+    PyObject *s = args[0], *frame = args[1];
+    PyObject *result = NULL, *unread = NULL, *o = NULL, *key = NULL, *version = NULL, *client_id = NULL;
+    PyObject *ctx = NULL, *now = NULL, *seq = NULL, *uid_obj = NULL, *entry = NULL, *set = NULL, *out = NULL;
+    PyObject *buffers = NULL, *action = NULL, *counted = NULL, *programs = NULL;
+    int decline = 1;
+    Py_buffer view = {0};
+    GET(unread, s, _unread_by);
+    if (!PyDict_CheckExact(unread))
+        goto done;
+    int has = PyDict_Contains(unread, K_sample);
+    if (has != 0) {
+        decline = has > 0;
+        goto done;
+    }
+    GET(o, s, front);
+    if (o != Py_None)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, _raw_sasl);
+    if (o != Py_False)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, _why_next);
+    if (o != Py_None)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, throttle_until);
+    if (!PyFloat_CheckExact(o) || PyFloat_AS_DOUBLE(o) != 0.0)
+        goto done;          /* throttled now or lately: the Python path holds or clears it */
+    Py_CLEAR(o);
+    if (PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE) < 0) {
+        decline = 0;
+        goto done;
+    }
+    const uint8_t *b = view.buf;
+    Py_ssize_t end = view.len;
+    if (end < 8 || end >= JOIN_BELOW)
+        goto done;
+    int api_key = rd16(b), api_version = rd16(b + 2);
+    int32_t correlation_id = rd32(b + 4);
+    o = PyLong_FromLongLong(RELAY_BIT | ((long long)api_key << 16) | (long long)api_version);
+    if (o == NULL) {
+        decline = 0;
+        goto done;
+    }
+    programs = Py_XNewRef(PyDict_GetItemWithError(unread, o));   /* held: a filter's passes runs below */
+    Py_CLEAR(o);
+    if (programs == NULL) {
+        decline = PyErr_Occurred() == NULL;
+        goto done;      /* not worked out yet (``_relayable``): the Python path does it */
+    }
+    if (!PyTuple_CheckExact(programs) || PyTuple_GET_SIZE(programs) != 3
+            || !PyObject_TypeCheck(PyTuple_GET_ITEM(programs, 0), &ProgramType)
+            || !PyObject_TypeCheck(PyTuple_GET_ITEM(programs, 1), &ProgramType))
+        goto done;
+    if ((key = PyLong_FromLong(api_key)) == NULL || (version = PyLong_FromLong(api_version)) == NULL) {
+        decline = 0;
+        goto done;
+    }
+    int passing = all_pass(PyTuple_GET_ITEM(programs, 2), key, version);
+    if (passing <= 0) {
+        decline = passing == 0;
+        goto done;
+    }
+    Ctx hc = {b, (const ProgramObject *)PyTuple_GET_ITEM(programs, 0), NULL, NO_LAZY_MIN};
+    Py_ssize_t pos = run(&hc, 0, 0, end, 1, 0);
+    if (pos >= 0) {
+        Ctx bc = {b, (const ProgramObject *)PyTuple_GET_ITEM(programs, 1), NULL, NO_LAZY_MIN};
+        if (run(&bc, 0, pos, end, 1, 0) < 0)
+            pos = -1;
+    }
+    if (pos < 0) {
+        if (PyErr_Occurred())
+            decline = 0;
+        goto done;      /* invalid: the Python path decodes it and says why */
+    }
+    int no_response = 0;
+    has = api_key == 0 ? PyDict_Contains(unread, K_telemetry) : 0;
+    if (has < 0) {
+        decline = 0;
+        goto done;
+    }
+    if (has) {
+        /* Produce, and metrics count its records: read from its batch headers as it goes. */
+        if (api_version > produce_walked_up_to)
+            goto done;
+        PyObject *at = PyLong_FromSsize_t(pos);
+        if (at == NULL) {
+            decline = 0;
+            goto done;
+        }
+        PyObject *call[3] = {frame, at, version};
+        counted = produce_counts(NULL, call, 3);
+        Py_DECREF(at);
+        if (counted == NULL) {
+            decline = 0;
+            goto done;
+        }
+        if (!PyTuple_CheckExact(counted) || PyTuple_GET_SIZE(counted) != 3)
+            goto done;      /* None: it cannot say (a legacy message set...): decoded */
+        long acks = PyLong_AsLong(PyTuple_GET_ITEM(counted, 0));
+        if (acks == -1 && PyErr_Occurred()) {
+            decline = 0;
+            goto done;
+        }
+        no_response = acks == 0;
+    } else if (api_key == 0) {         /* Produce: acks=0 is owed no answer */
+        Py_ssize_t at = pos;
+        if (api_version >= 9) {
+            int64_t length;
+            if (read_uv(b, &at, end, &length))
+                goto done;
+            at += length ? (Py_ssize_t)length - 1 : 0;
+        } else if (api_version >= 3) {
+            if (end - at < 2)
+                goto done;
+            int n = rd16(b + at);
+            at += 2 + (n > 0 ? n : 0);
+        }
+        if (at < 0 || end - at < 2)
+            goto done;
+        no_response = rd16(b + at) == 0;
+    }
+    int n = rd16(b + 8);        /* the client id, in every header version past 0 */
+    if (n >= 0) {
+        if (10 + n > end)
+            goto done;
+        if ((client_id = PyUnicode_DecodeUTF8((const char *)b + 10, n, "surrogateescape")) == NULL) {
+            decline = 0;
+            goto done;
+        }
+    }
+    /* From here on the request is relayed: nothing declines. */
+    decline = 0;
+    GET(ctx, s, ctx);
+    GET(o, ctx, clock);
+    if ((now = PyObject_CallNoArgs(o)) == NULL)
+        goto done;
+    Py_CLEAR(o);
+    if (client_id != NULL && PyObject_SetAttr(ctx, S_client_id, client_id) < 0)
+        goto done;
+    GET(o, s, requests);
+    long requests = PyLong_AsLong(o);
+    if ((requests == -1 && PyErr_Occurred()) || (seq = PyLong_FromLong(requests + 1)) == NULL
+            || PyObject_SetAttr(s, S_requests, seq) < 0)
+        goto done;
+    Py_CLEAR(o);
+    GET(uid_obj, s, _next_correlation_id);
+    long upstream_id = PyLong_AsLong(uid_obj);
+    if (upstream_id == -1 && PyErr_Occurred())
+        goto done;
+    if ((o = PyLong_FromLong((upstream_id + 1) & 0x7FFFFFFF)) == NULL
+            || PyObject_SetAttr(s, S__next_correlation_id, o) < 0)
+        goto done;
+    Py_CLEAR(o);
+    {
+        PyObject *cid = PyLong_FromLong(correlation_id), *size = PyLong_FromSsize_t(end + 4);
+        if (cid == NULL || size == NULL || (entry = inflight_new()) == NULL) {
+            Py_XDECREF(cid);
+            Py_XDECREF(size);
+            goto done;
+        }
+        islot_set(entry, I_client_correlation_id, cid);
+        islot_set(entry, I_api_key, Py_NewRef(key));
+        islot_set(entry, I_api_version, Py_NewRef(version));
+        islot_set(entry, I_started, Py_NewRef(now));
+        islot_set(entry, I_request_bytes, size);
+        islot_set(entry, I_seq, Py_NewRef(seq));
+        islot_set(entry, I_relayed, Py_NewRef(frame));
+        if (counted != NULL && counted != Py_None) {
+            islot_set(entry, I_produced, Py_NewRef(PyTuple_GET_ITEM(counted, 1)));
+            islot_set(entry, I_produce_counts, Py_NewRef(PyTuple_GET_ITEM(counted, 2)));
+        }
+        if (no_response)
+            islot_set(entry, I_outcome, Py_NewRef(R_no_response));
+        else
+            islot_set(entry, I_upstream_correlation_id, Py_NewRef(uid_obj));
+    }
+    GET(set, s, open);
+    if (PySet_Add(set, entry) < 0)
+        goto done;
+    Py_CLEAR(set);
+    if (no_response) {
+        /* acks=0: nothing waits for an answer; one that comes anyway (tansu 0.6) is dropped by id. */
+        GET(o, s, _no_response);
+        PyObject *r = PyObject_CallMethodOneArg(o, S_append, uid_obj);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    } else {
+        GET(o, s, in_flight);
+        PyObject *r = PyObject_CallMethodOneArg(o, S_append, entry);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+        Py_CLEAR(o);
+        GET(o, s, _by_upstream);
+        if (PyDict_SetItem(o, uid_obj, entry) < 0)
+            goto done;
+    }
+    Py_CLEAR(o);
+    if ((out = PyBytes_FromStringAndSize(NULL, end + 4)) == NULL)
+        goto done;
+    uint8_t *w = (uint8_t *)PyBytes_AS_STRING(out);
+    wr32(w, (int32_t)end);
+    memcpy(w + 4, b, 4);
+    wr32(w + 8, (int32_t)upstream_id);
+    memcpy(w + 12, b + 8, end - 8);
+    if ((buffers = PyList_New(1)) == NULL)
+        goto done;
+    PyList_SET_ITEM(buffers, 0, out);
+    out = NULL;
+    PyObject *call[2] = {buffers, entry};
+    if ((action = PyObject_Vectorcall(R_to_upstream, call, 2, NULL)) == NULL)
+        goto done;
+    if ((result = PyList_New(1)) == NULL)
+        goto done;
+    PyList_SET_ITEM(result, 0, action);
+    action = NULL;
+    relay_requests++;
+done:
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_XDECREF(unread); Py_XDECREF(o); Py_XDECREF(key); Py_XDECREF(version); Py_XDECREF(client_id);
+    Py_XDECREF(ctx); Py_XDECREF(now); Py_XDECREF(seq); Py_XDECREF(uid_obj); Py_XDECREF(entry);
+    Py_XDECREF(set); Py_XDECREF(out); Py_XDECREF(buffers); Py_XDECREF(action); Py_XDECREF(counted);
+    Py_XDECREF(programs);
+    if (result == NULL && decline && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+}
+
+/* Session._flush: answers at the head of the in-order queue that are ready go to the client, each in
+   a ToClient completing its entry; a head that closes the connection is left to the Python flush. */
+static PyObject *relay_flush(PyObject *s)
+{
+    PyObject *q = PyObject_GetAttr(s, S_in_flight);
+    if (q == NULL)
+        return NULL;
+    PyObject *out = PyList_New(0), *head = NULL, *reply = NULL, *o = NULL;
+    if (out == NULL)
+        goto fail;
+    for (;;) {
+        Py_ssize_t len = PyObject_Length(q);
+        if (len < 0)
+            goto fail;
+        if (len == 0)
+            break;
+        if ((head = PySequence_GetItem(q, 0)) == NULL)
+            goto fail;
+        if (!Py_IS_TYPE(head, I_type) || ISLOT(head, I_close_after) != Py_None) {
+            /* Not an entry, or closing after it: the Python flush does the rest as it always has. */
+            if ((o = PyObject_CallMethodNoArgs(s, S__flush)) == NULL || PyList_SetSlice(out, PY_SSIZE_T_MAX,
+                                                                                         PY_SSIZE_T_MAX, o) < 0)
+                goto fail;
+            break;
+        }
+        reply = Py_NewRef(ISLOT(head, I_reply));
+        if (reply == Py_None)
+            break;
+        if ((o = PyObject_CallMethodNoArgs(q, S_popleft)) == NULL)
+            goto fail;
+        Py_CLEAR(o);
+        /* Encoded frames start with their 4-byte size prefix. */
+        Py_ssize_t n = PyObject_Length(reply);
+        if (n < 0)
+            goto fail;
+        long size = 0;
+        if (n > 0) {
+            PyObject *first = PySequence_GetItem(reply, 0);
+            if (first == NULL)
+                goto fail;
+            Py_buffer v;
+            int bad = PyObject_GetBuffer(first, &v, PyBUF_SIMPLE);
+            Py_DECREF(first);
+            if (bad < 0)
+                goto fail;
+            if (v.len < 4) {
+                PyBuffer_Release(&v);
+                PyErr_SetString(PyExc_ValueError, "an answer shorter than its size prefix");
+                goto fail;
+            }
+            size = (long)rd32(v.buf) + 4;
+            PyBuffer_Release(&v);
+        }
+        if ((o = PyLong_FromLong(size)) == NULL)
+            goto fail;
+        islot_set(head, I_response_bytes, o);
+        o = NULL;
+        PyObject *done = PyTuple_Pack(1, head);
+        if (done == NULL)
+            goto fail;
+        PyObject *call[2] = {reply, done};
+        o = PyObject_Vectorcall(R_to_client, call, 2, NULL);
+        Py_DECREF(done);
+        if (o == NULL || PyList_Append(out, o) < 0)
+            goto fail;
+        Py_CLEAR(o);
+        Py_CLEAR(head);
+        Py_CLEAR(reply);
+    }
+    Py_XDECREF(head);
+    Py_XDECREF(reply);
+    Py_XDECREF(o);
+    Py_DECREF(q);
+    return out;
+fail:
+    Py_XDECREF(head); Py_XDECREF(reply); Py_XDECREF(o); Py_XDECREF(out);
+    Py_DECREF(q);
+    return NULL;
+}
+
+PyDoc_STRVAR(relay_answer_doc,
+"relay_answer(session, frame) -> [ToClient, ...] | None\n\n"
+"Session.upstream_frame's relay of an answer nobody reads to a relayed request, and the in-order\n"
+"flush behind it, in one call: None (nothing changed) when the answer is not for it.");
+
+static PyObject *relay_answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "relay_answer() takes 2 arguments");
+        return NULL;
+    }
+    if (I_type == NULL)
+        Py_RETURN_NONE;
+    PyObject *s = args[0], *frame = args[1];
+    PyObject *result = NULL, *unread = NULL, *o = NULL, *by = NULL, *uid = NULL, *key = NULL, *version = NULL;
+    PyObject *ctx = NULL, *now = NULL, *reply = NULL, *buffers = NULL, *entry = NULL;
+    Py_buffer view = {0};
+    GET(unread, s, _unread_by);
+    if (!PyDict_CheckExact(unread))
+        goto done;
+    GET(o, s, _raw_sasl);
+    if (o != Py_False)
+        goto done;
+    Py_CLEAR(o);
+    GET(o, s, asking);
+    if (o != Py_None)
+        goto done;      /* an answer may be to kproxy's own question */
+    Py_CLEAR(o);
+    if (PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE) < 0)
+        goto done;
+    const uint8_t *b = view.buf;
+    Py_ssize_t end = view.len;
+    if (end < 4 || end >= JOIN_BELOW)
+        goto done;
+    GET(by, s, _by_upstream);
+    if (!PyDict_CheckExact(by) || (uid = PyLong_FromLong(rd32(b))) == NULL)
+        goto done;
+    entry = PyDict_GetItemWithError(by, uid);
+    if (entry == NULL)
+        goto done;      /* unknown, or an acks=0 Produce's: the Python path says which */
+    Py_INCREF(entry);   /* the dict lets go of it when it is popped */
+    if (!Py_IS_TYPE(entry, I_type) || ISLOT(entry, I_request) != Py_None || ISLOT(entry, I_relayed) == Py_None)
+        goto done;
+    key = Py_NewRef(ISLOT(entry, I_api_key));
+    version = Py_NewRef(ISLOT(entry, I_api_version));
+    long k = PyLong_AsLong(key), v = PyLong_AsLong(version);
+    if (PyErr_Occurred() || k == 3 || k == 75)
+        goto done;    /* Metadata, DescribeTopicPartitions: topic names are learned from them */
+    if ((o = PyLong_FromLongLong(((long long)k << 16) | v)) == NULL)
+        goto done;
+    PyObject *unread_v = PyDict_GetItemWithError(unread, o);       /* borrowed */
+    Py_CLEAR(o);
+    /* True: nobody reads it; 4 or 5: metrics read the broker's throttle time there (session.py's
+       _throttle_at, _note_throttle); anything else (read, a Produce answer's records): Python. */
+    long throttle_at = unread_v == Py_True ? 0 : (unread_v != NULL && PyLong_CheckExact(unread_v)) ? PyLong_AsLong(unread_v) : -1;
+    if (throttle_at != 0 && throttle_at != 4 && (throttle_at != 5 || end < 5 || b[4] != 0)) {
+        PyErr_Clear();
+        goto done;      /* (5 with tagged fields in the header: skipped by the Python path) */
+    }
+    if ((o = PyLong_FromLongLong(ANSWER_GUARDS_BIT | ((long long)k << 16) | v)) == NULL)
+        goto done;
+    PyObject *guards = PyDict_GetItemWithError(unread, o);         /* borrowed */
+    Py_CLEAR(o);
+    if (guards == NULL)
+        goto done;
+    if (guards != Py_None && !(PyTuple_Check(guards) && PyTuple_GET_SIZE(guards) == 0)) {
+        if (ISLOT(entry, I_kept_by) != Py_None)
+            goto done;    /* a filter kept something for the request: it reads the answer */
+        Py_INCREF(guards);      /* a filter's passes and reads_answer run Python code */
+        int passing = answer_unguarded(guards, key, version, frame);
+        Py_DECREF(guards);
+        if (passing <= 0)
+            goto done;
+    }
+    /* From here on the answer is relayed. */
+    if (PyDict_DelItem(by, uid) < 0)
+        goto done;
+    GET(ctx, s, ctx);
+    GET(o, ctx, clock);
+    if ((now = PyObject_CallNoArgs(o)) == NULL)
+        goto done;
+    Py_CLEAR(o);
+    islot_set(entry, I_answered_at, Py_NewRef(now));
+    if ((o = PyLong_FromSsize_t(end)) == NULL)
+        goto done;
+    islot_set(entry, I_upstream_bytes, o);
+    o = NULL;
+    long cid = PyLong_AsLong(ISLOT(entry, I_client_correlation_id));
+    if (cid == -1 && PyErr_Occurred())
+        goto done;
+    if ((reply = PyBytes_FromStringAndSize(NULL, end + 4)) == NULL)
+        goto done;
+    uint8_t *w = (uint8_t *)PyBytes_AS_STRING(reply);
+    wr32(w, (int32_t)end);
+    wr32(w + 4, (int32_t)cid);
+    memcpy(w + 8, b + 4, end - 4);
+    if ((buffers = PyList_New(1)) == NULL)
+        goto done;
+    PyList_SET_ITEM(buffers, 0, reply);
+    reply = NULL;
+    islot_set(entry, I_reply, buffers);
+    buffers = NULL;
+    if (throttle_at && end - throttle_at >= 4) {
+        /* Too short to say: the client gets the broker's bytes as they are, with no throttle noted. */
+        if ((o = PyLong_FromLong(rd32(b + throttle_at))) == NULL)
+            goto done;
+        islot_set(entry, I_throttle_ms, o);
+        o = NULL;
+    }
+    result = relay_flush(s);
+    if (result != NULL)
+        relay_answers++;
+done:
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_XDECREF(unread); Py_XDECREF(o); Py_XDECREF(by); Py_XDECREF(uid); Py_XDECREF(key); Py_XDECREF(version);
+    Py_XDECREF(ctx); Py_XDECREF(now); Py_XDECREF(reply); Py_XDECREF(buffers); Py_XDECREF(entry);
+    if (result == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+}
+#undef GET
+
+/* ---- FrameReader.next_frame's common case --------------------------------------------------------
+
+   kproxy/protocol/framing.py's FrameReader.next_frame, the reference, for a frame wholly in the receive
+   chunk (lent as a view of it) or a chunk that holds no complete frame yet: the same reads and writes
+   of the reader's attributes. Every other case (a frame with a buffer of its own, one streaming, a
+   bad size prefix, a frame straddling the chunk's end, a small frame copied out of a streaming
+   chunk, a subclass) calls the Python method before anything is changed. FrameReader has __slots__:
+   its attributes are read and written at their slots' offsets, as the interpreter's own specialised
+   attribute access does (the member descriptors' offsets, checked in frames_setup). */
+
+static PyObject *F_streams, *F_python, *F_new_chunk;
+static PyTypeObject *F_type;
+static Py_ssize_t frames_native;
+
+enum { F_streaming_left, F__ready, F__big, F__buf, F__start, F__end, F_max_frame_size, F_frames, F__hot,
+       F__reusable, F__lent, F_NSLOTS };
+static const char *const F_SLOT_NAMES[F_NSLOTS] = {"streaming_left", "_ready", "_big", "_buf", "_start", "_end",
+                                                   "max_frame_size", "frames", "_hot", "_reusable", "_lent"};
+static Py_ssize_t F_off[F_NSLOTS];
+#define SLOT(o, i) (*(PyObject **)((char *)(o) + F_off[i]))
+
+#define COPY_MAX (64 * 1024)                /* framing.COPY_MAX */
+#define STREAM_CHUNK_SIZE (1024 * 1024)     /* framing.STREAM_CHUNK_SIZE */
+
+PyDoc_STRVAR(frames_setup_doc,
+"frames_setup(FrameReader, STREAMS, COPY_MAX, STREAM_CHUNK_SIZE)\n\n"
+"framing.py's reader class (its next_frame the reference, called for every case but the common\n"
+"two; its slots read at their offsets) and sentinel; the sizes are checked against the ones compiled in.");
+
+static PyObject *frames_setup(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "frames_setup(FrameReader, STREAMS, COPY_MAX, STREAM_CHUNK_SIZE)");
+        return NULL;
+    }
+    if (PyLong_AsSsize_t(args[2]) != COPY_MAX || PyLong_AsSsize_t(args[3]) != STREAM_CHUNK_SIZE) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "framing.py's sizes are not the accelerator's: rebuild it");
+        return NULL;
+    }
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    for (int i = 0; i < F_NSLOTS; i++) {
+        PyObject *d = PyDict_GetItemString(type->tp_dict, F_SLOT_NAMES[i]);      /* borrowed */
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)
+                || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX
+                || (((PyMemberDescrObject *)d)->d_member->flags & READONLY)) {
+            PyErr_Format(PyExc_TypeError, "FrameReader.%s is not a slot", F_SLOT_NAMES[i]);
+            return NULL;
+        }
+        F_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    PyObject *method = PyObject_GetAttrString(args[0], "next_frame");
+    if (method == NULL)
+        return NULL;
+    Py_XSETREF(F_python, method);
+    if (F_new_chunk == NULL && (F_new_chunk = PyUnicode_InternFromString("_new_chunk")) == NULL)
+        return NULL;
+    Py_INCREF(args[1]);
+    Py_XSETREF(F_streams, args[1]);
+    Py_INCREF(type);
+    Py_XSETREF(F_type, type);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(frame_counts_doc,
+"frame_counts() -> int\n\nFrames next_frame has returned without the Python method (a path counter).");
+
+static PyObject *frame_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module; (void)args; (void)nargs;
+    return PyLong_FromSsize_t(frames_native);
+}
+
+/* A slot holding a non-negative int that fits: its value, else -1. */
+static inline Py_ssize_t slot_int(PyObject *o, int i)
+{
+    PyObject *v = SLOT(o, i);
+    if (v == NULL || !PyLong_CheckExact(v))
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(v);
+    if (n < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return n;
+}
+
+static inline void slot_set(PyObject *o, int i, PyObject *v)     /* steals v */
+{
+    Py_XSETREF(SLOT(o, i), v);
+}
+
+PyDoc_STRVAR(next_frame_doc,
+"next_frame(reader, stream_from) -> memoryview | None\n\n"
+"FrameReader.next_frame(reader, stream_from), the common cases compiled.");
+
+static PyObject *next_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "next_frame() takes 2 arguments");
+        return NULL;
+    }
+    if (F_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "frames_setup() was not called");
+        return NULL;
+    }
+    PyObject *r = args[0];
+    Py_ssize_t stream_from = PyLong_AsSsize_t(args[1]);
+    if (stream_from == -1 && PyErr_Occurred())
+        return NULL;
+    if (!Py_IS_TYPE(r, F_type) || slot_int(r, F_streaming_left) != 0
+            || SLOT(r, F__ready) != Py_None || SLOT(r, F__big) != Py_None)
+        goto python;
+    PyObject *buf = SLOT(r, F__buf);
+    if (buf == Py_None)
+        Py_RETURN_NONE;
+    if (buf == NULL || !PyByteArray_CheckExact(buf))
+        goto python;
+    Py_ssize_t start = slot_int(r, F__start), end = slot_int(r, F__end), max = slot_int(r, F_max_frame_size);
+    Py_ssize_t frames = slot_int(r, F_frames), blen = PyByteArray_GET_SIZE(buf);
+    if (start < 0 || end < start || end > blen || max < 0 || frames < 0)
+        goto python;
+    if (end - start < 4)
+        Py_RETURN_NONE;
+    int32_t size = rd32((const uint8_t *)PyByteArray_AS_STRING(buf) + start);
+    if (stream_from && size >= stream_from)
+        return Py_NewRef(F_streams);
+    if (size < 0 || size > max)
+        goto python;        /* the Python method raises FrameError with its reason */
+    Py_ssize_t next = start + 4 + size;
+    if (next > end) {
+        if (next <= blen)
+            Py_RETURN_NONE;     /* fits in the current chunk: keep receiving into it */
+        goto python;            /* a fresh chunk or a buffer of its own */
+    }
+    if (size <= COPY_MAX && blen == STREAM_CHUNK_SIZE)
+        goto python;        /* maybe copied out of a streaming chunk */
+    PyObject *mv = PyMemoryView_FromObject(buf);
+    if (mv == NULL)
+        return NULL;
+    PyObject *frame = PySequence_GetSlice(mv, start + 4, next);
+    Py_DECREF(mv);
+    if (frame == NULL)
+        return NULL;
+    PyObject *v_next = PyLong_FromSsize_t(next), *v_frames = PyLong_FromSsize_t(frames + 1);
+    if (v_next == NULL || v_frames == NULL) {
+        Py_XDECREF(v_next);
+        Py_XDECREF(v_frames);
+        Py_DECREF(frame);
+        return NULL;
+    }
+    slot_set(r, F__start, v_next);
+    slot_set(r, F_frames, v_frames);
+    slot_set(r, F__hot, Py_NewRef(Py_False));
+    slot_set(r, F__reusable, Py_NewRef(Py_False));   /* the frame is a view of the chunk */
+    slot_set(r, F__lent, Py_NewRef(Py_True));
+    if (next == end && end > blen / 2) {
+        /* Everything consumed and the chunk half used: the next frame starts on a fresh chunk. */
+        PyObject *call[2] = {r, end == blen ? Py_True : Py_False};
+        PyObject *done = PyObject_VectorcallMethod(F_new_chunk, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (done == NULL) {
+            Py_DECREF(frame);
+            return NULL;
+        }
+        Py_DECREF(done);
+    }
+    frames_native++;
+    return frame;
+python:
+    return PyObject_CallFunctionObjArgs(F_python, r, args[1], NULL);
+}
+
 static PyMethodDef methods[] = {
     {"skip", (PyCFunction)(void (*)(void))skip, METH_FASTCALL, skip_doc},
     {"produce_counts", (PyCFunction)(void (*)(void))produce_counts, METH_FASTCALL, produce_counts_doc},
@@ -2113,6 +2953,13 @@ static PyMethodDef methods[] = {
     {"join_records", (PyCFunction)(void (*)(void))join_records, METH_FASTCALL, join_records_doc},
     {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL, seal_records_doc},
     {"open_records", (PyCFunction)(void (*)(void))open_records, METH_FASTCALL, open_records_doc},
+    {"relay_setup", (PyCFunction)(void (*)(void))relay_setup, METH_FASTCALL, relay_setup_doc},
+    {"relay_request", (PyCFunction)(void (*)(void))relay_request, METH_FASTCALL, relay_request_doc},
+    {"relay_answer", (PyCFunction)(void (*)(void))relay_answer, METH_FASTCALL, relay_answer_doc},
+    {"relay_counts", (PyCFunction)(void (*)(void))relay_counts, METH_FASTCALL, relay_counts_doc},
+    {"frames_setup", (PyCFunction)(void (*)(void))frames_setup, METH_FASTCALL, frames_setup_doc},
+    {"next_frame", (PyCFunction)(void (*)(void))next_frame, METH_FASTCALL, next_frame_doc},
+    {"frame_counts", (PyCFunction)(void (*)(void))frame_counts, METH_FASTCALL, frame_counts_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2126,7 +2973,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__accel(void)
 {
-    if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0 || PyType_Ready(&DecoderType) < 0)
+    if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0 || PyType_Ready(&DecoderType) < 0
+            || relay_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

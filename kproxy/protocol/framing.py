@@ -11,6 +11,7 @@ size claims are trusted, grows as its bytes arrive rather than by what its prefi
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 from kproxy.protocol.errors import FrameError
 
@@ -387,3 +388,18 @@ def foreign_protocol(head: bytes) -> str | None:
 
 def frame_size_prefix(size: int) -> bytes:
     return _SIZE.pack(size)
+
+
+def frame_taker() -> Callable[[FrameReader, int], memoryview | None]:
+    """``FrameReader.next_frame`` as a function of the reader, for the pumps: the accelerator's
+    ``next_frame``, which does the method's two common cases (a frame wholly in the receive chunk, a
+    chunk without a complete frame) in C and calls the method, the reference, for every other; the
+    method itself without the accelerator (``KPROXY_CODEC=python``, a build without a compiler)."""
+    from kproxy.protocol.compiler import native_function
+
+    setup = native_function("frames_setup")
+    take = native_function("next_frame")
+    if setup is None or take is None:
+        return FrameReader.next_frame
+    setup(FrameReader, STREAMS, COPY_MAX, STREAM_CHUNK_SIZE)
+    return take

@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from kproxy.protocol.compiler import NO_LAZY, native_skip, whole_skip
+from kproxy.protocol.compiler import NO_LAZY, native_function, native_skip, whole_skip
 from kproxy.protocol.errors import DecodeError, UnsupportedVersionError
 from kproxy.protocol.messages import (
     Request,
@@ -68,6 +68,7 @@ from kproxy.proxy.filters import (
     Throttle,
 )
 from kproxy.proxy.inflight import (
+    FORWARDED,
     LOCAL,
     NO_RESPONSE,
     PASSTHROUGH,
@@ -326,6 +327,11 @@ class Session(SessionCutThrough, SessionSasl):
 
     def client_frame(self, frame: memoryview) -> list[Action]:
         """A complete request frame (without its size prefix) from the client."""
+        if _RELAY_REQUEST is not None:
+            # The relay step of a request nothing reads, compiled (``_relay_step``); None: not such a one.
+            relayed = _RELAY_REQUEST(self, frame)
+            if relayed is not None:
+                return relayed
         now = self.ctx.clock()
         actions: list[Action] = []
         if self.throttle_until > now:
@@ -763,6 +769,11 @@ class Session(SessionCutThrough, SessionSasl):
 
     def upstream_frame(self, frame: memoryview) -> list[Action]:
         """A complete response frame (without its size prefix) from the broker."""
+        if _RELAY_ANSWER is not None:
+            # The relay of an answer nobody reads, and the flush, compiled (``_relay_step``).
+            relayed = _RELAY_ANSWER(self, frame)
+            if relayed is not None:
+                return relayed
         if self._raw_sasl and not self._by_upstream:
             # Unframed SASL tokens (handshake v0) have no Kafka header: relay them untouched.
             return self._raw_sasl_reply(frame)
@@ -1173,3 +1184,23 @@ class Session(SessionCutThrough, SessionSasl):
                 log.error("connection %d: filter %r failed in on_close", self.ctx.connection_id, f.name,
                           exc_info=True)
         self.ctx.clear_state()
+
+
+def _relay_step() -> tuple[Callable | None, Callable | None]:
+    """The accelerator's relay step (``_accel.relay_request``/``relay_answer``): what ``client_frame``
+    and ``_relay``/``_forwarding`` do for a request nothing reads, and what ``upstream_frame`` and
+    ``_flush`` do for its answer when nobody reads that either, each in one C call that returns None
+    (having changed nothing) for any other frame, which then takes the Python path, the reference.
+    Its entries are copies of an entry of attrs' defaults, so those must all be constants (a
+    factory's list would be shared). (None, None) without the accelerator (``KPROXY_CODEC=python``, a
+    build without a compiler)."""
+    setup = native_function("relay_setup")
+    if setup is None:
+        return None, None
+    if any(isinstance(f.default, attrs.Factory) for f in attrs.fields(InFlight)):  # type: ignore[arg-type]
+        raise TypeError("InFlight's defaults must be constants for the accelerator's relay step")
+    setup(InFlight, InFlight(0, 0, 0, 0.0), ToUpstream, ToClient, FORWARDED, NO_RESPONSE, WALKED_UP_TO)
+    return native_function("relay_request"), native_function("relay_answer")
+
+
+_RELAY_REQUEST, _RELAY_ANSWER = _relay_step()

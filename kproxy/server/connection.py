@@ -27,7 +27,7 @@ import trio
 from kproxy.logs import safe
 from kproxy.protocol.entities import hold_ms
 from kproxy.protocol.errors import FrameError
-from kproxy.protocol.framing import STREAM_NONE, STREAMS, FrameReader
+from kproxy.protocol.framing import STREAM_NONE, STREAMS, FrameReader, frame_taker
 from kproxy.protocol.messages import api_name
 from kproxy.protocol.records import V2_HEADER_SIZE
 from kproxy.proxy.actions import ToClient, ToUpstream
@@ -58,6 +58,8 @@ CLOSE_GRACE_S = 0.25
 # The largest frame a client may send before it has logged in to kproxy: a SaslAuthenticate with a
 # 128 KiB token fits; a stranger cannot make kproxy hold more than this.
 PRE_LOGIN_FRAME_CAP = 256 * 1024
+# ``FrameReader.next_frame`` as a function, its common cases compiled where the accelerator is.
+_next_frame = frame_taker()
 
 
 @attrs.frozen(slots=True)
@@ -320,14 +322,14 @@ class ClientConnection(Executor):
             min_bytes = session.stream_min_bytes
             stream_from = min_bytes if min_bytes is not None else STREAM_NONE
             while True:
-                frame = reader.next_frame(stream_from)
+                frame = _next_frame(reader, stream_from)
                 if frame is STREAMS:
                     # A large Produce request starting (or going on) here may go out as it arrives
                     # (a frame too small to stream costs no coroutine).
                     await self._stream_request(reader)
                     if self.draining:
                         break
-                    frame = reader.next_frame()
+                    frame = _next_frame(reader, 0)
                 if frame is None:
                     break
                 if len(session.open) >= limit:
@@ -424,12 +426,12 @@ class ClientConnection(Executor):
                 min_bytes = session.stream_min_bytes
                 stream_from = min_bytes if min_bytes is not None else STREAM_NONE
                 while True:
-                    frame = reader.next_frame(stream_from)
+                    frame = _next_frame(reader, stream_from)
                     if frame is STREAMS:
                         # A large answer starting (or going on) here may go out as it arrives (one
                         # too small to stream costs no coroutine).
                         await self._stream_pieces(reader, upstream)
-                        frame = reader.next_frame()
+                        frame = _next_frame(reader, 0)
                     if frame is None:
                         break
                     if self._login_answers is not None and _I32.unpack_from(frame, 0)[0] in self._login_ids:

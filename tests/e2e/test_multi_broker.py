@@ -333,8 +333,9 @@ def test_produce_v10_leader_hints_never_name_a_broker_behind_kproxy(
         finally:
             w.close()
         # Each acknowledged answer was checked once and let by; each refusal was found to carry
-        # endpoints (asked again on the decoded path's way in, so once or twice).
-        assert said.count(False) == 2 and said.count(None) == 0 and said.count(True) in (2, 4)
+        # endpoints (asked again by the session's Python path after the compiled relay step declined
+        # it, so one to three times each).
+        assert said.count(False) == 2 and said.count(None) == 0 and 2 <= said.count(True) <= 6
         if metrics:
             # Counted alike on both paths: the acknowledged records, not the refused ones.
             deadline = time.monotonic() + 5
