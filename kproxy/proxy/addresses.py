@@ -302,6 +302,10 @@ class AddressRewriter(Filter):
             return False
         return super().sees_whole(api_key, kind)
 
+    def reads_only_node_endpoints(self, api_key: int) -> bool:
+        # A Fetch answer's only endpoints are its node_endpoints (v16+; ``sees_whole`` above).
+        return api_key == FETCH
+
     def rewrite_node_endpoints(self, exchange: Any, endpoints: list) -> bool:
         """Rewrite a Fetch answer's node_endpoints in place, as ``on_response`` would (a node that
         cannot be exposed is left out; ports not yet open are asked of ``exchange``); whether

@@ -222,6 +222,13 @@ class Filter:
         nothing else does (telemetry, the transparency check), the session passes it on undecoded."""
         return True
 
+    def reads_only_node_endpoints(self, api_key: int) -> bool:
+        """Whether all ``on_response`` does with this api's answers is rewrite KIP-951's node_endpoints
+        (the body's closing tagged field 0) when there are any. The session, when it reads an answer's
+        bytes anyway (a relayed Fetch under metrics, ``kproxy.proxy.fetch_bytes``), then decodes only
+        the answers that carry them for such a filter. Default False."""
+        return False
+
     def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
         """The request is over, once and whatever its outcome (answered, refused, lost with the broker
         connection, or ``client_gone``); its times and outcome are final. Declare the api keys in
@@ -309,7 +316,7 @@ class FilterChain:
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
         self._reported: dict[int, bool] = {}
         self._askers: dict[int, tuple[Filter, ...]] = {}
-        self._reads: dict[tuple[int, int], bool] = {}
+        self._reads: dict[tuple[int, int, bool], bool] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
@@ -338,16 +345,19 @@ class FilterChain:
             got = self._reported[api_key] = all(f.reports_changes for f in self.for_response(api_key))
         return got
 
-    def reads_answers(self, api_key: int, api_version: int) -> bool:
+    def reads_answers(self, api_key: int, api_version: int, endpoints_told: bool = False) -> bool:
         """Whether a filter reads this api version's decoded answers: a response filter with something
         to do at that version (``Filter.reads_response``), or one told of the finished exchange. A
         filter that ``may_pass`` is left out: whether it reads one answer is asked of it each time
-        (``answer_guards``)."""
-        key = (api_key, api_version)
+        (``answer_guards``). ``endpoints_told``: the session tells from an answer's bytes whether it
+        carries node_endpoints, and decodes those that do: a filter that reads only them
+        (``Filter.reads_only_node_endpoints``) is left out too."""
+        key = (api_key, api_version, endpoints_told)
         got = self._reads.get(key)
         if got is None:
             got = self._reads[key] = bool(self.for_done(api_key)) or any(
-                f.reads_response(api_key, api_version) for f in self.for_response(api_key) if not f.may_pass)
+                f.reads_response(api_key, api_version) for f in self.for_response(api_key)
+                if not f.may_pass and not (endpoints_told and f.reads_only_node_endpoints(api_key)))
         return got
 
     def answer_guards(self, api_key: int, api_version: int) -> tuple[Filter, ...]:
