@@ -1,9 +1,12 @@
 """Many clients, small requests: requests per second and latency of small round trips from many
 concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
 
-Three loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
+Five loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
 v9 request with acks=1 carrying one record of 100 bytes to partition 0 of a topic that must exist;
-``heartbeat``, a Heartbeat v4 for a group the broker does not know (an idle consumer's request).
+``heartbeat``, a Heartbeat v4 for a group the broker does not know (an idle consumer's request);
+``fetch``, a Fetch v12 from offset 0 of partition 0 of a topic that must hold one small batch there
+(its answer is that batch); ``fetch-empty``, a Fetch v12 from far past the end with max_wait_ms 0
+(a consumer's long poll that finds nothing; tansu answers it with no partitions).
 Each load process drives its share of the connections with a selector loop over raw sockets (no
 client library, so the generator itself stays cheap): every connection keeps exactly one request in
 flight and sends the next as soon as the answer is whole. The first answer on each connection is
@@ -25,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 _I32 = struct.Struct(">i")
-KINDS = ("metadata", "produce", "heartbeat")
+KINDS = ("metadata", "produce", "heartbeat", "fetch", "fetch-empty")
 PRODUCE_VALUE_BYTES = 100
 
 
@@ -61,14 +64,30 @@ def heartbeat_v4_request(correlation_id: int, group: str = "bench-group") -> byt
     return b"".join(bytes(b) for b in encode_request_frame(Request.build(12, 4, correlation_id, "bench", body)))
 
 
+def fetch_v12_request(correlation_id: int, topic: str, offset: int = 0, max_wait_ms: int = 100) -> bytes:
+    """Fetch v12 (the last version naming topics) of partition 0 of ``topic`` from ``offset``, up to
+    1 MiB, answered as soon as one byte is there."""
+    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+
+    cls = body_class(1, "request")
+    body = cls(max_wait_ms=max_wait_ms, min_bytes=1, max_bytes=1 << 20, isolation_level=0, topics=[
+        cls.FetchTopic(topic=topic, partitions=[cls.FetchPartition(partition=0, fetch_offset=offset,
+                                                                   partition_max_bytes=1 << 20)])])
+    return b"".join(bytes(b) for b in encode_request_frame(Request.build(1, 12, correlation_id, "bench", body)))
+
+
 def request_for(kind: str, topic: str | None) -> bytes:
     if kind == "metadata":
         return metadata_v12_request(1)
     if kind == "heartbeat":
         return heartbeat_v4_request(1)
-    if kind == "produce":
+    if kind in ("produce", "fetch", "fetch-empty"):
         if not topic:
-            raise ValueError("the produce loop needs a topic")
+            raise ValueError(f"the {kind} loop needs a topic")
+        if kind == "fetch":
+            return fetch_v12_request(1, topic)
+        if kind == "fetch-empty":
+            return fetch_v12_request(1, topic, offset=1 << 40, max_wait_ms=0)
         return produce_v9_request(1, topic)
     raise ValueError(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
 
@@ -80,6 +99,12 @@ def check_answer(kind: str, frame: bytes) -> None:
 
     if kind == "heartbeat":
         decode_response(memoryview(frame), 12, 4)       # any error code: the group is unknown
+        return
+    if kind in ("fetch", "fetch-empty"):
+        resp = decode_response(memoryview(frame), 1, 12)
+        got = [p for t in resp.body.responses for p in t.partitions]
+        if kind == "fetch" and (not got or got[0].error_code or not got[0].records):
+            raise SystemExit(f"a Fetch answer without records: {resp!r}")
         return
     resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0, 12 if kind == "metadata" else 9)
     if kind == "metadata":
@@ -191,7 +216,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--kind", choices=KINDS, default="metadata")
-    ap.add_argument("--topic", help="the topic the produce loop writes to (it must exist)")
+    ap.add_argument("--topic", help="the topic the produce loop writes to (it must exist), or the fetch loop reads")
     args = ap.parse_args()
     r = run_load(args.address, args.clients, args.seconds, args.procs, kind=args.kind, topic=args.topic)
     print(f"{args.clients} clients, {args.kind}: {r.requests_per_s:,.0f} requests/s, p50 {r.p50_ms:.2f} ms, "

@@ -2053,7 +2053,7 @@ static int64_t be64(const uint8_t *p)
     return (int64_t)(((uint64_t)be32(p) << 32) | (uint32_t)be32(p + 4));
 }
 
-/* Past a tagged-field section; *zero set when it holds tag 0. */
+/* Past a tagged-field section; *zero set when it holds tag 0 with anything but an empty compact array. */
 static int fc_tags(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int *zero)
 {
     int64_t n, tag, size;
@@ -2062,7 +2062,7 @@ static int fc_tags(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int *zer
     for (int64_t i = 0; i < n; i++) {
         if (read_uv(buf, pos, end, &tag) || read_uv(buf, pos, end, &size) || skip_bytes(pos, end, size))
             return -1;
-        if (tag == 0 && zero != NULL)
+        if (tag == 0 && zero != NULL && !(size == 1 && buf[*pos - 1] == 1))
             *zero = 1;
     }
     return 0;

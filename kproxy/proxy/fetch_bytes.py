@@ -13,7 +13,8 @@ only when some error-free partition holds records (an empty long poll never read
 It returns None where it cannot say (a legacy message set, a malformed batch or frame, an offset
 past int64): the caller then takes the decoded path, which reports a malformed answer as before. It
 also says whether the answer carries KIP-951's node_endpoints (tag 0 of the body's closing tagged
-fields, v16+), which the address rewriter must rewrite: such an answer is decoded.
+fields, v16+; an empty array does not count), which the address rewriter must rewrite: such an
+answer is decoded.
 
 ``fetch_counts`` is the accelerator's compiled twin (``_accel.fetch_counts``) when it is loaded; the
 Python walk here is the reference and the fallback (``KPROXY_CODEC=python``) and gives the same
@@ -73,14 +74,15 @@ def _skip(pos: int, end: int, n: int) -> int:
 
 
 def _tags(buf: Any, pos: int, end: int) -> tuple[int, bool]:
-    """Past a tagged-field section; whether it holds tag 0."""
+    """Past a tagged-field section; whether it holds tag 0 with anything but an empty compact array
+    (one byte, 1: brokers such as tansu send node_endpoints so when no leader moved)."""
     n, pos = read_uvarint(buf, pos)
     zero = False
     for _ in range(n):
         tag, pos = read_uvarint(buf, pos)
         size, pos = read_uvarint(buf, pos)
-        pos = _skip(pos, end, size)
-        zero = zero or tag == 0
+        at, pos = pos, _skip(pos, end, size)
+        zero = zero or (tag == 0 and not (size == 1 and buf[at] == 1))
     if pos > end:
         raise _Unreadable
     return pos, zero

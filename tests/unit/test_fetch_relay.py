@@ -287,6 +287,25 @@ def test_an_answer_with_node_endpoints_is_decoded_and_rewritten(version: int) ->
 
 
 @needs_accelerator
+@pytest.mark.parametrize("version", [16, 17, 18])
+def test_an_answer_with_an_empty_node_endpoints_tag_is_relayed(version: int) -> None:
+    # tansu sends node_endpoints as an empty array in every v16+ answer: nothing for the rewriter.
+    s = _metrics_alone(_rewriter())
+    (up,) = s.client_frame(request_frame(FETCH, version, 11, _fetch_request(version)))
+    answer = response_frame(FETCH, version, up.entry.upstream_correlation_id, _fetch_answer(version))
+    assert answer[-1:] == b"\x00"          # no tagged fields: now one, tag 0 of one byte, an empty array
+    answer = answer[:-1] + b"\x01\x00\x01\x01"
+    assert decode_response(answer, FETCH, version).body.node_endpoints == []
+    (out,) = s.upstream_frame(memoryview(answer))
+    (entry,) = out.done
+    assert entry.response is None and entry.request is None and entry.fetched == FETCHED
+    assert b"".join(bytes(b) for b in out.buffers)[8:] == answer[4:]
+    # One endpoint in it: decoded and rewritten.
+    assert py_fetch_counts(request_frame(FETCH, version, 1, _fetch_request(version)),
+                           memoryview(response_frame(FETCH, version, 1, _fetch_answer(version, True))), version)[2]
+
+
+@needs_accelerator
 def test_per_topic_metrics_or_a_legacy_message_set_take_the_decoded_path() -> None:
     # Per-topic metrics need names and bytes: telemetry reads Fetch decoded.
     s = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=False,
