@@ -519,6 +519,7 @@ def test_metrics_alone_count_a_real_consumers_fetches_from_the_relayed_bytes(
         broker: TansuBroker, topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: Any) -> None:
     # Metrics alone: Fetch goes both ways undecoded (small answers) and the records fetched are read
     # from the answers' batch headers (kproxy.proxy.fetch_bytes); the count is what the consumer got.
+    from kproxy.protocol.compiler import native_skip
     from kproxy.proxy import session as session_module
 
     read_from_bytes: list[tuple[int, int]] = []
@@ -540,7 +541,9 @@ def test_metrics_alone_count_a_real_consumers_fetches_from_the_relayed_bytes(
         assert metric(values, "kproxy_records_total", direction="fetched") == N_RECORDS
         # The path counter: the consumer's Fetch answers were relayed, their records read from bytes
         # (by whichever version the client and tansu agreed on: v16+ passes the address rewriter too).
-        assert sum(n for _, n in read_from_bytes) == N_RECORDS
+        # Without the accelerator nothing is relayed, and the decoded path counts the same.
+        if native_skip() is not None:
+            assert sum(n for _, n in read_from_bytes) == N_RECORDS
     finally:
         tel.stop()
 
