@@ -23,8 +23,8 @@ One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level W
   they depend a little on how requests bunch up, so the figure is the median of ``--rounds``.
 
 The loops are those of bench/small_requests.py: Metadata v12 with no topics, Heartbeat v4, Produce v9 with
-acks=1 and one 100-byte record, Fetch v12 answered with one batch of one 100-byte record, and an empty Fetch
-v12 long poll (max_wait_ms 0, from past the end).
+acks=1 and one 100-byte record, Fetch v12 answered with one batch of one 100-byte record (and the same in
+v16, by topic id), and an empty Fetch v12 long poll (max_wait_ms 0, from past the end).
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         # The produce loop's topic, and the fetch loops' (one batch of one record at offset 0 of
         # partition 0, written first; the produce loop writes elsewhere, so the answer stays small).
         topics = {kind: "per-request-fetch" if kind.startswith("fetch") else "per-request"
-                  for kind in kinds if kind in ("produce", "fetch", "fetch-empty")}
+                  for kind in kinds if kind in ("produce", "fetch", "fetch-empty", "fetch-v16")}
         if topics:
             from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -306,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
             del admin               # its broker connection would log the broker's shutdown
             if "per-request-fetch" in topics.values():
                 sequential(broker.port, request_for("produce", "per-request-fetch"), 1)
+            if "fetch-v16" in topics:       # it names the topic by id
+                from big_fetch import topic_id_of
+
+                with socket.create_connection((HOST, broker.port), timeout=30) as s:
+                    topics["fetch-v16"] = str(topic_id_of(s, "per-request-fetch"))
         for kind in kinds:
             topic = topics.get(kind)
             if not args.no_callgrind:
