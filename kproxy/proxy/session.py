@@ -946,13 +946,17 @@ class Session(SessionCutThrough, SessionSasl):
         if unread is None:
             unread_by[_ANSWER_GUARDS | api_key << 16 | version] = self.chain.answer_guards(api_key, version)
             counted = unread_by.get(_TELEMETRY)
-            unread = unread_by[api_key << 16 | version] = (
+            # A Fetch answer's bytes say whether it names node_endpoints (``_note_fetch``), which are
+            # decoded for the address rewriter: a filter that reads only those is left out then.
+            walked = (api_key == FETCH and version <= FETCH_WALKED_UP_TO
+                      and (counted is None or api_key not in counted))
+            unread = (
                 api_key not in _READ_BY_SESSION and self.reencode is None
-                # With metrics on, a Fetch answer's bytes are read (``_note_fetch``): they say whether
-                # it names node_endpoints, which are decoded for the address rewriter.
-                and not self.chain.reads_answers(api_key, version, endpoints_told=(
-                    api_key == FETCH and counted is not None and api_key not in counted))
+                and not self.chain.reads_answers(api_key, version, endpoints_told=walked)
                 and (counted is None or (api_key not in counted and _throttle_at(api_key, version))))
+            if unread is True and walked and self.chain.reads_answers(api_key, version):
+                unread = _FETCH_ANSWER      # no telemetry, but the walk is what lets the rewriter by
+            unread_by[api_key << 16 | version] = unread
         if unread and api_key in _NAMES_IN_ANSWERS and self._learns_names(api_key, version):
             return False
         return unread

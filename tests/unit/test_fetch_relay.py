@@ -277,13 +277,30 @@ def test_fetch_under_metrics_alone_is_relayed_and_counted_as_decoded(version: in
         assert m.throttle_seconds.get("broker", 0) == (0.04 if version >= 1 else 0)
 
 
+def _no_telemetry(*filters: Any) -> Session:
+    # As the server builds it with no telemetry on: nothing counts (None), answers nobody reads pass.
+    return Session(ConnectionContext(1, clock=Clock()), FilterChain(list(filters)), read_answers=False)
+
+
 @needs_accelerator
+@pytest.mark.parametrize("session", [_metrics_alone, _no_telemetry])
 @pytest.mark.parametrize("version", [16, 17, 18])
-def test_an_answer_with_node_endpoints_is_decoded_and_rewritten(version: int) -> None:
-    entry, sent = _through(_metrics_alone(_rewriter()), version, endpoints=True)
+def test_an_answer_with_node_endpoints_is_decoded_and_rewritten(version: int, session: Any) -> None:
+    entry, sent = _through(session(_rewriter()), version, endpoints=True)
     assert entry.response is not None and entry.request is not None      # decoded, with its request
     assert b"kafka-1.internal" not in sent and b"proxy.example" in sent
     assert _recorded(entry).records["fetched"] == FETCHED
+    # Without endpoints the same session relays the answer, the rewriter left out by the walk.
+    relayed, sent = _through(session(_rewriter()), version)
+    assert relayed.response is None and relayed.request is None
+    assert b"proxy.example" not in sent
+
+
+@needs_accelerator
+def test_with_no_telemetry_an_answer_nobody_reads_is_not_walked() -> None:
+    # Below v16 nothing reads a Fetch answer: passed on without the walk (nothing counts it).
+    relayed, _ = _through(_no_telemetry(_rewriter()), 15)
+    assert relayed.response is None and relayed.request is None and relayed.fetched is None
 
 
 @needs_accelerator
