@@ -4,7 +4,7 @@ calls (perf's syscall tracepoints) per request, for this tree and, side by side,
 (``--baseline DIR``).
 
 Run from the repository root:  ``.venv/bin/python bench/per_request.py [--baseline DIR] [--n 2000]``
-(``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce,heartbeat``; ``--metrics``
+(``--no-callgrind`` or ``--no-syscalls`` leaves a part out; ``--kinds metadata,produce,heartbeat,produce-v11``; ``--metrics``
 runs kproxy with an admin listener, so that every request is also recorded in its metrics; ``--traffic-log``
 also writes the traffic log, every request, or with ``--traffic-log-sample R`` that share of them (kproxy then
 runs from a configuration file holding the same settings); ``--rules FILE`` loads a rule file, as production does).
@@ -227,11 +227,11 @@ def syscalls_per_request(bp: int, tree: Path | None, name: str, kind: str, topic
 
 def ir_table(ir: dict, kinds: Iterable[str], trees: Collection[str], width: int = 16) -> None:
     """Instructions per request by loop and tree, and kproxy's over the baseline's when both ran."""
-    hdr = f"{'loop':<10}" + "".join(f"{name:>{width}}" for name in trees) + (f"{'kproxy/base':>14}" if len(trees) > 1 else "")
+    hdr = f"{'loop':<12}" + "".join(f"{name:>{width}}" for name in trees) + (f"{'kproxy/base':>14}" if len(trees) > 1 else "")
     print(hdr)
     print("-" * len(hdr))
     for kind in kinds:
-        row = f"{kind:<10}" + "".join(f"{ir[(kind, name)]:>{width},.0f}" for name in trees)
+        row = f"{kind:<12}" + "".join(f"{ir[(kind, name)]:>{width},.0f}" for name in trees)
         if len(trees) > 1:
             row += f"{ir[(kind, 'kproxy')] / ir[(kind, 'kproxy-base')]:>13.3f}x"
         print(row)
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, metavar="DIR",
                     help="also measure the kproxy in DIR/kproxy (git archive COMMIT kproxy | tar -x -C DIR, "
                          "plus the built kproxy/protocol/_accel*.so)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"any of {', '.join(KINDS)}, comma-separated (default: all)")
+    ap.add_argument("--kinds", default="metadata,produce,heartbeat",
+                    help=f"any of {', '.join(KINDS)}, comma-separated (default: metadata,produce,heartbeat)")
     ap.add_argument("--n", type=int, default=2000, help="requests counted under callgrind (default 2000)")
     ap.add_argument("--clients", type=int, default=100, help="connections for the system-call count (default 100)")
     ap.add_argument("--seconds", type=float, default=4.0, help="seconds per system-call count (default 4)")
@@ -293,10 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             EXTRA_ARGS.extend(["--traffic-log", str(workdir / "traffic")])
             if args.traffic_log_sample is not None:
                 TRAFFIC_LOG.update(dir=str(workdir / "traffic"), sample={"default": args.traffic_log_sample})
-        # The produce loop's topic, and the fetch loops' (one batch of one record at offset 0 of
-        # partition 0, written first; the produce loop writes elsewhere, so the answer stays small).
+        # The produce loops' topic, and the fetch loops' (one batch of one record at offset 0 of
+        # partition 0, written first; the produce loops write elsewhere, so the answer stays small).
         topics = {kind: "per-request-fetch" if kind.startswith("fetch") else "per-request"
-                  for kind in kinds if kind in ("produce", "fetch", "fetch-empty", "fetch-v16")}
+                  for kind in kinds if kind in ("produce", "produce-v11", "fetch", "fetch-empty", "fetch-v16")}
         if topics:
             from confluent_kafka.admin import AdminClient, NewTopic
 

@@ -1,14 +1,16 @@
 """Many clients, small requests: requests per second and latency of small round trips from many
 concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
 
-Six loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
+Seven loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
 v9 request with acks=1 carrying one record of 100 bytes to partition 0 of a topic that must exist;
-``heartbeat``, a Heartbeat v4 for a group the broker does not know (an idle consumer's request);
-``fetch``, a Fetch v12 from offset 0 of partition 0 of a topic that must hold one small batch there
-(its answer is that batch); ``fetch-empty``, a Fetch v12 from far past the end with max_wait_ms 0
-(a consumer's long poll that finds nothing; tansu answers it with no partitions); ``fetch-v16``,
-the ``fetch`` loop in Fetch v16, the version librdkafka speaks to tansu (by topic id: ``topic`` is
-then the topic's id; the address rewriter reads v16+ answers for KIP-951's node_endpoints).
+``produce-v11``, the same as Produce v11 (whose answer may carry KIP-951's node_endpoints, the
+newest version tansu speaks); ``heartbeat``, a Heartbeat v4 for a group the broker does not know (an
+idle consumer's request); ``fetch``, a Fetch v12 from offset 0 of partition 0 of a topic that must
+hold one small batch there (its answer is that batch); ``fetch-empty``, a Fetch v12 from far past the
+end with max_wait_ms 0 (a consumer's long poll that finds nothing; tansu answers it with no
+partitions); ``fetch-v16``, the ``fetch`` loop in Fetch v16, the version librdkafka speaks to tansu
+(by topic id: ``topic`` is then the topic's id; the address rewriter reads v16+ answers for KIP-951's
+node_endpoints).
 Each load process drives its share of the connections with a selector loop over raw sockets (no
 client library, so the generator itself stays cheap): every connection keeps exactly one request in
 flight and sends the next as soon as the answer is whole. The first answer on each connection is
@@ -30,7 +32,9 @@ import time
 from dataclasses import dataclass
 
 _I32 = struct.Struct(">i")
-KINDS = ("metadata", "produce", "heartbeat", "fetch", "fetch-empty", "fetch-v16")
+KINDS = ("metadata", "produce", "heartbeat", "produce-v11", "fetch", "fetch-empty", "fetch-v16")
+# The Produce version of each produce loop.
+PRODUCE_VERSIONS = {"produce": 9, "produce-v11": 11}
 PRODUCE_VALUE_BYTES = 100
 
 
@@ -45,8 +49,9 @@ def metadata_v12_request(correlation_id: int) -> bytes:
     return _I32.pack(len(frame)) + frame
 
 
-def produce_v9_request(correlation_id: int, topic: str) -> bytes:
-    """Produce v9, acks=1, one RecordBatch v2 holding one record of ``PRODUCE_VALUE_BYTES`` bytes."""
+def produce_v9_request(correlation_id: int, topic: str, version: int = 9) -> bytes:
+    """Produce v9 (or ``version``, 9-12), acks=1, one RecordBatch v2 holding one record of
+    ``PRODUCE_VALUE_BYTES`` bytes."""
     from kproxy.protocol.messages import Request, body_class, encode_request_frame
     from kproxy.protocol.records import build_batch
 
@@ -54,7 +59,7 @@ def produce_v9_request(correlation_id: int, topic: str) -> bytes:
     batch = build_batch([(None, b"v" * PRODUCE_VALUE_BYTES)], base_timestamp=1_700_000_000_000)
     body = cls(transactional_id=None, acks=1, timeout_ms=30_000, topic_data=[
         cls.TopicProduceData(name=topic, partition_data=[cls.PartitionProduceData(index=0, records=batch)])])
-    return b"".join(bytes(b) for b in encode_request_frame(Request.build(0, 9, correlation_id, "bench", body)))
+    return b"".join(bytes(b) for b in encode_request_frame(Request.build(0, version, correlation_id, "bench", body)))
 
 
 def heartbeat_v4_request(correlation_id: int, group: str = "bench-group") -> bytes:
@@ -82,21 +87,25 @@ def fetch_v12_request(correlation_id: int, topic: str, offset: int = 0, max_wait
     return b"".join(bytes(b) for b in encode_request_frame(Request.build(1, version, correlation_id, "bench", body)))
 
 
+def _topic(kind: str, topic: str | None) -> str:
+    if not topic:
+        raise ValueError(f"the {kind} loop needs a topic")
+    return topic
+
+
 def request_for(kind: str, topic: str | None) -> bytes:
     if kind == "metadata":
         return metadata_v12_request(1)
     if kind == "heartbeat":
         return heartbeat_v4_request(1)
-    if kind in ("produce", "fetch", "fetch-empty", "fetch-v16"):
-        if not topic:
-            raise ValueError(f"the {kind} loop needs a topic")
-        if kind == "fetch":
-            return fetch_v12_request(1, topic)
-        if kind == "fetch-empty":
-            return fetch_v12_request(1, topic, offset=1 << 40, max_wait_ms=0)
-        if kind == "fetch-v16":
-            return fetch_v12_request(1, topic, version=16)
-        return produce_v9_request(1, topic)
+    if kind == "fetch":
+        return fetch_v12_request(1, _topic(kind, topic))
+    if kind == "fetch-empty":
+        return fetch_v12_request(1, _topic(kind, topic), offset=1 << 40, max_wait_ms=0)
+    if kind == "fetch-v16":
+        return fetch_v12_request(1, _topic(kind, topic), version=16)
+    if kind in PRODUCE_VERSIONS:
+        return produce_v9_request(1, _topic(kind, topic), PRODUCE_VERSIONS[kind])
     raise ValueError(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
 
 
@@ -114,7 +123,8 @@ def check_answer(kind: str, frame: bytes) -> None:
         if kind != "fetch-empty" and (not got or got[0].error_code or not got[0].records):
             raise SystemExit(f"a Fetch answer without records: {resp!r}")
         return
-    resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0, 12 if kind == "metadata" else 9)
+    resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0,
+                           12 if kind == "metadata" else PRODUCE_VERSIONS[kind])
     if kind == "metadata":
         if not resp.body.brokers:
             raise SystemExit(f"a Metadata answer without brokers: {resp!r}")

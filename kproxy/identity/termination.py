@@ -36,6 +36,9 @@ SASL_AUTHENTICATION_FAILED: Final = 58
 # What a failed login is told; the reason goes to kproxy's log only (as a broker does).
 FAILED_MESSAGE: Final = "Authentication failed: invalid credentials"
 INVALID_TOKEN: Final = 'Authentication failed: {"status":"invalid_token"}'
+# Kafka's broker begins at most one re-authentication a second on a connection (KafkaChannel's
+# minimum re-authentication interval, counted between the starts of two re-authentications).
+MIN_REAUTH_INTERVAL_S: Final = 1.0
 
 
 class SaslState(enum.Enum):
@@ -107,6 +110,7 @@ class SaslTermination:
         self.expires_at: float | None = None  # clock time the session ends (KIP-368), None: never
         self.raw = False                      # handshake v0: unframed tokens follow
         self.reauthenticating = False
+        self.reauth_started_at: float | None = None   # clock time the last re-authentication began
         self._exchange: _Exchange | None = None
         # PLAIN verdicts worked out ahead by the I/O layer (off the event loop, ``plain_check``),
         # by the message's SHA-256; taken once.
@@ -119,9 +123,24 @@ class SaslTermination:
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
 
+    def reauth_too_soon(self, now: float) -> float | None:
+        """Seconds since the last re-authentication began, when a SaslHandshake at ``now`` would
+        begin another less than MIN_REAUTH_INTERVAL_S after it; None when it may begin one. As in
+        Kafka, the first re-authentication is never too soon: the login itself does not count."""
+        if self.state is not SaslState.AUTHENTICATED or self.reauth_started_at is None:
+            return None
+        since = now - self.reauth_started_at
+        return since if since < MIN_REAUTH_INTERVAL_S else None
+
     def handshake(self, mechanism: str, version: int) -> int:
         """A SaslHandshake: the error code to answer with (0 when the exchange may start)."""
         if self.state is SaslState.AUTHENTICATED:
+            now = self.clock()
+            if self.reauth_too_soon(now) is not None:
+                # Kafka's broker then handles the handshake as a request outside any exchange
+                # (ILLEGAL_SASL_STATE) and the session goes on as it was.
+                return ILLEGAL_SASL_STATE
+            self.reauth_started_at = now
             # KIP-368: only SaslHandshake v1+ may re-authenticate, with the same mechanism.
             if version < 1 or mechanism != self.mechanism:
                 self.state = SaslState.FAILED

@@ -1967,6 +1967,76 @@ done:
     return result;
 }
 
+/* Walks a Produce answer from its correlation id on to its body's closing tagged fields: the partitions
+   it reports an error for into *failed (a new set, or left NULL when there are none; not collected
+   when failed is NULL) and its throttle time into *throttle. The position of those tagged fields, or
+   -1 when the bytes run out or are not an answer (with a Python error set only when one was raised). */
+static Py_ssize_t pa_walk(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version, PyObject **failed,
+                          int64_t *throttle)
+{
+    Py_ssize_t pos = 4;
+    int flexible = version >= 9, by_id = version >= 13;
+    Py_ssize_t fixed = 14 + (version >= 2 ? 8 : 0) + (version >= 5 ? 8 : 0);
+    PyObject *key = NULL;
+    int64_t topics, partitions, n;
+    *throttle = 0;
+    if (end < 4 || (flexible && pc_tags(buf, &pos, end)) || pc_count(buf, &pos, end, flexible, 4, &topics))
+        goto bad;
+    for (int64_t t = 0; t < topics; t++) {
+        Py_CLEAR(key);
+        if (failed != NULL) {
+            key = pc_key(buf, &pos, end, flexible, by_id);
+            if (key == NULL)
+                goto bad;
+        } else if (by_id ? skip_bytes(&pos, end, 16)
+                   : pc_count(buf, &pos, end, flexible, 2, &n) || n < 0 || skip_bytes(&pos, end, n)) {
+            goto bad;
+        }
+        if (pc_count(buf, &pos, end, flexible, 4, &partitions))
+            goto bad;
+        for (int64_t i = 0; i < partitions; i++) {
+            if (fixed > end - pos)
+                goto bad;
+            int64_t index = be32(buf + pos), error = (int16_t)(((uint16_t)buf[pos + 4] << 8) | buf[pos + 5]);
+            pos += fixed;
+            if (error && failed != NULL) {
+                if (*failed == NULL && (*failed = PySet_New(NULL)) == NULL)
+                    goto bad;
+                PyObject *item = Py_BuildValue("(OL)", key, (long long)index);
+                if (item == NULL || PySet_Add(*failed, item) < 0) {
+                    Py_XDECREF(item);
+                    goto bad;
+                }
+                Py_DECREF(item);
+            }
+            if (version >= 8) {         /* record_errors, then error_message */
+                int64_t errors;
+                if (pc_count(buf, &pos, end, flexible, 4, &errors))
+                    goto bad;
+                for (int64_t e = 0; e < errors; e++)
+                    if (skip_bytes(&pos, end, 4) || pc_count(buf, &pos, end, flexible, 2, &n)
+                            || skip_bytes(&pos, end, n > 0 ? n : 0) || (flexible && pc_tags(buf, &pos, end)))
+                        goto bad;
+                if (pc_count(buf, &pos, end, flexible, 2, &n) || skip_bytes(&pos, end, n > 0 ? n : 0))
+                    goto bad;
+            }
+            if (flexible && pc_tags(buf, &pos, end))
+                goto bad;
+        }
+        if (flexible && pc_tags(buf, &pos, end))
+            goto bad;
+    }
+    if (version >= 1 && read_be(buf, &pos, end, 4, throttle))
+        goto bad;
+    Py_XDECREF(key);
+    return pos;
+bad:
+    Py_XDECREF(key);
+    if (failed != NULL)
+        Py_CLEAR(*failed);
+    return -1;
+}
+
 PyDoc_STRVAR(produce_answer_doc,
 "produce_answer(buf, version) -> ({(topic key, index), ...} | None, throttle_ms) | None\n\n"
 "Of a Produce answer from its correlation id on: as kproxy.proxy.produce_bytes.answer_failures.");
@@ -1984,56 +2054,10 @@ static PyObject *produce_answer(PyObject *module, PyObject *const *args, Py_ssiz
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    const uint8_t *buf = view.buf;
-    Py_ssize_t end = view.len, pos = 4;
-    int flexible = version >= 9, by_id = version >= 13;
-    Py_ssize_t fixed = 14 + (version >= 2 ? 8 : 0) + (version >= 5 ? 8 : 0);
-    PyObject *failed = NULL, *result = NULL, *key = NULL;
-    int64_t topics, partitions, n, throttle = 0;
-    if (end < 4 || (flexible && pc_tags(buf, &pos, end)) || pc_count(buf, &pos, end, flexible, 4, &topics))
-        goto done;
-    for (int64_t t = 0; t < topics; t++) {
-        Py_CLEAR(key);
-        key = pc_key(buf, &pos, end, flexible, by_id);
-        if (key == NULL || pc_count(buf, &pos, end, flexible, 4, &partitions))
-            goto done;
-        for (int64_t i = 0; i < partitions; i++) {
-            if (fixed > end - pos)
-                goto done;
-            int64_t index = be32(buf + pos), error = (int16_t)(((uint16_t)buf[pos + 4] << 8) | buf[pos + 5]);
-            pos += fixed;
-            if (error) {
-                if (failed == NULL && (failed = PySet_New(NULL)) == NULL)
-                    goto done;
-                PyObject *item = Py_BuildValue("(OL)", key, (long long)index);
-                if (item == NULL || PySet_Add(failed, item) < 0) {
-                    Py_XDECREF(item);
-                    goto done;
-                }
-                Py_DECREF(item);
-            }
-            if (version >= 8) {         /* record_errors, then error_message */
-                int64_t errors;
-                if (pc_count(buf, &pos, end, flexible, 4, &errors))
-                    goto done;
-                for (int64_t e = 0; e < errors; e++)
-                    if (skip_bytes(&pos, end, 4) || pc_count(buf, &pos, end, flexible, 2, &n)
-                            || skip_bytes(&pos, end, n > 0 ? n : 0) || (flexible && pc_tags(buf, &pos, end)))
-                        goto done;
-                if (pc_count(buf, &pos, end, flexible, 2, &n) || skip_bytes(&pos, end, n > 0 ? n : 0))
-                    goto done;
-            }
-            if (flexible && pc_tags(buf, &pos, end))
-                goto done;
-        }
-        if (flexible && pc_tags(buf, &pos, end))
-            goto done;
-    }
-    if (version >= 1 && read_be(buf, &pos, end, 4, &throttle))
-        goto done;
-    result = Py_BuildValue("(OL)", failed ? failed : Py_None, (long long)throttle);
-done:
-    Py_XDECREF(key);
+    PyObject *failed = NULL, *result = NULL;
+    int64_t throttle;
+    if (pa_walk(view.buf, view.len, version, &failed, &throttle) >= 0)
+        result = Py_BuildValue("(OL)", failed ? failed : Py_None, (long long)throttle);
     Py_XDECREF(failed);
     PyBuffer_Release(&view);
     if (result == NULL && !PyErr_Occurred())
@@ -2171,7 +2195,8 @@ static int fc_batches(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t end, int64_
 
 PyDoc_STRVAR(fetch_counts_doc,
 "fetch_counts(request, answer, version) -> (records, throttle_ms, node_endpoints) | None\n\n"
-"Of a Fetch request frame and its answer: as kproxy.proxy.fetch_bytes.py_fetch_counts.");
+"Of a Fetch request frame (None: records not counted) and its answer: as\n"
+"kproxy.proxy.fetch_bytes.py_fetch_counts.");
 
 static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2218,7 +2243,7 @@ static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_
             if ((version >= 11 && skip_bytes(&pos, end, 4)) || pc_count(buf, &pos, end, flexible, 4, &size)
                     || size < -1 || skip_bytes(&pos, end, size > 0 ? size : 0))
                 goto done;
-            if (size > 0 && !error) {
+            if (size > 0 && !error && args[0] != Py_None) {
                 if (asked < 0) {        /* the request is read when some partition holds records */
                     if (PyObject_GetBuffer(args[0], &request, PyBUF_SIMPLE) < 0)
                         goto done;
@@ -2256,10 +2281,50 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(produce_endpoints_doc,
+"produce_endpoints(buf, version) -> bool | None\n\n"
+"Whether a Produce answer from its correlation id on carries node_endpoints (tag 0 of the body's\n"
+"closing tagged fields, v10+): as kproxy.proxy.produce_bytes.answer_endpoints.");
+
+static PyObject *produce_endpoints(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "produce_endpoints() takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t version = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const uint8_t *buf = view.buf;
+    Py_ssize_t end = view.len;
+    int64_t throttle, count, tag, size;
+    int found = 0;
+    Py_ssize_t pos = pa_walk(buf, end, version, NULL, &throttle);
+    if (pos >= 0 && version >= 9) {
+        if (read_uv(buf, &pos, end, &count))
+            pos = -1;
+        for (int64_t i = 0; pos >= 0 && i < count; i++) {
+            if (read_uv(buf, &pos, end, &tag) || read_uv(buf, &pos, end, &size) || skip_bytes(&pos, end, size))
+                pos = -1;
+            else if (tag == 0 && version >= 10)
+                found = 1;
+        }
+    }
+    PyBuffer_Release(&view);
+    if (pos < 0)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(found);
+}
+
 static PyMethodDef methods[] = {
     {"skip", (PyCFunction)(void (*)(void))skip, METH_FASTCALL, skip_doc},
     {"produce_counts", (PyCFunction)(void (*)(void))produce_counts, METH_FASTCALL, produce_counts_doc},
     {"produce_answer", (PyCFunction)(void (*)(void))produce_answer, METH_FASTCALL, produce_answer_doc},
+    {"produce_endpoints", (PyCFunction)(void (*)(void))produce_endpoints, METH_FASTCALL, produce_endpoints_doc},
     {"fetch_counts", (PyCFunction)(void (*)(void))fetch_counts, METH_FASTCALL, fetch_counts_doc},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL, split_records_doc},
     {"join_records", (PyCFunction)(void (*)(void))join_records, METH_FASTCALL, join_records_doc},

@@ -20,7 +20,10 @@ from kproxy.protocol.entities import node_id_fields, quorum_apis
 from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.messages import Response, apis
 from kproxy.protocol.schema import MessageSpec, StructSpec
+from kproxy.proxy.fetch_bytes import WALKED_UP_TO as FETCH_WALKED_UP_TO
+from kproxy.proxy.fetch_bytes import fetch_counts
 from kproxy.proxy.filters import ConnectionContext, Filter
+from kproxy.proxy.produce_bytes import WALKED_UP_TO, answer_endpoints
 
 log = logging.getLogger("kproxy.addresses")
 
@@ -255,6 +258,8 @@ class AddressRewriter(Filter):
 
     name = "addresses"
     reports_changes = True    # every endpoint it reaches is rewritten, dropped or blanked (``_rewrite``)
+    # A Produce answer names brokers only when a leader moved (KIP-951): most have nothing to rewrite.
+    reads_by_bytes = frozenset({PRODUCE, FETCH})
 
     def __init__(self, address_map: AddressMap) -> None:
         self.address_map = address_map
@@ -273,6 +278,17 @@ class AddressRewriter(Filter):
     def reads_response(self, api_key: int, api_version: int) -> bool:
         # Only versions with endpoints: Produce answers carry KIP-951's leader hints from v10 on.
         return bool(self._plan(api_key, api_version)[1])
+
+    def reads_answer(self, api_key: int, api_version: int, frame: Any) -> bool:
+        # Whether the answer carries node_endpoints (tag 0 of its body's closing tagged fields), when
+        # the schema puts this version's only endpoints there and the walk knows its layout; None
+        # (the answer cannot be walked) is read decoded, and the decoder says what is wrong with it.
+        if api_key == FETCH:
+            # A Fetch answer's only endpoints are its node_endpoints (v16+, ``sees_whole`` below); the
+            # empty array some brokers always send (tansu) is nothing to rewrite.
+            read = fetch_counts(None, frame, api_version) if api_version <= FETCH_WALKED_UP_TO else None
+            return read is None or read[2]
+        return not _endpoints_walked(api_version) or answer_endpoints(frame, api_version) is not False
 
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         root_node, sites = self._plan(response.api_key, response.api_version)
@@ -301,10 +317,6 @@ class AddressRewriter(Filter):
         if api_key == FETCH and kind == "response":
             return False
         return super().sees_whole(api_key, kind)
-
-    def reads_only_node_endpoints(self, api_key: int) -> bool:
-        # A Fetch answer's only endpoints are its node_endpoints (v16+; ``sees_whole`` above).
-        return api_key == FETCH
 
     def rewrite_node_endpoints(self, exchange: Any, endpoints: list) -> bool:
         """Rewrite a Fetch answer's node_endpoints in place, as ``on_response`` would (a node that
@@ -363,6 +375,14 @@ class AddressRewriter(Filter):
             exchange.listen(port)
         endpoint.host, endpoint.port = host, port
         return True
+
+
+@functools.cache
+def _endpoints_walked(version: int) -> bool:
+    """Whether ``answer_endpoints`` can tell if a Produce answer of this version has endpoints: the
+    walk knows its layout, and the schema's only endpoints in it are the body's node_endpoints."""
+    return version <= WALKED_UP_TO and AddressRewriter._plan(PRODUCE, version)[1] == (
+        (_Step("node_endpoints", True, "node_id"),),)
 
 
 # Marks an endpoint that must not reach the client (its node has no port); never a real host name.

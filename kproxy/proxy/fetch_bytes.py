@@ -171,7 +171,8 @@ def batch_records(buf: Any, pos: int, end: int, from_offset: int) -> int:
 def py_fetch_counts(request: Any, answer: Any, version: int) -> tuple[int, int, bool] | None:
     """Of a Fetch exchange, its request frame and its answer frame (both without their size prefix):
     (the records metrics count, the broker's throttle time, whether the answer carries
-    node_endpoints); None when the bytes cannot be read so."""
+    node_endpoints); None when the bytes cannot be read so. With ``request`` None the records are
+    not counted (0): the address rewriter asks only about node_endpoints."""
     try:
         end = len(answer)
         flexible = version >= FLEXIBLE_SINCE
@@ -213,7 +214,7 @@ def py_fetch_counts(request: Any, answer: Any, version: int) -> tuple[int, int, 
                 if size < -1:
                     raise _Unreadable
                 at, pos = pos, _skip(pos, end, max(size, 0))
-                if size > 0 and not error:
+                if size > 0 and not error and request is not None:
                     if offsets is None:
                         offsets = fetch_offsets(request, version)
                     records += batch_records(answer, at, pos, offsets.get((key, partition), -1))

@@ -178,6 +178,8 @@ class Filter:
     reports_changes: bool = False
     # True when the filter may let some apis go by unread although it sees every one (``passes``).
     may_pass: bool = False
+    # Api keys whose answers this filter reads only when their bytes say so (``reads_answer``).
+    reads_by_bytes: frozenset[int] = frozenset()
 
     def passes(self, api_key: int, api_version: int) -> bool:
         """On filters that set ``may_pass``: whether, with the configuration in force now, the filter
@@ -187,6 +189,14 @@ class Filter:
         the session could relay undecoded, so it must be cheap; the answer may change when the
         filter's configuration reloads (the next request sees the new one)."""
         return False
+
+    def reads_answer(self, api_key: int, api_version: int, frame: Any) -> bool:
+        """For the api keys of ``reads_by_bytes``: whether ``on_response`` has anything to do with
+        this one answer of a version it ``reads_response``, told from the broker's bytes (``frame``,
+        from the correlation id on). When it says no, the answer may go on undecoded. Asked of every
+        such answer, so it must be cheap; and exact: True whenever it cannot tell (a truncated or
+        malformed answer is decoded, and the decoder says what is wrong)."""
+        return True
 
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         """See (and possibly change) ``exchange.request``. Return None to forward it.
@@ -221,13 +231,6 @@ class Filter:
         default, for every version of ``response_api_keys``). When no filter reads an answer and
         nothing else does (telemetry, the transparency check), the session passes it on undecoded."""
         return True
-
-    def reads_only_node_endpoints(self, api_key: int) -> bool:
-        """Whether all ``on_response`` does with this api's answers is rewrite KIP-951's node_endpoints
-        (the body's closing tagged field 0) when there are any. The session, when it reads an answer's
-        bytes anyway (a relayed Fetch under metrics, ``kproxy.proxy.fetch_bytes``), then decodes only
-        the answers that carry them for such a filter. Default False."""
-        return False
 
     def on_done(self, ctx: ConnectionContext, exchange: Any) -> None:
         """The request is over, once and whatever its outcome (answered, refused, lost with the broker
@@ -316,7 +319,7 @@ class FilterChain:
         self._by_done_key: dict[int, tuple[Filter, ...]] = {}
         self._reported: dict[int, bool] = {}
         self._askers: dict[int, tuple[Filter, ...]] = {}
-        self._reads: dict[tuple[int, int, bool], bool] = {}
+        self._reads: dict[tuple[int, int], bool] = {}
 
     def for_request(self, api_key: int) -> tuple[Filter, ...]:
         got = self._by_request_key.get(api_key)
@@ -345,25 +348,25 @@ class FilterChain:
             got = self._reported[api_key] = all(f.reports_changes for f in self.for_response(api_key))
         return got
 
-    def reads_answers(self, api_key: int, api_version: int, endpoints_told: bool = False) -> bool:
+    def reads_answers(self, api_key: int, api_version: int) -> bool:
         """Whether a filter reads this api version's decoded answers: a response filter with something
         to do at that version (``Filter.reads_response``), or one told of the finished exchange. A
-        filter that ``may_pass`` is left out: whether it reads one answer is asked of it each time
-        (``answer_guards``). ``endpoints_told``: the session tells from an answer's bytes whether it
-        carries node_endpoints, and decodes those that do: a filter that reads only them
-        (``Filter.reads_only_node_endpoints``) is left out too."""
-        key = (api_key, api_version, endpoints_told)
+        filter that ``may_pass``, or reads the api's answers by their bytes, is left out: whether it
+        reads one answer is asked of it each time (``answer_guards``)."""
+        key = (api_key, api_version)
         got = self._reads.get(key)
         if got is None:
             got = self._reads[key] = bool(self.for_done(api_key)) or any(
                 f.reads_response(api_key, api_version) for f in self.for_response(api_key)
-                if not f.may_pass and not (endpoints_told and f.reads_only_node_endpoints(api_key)))
+                if not f.may_pass and api_key not in f.reads_by_bytes)
         return got
 
     def answer_guards(self, api_key: int, api_version: int) -> tuple[Filter, ...]:
-        """The response filters of this api version that ``may_pass``: one reads an answer unless it
-        ``passes`` the api version now and kept nothing for the request."""
-        return tuple(f for f in self.for_response(api_key) if f.may_pass and f.reads_response(api_key, api_version))
+        """The response filters of this api version that ``may_pass`` or read its answers by their
+        bytes: one reads an answer unless it ``passes`` the api version now and kept nothing for the
+        request, and its ``reads_answer`` (for ``reads_by_bytes``) says no."""
+        return tuple(f for f in self.for_response(api_key)
+                     if (f.may_pass or api_key in f.reads_by_bytes) and f.reads_response(api_key, api_version))
 
     def pass_guards(self, api_key: int) -> tuple[Filter, ...] | None:
         """The filters a request of ``api_key`` must pass (``Filter.passes``) to go by undecoded; None

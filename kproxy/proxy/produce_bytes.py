@@ -10,9 +10,12 @@ the two frames by the layout of ``schema/produce.kschema`` (v0..v13, flexible fr
 from v13) and give exactly what the decoded path counts; either returns None where it cannot say
 (a legacy message set, a partial batch, a malformed frame): the caller then takes the decoded path.
 
-``request_counts`` and ``answer_failures`` are the accelerator's compiled twins
-(``_accel.produce_counts``/``produce_answer``) when it is loaded; the Python walks here are the
-reference and the fallback (``KPROXY_CODEC=python``), and give the same results.
+``answer_endpoints`` says whether an answer carries KIP-951's node_endpoints (v10+), the one part of
+it the address rewriter reads: an answer without them may go on undecoded (``AddressRewriter.reads_answer``).
+
+``request_counts``, ``answer_failures`` and ``answer_endpoints`` are the accelerator's compiled twins
+(``_accel.produce_counts``/``produce_answer``/``produce_endpoints``) when it is loaded; the Python
+walks here are the reference and the fallback (``KPROXY_CODEC=python``), and give the same results.
 
 A partition's key is the bytes of its topic's name (v0..v12) or id (v13) and its index, the same
 pairing the decoded path matches answers to requests by.
@@ -37,6 +40,7 @@ _LENGTH_AT, _MAGIC_AT, _COUNT_AT, _V2_HEADER = 8, 16, 57, 61
 
 FLEXIBLE_SINCE = 9
 TOPIC_IDS_SINCE = 13
+ENDPOINTS_SINCE = 10        # KIP-951's node_endpoints, tag 0 of the answer body
 # The last version whose layout these walks know: a newer one in the schema is decoded until they
 # learn it (tests/unit/test_produce_relay.py fails when the schema moves past it).
 WALKED_UP_TO = 13
@@ -160,74 +164,104 @@ def py_answer_failures(frame: Any, version: int) -> tuple[set | None, int] | Non
     """Of a Produce answer (its frame from the correlation id on): the keys of the partitions it
     reports an error for (None: none) and its throttle time; None when it cannot be read."""
     try:
-        flexible = version >= FLEXIBLE_SINCE
-        pos = _skip_tags(frame, 4) if flexible else 4     # header v1 has tagged fields
-        if flexible:
-            topics = frame[pos]
-            if topics < 0x80:
-                pos += 1
-            else:
-                topics, pos = read_uvarint(frame, pos)
-            topics -= 1
-        else:
-            (topics,) = _I32(frame, pos)
-            pos += 4
-        by_id = version >= TOPIC_IDS_SINCE
-        # index, error_code, base_offset, then log_append_time_ms (v2+) and log_start_offset (v5+)
-        fixed = 14 + (8 if version >= 2 else 0) + (8 if version >= 5 else 0)
-        failed: set | None = None
-        for _ in range(topics):
-            if by_id:
-                key = frame[pos:pos + 16]
-                pos += 16
-            elif flexible:
-                length = frame[pos]
-                if length < 0x80:
-                    pos += 1
-                else:
-                    length, pos = read_uvarint(frame, pos)
-                if length < 1:
-                    return None         # a null name: not an answer the decoder would read
-                key = frame[pos:pos + length - 1]
-                pos += length - 1
-            else:
-                (length,) = _I16(frame, pos)
-                if length < 0:
-                    return None
-                key = frame[pos + 2:pos + 2 + length]
-                pos += 2 + length
-            if flexible:
-                partitions = frame[pos]
-                if partitions < 0x80:
-                    pos += 1
-                else:
-                    partitions, pos = read_uvarint(frame, pos)
-                partitions -= 1
-            else:
-                (partitions,) = _I32(frame, pos)
-                pos += 4
-            for _ in range(partitions):
-                index, error = _IH(frame, pos)
-                pos += fixed
-                if error:
-                    if failed is None:
-                        failed = set()
-                    failed.add((bytes(key), index))
-                if version >= 8:
-                    pos = _skip_errors(frame, pos, flexible)
-                if flexible:
-                    pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
-            if flexible:
-                pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
-        throttle = 0
-        if version >= 1:
-            (throttle,) = _I32(frame, pos)
-            pos += 4
-        if pos > len(frame):
-            return None
-        return failed, throttle
+        failed, throttle, pos = _walk_answer(frame, version, True)
     except (struct.error, IndexError, ValueError, ShortBuffer):
         return None
+    if pos > len(frame):
+        return None
+    return failed, throttle
+
+
+def py_answer_endpoints(frame: Any, version: int) -> bool | None:
+    """Whether a Produce answer (its frame from the correlation id on) carries KIP-951's
+    node_endpoints: tag 0 among the body's closing tagged fields (v10+), where the only broker
+    addresses of the answer are (a partition's ``current_leader``, its own tag 0, is an id and an
+    epoch). None when the answer cannot be walked to the end of those tagged fields."""
+    try:
+        _, _, pos = _walk_answer(frame, version, False)
+        found = False
+        if version >= FLEXIBLE_SINCE:
+            count, pos = read_uvarint(frame, pos)
+            for _ in range(count):
+                tag, pos = read_uvarint(frame, pos)
+                size, pos = read_uvarint(frame, pos)
+                pos += size
+                if tag == 0 and version >= ENDPOINTS_SINCE:
+                    found = True
+    except (struct.error, IndexError, ValueError, ShortBuffer):
+        return None
+    if pos > len(frame):
+        return None
+    return found
+
+
+def _walk_answer(frame: Any, version: int, collect: bool) -> tuple[set | None, int, int]:
+    """A Produce answer's partitions with an error (when ``collect``), its throttle time, and where
+    its body's closing tagged fields start; raises when the bytes run out."""
+    flexible = version >= FLEXIBLE_SINCE
+    pos = _skip_tags(frame, 4) if flexible else 4     # header v1 has tagged fields
+    if flexible:
+        topics = frame[pos]
+        if topics < 0x80:
+            pos += 1
+        else:
+            topics, pos = read_uvarint(frame, pos)
+        topics -= 1
+    else:
+        (topics,) = _I32(frame, pos)
+        pos += 4
+    by_id = version >= TOPIC_IDS_SINCE
+    # index, error_code, base_offset, then log_append_time_ms (v2+) and log_start_offset (v5+)
+    fixed = 14 + (8 if version >= 2 else 0) + (8 if version >= 5 else 0)
+    failed: set | None = None
+    for _ in range(topics):
+        if by_id:
+            key = frame[pos:pos + 16]
+            pos += 16
+        elif flexible:
+            length = frame[pos]
+            if length < 0x80:
+                pos += 1
+            else:
+                length, pos = read_uvarint(frame, pos)
+            if length < 1:
+                raise ValueError("a null topic name")   # not an answer the decoder would read
+            key = frame[pos:pos + length - 1]
+            pos += length - 1
+        else:
+            (length,) = _I16(frame, pos)
+            if length < 0:
+                raise ValueError("a null topic name")
+            key = frame[pos + 2:pos + 2 + length]
+            pos += 2 + length
+        if flexible:
+            partitions = frame[pos]
+            if partitions < 0x80:
+                pos += 1
+            else:
+                partitions, pos = read_uvarint(frame, pos)
+            partitions -= 1
+        else:
+            (partitions,) = _I32(frame, pos)
+            pos += 4
+        for _ in range(partitions):
+            index, error = _IH(frame, pos)
+            pos += fixed
+            if error and collect:
+                if failed is None:
+                    failed = set()
+                failed.add((bytes(key), index))
+            if version >= 8:
+                pos = _skip_errors(frame, pos, flexible)
+            if flexible:
+                pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
+        if flexible:
+            pos = pos + 1 if frame[pos] == 0 else _skip_tags(frame, pos)
+    throttle = 0
+    if version >= 1:
+        (throttle,) = _I32(frame, pos)
+        pos += 4
+    return failed, throttle, pos
 
 
 def _skip_errors(frame: Any, pos: int, flexible: bool) -> int:
@@ -262,6 +296,7 @@ request_counts: Callable[[Any, int, int], tuple[int, int, list] | None] = (
     native_function("produce_counts") or py_request_counts)
 answer_failures: Callable[[Any, int], tuple[set | None, int] | None] = (
     native_function("produce_answer") or py_answer_failures)
+answer_endpoints: Callable[[Any, int], bool | None] = native_function("produce_endpoints") or py_answer_endpoints
 
 
 def produced(total: int, counts: list | None, failed: set | None) -> int:

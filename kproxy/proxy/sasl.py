@@ -82,6 +82,9 @@ class SaslFront:
         self.failed_logins = failed_logins
         self.failure_delay_s = failure_delay_s
         self.on_login = on_login              # (mechanism, outcome) for metrics
+        # Re-authentications refused as too soon: logged at most once a second, with the count held.
+        self._too_soon_logged_at = float("-inf")
+        self._too_soon_held = 0
 
     @property
     def raw_expected(self) -> bool:
@@ -139,6 +142,10 @@ class SaslFront:
 
     def _handshake(self, req: Request, t: SaslTermination, started: float) -> FrontAnswer:
         mechanism = req.body.mechanism
+        now = t.clock()
+        since = t.reauth_too_soon(now)
+        if since is not None:
+            return self._too_soon(req, t, since, now)
         code = t.handshake(mechanism, req.api_version)
         body = self._body(req, error_code=code, mechanisms=list(t.settings.mechanisms))
         if code == 0:
@@ -148,6 +155,27 @@ class SaslFront:
         reason = (f"SASL handshake for {safe(mechanism)} refused (error {code}; offered: "
                   f"{', '.join(t.settings.mechanisms)})")
         return FrontAnswer(body, close=reason, hold_s=self._hold(started))
+
+    def _too_soon(self, req: Request, t: SaslTermination, since: float, now: float) -> FrontAnswer:
+        """A re-authentication less than a second after the previous one began: Kafka's broker does
+        not begin it (KafkaChannel.maybeBeginServerReauthentication) but handles the SaslHandshake as
+        any request on an authenticated connection, answering ILLEGAL_SASL_STATE with no mechanisms;
+        the connection and its session go on, unless the session has ended, when it closes. No
+        credential is checked, so a client looping on re-authentication costs no PBKDF2 or token check."""
+        ctx = self.ctx
+        self._count(t.mechanism or "?", "reauth_too_soon")
+        if now - self._too_soon_logged_at >= 1.0:
+            held = (f" ({self._too_soon_held} more refused since the last line)" if self._too_soon_held else "")
+            log.info("connection %d: re-authentication of %s (%s) refused: it began %d ms after the previous "
+                     "one, and a Kafka broker begins at most one a second%s", ctx.connection_id,
+                     safe(ctx.principal), safe(t.mechanism), int(since * 1000), held)
+            self._too_soon_logged_at, self._too_soon_held = now, 0
+        else:
+            self._too_soon_held += 1
+        body = self._body(req, error_code=ILLEGAL_SASL_STATE, mechanisms=[])
+        if t.expired(now):
+            return FrontAnswer(body, close="SASL session expired without re-authentication (KIP-368)")
+        return FrontAnswer(body)
 
     def _authenticate(self, message: bytes, t: SaslTermination, started: float) -> tuple[Outcome, str | None, float]:
         ctx = self.ctx

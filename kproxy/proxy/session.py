@@ -212,12 +212,15 @@ def _throttle_at(api_key: int, version: int) -> bool | int:
     return 5 if response_header_version(api_key, version) >= 1 else 4
 
 
-def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int) -> bool:
+def _guarded(entry: InFlight, guards: tuple[Filter, ...], version: int, frame: memoryview) -> bool:
     """Whether a filter that may pass reads this answer: it does not pass its api version now, or it
-    kept something for the request."""
+    kept something for the request; or a filter that reads the api's answers by their bytes says
+    this one needs it (``Filter.reads_answer``: a Produce answer with node_endpoints)."""
     key = entry.api_key
-    for f in guards:    # noqa: SIM110 - a loop: any() over a generator costs a frame per answer
-        if not f.passes(key, version) or entry.kept(f) is not None:
+    for f in guards:
+        if f.may_pass and (not f.passes(key, version) or entry.kept(f) is not None):
+            return True
+        if key in f.reads_by_bytes and f.reads_answer(key, version, frame):
             return True
     return False
 
@@ -805,7 +808,7 @@ class Session(SessionCutThrough, SessionSasl):
                 unread_by is not None and (unread := unread_by.get(entry.api_key << 16 | version))
                 and entry.api_key not in _NAMES_IN_ANSWERS
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
-                         and _guarded(entry, guards, version))
+                         and _guarded(entry, guards, version, frame))
                 and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))
                 and (unread != _FETCH_ANSWER or _note_fetch(entry, frame)))):
             # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
@@ -824,7 +827,7 @@ class Session(SessionCutThrough, SessionSasl):
             unread = False      # the traffic log or spans sampled it: read whole
         if (unread
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])  # type: ignore[index]
-                         and _guarded(entry, guards, version))
+                         and _guarded(entry, guards, version, frame))
                 # A Produce answer is read from its bytes when its request was (else decoded), a Fetch
                 # answer when its request was relayed and it names no endpoints.
                 and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))
@@ -946,17 +949,10 @@ class Session(SessionCutThrough, SessionSasl):
         if unread is None:
             unread_by[_ANSWER_GUARDS | api_key << 16 | version] = self.chain.answer_guards(api_key, version)
             counted = unread_by.get(_TELEMETRY)
-            # A Fetch answer's bytes say whether it names node_endpoints (``_note_fetch``), which are
-            # decoded for the address rewriter: a filter that reads only those is left out then.
-            walked = (api_key == FETCH and version <= FETCH_WALKED_UP_TO
-                      and (counted is None or api_key not in counted))
-            unread = (
+            unread = unread_by[api_key << 16 | version] = (
                 api_key not in _READ_BY_SESSION and self.reencode is None
-                and not self.chain.reads_answers(api_key, version, endpoints_told=walked)
+                and not self.chain.reads_answers(api_key, version)
                 and (counted is None or (api_key not in counted and _throttle_at(api_key, version))))
-            if unread is True and walked and self.chain.reads_answers(api_key, version):
-                unread = _FETCH_ANSWER      # no telemetry, but the walk is what lets the rewriter by
-            unread_by[api_key << 16 | version] = unread
         if unread and api_key in _NAMES_IN_ANSWERS and self._learns_names(api_key, version):
             return False
         return unread

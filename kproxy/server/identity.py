@@ -23,6 +23,7 @@ from kproxy.config import ProxyConfig
 from kproxy.identity.kerberos import GssapiSettings, KerberosMapper, realm_of
 from kproxy.identity.termination import (
     FailedLogins,
+    SaslState,
     SaslTermination,
     TerminationSettings,
     plain_check,
@@ -142,6 +143,10 @@ class IdentityService:
                 self._reload_users()
                 return
             if api_key != SASL_AUTHENTICATE or t.mechanism not in ("OAUTHBEARER", "PLAIN"):
+                return
+            if t.state is not SaslState.REQUIRING_AUTHENTICATE:
+                # No exchange under way (say, after a re-authentication refused as too soon): the
+                # session refuses the message unread, so no PBKDF2 or JWKS fetch is spent on it.
                 return
             try:
                 message = bytes(decode_request(frame).body.auth_bytes)

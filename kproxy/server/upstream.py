@@ -19,8 +19,15 @@ import attrs
 import trio
 
 from kproxy.config import UpstreamConfig
+from kproxy.identity.termination import MIN_REAUTH_INTERVAL_S
 from kproxy.protocol.messages import Request, Response
-from kproxy.server.origination import OriginationError, Originator, Roundtrip, direct_roundtrip
+from kproxy.server.origination import (
+    SASL_HANDSHAKE,
+    OriginationError,
+    Originator,
+    Roundtrip,
+    direct_roundtrip,
+)
 from kproxy.server.transport import Transport, client_context, connect
 
 # KIP-368: log in again once 85-95% of the broker's session lifetime has passed, as Kafka's own
@@ -30,7 +37,9 @@ REAUTH_FROM, REAUTH_SPREAD = 0.85, 0.10
 # ...but at least this long before the session ends: 5-15% of a short session (a 3 s one left
 # 150-450 ms) is less than a busy machine can take to wake the timer and send the handshake, and a
 # broker closes a connection whose session has ended at its next request. Never before half the
-# lifetime, though: a broker starts at most one re-authentication a second on a connection.
+# lifetime, though: a broker starts at most one re-authentication a second on a connection (counted
+# between the starts of two; under 2 s, half the lifetime is sooner, which ``UpstreamLogin.log_in``
+# puts right).
 REAUTH_MARGIN_S = 1.0
 
 
@@ -83,7 +92,8 @@ class UpstreamLogin:
     session when it reads that request, so this is never later than the broker's own count; timing
     from the answer would add the answer's way back, which a busy machine stretches."""
 
-    __slots__ = ("lifetime_ms", "originator", "reauth_at", "session_end", "timeout", "where")
+    __slots__ = ("lifetime_ms", "logged_in", "originator", "reauth_at", "reauth_begun", "session_end", "timeout",
+                 "where")
 
     def __init__(self, originator: Originator, where: str, timeout: float) -> None:
         self.originator = originator
@@ -92,6 +102,10 @@ class UpstreamLogin:
         self.lifetime_ms = 0                    # what the broker said of the session (0: no limit)
         self.reauth_at: float | None = None     # when to log in again (trio time); None: never
         self.session_end: float | None = None   # when the broker ends the session
+        self.logged_in = False
+        # When the broker had surely begun the last re-authentication (its SaslHandshake answered);
+        # None until one has been made: the first login does not count against the limit.
+        self.reauth_begun: float | None = None
 
     async def log_in(self, roundtrip: Roundtrip) -> None:
         """Log in over ``roundtrip``: the first time on a fresh connection, or again on a live one
@@ -99,20 +113,33 @@ class UpstreamLogin:
         timeout: LoginTimedOut past it, OriginationError when refused."""
         timeout = self.timeout
         last_sent = trio.current_time()
+        begun: float | None = None
 
         async def timed(req: Request) -> Response:
-            nonlocal last_sent
+            nonlocal last_sent, begun
             last_sent = trio.current_time()
             with trio.fail_after(timeout):
-                return await roundtrip(req)
+                resp = await roundtrip(req)
+            if req.api_key == SASL_HANDSHAKE and begun is None:
+                begun = trio.current_time()      # the broker read the handshake before answering it
+            return resp
 
         try:
             lifetime_ms = await self.originator.login(timed, self.where)
         except trio.TooSlowError:
             raise LoginTimedOut() from None
+        if self.logged_in:
+            self.reauth_begun = begun
+        self.logged_in = True
         self.lifetime_ms = lifetime_ms
         if lifetime_ms > 0:
-            self.reauth_at = last_sent + reauth_after(lifetime_ms / 1000, random.random())
+            at = last_sent + reauth_after(lifetime_ms / 1000, random.random())
+            if self.reauth_begun is not None:
+                # A broker refuses a re-authentication less than a second after the previous one
+                # began (ILLEGAL_SASL_STATE, which would end this connection): with a session
+                # shorter than 2 s, half its lifetime is sooner than that.
+                at = max(at, self.reauth_begun + MIN_REAUTH_INTERVAL_S)
+            self.reauth_at = at
             self.session_end = last_sent + lifetime_ms / 1000
         else:
             self.reauth_at = self.session_end = None

@@ -435,7 +435,7 @@ def kerberos_families(kerberos: Any) -> list[Metric]:
 def identity_families(identity: Any) -> list[Metric]:
     """SASL logins kproxy judged (termination) and made (origination)."""
     out = [_counter("kproxy_sasl_logins", "Client SASL logins kproxy judged, by mechanism and outcome (ok, "
-                    "reauthenticated, failed, refused, rate_limited).", ["mechanism", "outcome"],
+                    "reauthenticated, failed, refused, rate_limited, reauth_too_soon).", ["mechanism", "outcome"],
                     dict(identity.logins))]
     originator = identity.originator
     if originator is not None:

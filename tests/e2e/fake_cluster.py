@@ -190,7 +190,7 @@ class FakeBroker:
             produced = tuple((t.name, p.index, bytes(p.records or b""))
                              for t in body.topic_data for p in t.partition_data)
         self._record(Received(api_key, api_version, req.client_id, correlation_id, produced))
-        lo, hi = API_RANGES.get(api_key, (0, -1))
+        lo, hi = self.cluster.api_ranges.get(api_key, (0, -1))
         if api_key == API_VERSIONS and api_version > hi:
             # A broker that does not know the requested ApiVersions version answers in v0 (KIP-511).
             return self._encode(API_VERSIONS, 0, correlation_id, self._api_versions(UNSUPPORTED_VERSION))
@@ -227,7 +227,7 @@ class FakeBroker:
         cls: Any = body_class(API_VERSIONS, "response")
         return cls(error_code=error_code, api_keys=[
             cls.ApiVersion(api_key=k, min_version=lo, max_version=hi)
-            for k, (lo, hi) in sorted(API_RANGES.items())])
+            for k, (lo, hi) in sorted(self.cluster.api_ranges.items())])
 
     def _metadata(self, body: Any, version: int) -> Any:
         cls: Any = body_class(METADATA, "response")
@@ -275,6 +275,7 @@ class FakeBroker:
     def _produce(self, body: Any, version: int) -> Any:
         cls: Any = body_class(PRODUCE, "response")
         responses = []
+        moved: set[int] = set()
         for topic in body.topic_data:
             parts = []
             for p in topic.partition_data:
@@ -289,11 +290,18 @@ class FakeBroker:
                     with self._lock:
                         code, offset = 0, self._offsets.get(key, 0)
                         self._offsets[key] = offset + 1
-                parts.append(cls.PartitionProduceResponse(
+                part = cls.PartitionProduceResponse(
                     index=p.index, error_code=code, base_offset=offset, log_append_time_ms=-1,
-                    log_start_offset=0 if code == 0 else -1, record_errors=[], error_message=None))
+                    log_start_offset=0 if code == 0 else -1, record_errors=[], error_message=None)
+                if code == NOT_LEADER_OR_FOLLOWER and version >= 10:
+                    # KIP-951, as Kafka answers: the leader, and its endpoint (this cluster's own address).
+                    assert leader is not None
+                    part.current_leader = cls.LeaderIdAndEpoch(leader_id=leader, leader_epoch=0)
+                    moved.add(leader)
+                parts.append(part)
             responses.append(cls.TopicProduceResponse(name=topic.name, partition_responses=parts))
-        return cls(responses=responses, throttle_time_ms=0)
+        return cls(responses=responses, throttle_time_ms=0, node_endpoints=[
+            cls.NodeEndpoint(node_id=n, host=HOST, port=self.cluster.brokers[n].port) for n in sorted(moved)])
 
 
 class FakeCluster:
@@ -302,12 +310,15 @@ class FakeCluster:
     Topic ``t`` has one partition per node; partition ``i`` is led by ``node_ids[i]``. The group
     coordinator is ``coordinator_id`` and the controller ``controller_id`` (default: the first node).
     ``errors`` collects every exception a broker hit while answering (the broker then drops that
-    connection); a test should assert it stays empty.
+    connection); a test should assert it stays empty. ``produce_max`` is the newest Produce version
+    advertised (at most 12: the fake names topics); from v10 a NOT_LEADER_OR_FOLLOWER answer carries
+    KIP-951's current_leader and node_endpoints, the leader's real address.
     """
 
     def __init__(self, node_ids: Iterable[int] = (1, 2, 3), *, coordinator_id: int = 2,
-                 controller_id: int | None = None) -> None:
+                 controller_id: int | None = None, produce_max: int = 9) -> None:
         ids = list(node_ids)
+        self.api_ranges = {**API_RANGES, PRODUCE: (API_RANGES[PRODUCE][0], produce_max)}
         if coordinator_id not in ids:
             raise ValueError(f"coordinator {coordinator_id} is not one of the nodes {ids}")
         self.brokers: dict[int, FakeBroker] = {n: FakeBroker(self, n) for n in ids}

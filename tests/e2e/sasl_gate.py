@@ -300,6 +300,7 @@ class SaslGate:
         self.refused: list[tuple[int, int]] = []           # (connection, api key) closed before auth
         self.errors: list[str] = []                        # exceptions in the gate itself
         self.expired: list[int] = []                       # connections closed for an expired session
+        self.too_soon: list[int] = []                      # re-authentications refused as too soon
         self.forwarded: list[tuple[int, int, str | None]] = []  # (connection, api key, user) relayed
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
@@ -404,6 +405,7 @@ class GateConnection:
         self.expires_at: float | None = None
         self.mechanism: str | None = None
         self.server: PlainServer | ScramServer | BearerServer | GssapiServer | None = None
+        self.reauth_started_at: float | None = None      # when the last re-authentication began
 
     def run(self) -> None:
         pump = threading.Thread(target=self._upstream_pump, daemon=True)
@@ -478,6 +480,16 @@ class GateConnection:
         key, version, correlation_id = req.api_key, req.api_version, req.correlation_id
         body_cls = body_class(key, "response")
         if key == SASL_HANDSHAKE:
+            if self.user is not None:
+                # Kafka's broker begins at most one re-authentication a second (KafkaChannel; the
+                # first login does not count). A sooner SaslHandshake is answered ILLEGAL_SASL_STATE
+                # with no mechanisms, as on any authenticated connection, which stays open.
+                now = time.monotonic()
+                if self.reauth_started_at is not None and now - self.reauth_started_at < 1.0:
+                    self.gate.too_soon.append(self.cid)
+                    self._answer(key, version, correlation_id, body_cls(error_code=ILLEGAL_SASL_STATE, mechanisms=[]))
+                    return True
+                self.reauth_started_at = now
             if version == 0:
                 # v0 is followed by unframed tokens (pre KIP-152); every current client uses v1.
                 return False

@@ -467,10 +467,58 @@ def test_reauthentication_on_both_sides_loses_no_record(gate: SaslGate, users_fi
     assert all(a.ok and a.user == SERVICE for a in upstream)
     assert any(a.reauthentication for a in upstream), upstream   # kproxy re-authenticated to the broker
     assert gate.expired == []                                      # and never let a session lapse
+    assert gate.too_soon == []                                     # nor began one within a second
     text = kproxy_text(kproxy_log)
-    assert "re-authenticated as User:alice" in text                # the client re-authenticated to kproxy
+    # The client re-authenticated to kproxy, session after session, never refused as too soon.
+    assert text.count("re-authenticated as User:alice") >= 2, text
+    assert "refused: it began" not in text
     assert "re-authenticated kproxy to" in text
     assert principals(recorder) == {f"User:{ALICE}"}
+
+
+def test_a_reauthentication_within_a_second_of_the_last_is_refused_and_the_connection_goes_on(
+        gate: SaslGate, users_file: Path, oidc: OidcProvider, kproxy_log: pytest.LogCaptureFixture) -> None:
+    """On a real socket: PLAIN login, a re-authentication at once (the first is never too soon), then
+    a SaslHandshake sent straight after it: refused ILLEGAL_SASL_STATE, as Kafka's broker refuses
+    it, with no password checked; the connection still serves requests, and a second later the
+    next re-authentication is accepted."""
+    from kproxy.protocol.messages import Request, encode_request_frame
+
+    gate.require_sasl = False
+    plain = f"\x00{ALICE}\x00{ALICE_PASSWORD}".encode()
+
+    def frame(key: int, version: int, cid: int, **fields: Any) -> bytes:
+        req = Request.build(key, version, cid, "reauth-probe", body_class(key, "request")(**fields))
+        return b"".join(bytes(b) for b in encode_request_frame(req))
+
+    def login(w: Wire, cid: int) -> None:
+        w.send_raw(frame(17, 1, cid, mechanism="PLAIN") + frame(36, 2, cid + 1, auth_bytes=plain))
+        assert w.receive(17, 1).body.error_code == 0
+        assert w.receive(36, 2).body.error_code == 0
+
+    with start_proxy(gate, None, sasl=termination(users_file, oidc, max_session_s=60)) as proxy:
+        w = Wire(proxy.bootstrap, timeout=20)
+        try:
+            login(w, 1)
+            # The first re-authentication and, in the same write, the start of another.
+            w.send_raw(frame(17, 1, 3, mechanism="PLAIN") + frame(36, 2, 4, auth_bytes=plain)
+                       + frame(17, 1, 5, mechanism="PLAIN"))
+            assert w.receive(17, 1).body.error_code == 0
+            started = time.monotonic()              # kproxy began that one before it answered
+            assert w.receive(36, 2).body.error_code == 0
+            refused = w.receive(17, 1).body
+            assert (refused.error_code, refused.mechanisms) == (34, [])    # ILLEGAL_SASL_STATE
+            assert w.metadata(6).body.brokers                                # still logged in
+            time.sleep(max(0.0, started + 1.05 - time.monotonic()))
+            login(w, 7)                                                      # a second on: accepted
+            assert w.metadata(9).body.brokers
+        finally:
+            w.close()
+        assert proxy.server.identity.logins == {("PLAIN", "ok"): 1, ("PLAIN", "reauthenticated"): 2,
+                                                ("PLAIN", "reauth_too_soon"): 1}
+    text = kproxy_text(kproxy_log)
+    assert "re-authentication of User:alice (PLAIN) refused: it began " in text, text
+    assert ALICE_PASSWORD not in text
 
 
 def test_before_login_a_request_or_a_big_frame_closes_the_connection(gate: SaslGate, users_file: Path,
@@ -534,6 +582,7 @@ def test_an_idle_broker_connection_is_re_authenticated_not_replaced(gate: SaslGa
         gate.session_lifetime_ms = 0
     assert all(a.ok for a in gate.authentications if a.connection == connection)
     assert gate.expired[expired:] == []                              # no session ever ran out
+    assert gate.too_soon == []                                       # nor was one begun too soon
     text = kproxy_text(kproxy_log)
     assert "re-authenticated kproxy to" in text and "lost the connection" not in text
 
@@ -563,6 +612,7 @@ def test_a_steady_producer_loses_nothing_while_kproxy_re_authenticates(gate: Sas
             per_connection[a.connection] = per_connection.get(a.connection, 0) + 1
     assert max(per_connection.values(), default=0) >= 2, done      # the producer's connection, again and again
     assert gate.expired[expired:] == []
+    assert gate.too_soon == []
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,9 @@ leader; any other port lands on another broker, which answers NOT_LEADER_OR_FOLL
 from __future__ import annotations
 
 import socket
+import struct
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 import trio
 
 from kproxy.config import config_from_args
-from kproxy.protocol.messages import Response, body_class
+from kproxy.protocol.messages import Response, body_class, decode_response
 from kproxy.protocol.records import build_batch, iter_batches
 from kproxy.server.app import DISCOVERY_REUSE_S
 from kproxy.server.embedded import ProxyThread
@@ -278,3 +280,69 @@ def test_kafka_python_producer_reaches_each_leader(cluster: FakeCluster, proxy: 
         assert_only_leader_got(cluster, partition, [b"kp%d" % partition])
     produces = [r for b in cluster.brokers.values() for r in b.received(PRODUCE)]
     assert {r.client_id for r in produces} == {"multi-broker"}
+
+
+def _produced_records(admin: str) -> float:
+    """kproxy_records_total for produced records, summed over its labels, from kproxy's /metrics."""
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as r:
+        return sum(float(line.rpartition(" ")[2]) for line in r.read().decode().splitlines()
+                   if line.startswith("kproxy_records_total{") and 'direction="produced"' in line)
+
+
+@pytest.mark.parametrize("metrics", [False, True], ids=["no-options", "metrics"])
+def test_produce_v10_leader_hints_never_name_a_broker_behind_kproxy(
+        metrics: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # KIP-951: a Produce v10+ answer refusing a partition (NOT_LEADER_OR_FOLLOWER) names the leader's
+    # address in node_endpoints. kproxy lets an answer without them by undecoded (the path counter:
+    # what the rewriter's check said of each answer) and rewrites one with them.
+    from kproxy.proxy import addresses
+
+    said: list[bool | None] = []
+    check = addresses.answer_endpoints
+
+    def counted(frame: Any, version: int) -> bool | None:
+        said.append(check(frame, version))
+        return said[-1]
+
+    monkeypatch.setattr(addresses, "answer_endpoints", counted)
+    cluster = FakeCluster((1, 2, 3), produce_max=12)
+    admin = f"127.0.0.1:{free_port_block(1)}"
+    proxy = start_proxy(cluster.bootstrap, advertised_host=ADVERTISED, **({"admin": {"listen": admin}} if metrics else {}))
+    try:
+        ports = broker_ports(metadata(proxy.bootstrap))
+        assert leaders(metadata(proxy.bootstrap)) == {0: 1, 1: 2, 2: 3}
+        w = Wire(at(ports[1]), timeout=5)
+        try:
+            for version, correlation_id in ((11, 1), (12, 2)):
+                # Partition 0 is node 1's: acknowledged, no hint, relayed.
+                w.send(PRODUCE, version, correlation_id, produce_body(0, b"mine"))
+                frame = w.read_frame()
+                assert frame is not None
+                ok = decode_response(frame, PRODUCE, version)
+                assert ok.correlation_id == correlation_id and ok.body.node_endpoints == []
+                assert ok.body.responses[0].partition_responses[0].error_code == 0
+                # Partition 1 is node 2's: refused, with node 2's endpoint, which kproxy rewrites.
+                w.send(PRODUCE, version, correlation_id + 10, produce_body(1, b"not yours"))
+                frame = w.read_frame()
+                assert frame is not None
+                moved = decode_response(frame, PRODUCE, version)
+                (part,) = moved.body.responses[0].partition_responses
+                assert part.error_code == NOT_LEADER_OR_FOLLOWER and part.current_leader.leader_id == 2
+                assert [(e.node_id, e.host, e.port) for e in moved.body.node_endpoints] == [(2, ADVERTISED, ports[2])]
+                assert HOST.encode() not in frame and struct.pack(">i", cluster.ports[2]) not in frame
+        finally:
+            w.close()
+        # Each acknowledged answer was checked once and let by; each refusal was found to carry
+        # endpoints (asked again on the decoded path's way in, so once or twice).
+        assert said.count(False) == 2 and said.count(None) == 0 and said.count(True) in (2, 4)
+        if metrics:
+            # Counted alike on both paths: the acknowledged records, not the refused ones.
+            deadline = time.monotonic() + 5
+            while _produced_records(admin) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _produced_records(admin) == 2
+        assert values(cluster, 1, 0) == [b"mine", b"mine"]
+    finally:
+        proxy.stop()
+        cluster.stop()
+    assert cluster.errors == []

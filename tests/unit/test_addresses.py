@@ -379,4 +379,7 @@ def test_the_rewriter_reads_only_answer_versions_with_endpoints() -> None:
     chain = FilterChain([rewriter])
     assert not rewriter.reads_response(0, 9) and rewriter.reads_response(0, 10)
     assert rewriter.reads_response(3, 12) and rewriter.reads_response(10, 0)     # Metadata, FindCoordinator v0
-    assert not chain.reads_answers(0, 9) and chain.reads_answers(0, 10) and chain.reads_answers(3, 12)
+    assert not chain.reads_answers(0, 9) and chain.reads_answers(3, 12)
+    # From v10 a Produce answer is read only when its bytes carry node_endpoints (``reads_answer``).
+    assert not chain.reads_answers(0, 10) and chain.answer_guards(0, 10) == (rewriter,)
+    assert chain.answer_guards(0, 9) == () and chain.answer_guards(3, 12) == ()

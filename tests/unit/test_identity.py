@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from scramp import ScramClient
 
 from kproxy.identity.termination import (
+    ILLEGAL_SASL_STATE,
     SASL_AUTHENTICATION_FAILED,
     UNSUPPORTED_SASL_MECHANISM,
     FailedLogins,
@@ -219,6 +220,28 @@ def test_reauthentication_must_keep_the_mechanism_and_use_v1() -> None:
     t = terminate()
     scram_login(t, "SCRAM-SHA-256", "alice", "alice-secret")
     assert t.handshake("SCRAM-SHA-256", 0) != 0
+
+
+def test_a_reauthentication_begins_at_most_once_a_second_and_a_refused_one_changes_nothing() -> None:
+    """KafkaChannel.maybeBeginServerReauthentication: the first re-authentication may come at once;
+    another less than a second after the previous one began is not begun (the handshake is refused
+    before its mechanism or version is looked at) and the session stays as it was."""
+    clock = Clock(50.0)
+    t = terminate(clock=clock, max_session_s=10)
+    scram_login(t, "SCRAM-SHA-256", "alice", "alice-secret")
+    assert t.reauth_too_soon(clock()) is None
+    scram_login(t, "SCRAM-SHA-256", "alice", "alice-secret")           # at once: the first one
+    assert t.reauth_started_at == 50.0
+    clock.now = 50.5
+    assert t.reauth_too_soon(clock()) == pytest.approx(0.5)
+    for mechanism, version in (("SCRAM-SHA-256", 1), ("SCRAM-SHA-512", 1), ("SCRAM-SHA-256", 0)):
+        assert t.handshake(mechanism, version) == ILLEGAL_SASL_STATE
+        assert t.state is SaslState.AUTHENTICATED and t.mechanism == "SCRAM-SHA-256" and not t.reauthenticating
+    assert t.authenticated and t.expires_at == 60.0 and t.reauth_started_at == 50.0
+    clock.now = 51.0
+    assert t.reauth_too_soon(clock()) is None
+    o = scram_login(t, "SCRAM-SHA-256", "alice", "alice-secret")
+    assert o.done and t.expires_at == 61.0 and t.reauth_started_at == 51.0
 
 
 def test_failed_logins_per_address_over_a_minute() -> None:

@@ -10,13 +10,17 @@ import os
 from pathlib import Path
 
 import pytest
+import trio
 
 from kproxy.cli import main
 from kproxy.config import ConfigError, load_config
 from kproxy.identity.users import password_matches
+from kproxy.protocol.messages import body_class
+from kproxy.proxy.filters import ConnectionContext
 from kproxy.server import admin
 from kproxy.server.identity import IdentityService
 from kproxy.userfile import add_user, load_users_file
+from tests.unit.test_session import Clock, request_frame
 
 BASE = """\
 listen: "127.0.0.1:9092"
@@ -177,3 +181,29 @@ def test_the_users_file_is_reloaded_when_it_changes_and_a_broken_one_is_ignored(
     os.utime(users, (2, 2))
     service._reload_users()
     assert set(service.settings.users.users) == {"alice", "bob"}     # the old users stay
+
+
+def test_no_password_is_checked_ahead_for_a_saslauthenticate_outside_an_exchange(tmp_path: Path, users: Path) -> None:
+    """The PBKDF2 of a PLAIN login runs ahead, in a thread, only while an exchange is under way: a
+    SaslAuthenticate after a re-authentication refused as too soon costs no key derivation."""
+    service = IdentityService(load_config(config(tmp_path, "sasl:\n  mechanisms: [PLAIN]\n  users_file: users.yaml\n")))
+    clock = Clock(100.0)
+    front = service.front(ConnectionContext(1, clock=clock))
+    assert front is not None and front.termination is not None
+    t = front.termination
+    message = b"\x00alice\x00pw"
+    frame = memoryview(request_frame(36, 2, 3, body_class(36, "request")(auth_bytes=message)))
+
+    async def prepare() -> None:
+        await service.prepare(front, frame, discover=None)
+
+    assert t.handshake("PLAIN", 1) == 0
+    trio.run(prepare)
+    assert list(t.plain_checked.values()) == [True]          # worked out ahead during the exchange
+    assert t.authenticate(message).done
+    assert t.handshake("PLAIN", 1) == 0                        # the first re-authentication
+    assert t.authenticate(message).done
+    clock.now = 100.5
+    assert t.handshake("PLAIN", 1) != 0                        # too soon: no exchange begun
+    trio.run(prepare)
+    assert t.plain_checked == {}

@@ -33,7 +33,7 @@ BROKER = [(0, 0, 11), (3, 0, 12), (18, 0, 4), (38, 0, 3), (50, 0, 0), (51, 0, 0)
 
 
 def session(*, terminate: bool = True, clock: Clock | None = None, max_session_s: float = 3600,
-            limiter: FailedLogins | None = None, broker=BROKER) -> Session:
+            limiter: FailedLogins | None = None, broker=BROKER, on_login=None) -> Session:
     clock = clock or Clock()
     ctx = ConnectionContext(1, client_address=("10.1.2.3", 5555), clock=clock)
     termination = None
@@ -41,7 +41,8 @@ def session(*, terminate: bool = True, clock: Clock | None = None, max_session_s
         settings = TerminationSettings(("SCRAM-SHA-256", "PLAIN"), USERS, max_session_s=max_session_s,
                                        failure_delay_s=0.5)
         termination = SaslTermination(settings, clock=clock, wall_clock=lambda: 1.7e9)
-    front = SaslFront(ctx, termination, broker_versions=lambda: broker, failed_logins=limiter, failure_delay_s=0.5)
+    front = SaslFront(ctx, termination, broker_versions=lambda: broker, failed_logins=limiter, failure_delay_s=0.5,
+                      on_login=on_login)
     return Session(ctx, FilterChain([]), front=front)
 
 
@@ -239,6 +240,87 @@ def test_a_late_reauthentication_that_fails_closes() -> None:
     actions = authenticate(s, b"\x00alice\x00wrong", cid=6)
     assert kinds(actions) == [Hold, ToClient, Close]
     assert answered(actions[1], SASL_AUTHENTICATE, 2).body.error_code == 58
+
+
+def reauthenticated_at(clock: Clock, s: Session, at: float, cid: int) -> None:
+    clock.now = at
+    assert answered(handshake(s, cid=cid)[0], SASL_HANDSHAKE, 1).body.error_code == 0
+    reply = authenticate(s, b"\x00alice\x00pw", cid=cid + 1)[0]
+    assert answered(reply, SASL_AUTHENTICATE, 2).body.error_code == 0
+
+
+def test_a_reauthentication_within_a_second_of_the_previous_one_is_refused_as_kafka_refuses_it(caplog) -> None:
+    """Kafka's broker begins at most one re-authentication a second on a connection (KafkaChannel):
+    a SaslHandshake sooner is answered ILLEGAL_SASL_STATE with no mechanisms, as on any authenticated
+    connection, and the connection and its session go on. No credential is checked."""
+    clock = Clock(100.0)
+    counted: list[tuple[str, str]] = []
+    s = session(clock=clock, max_session_s=10, on_login=lambda m, o: counted.append((m, o)))
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    reauthenticated_at(clock, s, 100.2, 3)                  # the first re-authentication: never too soon
+    clock.now = 100.7                                        # 0.5 s after the previous one began
+    with caplog.at_level("INFO", logger="kproxy.identity"):
+        actions = handshake(s, cid=5)
+    assert kinds(actions) == [ToClient]                     # answered at once, not held, not closed
+    body = answered(actions[0], SASL_HANDSHAKE, 1).body
+    assert (body.error_code, body.mechanisms) == (34, [])
+    assert counted[-1] == ("PLAIN", "reauth_too_soon") and counted.count(("PLAIN", "reauthenticated")) == 1
+    (line,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert line.startswith("connection 1: re-authentication of User:alice (PLAIN) refused: it began 500 ms "
+                           "after the previous one")
+    t = s.front.termination
+    assert t.authenticated and t.expires_at == pytest.approx(110.2)      # the session as it was
+    assert kinds(metadata(s, cid=6)) == [ToUpstream]         # and the connection goes on
+
+
+def test_a_reauthentication_a_second_after_the_previous_one_began_is_accepted() -> None:
+    clock = Clock(100.0)
+    counted: list[tuple[str, str]] = []
+    s = session(clock=clock, max_session_s=10, on_login=lambda m, o: counted.append((m, o)))
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    reauthenticated_at(clock, s, 100.5, 3)
+    reauthenticated_at(clock, s, 101.5, 5)                  # exactly 1.0 s after the previous start
+    clock.now = 102.0
+    assert answered(handshake(s, cid=7)[0], SASL_HANDSHAKE, 1).body.error_code == 34     # 0.5 s: refused
+    reauthenticated_at(clock, s, 102.5, 9)                  # the refused one started nothing
+    assert counted == [("PLAIN", "ok"), *[("PLAIN", "reauthenticated")] * 2, ("PLAIN", "reauth_too_soon"),
+                       ("PLAIN", "reauthenticated")]
+    assert s.front.termination.expires_at == pytest.approx(112.5)
+
+
+def test_a_too_soon_reauthentication_after_the_session_ended_closes() -> None:
+    """Kafka's broker checks the session's end when it does not begin a re-authentication: a
+    handshake refused as too soon on an ended session closes the connection."""
+    clock = Clock(100.0)
+    s = session(clock=clock, max_session_s=0.5)
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    reauthenticated_at(clock, s, 100.6, 3)                  # late, accepted: the session ends at 101.1
+    clock.now = 101.2
+    actions = handshake(s, cid=5)
+    assert kinds(actions) == [ToClient, Close] and "KIP-368" in actions[1].reason
+    assert answered(actions[0], SASL_HANDSHAKE, 1).body.error_code == 34
+
+
+def test_refusals_of_a_looping_client_are_logged_once_a_second_with_the_count(caplog) -> None:
+    clock = Clock(100.0)
+    s = session(clock=clock, max_session_s=10)
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    reauthenticated_at(clock, s, 100.0, 3)
+    with caplog.at_level("INFO", logger="kproxy.identity"):
+        for i in range(10):                                  # ten handshakes 0.1 s apart
+            clock.now = 100.05 + i * 0.1
+            handshake(s, cid=10 + i)
+        reauthenticated_at(clock, s, 101.0, 30)
+        for i in range(3):
+            clock.now = 101.2 + i * 0.1
+            handshake(s, cid=40 + i)
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "more refused" not in lines[0] and lines[1].endswith("(9 more refused since the last line)")
 
 
 def test_passthrough_of_undecodable_versions_waits_for_the_login() -> None:

@@ -160,6 +160,41 @@ async def test_a_session_counts_from_when_the_last_login_request_was_sent(autoju
     assert login.reauth_at is not None and sent[-1] + 1.7 <= login.reauth_at <= sent[-1] + 2.0
 
 
+async def test_kproxy_never_begins_a_reauthentication_within_a_second_of_the_previous_one(autojump_clock) -> None:
+    """A broker begins at most one re-authentication a second on a connection and refuses a sooner
+    one (KafkaChannel; the first login does not count): with 1.2 s sessions, half the lifetime
+    would come sooner, so kproxy waits until a second after the broker had begun the previous one."""
+    login = UpstreamLogin(Originator(UpstreamSasl("PLAIN", "svc", "pw")), "broker:9092", 30.0)
+    begun: list[float] = []                         # when the broker read each handshake
+
+    async def broker(req: Request) -> Response:
+        await trio.sleep(0.1)                       # on the way to the broker
+        cls = body_class(req.api_key, "response")
+        if req.api_key == SASL_HANDSHAKE:
+            now = trio.current_time()
+            too_soon = len(begun) >= 2 and now - begun[-1] < 1.0
+            if not too_soon:
+                begun.append(now)
+            body = cls(error_code=34 if too_soon else 0, mechanisms=[] if too_soon else ["PLAIN"])
+        else:
+            body = cls(error_code=0, auth_bytes=b"", session_lifetime_ms=1200)
+        await trio.sleep(0.1)                       # and back
+        return Response.build(req.api_key, req.api_version, req.correlation_id, body)
+
+    await login.log_in(broker)
+    for _ in range(5):
+        assert login.reauth_at is not None and login.session_end is not None
+        assert login.reauth_at <= login.session_end
+        await trio.sleep_until(login.reauth_at)
+        await login.log_in(broker)                  # OriginationError if the broker refused it
+    assert len(begun) == 6
+    gaps = [b - a for a, b in itertools.pairwise(begun[1:])]
+    assert all(g >= 1.0 for g in gaps), gaps
+    # The first re-authentication is not held back: half the session after the login's last request
+    # was sent (0.1 s after the broker read its handshake), read 0.1 s later.
+    assert begun[1] - begun[0] == pytest.approx(0.1 + 0.6 + 0.1)
+
+
 async def test_renew_login_logs_in_again_on_the_same_connection_once_due(brokers, autojump_clock) -> None:
     t = await open_upstream("broker", 9092, plain_settings())
     (broker,) = brokers
