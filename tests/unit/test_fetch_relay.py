@@ -155,6 +155,8 @@ def test_a_truncated_answer_is_not_read(walk: Any) -> None:
         frame = request_frame(FETCH, version, 1, req_body)
         answer = response_frame(FETCH, version, 1, body)
         assert walk(frame, memoryview(answer), version) == (3, 9 if version >= 1 else 0, False)
+        # Without the request (the address rewriter's question): the same walk, no records counted.
+        assert walk(None, memoryview(answer), version) == (0, 9 if version >= 1 else 0, False)
         # The first batch (offsets 0-1) ends before the fetch offset: left out, as decoded.
         for cut in range(4, len(answer) - (1 if version >= 12 else 0)):
             assert walk(frame, memoryview(answer[:cut]), version) is None, (version, cut)
