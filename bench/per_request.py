@@ -22,8 +22,9 @@ One tansu broker (memory storage); kproxy (``python -m kproxy run``, log level W
   kind. Per request, they say how many receives, sends and event-loop waits each request costs;
   they depend a little on how requests bunch up, so the figure is the median of ``--rounds``.
 
-The loops are those of bench/small_requests.py: Metadata v12 with no topics, Heartbeat v4, and Produce v9 with
-acks=1 and one 100-byte record.
+The loops are those of bench/small_requests.py: Metadata v12 with no topics, Heartbeat v4, Produce v9 with
+acks=1 and one 100-byte record, Fetch v12 answered with one batch of one 100-byte record (and the same in
+v16, by topic id), and an empty Fetch v12 long poll (max_wait_ms 0, from past the end).
 """
 
 from __future__ import annotations
@@ -293,22 +294,33 @@ def main(argv: list[str] | None = None) -> int:
             EXTRA_ARGS.extend(["--traffic-log", str(workdir / "traffic")])
             if args.traffic_log_sample is not None:
                 TRAFFIC_LOG.update(dir=str(workdir / "traffic"), sample={"default": args.traffic_log_sample})
-        topic = None
-        if {"produce", "produce-v11"} & set(kinds):
+        # The produce loops' topic, and the fetch loops' (one batch of one record at offset 0 of
+        # partition 0, written first; the produce loops write elsewhere, so the answer stays small).
+        topics = {kind: "per-request-fetch" if kind.startswith("fetch") else "per-request"
+                  for kind in kinds if kind in ("produce", "produce-v11", "fetch", "fetch-empty", "fetch-v16")}
+        if topics:
             from confluent_kafka.admin import AdminClient, NewTopic
 
-            topic = "per-request"
             admin = AdminClient({"bootstrap.servers": f"{HOST}:{broker.port}"})
-            admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(30)
+            for name in set(topics.values()):
+                admin.create_topics([NewTopic(name, num_partitions=1, replication_factor=1)])[name].result(30)
             del admin               # its broker connection would log the broker's shutdown
+            if "per-request-fetch" in topics.values():
+                sequential(broker.port, request_for("produce", "per-request-fetch"), 1)
+            if "fetch-v16" in topics:       # it names the topic by id
+                from big_fetch import topic_id_of
+
+                with socket.create_connection((HOST, broker.port), timeout=30) as s:
+                    topics["fetch-v16"] = str(topic_id_of(s, "per-request-fetch"))
         for kind in kinds:
+            topic = topics.get(kind)
             if not args.no_callgrind:
                 for name, tree in trees.items():
                     ir[(kind, name)], less = callgrind_per_request(broker.port, tree, name, kind, topic, args.n,
                                                                    workdir, args.idle)
                     if less is not None:
                         ir_less[(kind, name)] = less
-                    print(f"  {kind:<9}{name:<13}{ir[(kind, name)]:>12,.0f} instructions/request"
+                    print(f"  {kind:<12}{name:<13}{ir[(kind, name)]:>12,.0f} instructions/request"
                           + (f" ({less:,.0f} less the timers)" if less is not None else ""),
                           file=sys.stderr, flush=True)
             if not args.no_syscalls:

@@ -1,11 +1,16 @@
 """Many clients, small requests: requests per second and latency of small round trips from many
 concurrent connections, the load generator for bench/proxy.py's ``--small-clients`` case.
 
-Four loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
+Seven loops (``kind``): ``metadata``, a Metadata v12 request with no topics; ``produce``, a Produce
 v9 request with acks=1 carrying one record of 100 bytes to partition 0 of a topic that must exist;
 ``produce-v11``, the same as Produce v11 (whose answer may carry KIP-951's node_endpoints, the
 newest version tansu speaks); ``heartbeat``, a Heartbeat v4 for a group the broker does not know (an
-idle consumer's request).
+idle consumer's request); ``fetch``, a Fetch v12 from offset 0 of partition 0 of a topic that must
+hold one small batch there (its answer is that batch); ``fetch-empty``, a Fetch v12 from far past the
+end with max_wait_ms 0 (a consumer's long poll that finds nothing; tansu answers it with no
+partitions); ``fetch-v16``, the ``fetch`` loop in Fetch v16, the version librdkafka speaks to tansu
+(by topic id: ``topic`` is then the topic's id; the address rewriter reads v16+ answers for KIP-951's
+node_endpoints).
 Each load process drives its share of the connections with a selector loop over raw sockets (no
 client library, so the generator itself stays cheap): every connection keeps exactly one request in
 flight and sends the next as soon as the answer is whole. The first answer on each connection is
@@ -27,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 _I32 = struct.Struct(">i")
-KINDS = ("metadata", "produce", "heartbeat", "produce-v11")
+KINDS = ("metadata", "produce", "heartbeat", "produce-v11", "fetch", "fetch-empty", "fetch-v16")
 # The Produce version of each produce loop.
 PRODUCE_VERSIONS = {"produce": 9, "produce-v11": 11}
 PRODUCE_VALUE_BYTES = 100
@@ -66,15 +71,41 @@ def heartbeat_v4_request(correlation_id: int, group: str = "bench-group") -> byt
     return b"".join(bytes(b) for b in encode_request_frame(Request.build(12, 4, correlation_id, "bench", body)))
 
 
+def fetch_v12_request(correlation_id: int, topic: str, offset: int = 0, max_wait_ms: int = 100,
+                      version: int = 12) -> bytes:
+    """Fetch v12 (the last version naming topics) of partition 0 of ``topic`` from ``offset``, up to
+    1 MiB, answered as soon as one byte is there; from v13 ``topic`` is the topic's id."""
+    import uuid
+
+    from kproxy.protocol.messages import Request, body_class, encode_request_frame
+
+    cls = body_class(1, "request")
+    named = {"topic": topic} if version < 13 else {"topic_id": uuid.UUID(topic)}
+    body = cls(max_wait_ms=max_wait_ms, min_bytes=1, max_bytes=1 << 20, isolation_level=0, topics=[
+        cls.FetchTopic(**named, partitions=[cls.FetchPartition(partition=0, fetch_offset=offset,
+                                                               partition_max_bytes=1 << 20)])])
+    return b"".join(bytes(b) for b in encode_request_frame(Request.build(1, version, correlation_id, "bench", body)))
+
+
+def _topic(kind: str, topic: str | None) -> str:
+    if not topic:
+        raise ValueError(f"the {kind} loop needs a topic")
+    return topic
+
+
 def request_for(kind: str, topic: str | None) -> bytes:
     if kind == "metadata":
         return metadata_v12_request(1)
     if kind == "heartbeat":
         return heartbeat_v4_request(1)
+    if kind == "fetch":
+        return fetch_v12_request(1, _topic(kind, topic))
+    if kind == "fetch-empty":
+        return fetch_v12_request(1, _topic(kind, topic), offset=1 << 40, max_wait_ms=0)
+    if kind == "fetch-v16":
+        return fetch_v12_request(1, _topic(kind, topic), version=16)
     if kind in PRODUCE_VERSIONS:
-        if not topic:
-            raise ValueError("the produce loop needs a topic")
-        return produce_v9_request(1, topic, PRODUCE_VERSIONS[kind])
+        return produce_v9_request(1, _topic(kind, topic), PRODUCE_VERSIONS[kind])
     raise ValueError(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
 
 
@@ -85,6 +116,12 @@ def check_answer(kind: str, frame: bytes) -> None:
 
     if kind == "heartbeat":
         decode_response(memoryview(frame), 12, 4)       # any error code: the group is unknown
+        return
+    if kind in ("fetch", "fetch-empty", "fetch-v16"):
+        resp = decode_response(memoryview(frame), 1, 16 if kind == "fetch-v16" else 12)
+        got = [p for t in resp.body.responses for p in t.partitions]
+        if kind != "fetch-empty" and (not got or got[0].error_code or not got[0].records):
+            raise SystemExit(f"a Fetch answer without records: {resp!r}")
         return
     resp = decode_response(memoryview(frame), 3 if kind == "metadata" else 0,
                            12 if kind == "metadata" else PRODUCE_VERSIONS[kind])
@@ -197,7 +234,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--kind", choices=KINDS, default="metadata")
-    ap.add_argument("--topic", help="the topic the produce loop writes to (it must exist)")
+    ap.add_argument("--topic", help="the topic the produce loop writes to (it must exist), or the fetch loop reads")
     args = ap.parse_args()
     r = run_load(args.address, args.clients, args.seconds, args.procs, kind=args.kind, topic=args.topic)
     print(f"{args.clients} clients, {args.kind}: {r.requests_per_s:,.0f} requests/s, p50 {r.p50_ms:.2f} ms, "

@@ -2065,6 +2065,222 @@ static PyObject *produce_answer(PyObject *module, PyObject *const *args, Py_ssiz
     return result;
 }
 
+/* ---- Fetch under metrics alone: the records fetched, read from a relayed exchange's bytes ----------
+
+   The compiled twin of kproxy/proxy/fetch_bytes.py (the reference and the fallback; a property test
+   holds the two equal to the decoder on every Fetch version). Laid out as schema/fetch.kschema:
+   flexible from v12, topic ids from v13, node_endpoints (tag 0 of the answer's closing tagged
+   fields) from v16. */
+
+static int64_t be64(const uint8_t *p)
+{
+    return (int64_t)(((uint64_t)be32(p) << 32) | (uint32_t)be32(p + 4));
+}
+
+/* Past a tagged-field section; *zero set when it holds tag 0 with anything but an empty compact array. */
+static int fc_tags(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int *zero)
+{
+    int64_t n, tag, size;
+    if (read_uv(buf, pos, end, &n))
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (read_uv(buf, pos, end, &tag) || read_uv(buf, pos, end, &size) || skip_bytes(pos, end, size))
+            return -1;
+        if (tag == 0 && zero != NULL && !(size == 1 && buf[*pos - 1] == 1))
+            *zero = 1;
+    }
+    return 0;
+}
+
+/* An array that may not be null: its count. */
+static int fc_array(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int flexible, int64_t *n)
+{
+    return pc_count(buf, pos, end, flexible, 4, n) || *n < 0 ? -1 : 0;
+}
+
+/* A topic's key: its id (v13+) or its name (not null), as a span of buf. */
+static int fc_key(const uint8_t *buf, Py_ssize_t *pos, Py_ssize_t end, int flexible, int by_id,
+                  const uint8_t **key, Py_ssize_t *len)
+{
+    int64_t n = 16;
+    if (!by_id && pc_count(buf, pos, end, flexible, 2, &n))
+        return -1;
+    if (n < 0 || n > end - *pos)
+        return -1;
+    *key = buf + *pos;
+    *len = (Py_ssize_t)n;
+    *pos += (Py_ssize_t)n;
+    return 0;
+}
+
+typedef struct {
+    const uint8_t *key;
+    Py_ssize_t len;
+    int64_t partition, offset;
+} FetchOffset;
+
+/* Each (topic key, partition) of a Fetch request frame and its fetch offset, into a new array. */
+static int fc_offsets(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version, FetchOffset **out, Py_ssize_t *count)
+{
+    int flexible = version >= 12, by_id = version >= 13;
+    Py_ssize_t pos = 10, before = 4 + (version >= 9 ? 4 : 0);
+    Py_ssize_t after = (version >= 12 ? 4 : 0) + (version >= 5 ? 8 : 0) + 4;
+    int64_t n, topics, partitions;
+    FetchOffset *offsets = NULL;
+    Py_ssize_t used = 0, size = 0;
+    if (end < 10)
+        return -1;
+    n = (int16_t)(((uint16_t)buf[8] << 8) | buf[9]);
+    if (skip_bytes(&pos, end, n > 0 ? n : 0) || (flexible && fc_tags(buf, &pos, end, NULL))
+            || skip_bytes(&pos, end, (version <= 14 ? 4 : 0) + 8 + (version >= 3 ? 4 : 0) + (version >= 4 ? 1 : 0)
+                          + (version >= 7 ? 8 : 0))
+            || fc_array(buf, &pos, end, flexible, &topics))
+        return -1;
+    for (int64_t t = 0; t < topics; t++) {
+        const uint8_t *key;
+        Py_ssize_t len;
+        if (fc_key(buf, &pos, end, flexible, by_id, &key, &len) || fc_array(buf, &pos, end, flexible, &partitions))
+            goto fail;
+        for (int64_t i = 0; i < partitions; i++) {
+            if (end - pos < before + 8 + after)
+                goto fail;
+            if (used == size) {
+                size = size ? 2 * size : 16;
+                FetchOffset *grown = PyMem_Realloc(offsets, (size_t)size * sizeof(FetchOffset));
+                if (grown == NULL)
+                    goto fail;
+                offsets = grown;
+            }
+            offsets[used].key = key;
+            offsets[used].len = len;
+            offsets[used].partition = be32(buf + pos);
+            offsets[used].offset = be64(buf + pos + before);
+            used++;
+            pos += before + 8 + after;
+            if (flexible && fc_tags(buf, &pos, end, NULL))
+                goto fail;
+        }
+        if (flexible && fc_tags(buf, &pos, end, NULL))
+            goto fail;
+    }
+    *out = offsets;
+    *count = used;
+    return 0;
+fail:
+    PyMem_Free(offsets);
+    return -1;
+}
+
+/* The records of the v2 batches in buf[pos:end] that end at or after from_offset into *total; a partial
+   last batch ends the walk; -1 for anything else. */
+static int fc_batches(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t end, int64_t from_offset, int64_t *total)
+{
+    while (end - pos >= 12) {
+        int64_t length = be32(buf + pos + 8), count, last;
+        if (length < 14)
+            return -1;
+        if (length > end - pos - 12)
+            break;
+        if (buf[pos + 16] != 2 || length < 49)
+            return -1;
+        count = be32(buf + pos + 57);
+        if (count < 0 || __builtin_add_overflow(be64(buf + pos), be32(buf + pos + 23), &last))
+            return -1;
+        if (last >= from_offset)
+            *total += count;
+        pos += (Py_ssize_t)(12 + length);
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(fetch_counts_doc,
+"fetch_counts(request, answer, version) -> (records, throttle_ms, node_endpoints) | None\n\n"
+"Of a Fetch request frame (None: records not counted) and its answer: as\n"
+"kproxy.proxy.fetch_bytes.py_fetch_counts.");
+
+static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fetch_counts() takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t version = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view, request = {0};
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const uint8_t *buf = view.buf;
+    Py_ssize_t end = view.len, pos = 4, asked = -1;
+    int flexible = version >= 12, by_id = version >= 13, endpoints = 0;
+    Py_ssize_t fixed = 6 + 8 + (version >= 4 ? 8 : 0) + (version >= 5 ? 8 : 0);
+    FetchOffset *offsets = NULL;
+    PyObject *result = NULL;
+    int64_t throttle = 0, topics, partitions, n, size, records = 0;
+    if (end < 4 || (flexible && fc_tags(buf, &pos, end, NULL))
+            || (version >= 1 && read_be(buf, &pos, end, 4, &throttle))
+            || (version >= 7 && skip_bytes(&pos, end, 6))
+            || fc_array(buf, &pos, end, flexible, &topics))
+        goto done;
+    for (int64_t t = 0; t < topics; t++) {
+        const uint8_t *key;
+        Py_ssize_t len;
+        if (fc_key(buf, &pos, end, flexible, by_id, &key, &len) || fc_array(buf, &pos, end, flexible, &partitions))
+            goto done;
+        for (int64_t i = 0; i < partitions; i++) {
+            if (fixed > end - pos)
+                goto done;
+            int64_t partition = be32(buf + pos), error = (int16_t)(((uint16_t)buf[pos + 4] << 8) | buf[pos + 5]);
+            pos += fixed;
+            if (version >= 4) {         /* aborted_transactions, nullable */
+                if (pc_count(buf, &pos, end, flexible, 4, &n) || n < -1)
+                    goto done;
+                for (int64_t a = 0; a < n; a++)
+                    if (skip_bytes(&pos, end, 16) || (flexible && fc_tags(buf, &pos, end, NULL)))
+                        goto done;
+            }
+            if ((version >= 11 && skip_bytes(&pos, end, 4)) || pc_count(buf, &pos, end, flexible, 4, &size)
+                    || size < -1 || skip_bytes(&pos, end, size > 0 ? size : 0))
+                goto done;
+            if (size > 0 && !error && args[0] != Py_None) {
+                if (asked < 0) {        /* the request is read when some partition holds records */
+                    if (PyObject_GetBuffer(args[0], &request, PyBUF_SIMPLE) < 0)
+                        goto done;
+                    if (fc_offsets(request.buf, request.len, version, &offsets, &asked))
+                        goto done;
+                }
+                int64_t from_offset = -1;
+                for (Py_ssize_t k = asked - 1; k >= 0; k--) {      /* the last one named, as a dict keeps */
+                    if (offsets[k].partition == partition && offsets[k].len == len
+                            && memcmp(offsets[k].key, key, (size_t)len) == 0) {
+                        from_offset = offsets[k].offset;
+                        break;
+                    }
+                }
+                if (fc_batches(buf, pos - (Py_ssize_t)size, pos, from_offset, &records))
+                    goto done;
+            }
+            if (flexible && fc_tags(buf, &pos, end, NULL))
+                goto done;
+        }
+        if (flexible && fc_tags(buf, &pos, end, NULL))
+            goto done;
+    }
+    if (flexible && fc_tags(buf, &pos, end, &endpoints))
+        goto done;
+    result = Py_BuildValue("(LLO)", (long long)records, (long long)throttle,
+                           endpoints && version >= 16 ? Py_True : Py_False);
+done:
+    PyMem_Free(offsets);
+    if (request.obj != NULL)
+        PyBuffer_Release(&request);
+    PyBuffer_Release(&view);
+    if (result == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
+}
+
 PyDoc_STRVAR(produce_endpoints_doc,
 "produce_endpoints(buf, version) -> bool | None\n\n"
 "Whether a Produce answer from its correlation id on carries node_endpoints (tag 0 of the body's\n"
@@ -2949,6 +3165,7 @@ static PyMethodDef methods[] = {
     {"produce_counts", (PyCFunction)(void (*)(void))produce_counts, METH_FASTCALL, produce_counts_doc},
     {"produce_answer", (PyCFunction)(void (*)(void))produce_answer, METH_FASTCALL, produce_answer_doc},
     {"produce_endpoints", (PyCFunction)(void (*)(void))produce_endpoints, METH_FASTCALL, produce_endpoints_doc},
+    {"fetch_counts", (PyCFunction)(void (*)(void))fetch_counts, METH_FASTCALL, fetch_counts_doc},
     {"split_records", (PyCFunction)(void (*)(void))split_records, METH_FASTCALL, split_records_doc},
     {"join_records", (PyCFunction)(void (*)(void))join_records, METH_FASTCALL, join_records_doc},
     {"seal_records", (PyCFunction)(void (*)(void))seal_records, METH_FASTCALL, seal_records_doc},

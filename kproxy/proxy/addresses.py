@@ -20,6 +20,8 @@ from kproxy.protocol.entities import node_id_fields, quorum_apis
 from kproxy.protocol.errors import KProxyError
 from kproxy.protocol.messages import Response, apis
 from kproxy.protocol.schema import MessageSpec, StructSpec
+from kproxy.proxy.fetch_bytes import WALKED_UP_TO as FETCH_WALKED_UP_TO
+from kproxy.proxy.fetch_bytes import fetch_counts
 from kproxy.proxy.filters import ConnectionContext, Filter
 from kproxy.proxy.produce_bytes import WALKED_UP_TO, answer_endpoints
 
@@ -257,7 +259,7 @@ class AddressRewriter(Filter):
     name = "addresses"
     reports_changes = True    # every endpoint it reaches is rewritten, dropped or blanked (``_rewrite``)
     # A Produce answer names brokers only when a leader moved (KIP-951): most have nothing to rewrite.
-    reads_by_bytes = frozenset({PRODUCE})
+    reads_by_bytes = frozenset({PRODUCE, FETCH})
 
     def __init__(self, address_map: AddressMap) -> None:
         self.address_map = address_map
@@ -281,6 +283,11 @@ class AddressRewriter(Filter):
         # Whether the answer carries node_endpoints (tag 0 of its body's closing tagged fields), when
         # the schema puts this version's only endpoints there and the walk knows its layout; None
         # (the answer cannot be walked) is read decoded, and the decoder says what is wrong with it.
+        if api_key == FETCH:
+            # A Fetch answer's only endpoints are its node_endpoints (v16+, ``sees_whole`` below); the
+            # empty array some brokers always send (tansu) is nothing to rewrite.
+            read = fetch_counts(None, frame, api_version) if api_version <= FETCH_WALKED_UP_TO else None
+            return read is None or read[2]
         return not _endpoints_walked(api_version) or answer_endpoints(frame, api_version) is not False
 
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:

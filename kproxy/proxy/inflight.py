@@ -96,6 +96,9 @@ class InFlight:
     # ``(topic key, index, records)`` (``kproxy.proxy.produce_bytes``).
     produced: int | None = None
     produce_counts: list | None = None
+    # A Fetch exchange relayed both ways while metrics count it: the records fetched, read from its
+    # answer's bytes (``kproxy.proxy.fetch_bytes``).
+    fetched: int | None = None
 
     def decoded_request(self) -> Request | None:
         """``request``, decoded now from the relayed frame if it went out undecoded (a lost broker

@@ -56,6 +56,8 @@ from kproxy.proxy.actions import (
     size_prefixed,
 )
 from kproxy.proxy.cut_through import SessionCutThrough, _UpStream
+from kproxy.proxy.fetch_bytes import WALKED_UP_TO as FETCH_WALKED_UP_TO
+from kproxy.proxy.fetch_bytes import fetch_counts
 from kproxy.proxy.filters import (
     AskBroker,
     AskKeys,
@@ -103,9 +105,9 @@ UNSUPPORTED_VERSION = 35
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
 _NAMES_IN_ANSWERS = frozenset({METADATA, DESCRIBE_TOPIC_PARTITIONS})   # answers topic names are learned from
-# Never relayed undecoded: requests the session reads itself, and Fetch (its hold and its streamed
-# answers read the request).
-_DECODED_ALWAYS = _READ_BY_SESSION | {FETCH}
+# Never relayed undecoded: requests the session reads itself. (A relayed Fetch is decoded when its
+# hold is looked at, its answer streams or is decoded: ``InFlight.decoded_request``.)
+_DECODED_ALWAYS = _READ_BY_SESSION
 # In ``Session._unread_by``, the relay decision of an api version sits at this bit above its answer's,
 # and the api keys telemetry reads decoded (``telemetry_reads``) at this key.
 _RELAY = 1 << 32
@@ -115,8 +117,10 @@ _ANSWER_GUARDS = 1 << 33    # and there, by api version, the filters asked about
 _PASSED = "passed"      # a memo key's part for a filter that let the exchange by (Filter.passes)
 _SKIP = native_skip()
 _H = struct.Struct(">h").unpack_from
-# ``_throttle_at`` for Produce: metrics read its answer from the bytes (``_note_produce``).
-_PRODUCE_ANSWER = -1
+# ``_throttle_at`` for Produce and Fetch: metrics read their answers from the bytes (``_note_produce``,
+# ``_note_fetch``).
+_PRODUCE_ANSWER, _FETCH_ANSWER = -1, -2
+_THROTTLE_OFFSETS = (4, 5)      # the others ``_throttle_at`` gives: no throttle time, or read with the rest
 
 
 def _teaches_names(api_key: int, version: int) -> bool:
@@ -192,9 +196,12 @@ def _throttle_at(api_key: int, version: int) -> bool | int:
     without decoding: 4, right behind the correlation id (header v0), or 5, behind the header's
     tagged fields (v1: usually none, one byte); True when the version has no throttle time (nothing
     to read); False when it is not the body's first field (a few apis: decoded); ``_PRODUCE_ANSWER``
-    for Produce, whose answer metrics read from its bytes (``_note_produce``)."""
+    for Produce and ``_FETCH_ANSWER`` for Fetch, whose answers metrics read from their bytes
+    (``_note_produce``, ``_note_fetch``)."""
     if api_key == PRODUCE:
         return _PRODUCE_ANSWER
+    if api_key == FETCH:
+        return _FETCH_ANSWER if version <= FETCH_WALKED_UP_TO else False
     try:
         fields = [f for f in api_by_key(api_key).response.root.fields if version in f.versions]  # type: ignore[union-attr]
     except (KeyError, AttributeError):
@@ -228,6 +235,19 @@ def _note_produce(entry: InFlight, frame: memoryview) -> bool:
     failed, entry.throttle_ms = read
     if failed is not None:
         entry.produced = produced_in(entry.produced, entry.produce_counts, failed)
+    return True
+
+
+def _note_fetch(entry: InFlight, frame: memoryview) -> bool:
+    """A relayed Fetch answer passed on undecoded: its throttle time and the records metrics count,
+    read from it and its request's bytes; False when they cannot be read so, or when the answer
+    carries node_endpoints for the address rewriter (decoded, with its request)."""
+    if entry.relayed is None:
+        return False
+    read = fetch_counts(entry.relayed, frame, entry.api_version)
+    if read is None or read[2]:
+        return False
+    entry.fetched, entry.throttle_ms = read[0], read[1]
     return True
 
 
@@ -800,13 +820,14 @@ class Session(SessionCutThrough, SessionSasl):
                 and entry.api_key not in _NAMES_IN_ANSWERS
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])
                          and _guarded(entry, guards, version, frame))
-                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame)))):
+                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))
+                and (unread != _FETCH_ANSWER or _note_fetch(entry, frame)))):
             # Forwarded undecoded (an unknown version passed through, or relayed and nobody reads the
             # answer: ``_unread`` said so before, and no names are learned from it): so is the answer,
             # with the client's correlation id. A relayed request whose answer is read goes on below.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
-            if entry.relayed is not None and unread is not True and unread != _PRODUCE_ANSWER:
+            if entry.relayed is not None and unread in _THROTTLE_OFFSETS:
                 _note_throttle(entry, frame, unread)
             return self._flush()
         if unread_by is not None and not entry.sampled:
@@ -818,13 +839,15 @@ class Session(SessionCutThrough, SessionSasl):
         if (unread
                 and not ((guards := unread_by[_ANSWER_GUARDS | entry.api_key << 16 | version])  # type: ignore[index]
                          and _guarded(entry, guards, version, frame))
-                # A Produce answer is read from its bytes when its request was (else decoded).
-                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))):
+                # A Produce answer is read from its bytes when its request was (else decoded), a Fetch
+                # answer when its request was relayed and it names no endpoints.
+                and (unread != _PRODUCE_ANSWER or _note_produce(entry, frame))
+                and (unread != _FETCH_ANSWER or _note_fetch(entry, frame))):
             # Nobody reads this answer decoded (no filter at this version, no transparency check,
             # telemetry only counts it): the broker's bytes go on with the client's correlation id.
             head = _HEAD_ID.pack(len(frame), entry.client_correlation_id)
             entry.reply = [head + frame[4:]] if len(frame) < _JOIN_BELOW else [head, frame[4:]]
-            if unread is not True and unread != _PRODUCE_ANSWER:
+            if unread in _THROTTLE_OFFSETS:
                 _note_throttle(entry, frame, unread)
             entry.handling_s += self.ctx.clock() - answered
             return self._flush()

@@ -613,7 +613,8 @@ class ProxyServer:
         session = Session(ctx, chain, passthrough_unknown_versions=self.config.passthrough_unknown_versions,
                           reencode=self.reencode, topic_names=cluster.topic_names, front=front,
                           stream_min_bytes=self._cut_through_min_bytes(), memo=self.answer_memo,
-                          read_answers=reads is None, telemetry_reads=reads or None,
+                          read_answers=reads is None,
+                          telemetry_reads=reads if reads or self.telemetry.metrics is not None else None,
                           sample=self.telemetry.sampler() if self.telemetry.active else None)
         prepare = (functools.partial(self.identity.prepare, front, discover=self.discover)
                    if front is not None and front.termination is not None else None)

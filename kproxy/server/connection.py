@@ -611,7 +611,9 @@ class ClientConnection(Executor):
             # throttle, a delay) is not the broker being slow.
             sent = entry.forwarded_at
             if entry.reply is None and entry.upstream_correlation_id is not None and sent is not None:
-                if now - sent > allowed_seconds(entry, self.settings.request_timeout_s):
+                # (The timeout alone first: a relayed request's hold is read by decoding it.)
+                timeout = self.settings.request_timeout_s
+                if now - sent > timeout and now - sent > allowed_seconds(entry, timeout):
                     return api_name(entry.api_key)
                 return None  # answers come in order: only the oldest sent can be the first overdue
         return None

@@ -275,6 +275,12 @@ def produced_records(entry: InFlight) -> int | None:
     return total
 
 
+def fetched_records(entry: InFlight) -> int | None:
+    """The records of a Fetch exchange relayed both ways, read from its bytes (``kproxy.proxy.fetch_bytes``:
+    what ``fetch_partitions`` counts); None for one that was decoded."""
+    return entry.fetched if entry.response is None else None
+
+
 def produce_partitions(entry: InFlight, learned: Learned) -> list[PartitionFacts]:
     req = entry.request
     assert req is not None

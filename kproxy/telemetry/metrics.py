@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from kproxy.config import MetricsConfig
 from kproxy.proxy.inflight import STORED, STREAMED, UPSTREAM_LOST
-from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange, produced_records
+from kproxy.telemetry.exchange import FETCH, PRODUCE, Exchange, fetched_records, produced_records
 
 # Seconds: from sub-millisecond metadata answers to long polls and rebalances.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -242,9 +242,10 @@ class Metrics(Collector):
         if e.outcome not in ("forwarded", "no_response"):
             return
         topics = self.topics
-        if topics is None and e.api_key == PRODUCE:
-            # Only the sum is wanted: read from batch headers' fixed offsets, no facts per partition.
-            n = produced_records(e)
+        if topics is None:
+            # Only the sum is wanted: read from batch headers' fixed offsets, no facts per partition
+            # (a relayed Fetch's was read from its bytes, ``kproxy.proxy.fetch_bytes``).
+            n = produced_records(e) if e.api_key == PRODUCE else fetched_records(e)
             if n is not None:
                 self.records[direction] += n
                 return

@@ -50,10 +50,10 @@ class TelemetryOutputs:
         # topics of Produce and Fetch v13+ (the traffic log, spans, per-topic metrics).
         self.learn_topics = tl.dir is not None or tr.enabled or (
             self.metrics is not None and config.metrics.topic_labels)
-        # What metrics read decoded: Fetch (records), and Produce when they count records by topic
-        # (names and bytes per topic); else a Produce exchange's counts come from its bytes as it is
-        # relayed (``kproxy.proxy.produce_bytes``).
-        self.metrics_read = frozenset({PRODUCE, FETCH} if config.metrics.topic_labels else {FETCH})
+        # What metrics read decoded: Produce and Fetch when they count records by topic (names and
+        # bytes per topic); else their counts come from the bytes as they are relayed
+        # (``kproxy.proxy.produce_bytes``, ``kproxy.proxy.fetch_bytes``).
+        self.metrics_read = frozenset({PRODUCE, FETCH} if config.metrics.topic_labels else ())
         try:
             self.tracing = (Tracing(tr, config.limits.max_decompressed_batch_bytes, span_exporter, env)
                             if tr.enabled else None)
@@ -111,9 +111,10 @@ class TelemetryOutputs:
         and every error of an answer, so they read every exchange they sample: all of them when
         neither samples below 1. Metrics count requests, bytes, latency, outcomes and the broker's
         throttle time, which the session takes from the frames' headers and sizes (it decodes the few
-        answers whose throttle time is not their first field), so they read only Fetch (records, from
-        batch headers), and Produce when they count by topic: else the session reads a relayed
-        Produce's record counts and its answer's errors and throttle time from the bytes."""
+        answers whose throttle time is not their first field), so they read Produce and Fetch only
+        when they count by topic: else the session reads a relayed Produce's record counts and its
+        answer's errors and throttle time, and a relayed Fetch's records fetched and throttle time,
+        from the bytes."""
         if (self.traffic_log is not None or self.tracing is not None) and self.sampler() is None:
             return None
         return self.metrics_read if self.metrics is not None else frozenset()

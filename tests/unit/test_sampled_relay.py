@@ -62,7 +62,8 @@ class Logged:
         reads = self.tel.decoded_apis()
         self.session = Session(ConnectionContext(1, clock=Clock()), FilterChain(list(filters)),
                                topic_names=self.tel.learned.topic_names, read_answers=reads is None,
-                               telemetry_reads=reads or None, sample=self.tel.sampler(), memo=memo)
+                               telemetry_reads=reads if reads or self.tel.metrics is not None else None,
+                               sample=self.tel.sampler(), memo=memo)
 
     def exchange(self, api_key: int, version: int, body: Any, answer: Any, cid: int = 5) -> InFlight:
         s = self.session
@@ -140,11 +141,12 @@ def test_unsampled_exchanges_are_counted_as_with_metrics_alone(tmp_path):
     out = outputs(tmp_path, {"default": 0.0}, metrics=True)
     tel = out.for_cluster("")
     reads = tel.decoded_apis()
-    assert reads == {FETCH}         # Produce's counts come from its bytes (no topic labels)
+    assert reads == frozenset()     # Produce's and Fetch's counts come from their bytes (no topic labels)
+    # As the server builds it: metrics on, so an empty set, not None (which says nothing counts).
     unsampled = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=reads is None,
-                        telemetry_reads=reads or None, sample=tel.sampler())
+                        telemetry_reads=reads, sample=tel.sampler())
     metrics_alone = Session(ConnectionContext(1, clock=Clock()), FilterChain([]), read_answers=False,
-                            telemetry_reads=frozenset({FETCH}))
+                            telemetry_reads=frozenset())
     seen, exposition = _metrics_traffic(unsampled)
     seen_alone, exposition_alone = _metrics_traffic(metrics_alone)
     assert seen == seen_alone and exposition == exposition_alone
