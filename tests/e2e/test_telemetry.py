@@ -489,6 +489,7 @@ def test_metrics_alone_count_a_real_clients_produce_from_the_relayed_bytes(
         broker: TansuBroker, topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, client: Any) -> None:
     # Metrics alone (no per-topic labels, no rules): Produce goes both ways undecoded and its records
     # are read from the batch headers (kproxy.proxy.produce_bytes); the count is what was acknowledged.
+    from kproxy.protocol.compiler import native_skip
     from kproxy.proxy import session as session_module
 
     read_from_bytes: list[int] = []
@@ -519,7 +520,11 @@ def test_metrics_alone_count_a_real_clients_produce_from_the_relayed_bytes(
         values = tel.metrics()
         assert metric(values, "kproxy_records_total", direction="produced") == N_RECORDS
         # The path counter: the client's Produce requests were relayed, their records read from bytes.
-        assert sum(read_from_bytes) == N_RECORDS
+        # Without the accelerator nothing is relayed, and the decoded path counts the same.
+        if native_skip() is not None:
+            assert sum(read_from_bytes) == N_RECORDS
+        else:
+            assert read_from_bytes == []
     finally:
         tel.stop()
 
