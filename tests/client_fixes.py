@@ -10,6 +10,9 @@ code runs then. With warnings as errors (pyproject.toml), that failed an unrelat
 
 ``close_failed_connects`` closes the socket when kafka-python's connect raises, and changes nothing
 else it does (``tests/e2e/test_client_fixes.py`` shows the leak and that this closes it).
+``close_failed_handshakes`` does the same for a TLS handshake that fails (the peer closes, or the
+certificate is refused): the connection manager's ``_build_transport`` raises without closing the
+transport it made, and its wrapped ``ssl.SSLSocket`` waits for the collector in the same way.
 kproxy's own code is held to the warning as before.
 """
 
@@ -44,4 +47,33 @@ def close_failed_connects() -> bool:
 
     sock_connect.closes_on_failure = True    # type: ignore[attr-defined]
     KafkaNetSocket.sock_connect = sock_connect
+    return True
+
+
+def close_failed_handshakes() -> bool:
+    """Wrap kafka-python's ``KafkaSSLTransport.handshake`` so a failed handshake closes the transport
+    (its own ``_close``: the socket leaves the selector, then closes). False when kafka-python is not
+    installed or has no such method (nothing to fix)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from kafka.net.transport import KafkaSSLTransport
+    except ImportError:
+        return False
+    original = getattr(KafkaSSLTransport, "handshake", None)
+    if original is None or not hasattr(KafkaSSLTransport, "_close"):
+        return False
+    if getattr(original, "closes_on_failure", False):
+        return True
+
+    @functools.wraps(original)
+    async def handshake(self: Any) -> Any:
+        try:
+            return await original(self)
+        except BaseException as e:
+            self._close(e)
+            raise
+
+    handshake.closes_on_failure = True    # type: ignore[attr-defined]
+    KafkaSSLTransport.handshake = handshake
     return True

@@ -36,9 +36,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(trylast=True)      # after pytest has set its unraisable hook, which this wraps
 def pytest_configure(config: pytest.Config) -> None:
-    # kafka-python leaves the socket of a failed connect for the garbage collector (tests/client_fixes.py).
-    from tests.client_fixes import close_failed_connects
+    # kafka-python leaves the socket of a failed connect or TLS handshake for the garbage collector
+    # (tests/client_fixes.py).
+    from tests.client_fixes import close_failed_connects, close_failed_handshakes
     close_failed_connects()
+    close_failed_handshakes()
     # An unclosed socket's report says which test, thread and frames made it (tests/socket_origins.py).
     from tests import socket_origins
     socket_origins.track()

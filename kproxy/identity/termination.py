@@ -1,7 +1,8 @@
 """SASL termination: the server side of one client's login, as a state machine (h11 style).
 
 ``RequiringHandshake -> RequiringAuthenticate -> Authenticated | Failed``; an authenticated
-connection may go through the handshake again to re-authenticate (KIP-368), keeping its principal.
+connection whose session ends may go through the handshake again to re-authenticate (KIP-368),
+keeping its principal.
 Each call takes a client message and returns what to answer. PLAIN and SCRAM are checked against a
 ``UserBook``, OAUTHBEARER against the JWKS keys handed in, GSSAPI (Kerberos, RFC 4752) by the GSS-API
 acceptor handed in (kproxy's keytab, in ``kproxy.server.kerberos``); time comes from the clocks handed in.
@@ -36,6 +37,8 @@ SASL_AUTHENTICATION_FAILED: Final = 58
 # What a failed login is told; the reason goes to kproxy's log only (as a broker does).
 FAILED_MESSAGE: Final = "Authentication failed: invalid credentials"
 INVALID_TOKEN: Final = 'Authentication failed: {"status":"invalid_token"}'
+# What a SaslAuthenticate after a completed login is told (it changes nothing).
+AFTER_LOGIN: Final = "SaslAuthenticate after the login completed: send SaslHandshake first to re-authenticate"
 # Kafka's broker begins at most one re-authentication a second on a connection (KafkaChannel's
 # minimum re-authentication interval, counted between the starts of two re-authentications).
 MIN_REAUTH_INTERVAL_S: Final = 1.0
@@ -68,7 +71,7 @@ class TerminationSettings:
 @attrs.frozen
 class Outcome:
     """The answer to one SaslAuthenticate (or raw v0 token). ``error_code`` 0 means go on; a failure
-    ends the connection once answered. ``reason`` is for kproxy's log, never for the client."""
+    ends the connection once answered, unless ``keeps_connection``. ``reason`` is for kproxy's log, never for the client."""
 
     auth_bytes: bytes = b""
     error_code: int = 0
@@ -79,6 +82,7 @@ class Outcome:
     # After SaslHandshake v0 (unframed tokens), whether an answer is sent at all: GSSAPI's last
     # step has none (Kafka's broker sends nothing when its SaslServer returns no challenge).
     raw_answer: bool = True
+    keeps_connection: bool = False            # an error that leaves the connection and its login as they were
 
     @property
     def failed(self) -> bool:
@@ -123,6 +127,14 @@ class SaslTermination:
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
 
+    @property
+    def reauth_disabled(self) -> bool:
+        """Whether a SaslHandshake now would be refused as a re-authentication of a session that never
+        ends (``max_session_s: 0`` and a credential with no expiry): Kafka's broker begins one only on a
+        session with an end (KafkaChannel.maybeBeginServerReauthentication), and with
+        ``connections.max.reauth.ms=0`` answers the handshake as on any authenticated connection."""
+        return self.state is SaslState.AUTHENTICATED and self.expires_at is None
+
     def reauth_too_soon(self, now: float) -> float | None:
         """Seconds since the last re-authentication began, when a SaslHandshake at ``now`` would
         begin another less than MIN_REAUTH_INTERVAL_S after it; None when it may begin one. As in
@@ -136,7 +148,7 @@ class SaslTermination:
         """A SaslHandshake: the error code to answer with (0 when the exchange may start)."""
         if self.state is SaslState.AUTHENTICATED:
             now = self.clock()
-            if self.reauth_too_soon(now) is not None:
+            if self.reauth_disabled or self.reauth_too_soon(now) is not None:
                 # Kafka's broker then handles the handshake as a request outside any exchange
                 # (ILLEGAL_SASL_STATE) and the session goes on as it was.
                 return ILLEGAL_SASL_STATE
@@ -161,6 +173,11 @@ class SaslTermination:
     def authenticate(self, message: bytes) -> Outcome:
         """A SaslAuthenticate's auth_bytes (or a raw v0 token): the answer."""
         exchange = self._exchange
+        if self.state is SaslState.AUTHENTICATED:
+            # Kafka's broker answers this as any request on an authenticated connection (KafkaApis):
+            # ILLEGAL_SASL_STATE, with the login and the connection as they were.
+            return Outcome(error_code=ILLEGAL_SASL_STATE, error_message=AFTER_LOGIN,
+                           reason="SaslAuthenticate after the login completed", keeps_connection=True)
         if self.state is not SaslState.REQUIRING_AUTHENTICATE or exchange is None:
             self.state = SaslState.FAILED
             return Outcome(error_code=ILLEGAL_SASL_STATE, error_message="SaslAuthenticate before SaslHandshake",

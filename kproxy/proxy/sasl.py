@@ -82,9 +82,10 @@ class SaslFront:
         self.failed_logins = failed_logins
         self.failure_delay_s = failure_delay_s
         self.on_login = on_login              # (mechanism, outcome) for metrics
-        # Re-authentications refused as too soon: logged at most once a second, with the count held.
-        self._too_soon_logged_at = float("-inf")
-        self._too_soon_held = 0
+        # SASL requests refused on an authenticated connection (a re-authentication not begun, a
+        # SaslAuthenticate after the login): logged at most once a second, with the count held.
+        self._refusal_logged_at = float("-inf")
+        self._refusals_held = 0
 
     @property
     def raw_expected(self) -> bool:
@@ -118,7 +119,10 @@ class SaslFront:
         if key == SASL_HANDSHAKE:
             return self._handshake(req, t, started)
         if key == SASL_AUTHENTICATE:
-            o, close, hold = self._authenticate(bytes(req.body.auth_bytes), t, started)
+            if t.state is SaslState.AUTHENTICATED:
+                o, close, hold = self._after_login(t), None, 0.0
+            else:
+                o, close, hold = self._authenticate(bytes(req.body.auth_bytes), t, started)
             extra = {"session_lifetime_ms": o.session_lifetime_ms} if req.api_version >= 1 else {}
             return FrontAnswer(self._body(req, error_code=o.error_code, error_message=o.error_message,
                                           auth_bytes=o.auth_bytes, **extra), close=close, hold_s=hold)
@@ -143,9 +147,13 @@ class SaslFront:
     def _handshake(self, req: Request, t: SaslTermination, started: float) -> FrontAnswer:
         mechanism = req.body.mechanism
         now = t.clock()
+        if t.reauth_disabled:
+            return self._not_begun(req, t, now, "reauth_disabled", "the session has no end (max_session_s: 0), "
+                                   "and a Kafka broker re-authenticates only sessions that end")
         since = t.reauth_too_soon(now)
         if since is not None:
-            return self._too_soon(req, t, since, now)
+            return self._not_begun(req, t, now, "reauth_too_soon", f"it began {int(since * 1000)} ms after the "
+                                   "previous one, and a Kafka broker begins at most one a second")
         code = t.handshake(mechanism, req.api_version)
         body = self._body(req, error_code=code, mechanisms=list(t.settings.mechanisms))
         if code == 0:
@@ -156,26 +164,37 @@ class SaslFront:
                   f"{', '.join(t.settings.mechanisms)})")
         return FrontAnswer(body, close=reason, hold_s=self._hold(started))
 
-    def _too_soon(self, req: Request, t: SaslTermination, since: float, now: float) -> FrontAnswer:
-        """A re-authentication less than a second after the previous one began: Kafka's broker does
-        not begin it (KafkaChannel.maybeBeginServerReauthentication) but handles the SaslHandshake as
-        any request on an authenticated connection, answering ILLEGAL_SASL_STATE with no mechanisms;
-        the connection and its session go on, unless the session has ended, when it closes. No
-        credential is checked, so a client looping on re-authentication costs no PBKDF2 or token check."""
-        ctx = self.ctx
-        self._count(t.mechanism or "?", "reauth_too_soon")
-        if now - self._too_soon_logged_at >= 1.0:
-            held = (f" ({self._too_soon_held} more refused since the last line)" if self._too_soon_held else "")
-            log.info("connection %d: re-authentication of %s (%s) refused: it began %d ms after the previous "
-                     "one, and a Kafka broker begins at most one a second%s", ctx.connection_id,
-                     safe(ctx.principal), safe(t.mechanism), int(since * 1000), held)
-            self._too_soon_logged_at, self._too_soon_held = now, 0
-        else:
-            self._too_soon_held += 1
+    def _not_begun(self, req: Request, t: SaslTermination, now: float, outcome: str, why: str) -> FrontAnswer:
+        """A re-authentication Kafka's broker would not begin (KafkaChannel.maybeBeginServerReauthentication):
+        on a session with no end (``connections.max.reauth.ms=0``), or less than a second after the
+        previous one began. The broker then handles the SaslHandshake as any request on an
+        authenticated connection (KafkaApis), answering ILLEGAL_SASL_STATE with no mechanisms; the
+        connection and its session go on, unless the session has ended, when it closes. No credential
+        is checked, so a client looping on re-authentication costs no PBKDF2 or token check."""
+        self._count(t.mechanism or "?", outcome)
+        self._log_refusal(now, t, "connection %d: re-authentication of %s (%s) refused: %s%s", why)
         body = self._body(req, error_code=ILLEGAL_SASL_STATE, mechanisms=[])
         if t.expired(now):
             return FrontAnswer(body, close="SASL session expired without re-authentication (KIP-368)")
         return FrontAnswer(body)
+
+    def _after_login(self, t: SaslTermination) -> Outcome:
+        """A SaslAuthenticate after the login completed, with no SaslHandshake before it: Kafka's broker
+        answers it as any request on an authenticated connection (KafkaApis), ILLEGAL_SASL_STATE, and
+        the connection and its login go on. Nothing is checked."""
+        self._count(t.mechanism or "?", "authenticate_after_login")
+        self._log_refusal(t.clock(), t, "connection %d: SaslAuthenticate from %s (%s) refused: %s%s",
+                          "the login had completed and no SaslHandshake began another")
+        return t.authenticate(b"")
+
+    def _log_refusal(self, now: float, t: SaslTermination, line: str, why: str) -> None:
+        # A looping client gets one line a second per connection, with the count of those held back.
+        if now - self._refusal_logged_at >= 1.0:
+            held = f" ({self._refusals_held} more refused since the last line)" if self._refusals_held else ""
+            log.info(line, self.ctx.connection_id, safe(self.ctx.principal), safe(t.mechanism), why, held)
+            self._refusal_logged_at, self._refusals_held = now, 0
+        else:
+            self._refusals_held += 1
 
     def _authenticate(self, message: bytes, t: SaslTermination, started: float) -> tuple[Outcome, str | None, float]:
         ctx = self.ctx

@@ -435,7 +435,8 @@ def kerberos_families(kerberos: Any) -> list[Metric]:
 def identity_families(identity: Any) -> list[Metric]:
     """SASL logins kproxy judged (termination) and made (origination)."""
     out = [_counter("kproxy_sasl_logins", "Client SASL logins kproxy judged, by mechanism and outcome (ok, "
-                    "reauthenticated, failed, refused, rate_limited, reauth_too_soon).", ["mechanism", "outcome"],
+                    "reauthenticated, failed, refused, rate_limited, reauth_too_soon, reauth_disabled, "
+                    "authenticate_after_login).", ["mechanism", "outcome"],
                     dict(identity.logins))]
     originator = identity.originator
     if originator is not None:

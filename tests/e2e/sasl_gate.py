@@ -301,6 +301,7 @@ class SaslGate:
         self.errors: list[str] = []                        # exceptions in the gate itself
         self.expired: list[int] = []                       # connections closed for an expired session
         self.too_soon: list[int] = []                      # re-authentications refused as too soon
+        self.not_begun: list[int] = []                     # ... refused as the session has no end
         self.forwarded: list[tuple[int, int, str | None]] = []  # (connection, api key, user) relayed
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
@@ -481,10 +482,15 @@ class GateConnection:
         body_cls = body_class(key, "response")
         if key == SASL_HANDSHAKE:
             if self.user is not None:
-                # Kafka's broker begins at most one re-authentication a second (KafkaChannel; the
-                # first login does not count). A sooner SaslHandshake is answered ILLEGAL_SASL_STATE
-                # with no mechanisms, as on any authenticated connection, which stays open.
+                # Kafka's broker re-authenticates only a session that ends, at most once a second
+                # (KafkaChannel; the first login does not count). Another SaslHandshake is answered
+                # ILLEGAL_SASL_STATE with no mechanisms, as on any authenticated connection, which
+                # stays open.
                 now = time.monotonic()
+                if self.expires_at is None:
+                    self.gate.not_begun.append(self.cid)
+                    self._answer(key, version, correlation_id, body_cls(error_code=ILLEGAL_SASL_STATE, mechanisms=[]))
+                    return True
                 if self.reauth_started_at is not None and now - self.reauth_started_at < 1.0:
                     self.gate.too_soon.append(self.cid)
                     self._answer(key, version, correlation_id, body_cls(error_code=ILLEGAL_SASL_STATE, mechanisms=[]))
@@ -514,10 +520,13 @@ class GateConnection:
         self.gate.tokens.append(token)
         server = self.server
         if server is None or server.done:
+            # After a login Kafka's broker answers this as any request (KafkaApis) and keeps the
+            # connection; before one, its authenticator fails the login and closes it.
+            after_login = self.user is not None
             self._answer(key, version, correlation_id, body_cls(
-                error_code=ILLEGAL_SASL_STATE, error_message="SaslAuthenticate before SaslHandshake",
-                auth_bytes=b""))
-            return False
+                error_code=ILLEGAL_SASL_STATE, auth_bytes=b"",
+                error_message="SaslAuthenticate after the login" if after_login else "SaslAuthenticate before SaslHandshake"))
+            return after_login
         reauth = self.user is not None
         try:
             reply = server.step(token)

@@ -521,6 +521,44 @@ def test_a_reauthentication_within_a_second_of_the_last_is_refused_and_the_conne
     assert ALICE_PASSWORD not in text
 
 
+def test_with_max_session_0_reauthentication_and_a_stray_saslauthenticate_are_refused_as_kafka_refuses_them(
+        gate: SaslGate, users_file: Path, oidc: OidcProvider, kproxy_log: pytest.LogCaptureFixture) -> None:
+    """On a real socket, with ``max_session_s: 0`` (Kafka's ``connections.max.reauth.ms=0``): after a
+    PLAIN login, a re-authentication's SaslHandshake and SaslAuthenticate both get ILLEGAL_SASL_STATE
+    and no password is checked (KafkaChannel does not begin it, KafkaApis answers both); so does a
+    SaslAuthenticate with no handshake; the connection serves requests throughout. No client library
+    sends these on a session with no end, so the frames are written by hand."""
+    from kproxy.protocol.messages import Request, encode_request_frame
+
+    gate.require_sasl = False
+    plain = f"\x00{ALICE}\x00{ALICE_PASSWORD}".encode()
+
+    def frame(key: int, version: int, cid: int, **fields: Any) -> bytes:
+        req = Request.build(key, version, cid, "reauth-probe", body_class(key, "request")(**fields))
+        return b"".join(bytes(b) for b in encode_request_frame(req))
+
+    with start_proxy(gate, None, sasl=termination(users_file, oidc, max_session_s=0)) as proxy:
+        w = Wire(proxy.bootstrap, timeout=20)
+        try:
+            w.send_raw(frame(17, 1, 1, mechanism="PLAIN") + frame(36, 2, 2, auth_bytes=plain))
+            assert w.receive(17, 1).body.error_code == 0
+            assert w.receive(36, 2).body.session_lifetime_ms == 0
+            w.send_raw(frame(17, 1, 3, mechanism="PLAIN") + frame(36, 2, 4, auth_bytes=b"\x00alice\x00wrong")
+                       + frame(36, 1, 5, auth_bytes=plain))
+            refused = w.receive(17, 1).body
+            assert (refused.error_code, refused.mechanisms) == (34, [])      # ILLEGAL_SASL_STATE
+            assert w.receive(36, 2).body.error_code == 34
+            assert w.receive(36, 1).body.error_code == 34
+            assert w.metadata(6).body.brokers                                 # still logged in
+        finally:
+            w.close()
+        assert proxy.server.identity.logins == {("PLAIN", "ok"): 1, ("PLAIN", "reauth_disabled"): 1,
+                                                ("PLAIN", "authenticate_after_login"): 2}
+    text = kproxy_text(kproxy_log)
+    assert "re-authentication of User:alice (PLAIN) refused: the session has no end" in text, text
+    assert "SASL login failed" not in text and ALICE_PASSWORD not in text
+
+
 def test_before_login_a_request_or_a_big_frame_closes_the_connection(gate: SaslGate, users_file: Path,
                                                                      oidc: OidcProvider,
                                                                      recorder: PrincipalRecorder) -> None:

@@ -244,6 +244,42 @@ def test_a_reauthentication_begins_at_most_once_a_second_and_a_refused_one_chang
     assert o.done and t.expires_at == 61.0 and t.reauth_started_at == 51.0
 
 
+def test_with_no_session_end_a_reauthentication_is_not_begun_as_in_kafka() -> None:
+    """Kafka's broker begins a re-authentication only on a session that ends
+    (KafkaChannel.maybeBeginServerReauthentication; ``connections.max.reauth.ms=0`` and a password):
+    the handshake is refused ILLEGAL_SASL_STATE, whatever its mechanism or version, and the login
+    stays as it was."""
+    t = terminate(max_session_s=0)
+    o = scram_login(t, "SCRAM-SHA-256", "alice", "alice-secret")
+    assert o.done and o.session_lifetime_ms == 0 and t.expires_at is None and t.reauth_disabled
+    for mechanism, version in (("SCRAM-SHA-256", 1), ("SCRAM-SHA-512", 1), ("SCRAM-SHA-256", 0)):
+        assert t.handshake(mechanism, version) == ILLEGAL_SASL_STATE
+        assert t.state is SaslState.AUTHENTICATED and t.user == "alice" and not t.reauthenticating
+    assert t.reauth_started_at is None                    # nothing was begun
+
+
+def test_with_no_max_session_a_token_still_ends_the_session_and_allows_reauthentication(rsa_key) -> None:
+    """The session of a token ends with the token even with ``max_session_s: 0``, as Kafka's broker
+    takes the credential's expiry as the session's end: re-authentication is begun."""
+    keys = keys_from_jwks(jwks_of(("k1", rsa_key)))
+    t = terminate(keys=lambda: keys, wall=Clock(NOW), clock=Clock(10.0), max_session_s=0)
+    t.handshake("OAUTHBEARER", 1)
+    assert t.authenticate(bearer_message(token(rsa_key))).session_lifetime_ms == 600_000
+    assert not t.reauth_disabled and t.handshake("OAUTHBEARER", 1) == 0 and t.reauthenticating
+
+
+def test_a_saslauthenticate_after_the_login_is_refused_and_changes_nothing() -> None:
+    """KafkaApis answers a SaslAuthenticate on an authenticated connection ILLEGAL_SASL_STATE and the
+    connection goes on; an exchange under way or a handshake still begins as before."""
+    clock = Clock(50.0)
+    t = terminate(clock=clock, max_session_s=10)
+    scram_login(t, "SCRAM-SHA-256", "alice", "alice-secret")
+    o = t.authenticate(b"\x00alice\x00alice-secret")
+    assert (o.error_code, o.keeps_connection, o.done) == (ILLEGAL_SASL_STATE, True, False)
+    assert t.state is SaslState.AUTHENTICATED and t.user == "alice" and t.expires_at == 60.0
+    assert scram_login(t, "SCRAM-SHA-256", "alice", "alice-secret").done      # re-authentication still works
+
+
 def test_failed_logins_per_address_over_a_minute() -> None:
     limiter = FailedLogins(per_minute=3, max_addresses=2)
     for i in range(3):

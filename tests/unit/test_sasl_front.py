@@ -274,6 +274,55 @@ def test_a_reauthentication_within_a_second_of_the_previous_one_is_refused_as_ka
     assert kinds(metadata(s, cid=6)) == [ToUpstream]         # and the connection goes on
 
 
+def test_with_max_session_0_a_reauthentication_is_refused_and_the_connection_goes_on(caplog) -> None:
+    """Kafka with ``connections.max.reauth.ms=0`` does not begin a re-authentication
+    (KafkaChannel.maybeBeginServerReauthentication): the SaslHandshake gets ILLEGAL_SASL_STATE with no
+    mechanisms at once, and the SaslAuthenticate a client might send next gets ILLEGAL_SASL_STATE too
+    (KafkaApis); nothing is checked, the login stays and the connection carries on."""
+    counted: list[tuple[str, str]] = []
+    s = session(max_session_s=0, on_login=lambda m, o: counted.append((m, o)))
+    handshake(s)
+    first = authenticate(s, b"\x00alice\x00pw")
+    assert answered(first[0], SASL_AUTHENTICATE, 2).body.session_lifetime_ms == 0
+    with caplog.at_level("INFO", logger="kproxy.identity"):
+        actions = handshake(s, cid=3)
+        assert kinds(actions) == [ToClient]                 # answered at once, not held, not closed
+        body = answered(actions[0], SASL_HANDSHAKE, 1).body
+        assert (body.error_code, body.mechanisms) == (34, [])
+        actions = authenticate(s, b"\x00alice\x00wrong", cid=4)
+    assert kinds(actions) == [ToClient]
+    assert answered(actions[0], SASL_AUTHENTICATE, 2).body.error_code == 34
+    assert counted == [("PLAIN", "ok"), ("PLAIN", "reauth_disabled"), ("PLAIN", "authenticate_after_login")]
+    (line,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]     # one a second
+    assert line == ("connection 1: re-authentication of User:alice (PLAIN) refused: the session has no end "
+                    "(max_session_s: 0), and a Kafka broker re-authenticates only sessions that end")
+    t = s.front.termination
+    assert t.authenticated and t.user == "alice" and t.expires_at is None
+    assert kinds(metadata(s, cid=6)) == [ToUpstream]
+
+
+def test_a_saslauthenticate_after_the_login_gets_illegal_sasl_state_and_the_connection_goes_on(caplog) -> None:
+    """KafkaApis answers a SaslAuthenticate on an authenticated connection ILLEGAL_SASL_STATE with a
+    message, at once, and keeps the connection; kproxy does the same, checking nothing."""
+    counted: list[tuple[str, str]] = []
+    s = session(on_login=lambda m, o: counted.append((m, o)))
+    handshake(s)
+    authenticate(s, b"\x00alice\x00pw")
+    with caplog.at_level("INFO", logger="kproxy.identity"):
+        for version, cid in ((0, 3), (2, 4)):
+            actions = authenticate(s, b"\x00alice\x00pw", version=version, cid=cid)
+            assert kinds(actions) == [ToClient]
+            body = answered(actions[0], SASL_AUTHENTICATE, version).body
+            assert body.error_code == 34 and "send SaslHandshake first" in body.error_message
+            assert body.auth_bytes == b""
+    assert counted == [("PLAIN", "ok"), *[("PLAIN", "authenticate_after_login")] * 2]
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert lines == ["connection 1: SaslAuthenticate from User:alice (PLAIN) refused: the login had completed "
+                     "and no SaslHandshake began another"]
+    reauthenticated_at(s.ctx.clock, s, s.ctx.clock() + 1, 7)          # re-authentication still works
+    assert s.front.termination.user == "alice" and kinds(metadata(s, cid=9)) == [ToUpstream]
+
+
 def test_a_reauthentication_a_second_after_the_previous_one_began_is_accepted() -> None:
     clock = Clock(100.0)
     counted: list[tuple[str, str]] = []
