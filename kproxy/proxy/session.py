@@ -524,7 +524,7 @@ class Session(SessionCutThrough, SessionSasl):
         if (unread_by is None or _SAMPLE in unread_by or self.reencode is not None or self.front is not None
                 or api_key in _NAMES_IN_ANSWERS or (_TELEMETRY in unread_by and api_key in (PRODUCE, FETCH))):
             return None
-        programs = unread_by.get(_RELAY | api_key << 16 | version)
+        programs: Any = unread_by.get(_RELAY | api_key << 16 | version)
         if programs is None:
             programs = self._relayable(unread_by, api_key, version)
         if not programs or not all(f.passes(api_key, version) for f in programs[2]):

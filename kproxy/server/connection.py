@@ -528,15 +528,15 @@ class ClientConnection(Executor):
             return False        # it ended instead (the broker connection was lost)
         client_bytes = reader.take_buffered()
         upstream = self.upstream
-        if (client_bytes is None or upstream is None or not self._lane_ready() or session.open
-                or writer.pending or writer.writing):
+        assert self._lane is not None
+        if (client_bytes is None or len(client_bytes) > self._lane.max_frame + 4 or upstream is None
+                or not self._lane_ready() or session.open or writer.pending or writer.writing):
             if client_bytes:
                 reader.feed(client_bytes)
             self._upstream_resume(b"")
             return False
         if reader.release_idle():
             self._account()
-        assert self._lane is not None
         s = self.settings
         client_id = session.ctx.client_id
         try:
@@ -611,6 +611,9 @@ class ClientConnection(Executor):
         ends = _LANE_ENDS.get(reason)
         if ends is not None:
             raise ConnectionClosed(ends.format(idle=s.idle_timeout_s, frame=s.frame_timeout_s))
+        if given.client_out:
+            # Answers the lane had queued for the client go before any other.
+            await self.client.send([given.client_out])
         if reason in ("broker_closed", "broker_error"):
             # As the upstream pump meets it: what was in flight gets retriable errors, the next
             # request reconnects.
@@ -618,6 +621,14 @@ class ClientConnection(Executor):
             await self._upstream_lost("broker closed the connection" if reason == "broker_closed"
                                       else given.detail)
             return True
+        if given.broker_out and self.upstream is not None:
+            # Requests the lane had queued for the broker (in flight already) go before any other.
+            try:
+                await self.upstream.send([given.broker_out])
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                self._upstream_resume(None)
+                await self._upstream_lost(f"send failed: {e!r}")
+                return True
         fed, self._lane_fed = self._lane_fed, None
         self._upstream_resume(fed if fed is not None else b"")
         if reason == "recalled":

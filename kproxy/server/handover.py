@@ -27,11 +27,9 @@ LANE_MAX_FRAME = 65536
 
 @functools.cache
 def _lane_module() -> ModuleType | None:
-    try:
-        from kproxy.server import lane
-    except ImportError:         # built without a C compiler: no lane, everything on the event loop
-        return None
-    return lane
+    from kproxy.server import lane
+    # Built without a C compiler: no lane, everything on the event loop.
+    return lane if lane.AVAILABLE else None
 
 
 def lane_built() -> bool:
