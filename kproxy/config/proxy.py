@@ -73,7 +73,7 @@ class ProxyConfig:
     cut_through_splice: bool = False
     # The lane (docs/architecture.md): plain connections in a steady state relayed by a thread of
     # kproxy's own, without the event loop. auto: where it was built; off: never.
-    lane: str = setting("auto", case="lower", choices=("auto", "off"))
+    lane: str = setting("auto", case="lower", choices=("auto", "off"), off=True)
     log_level: str = setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     log_format: str = setting("text", case="lower", choices=("text", "json"))
     # Processes sharing the listening ports; 0 (written "auto") means one per CPU the process may use.
