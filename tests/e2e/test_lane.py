@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import confluent_kafka
+import confluent_kafka.admin
 import kafka
 import pytest
 import trio
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not lane.AVAILABLE, reason="the lane is not built in this installation")]
 
 TIMEOUT = 30.0
-LIST_OFFSETS = 2
+FETCH, LIST_OFFSETS = 1, 2
 NOT_LEADER_OR_FOLLOWER = 6
 
 
@@ -185,17 +186,28 @@ def test_a_broker_lost_while_laned_gives_retriable_errors_and_the_client_recover
             relay.stop()
 
 
+def fetch(w: Wire, correlation_id: int, topic: str, wait_ms: int) -> None:
+    """Send a Fetch v12 of partition 0 from offset 0 that the broker may hold for ``wait_ms``."""
+    cls = body_class(FETCH, "request")
+    w.send(FETCH, 12, correlation_id, cls(replica_id=-1, max_wait_ms=wait_ms, min_bytes=1, max_bytes=1 << 20,
+                                          topics=[cls.FetchTopic(topic=topic, partitions=[cls.FetchPartition(
+                                              partition=0, fetch_offset=0, partition_max_bytes=1 << 20)])]))
+
+
 def test_drain_answers_what_the_lane_has_in_flight_then_closes(broker: TansuBroker) -> None:
+    topic = unique_name("lane-drain")
+    admin = confluent_kafka.admin.AdminClient({"bootstrap.servers": broker.bootstrap})
+    admin.create_topics([confluent_kafka.admin.NewTopic(topic, 1, 1)])[topic].result(TIMEOUT)
     p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1")
     try:
         w = Wire(p.bootstrap)
         before = counts()
         for i in range(LANE_AFTER + 1):
-            assert list_offsets(w, i).correlation_id == i
+            fetch(w, i, topic, 0)
+            assert w.receive(FETCH, 12).correlation_id == i
         assert moved(before)["adopted"] == 1
-        lo = body_class(LIST_OFFSETS, "request")
-        w.send(LIST_OFFSETS, 7, 50, lo(replica_id=-1, topics=[lo.ListOffsetsTopic(name="t", partitions=[
-            lo.ListOffsetsPartition(partition_index=0, timestamp=-1)])]))
+        # An empty topic: the broker holds this one for its max wait, in flight in the lane.
+        fetch(w, 50, topic, 1500)
         wait_for(lambda: moved(before)["requests"] >= 2, "request relayed by the lane")
         started = time.monotonic()
         errors: list[BaseException] = []
@@ -210,12 +222,13 @@ def test_drain_answers_what_the_lane_has_in_flight_then_closes(broker: TansuBrok
 
         drained = threading.Thread(target=drain)
         drained.start()
-        assert w.receive(LIST_OFFSETS, 7).correlation_id == 50
+        answer = w.receive(FETCH, 12)
+        assert answer.correlation_id == 50 and answer.body.error_code == 0
         assert w.read_frame() is None       # then the connection closed
         drained.join(TIMEOUT)
         assert not drained.is_alive()
         assert [repr(e) for e in errors] == []
-        # Recalled from the lane and closed gracefully, not at the drain timeout.
+        # Recalled from the lane once answered, and closed gracefully, not at the drain timeout.
         assert time.monotonic() - started < 10
         assert moved(before)["given_back"] == 1
         w.close()
