@@ -195,11 +195,11 @@ class ProxyServer:
         self._ids: itertools.count[int] = shared.connection_ids
         self.connections: set[ClientConnection] = set()
         # The lane relaying this virtual cluster's steady plain connections without the event loop
-        # (kproxy.server.lane); None with ``lane: off``, where it is not built, or with fleet quotas
-        # (their budgets are read per request).
+        # (kproxy.server.lane); None with ``lane: off``, where it is not built, with fleet quotas
+        # (their budgets are read per request) or per-client metrics (the lane counts by api only).
         self.lane = (open_lane(config.lane, min(config.limits.max_frame_size, config.limits.max_buffered_bytes),
                                self._cut_through_min_bytes())
-                     if self.coordinator is None else None)
+                     if self.coordinator is None and not config.metrics.client_labels else None)
         if self.lane is not None and self.rule_store is not None:
             self.rule_store.installed.append(self._recall_lanes)
         self._nursery: trio.Nursery | None = None
@@ -651,7 +651,7 @@ class ProxyServer:
                                      else self._completed, ctx, record)
         conn = ClientConnection(cluster.connection, self, transport, session, on_complete=complete,
                                 budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare,
-                                cluster=cluster.name, lane=self.lane)
+                                cluster=cluster.name, lane=self.lane, on_lane=record.add)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):

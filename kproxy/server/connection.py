@@ -155,6 +155,7 @@ class ClientConnection(Executor):
         "cluster",
         "draining",
         "on_complete",
+        "on_lane",
         "opened_at",
         "prepare",
         "requests_done",
@@ -171,7 +172,7 @@ class ClientConnection(Executor):
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
                  prepare: Callable[[memoryview], Awaitable[None]] | None = None, cluster: str = "default",
-                 lane: Lane | None = None) -> None:
+                 lane: Lane | None = None, on_lane: Callable[[int, int, int], None] | None = None) -> None:
         super().__init__()
         self.settings = settings
         self.cluster = cluster                      # the upstream cluster it uses for its life
@@ -223,6 +224,7 @@ class ClientConnection(Executor):
         # to the client, none of kproxy's own SASL (the rest is asked at each hand-over, ``_lane_ready``).
         self._lane = lane if lane is not None and type(client) is PlainTransport and front is None else None
         self._lane_apis: dict[tuple[int, int], LaneApi | None] = {}  # what the lane may relay, as met
+        self.on_lane = on_lane          # (requests, bytes in, bytes out) the lane relayed, at each give-back
         self._lane_streak = 0                       # requests in a row the lane would have relayed
         self._lane_handle: LaneHandle | None = None   # the lane holds both sockets now
         self._lane_waiter: trio.CancelScope | None = None   # the client pump waits to hand over
@@ -578,6 +580,8 @@ class ClientConnection(Executor):
         self.requests_done += given.requests
         self.bytes_in += given.bytes_in
         self.bytes_out += given.bytes_out
+        if self.on_lane is not None and given.requests:
+            self.on_lane(given.requests, given.bytes_in, given.bytes_out)
         self._quiet_since = now - given.quiet_s
         self._seen_requests = session.requests
         self._partial_frame = None

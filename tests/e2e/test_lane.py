@@ -86,6 +86,10 @@ def test_metrics_count_every_request_the_lane_relayed(broker: TansuBroker) -> No
         lane_moved = moved(before)
         metrics = scrape(admin)
         w.close()
+        # /clients counts them too, once the lane gives the closed connection back.
+        wait_for(lambda: p.server.clients.recent, "the connection closed")
+        row = p.server.clients.recent[-1].row()
+    assert (row["requests"], row["request_bytes"] > 0) == (n, True)
     assert lane_moved["adopted"] == 1
     # All but the first LANE_AFTER went through the lane (the last answer may still be on its way).
     assert lane_moved["requests"] == n - LANE_AFTER
