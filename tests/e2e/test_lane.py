@@ -254,9 +254,13 @@ def test_a_rules_reload_reaches_a_laned_connection_before_its_next_request(broke
         assert moved(before)["adopted"] == 1
         rules.write_text(f"rules: [{{name: no-{topic}, match: {{topic: {topic}}}, action: deny}}]\n")
         assert p.call(lambda: p.server.reload_rules("test"))
-        answer = list_offsets(w, 99, topic)
-        assert answer.correlation_id == 99
-        assert answer.body.topics[0].partitions[0].error_code == 29      # TOPIC_AUTHORIZATION_FAILED
+        after = counts()
+        for i in range(100, 100 + LANE_AFTER + 3):
+            answer = list_offsets(w, i, topic)
+            assert answer.correlation_id == i
+            assert answer.body.topics[0].partitions[0].error_code == 29      # TOPIC_AUTHORIZATION_FAILED
+        # A rule addresses ListOffsets now: the lane takes the connection no more.
+        assert moved(after)["adopted"] == 0
         w.close()
 
 
