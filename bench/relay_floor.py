@@ -36,9 +36,7 @@ from small_requests import heartbeat_v4_request  # noqa: E402
 from kproxy.tansu import Tansu, broker_answers, free_port  # noqa: E402
 
 # The relays' programs, run with ``python -c PROGRAM LISTEN_PORT BROKER_PORT``.
-SELECTORS_RELAY = """
-import selectors, socket, sys
-port, broker = int(sys.argv[1]), int(sys.argv[2])
+LISTEN = """
 sel = selectors.EpollSelector()
 ls = socket.socket()
 ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -46,7 +44,12 @@ ls.bind(("127.0.0.1", port))
 ls.listen(1024)
 ls.setblocking(False)
 sel.register(ls, selectors.EVENT_READ, None)
-while True:
+"""
+
+SELECTORS_RELAY = """
+import selectors, socket, sys
+port, broker = int(sys.argv[1]), int(sys.argv[2])
+""" + LISTEN + """while True:
     for key, _ in sel.select():
         if key.data is None:
             client, _ = ls.accept()
@@ -99,14 +102,7 @@ for api_key, versions in ((18, range(0, 4)), (12, range(0, 5))):
     for v in versions:
         table[(api_key, v)] = LaneApi(*(whole_skip(c) for c in request_codecs(api_key, v)))
 lane = Lane()
-sel = selectors.EpollSelector()
-ls = socket.socket()
-ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-ls.bind(("127.0.0.1", port))
-ls.listen(1024)
-ls.setblocking(False)
-sel.register(ls, selectors.EVENT_READ, None)
-while True:
+""" + LISTEN + """while True:
     for key, _ in sel.select():
         if key.data is None:
             client, _ = ls.accept()
