@@ -83,11 +83,14 @@ async def pump(src, dst):
         await dst.send_all(data)
 async def handle(client):
     up = await trio.open_tcp_stream("127.0.0.1", broker)
-    async with up, client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, client, up)
-            await pump(up, client)
-            nursery.cancel_scope.cancel()
+    try:
+        async with up, client:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, client, up)
+                await pump(up, client)
+                nursery.cancel_scope.cancel()
+    except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass        # a client that closed with answers unread (RST): only its connection ends
 trio.run(functools.partial(trio.serve_tcp, handle, port, host="127.0.0.1"))
 """
 
