@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # when it was still called kproxy, or one where that other package went in, loses it first.
 # kerberos-deps comes first (order-only: it never makes the venv stale): pip builds gssapi, in the
 # dev and kerberos extras, against MIT krb5's headers.
-$(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c | kerberos-deps
+$(VENV)/.installed: pyproject.toml kproxy/protocol/_accel.c kproxy/server/_lane.c | kerberos-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip uninstall --quiet --yes kproxy

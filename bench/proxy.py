@@ -107,6 +107,9 @@ SASL = ("kp-gate", "kp-sasl")
 # kproxy splicing streamed record batch bodies broker -> client (cut_through_splice, off by default),
 # against kproxy copying them through its receive buffer, in the same run (--splice).
 SPLICE: dict[str, dict] = {"kp-splice": {"settings": "cut_through_splice: true"}}
+# kproxy with the lane turned off (lane: off), against kproxy with it (the default), in the same run
+# (--lane): what handing steady connections to the lane's thread saves per request.
+LANE: dict[str, dict] = {"kp-lane-off": {"settings": "lane: off"}}
 # kproxy configured with virtual_clusters (--virtual-clusters), against plain kproxy (the single-cluster
 # form, one implicit virtual cluster) in the same run: kp-vc1 with one virtual cluster, kp-vc2 with a
 # second one in the same process, in front of the same broker on ports of its own and idle while the
@@ -114,7 +117,7 @@ SPLICE: dict[str, dict] = {"kp-splice": {"settings": "cut_through_splice: true"}
 # within noise.
 VIRTUAL: dict[str, dict] = {"kp-vc1": {"virtual_clusters": 1}, "kp-vc2": {"virtual_clusters": 2}}
 SASL_USER, SASL_PASSWORD = "svc-bench", "bench-Secret-1"
-ALL_TARGETS = (*TARGETS, HAPROXY, KAFKA_PROXY, BASELINE, *TELEMETRY, *VIRTUAL, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE)
+ALL_TARGETS = (*TARGETS, HAPROXY, KAFKA_PROXY, BASELINE, *TELEMETRY, *VIRTUAL, TENANT, *QUOTAS, *FLEET, *SASL, *SPLICE, *LANE)
 SIZES = (100, 1024)
 # Records per run, chosen so a direct run takes about 1-3 s on the 2-core machines this was written on.
 DEFAULT_N = {100: 1_500_000, 1024: 450_000}
@@ -463,7 +466,7 @@ class Bench:
             self._start_kproxy(bp)
         if BASELINE in self.args.targets:
             self._start_kproxy(bp, BASELINE)
-        for name, options in {**TELEMETRY, **VIRTUAL, **QUOTAS, **FLEET, **SPLICE}.items():
+        for name, options in {**TELEMETRY, **VIRTUAL, **QUOTAS, **FLEET, **SPLICE, **LANE}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if TENANT in self.args.targets:
@@ -527,7 +530,7 @@ class Bench:
         broker.start([bp, relay_side])
         self.broker = broker
         self.ports["direct"] = bp
-        for name, options in {**TELEMETRY, **VIRTUAL, **QUOTAS, **SPLICE}.items():
+        for name, options in {**TELEMETRY, **VIRTUAL, **QUOTAS, **SPLICE, **LANE}.items():
             if name in self.args.targets:
                 self._start_kproxy(bp, name, options)
         if "kproxy" in self.args.targets:
@@ -788,14 +791,14 @@ def fmt_ratio(a: float, b: float) -> str:
 
 
 # Targets of the small-request loops (bench/small_requests.py).
-SMALL_TARGETS = ("direct", "kproxy", "tansu-proxy", HAPROXY, KAFKA_PROXY, BASELINE, *VIRTUAL)
+SMALL_TARGETS = ("direct", "kproxy", "tansu-proxy", HAPROXY, KAFKA_PROXY, BASELINE, *VIRTUAL, *LANE)
 
 RATIOS = (("kproxy", "direct"), ("tansu-proxy", "direct"), ("kproxy", "tansu-proxy"),
           (HAPROXY, "direct"), ("kproxy", HAPROXY), ("tansu-proxy", HAPROXY),
           (KAFKA_PROXY, "direct"), ("kproxy", KAFKA_PROXY), (KAFKA_PROXY, HAPROXY), ("kproxy", BASELINE), (BASELINE, HAPROXY),
           *((name, "kproxy") for name in TELEMETRY), *((name, "kproxy") for name in VIRTUAL), (TENANT, "kproxy"), ("kp-quotas", "kproxy"),
           ("kp-quotas", "kp-rules"), ("kp-fleet", "kp-quotas"), ("kp-sasl", "kp-gate"),
-          ("kp-splice", "kproxy"), ("kp-splice", HAPROXY))
+          ("kp-splice", "kproxy"), ("kp-splice", HAPROXY), ("kproxy", "kp-lane-off"), ("kp-lane-off", HAPROXY))
 
 
 def report_throughput(ns: dict[int, int], tp: dict[tuple[str, int, str], list[RunResult]],
@@ -959,6 +962,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"add {', '.join(SASL)}: kproxy through a SASL gate, logging in by SCRAM or not")
     ap.add_argument("--splice", action="store_true",
                     help=f"add {', '.join(SPLICE)}: kproxy splicing record bodies (and kproxy, which it is compared with)")
+    ap.add_argument("--lane", action="store_true",
+                    help=f"add {', '.join(LANE)}: kproxy without the lane (and kproxy, with it, which it is compared with)")
     ap.add_argument("--no-latency", action="store_true", help="skip the Metadata latency part")
     ap.add_argument("--small-clients", type=int, default=200,
                     help="connections in the many-small-requests part (default 200; 0 skips it)")
@@ -996,6 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= set(SASL)
     if args.splice:
         wanted |= {"kproxy", *SPLICE}
+    if args.lane:
+        wanted |= {"kproxy", *LANE}
     if wanted - set(ALL_TARGETS):
         ap.error(f"unknown targets: {', '.join(sorted(wanted - set(ALL_TARGETS)))}")
     if KAFKA_PROXY in wanted:

@@ -2,15 +2,18 @@
 low rate and back to back, beside kproxy. One relay is a bare ``selectors`` loop (the least a Python
 process can do per wake-up: one ``epoll_wait``, one receive, one send), the other a plain trio relay
 (``SocketStream`` pumps, as a trio-based proxy would write one). Both run as their own processes.
+A third, ``lane``, is kproxy's lane alone (``kproxy/server/lane.py``): a ``selectors`` loop reads each
+connection's first request (to learn its client id, as the session does), connects to the broker and
+hands both sockets to the lane, which relays ApiVersions and Heartbeat from then on in its C thread.
 
-For each target: kproxy's (or the relay's) CPU per heartbeat, timed from /proc, for one connection
-back to back, one connection at 333 a second and 1,000 connections every 3 s (333 a second, each
-arriving alone); and, with ``--instructions``, its instructions per heartbeat back to back under
+For each target: kproxy's (or the relay's) CPU per heartbeat, timed from /proc (every thread of the
+process), for one connection back to back, 100 connections back to back, one connection at 333 a
+second and 1,000 connections every 3 s (333 a second, each arriving alone); and, with ``--instructions``, its instructions per heartbeat back to back under
 callgrind (2,000 on one connection, the ``bench/per_request.py`` method). The timings move with the
 machine's load (it is printed); the instructions do not.
 
 Run from the repository root:  ``.venv/bin/python bench/relay_floor.py [--seconds 10] [--instructions]
-[--targets selectors,trio,kproxy]``
+[--targets selectors,trio,lane,kproxy]``
 """
 
 from __future__ import annotations
@@ -33,9 +36,7 @@ from small_requests import heartbeat_v4_request  # noqa: E402
 from kproxy.tansu import Tansu, broker_answers, free_port  # noqa: E402
 
 # The relays' programs, run with ``python -c PROGRAM LISTEN_PORT BROKER_PORT``.
-SELECTORS_RELAY = """
-import selectors, socket, sys
-port, broker = int(sys.argv[1]), int(sys.argv[2])
+LISTEN = """
 sel = selectors.EpollSelector()
 ls = socket.socket()
 ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -43,7 +44,12 @@ ls.bind(("127.0.0.1", port))
 ls.listen(1024)
 ls.setblocking(False)
 sel.register(ls, selectors.EVENT_READ, None)
-while True:
+"""
+
+SELECTORS_RELAY = """
+import selectors, socket, sys
+port, broker = int(sys.argv[1]), int(sys.argv[2])
+""" + LISTEN + """while True:
     for key, _ in sel.select():
         if key.data is None:
             client, _ = ls.accept()
@@ -77,17 +83,68 @@ async def pump(src, dst):
         await dst.send_all(data)
 async def handle(client):
     up = await trio.open_tcp_stream("127.0.0.1", broker)
-    async with up, client:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, client, up)
-            await pump(up, client)
-            nursery.cancel_scope.cancel()
+    try:
+        async with up, client:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, client, up)
+                await pump(up, client)
+                nursery.cancel_scope.cancel()
+    except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass        # a client that closed with answers unread (RST): only its connection ends
 trio.run(functools.partial(trio.serve_tcp, handle, port, host="127.0.0.1"))
 """
 
-RELAYS = {"selectors": SELECTORS_RELAY, "trio": TRIO_RELAY}
+LANE_RELAY = """
+import selectors, socket, struct, sys
+from kproxy.protocol.compiler import whole_skip
+from kproxy.protocol.messages import request_codecs
+from kproxy.server.lane import Lane, LaneApi
+port, broker = int(sys.argv[1]), int(sys.argv[2])
+table = {}
+for api_key, versions in ((18, range(0, 4)), (12, range(0, 5))):
+    for v in versions:
+        table[(api_key, v)] = LaneApi(*(whole_skip(c) for c in request_codecs(api_key, v)))
+lane = Lane()
+""" + LISTEN + """while True:
+    for key, _ in sel.select():
+        if key.data is None:
+            client, _ = ls.accept()
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client.setblocking(False)
+            sel.register(client, selectors.EVENT_READ, [b""])
+        elif isinstance(key.data, list):      # the first request: its client id
+            client, buf = key.fileobj, key.data
+            try:
+                data = client.recv(65536)
+            except OSError:         # reset before its first request
+                data = b""
+            buf[0] += data
+            if data and (len(buf[0]) < 4 or len(buf[0]) < 4 + struct.unpack_from(">i", buf[0])[0]):
+                continue
+            sel.unregister(client)
+            if not data:
+                client.close()
+                continue
+            (n,) = struct.unpack_from(">h", buf[0], 12)
+            up = socket.create_connection(("127.0.0.1", broker))
+            up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            up.setblocking(False)
+            handle = lane.adopt(client.fileno(), up.fileno(), table=table, next_correlation_id=0,
+                                client_bytes=buf[0], client_id=buf[0][14:14 + n] if n >= 0 else None,
+                                max_in_flight=100, request_timeout_s=30, idle_timeout_s=600, frame_timeout_s=30)
+            sel.register(handle.fd, selectors.EVENT_READ, (handle, client, up))
+        else:                               # given back: this relay ends the connection
+            handle, client, up = key.data
+            sel.unregister(handle.fd)
+            handle.take()
+            client.close()
+            up.close()
+"""
+
+RELAYS = {"selectors": SELECTORS_RELAY, "trio": TRIO_RELAY, "lane": LANE_RELAY}
 # (connections, seconds between one connection's heartbeats, what it is)
-CASES = ((1, 0.0, "1 connection, back to back"), (1, 0.003, "1 connection, 333/s"),
+CASES = ((1, 0.0, "1 connection, back to back"), (100, 0.0, "100 connections, back to back"),
+         (1, 0.003, "1 connection, 333/s"),
          (1000, 3.0, "1,000 connections, each every 3 s"))
 
 
@@ -146,14 +203,14 @@ def instructions(target: str, broker: int, n: int, workdir: Path) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--targets", default="selectors,trio,kproxy")
+    ap.add_argument("--targets", default="selectors,trio,lane,kproxy")
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds timed per case (default 10)")
     ap.add_argument("--instructions", action="store_true", help="also count instructions per heartbeat (callgrind)")
     ap.add_argument("--n", type=int, default=2000, help="heartbeats counted under callgrind (default 2000)")
     args = ap.parse_args(argv)
     targets = args.targets.split(",")
     if set(targets) - {*RELAYS, "kproxy"}:
-        ap.error("--targets: any of selectors, trio, kproxy")
+        ap.error("--targets: any of selectors, trio, lane, kproxy")
     load_before = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     got: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="kproxy-relay-floor-") as tmp, Tansu(port=free_port()) as broker:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 # unless it is listed here.
 PROCESS_SETTINGS: Final = frozenset({
     "admin", "metrics", "traffic_log", "tracing", "workers", "log_level", "log_format", "limits",
-    "quota_replicas", "verify_reencode", "cut_through_min_bytes", "cut_through_splice",
+    "quota_replicas", "verify_reencode", "cut_through_min_bytes", "cut_through_splice", "lane",
 })
 # Not settings of either kind: the list itself, and where the file was read from.
 _NOT_CLUSTER_SETTINGS: Final = frozenset({"virtual_clusters", "source"})

@@ -71,6 +71,9 @@ class ProxyConfig:
     # (Linux, plain TCP on both sides). Off by default: on loopback it measured no faster than the
     # copy (docs/performance-streaming.md).
     cut_through_splice: bool = False
+    # The lane (docs/architecture.md): plain connections in a steady state relayed by a thread of
+    # kproxy's own, without the event loop. auto: where it was built; off: never.
+    lane: str = setting("auto", case="lower", choices=("auto", "off"), off=True)
     log_level: str = setting("INFO", case="upper", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     log_format: str = setting("text", case="lower", choices=("text", "json"))
     # Processes sharing the listening ports; 0 (written "auto") means one per CPU the process may use.

@@ -39,6 +39,9 @@ class RuleStore:
         self.reloads_ok = 0
         self.reloads_failed = 0
         self.last_error: str | None = None
+        # Called after each reload puts a new set in force (the server takes its laned connections
+        # back, so that no request is relayed past the new rules).
+        self.installed: list[Callable[[], None]] = []
         self.policy = self._install(load_rules(self.paths, chaos))
 
     @property
@@ -93,6 +96,8 @@ class RuleStore:
         self.policy = self._install(rule_set)
         self.reloads_ok += 1
         self.last_error = None
+        for hook in self.installed:
+            hook()
         log.info("rules reloaded (%s): generation %d, %s", reason, self.generation, describe_rules(rule_set))
 
     def describe(self) -> dict[str, Any]:

@@ -3188,6 +3188,47 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+/* ---- The check engine for kproxy/server/_lane.c, as a capsule (_accel._C_API) -----------------------
+
+   The lane relays requests in a thread without the GIL, with the very check Session._relay runs:
+   run() over the header program, then the body program from where the header ends. run() touches no
+   Python object when it is given no spans dict (spans is the only Python it reaches, on every path,
+   errors included), so lane_check is safe without the GIL as long as the caller holds references to
+   both programs (a Program's ops never change after program_new). _lane.c declares the same struct
+   and refuses a capsule whose abi or size differ. */
+
+typedef struct {
+    int abi;                        /* LANE_CAPI_ABI */
+    size_t size;                    /* sizeof this struct */
+    PyTypeObject *program_type;
+    Py_ssize_t (*check)(PyObject *header, PyObject *body, const uint8_t *frame, Py_ssize_t len);
+} AccelLaneAPI;
+#define LANE_CAPI_ABI 1
+
+/* The body's start when `frame` (a request without its size prefix) passes both programs, else -1. */
+static Py_ssize_t lane_check(PyObject *header, PyObject *body, const uint8_t *frame, Py_ssize_t len)
+{
+    Ctx hc = {frame, (const ProgramObject *)header, NULL, NO_LAZY_MIN};
+    Py_ssize_t pos = run(&hc, 0, 0, len, 1, 0);
+    if (pos < 0)
+        return -1;
+    Ctx bc = {frame, (const ProgramObject *)body, NULL, NO_LAZY_MIN};
+    return run(&bc, 0, pos, len, 1, 0) < 0 ? -1 : pos;
+}
+
+static AccelLaneAPI lane_api = {LANE_CAPI_ABI, sizeof(AccelLaneAPI), &ProgramType, lane_check};
+
+static int add_lane_api(PyObject *m)
+{
+    PyObject *capsule = PyCapsule_New(&lane_api, "kproxy.protocol._accel._C_API", NULL);
+    if (capsule == NULL)
+        return -1;
+    int err = PyModule_AddObject(m, "_C_API", capsule);
+    if (err < 0)
+        Py_DECREF(capsule);
+    return err;
+}
+
 PyMODINIT_FUNC PyInit__accel(void)
 {
     if (PyType_Ready(&ProgramType) < 0 || PyType_Ready(&WindowType) < 0 || PyType_Ready(&DecoderType) < 0
@@ -3201,7 +3242,7 @@ PyMODINIT_FUNC PyInit__accel(void)
             || PyModule_AddIntConstant(m, "ABI", ABI) < 0
             || PyModule_AddObjectRef(m, "Decoder", (PyObject *)&DecoderType) < 0
             || PyModule_AddIntConstant(m, "DECODER_ABI", DECODER_ABI) < 0
-            || PyModule_AddIntConstant(m, "OPEN_INTO", 1) < 0) {
+            || PyModule_AddIntConstant(m, "OPEN_INTO", 1) < 0 || add_lane_api(m) < 0) {
         Py_DECREF(&ProgramType);
         Py_DECREF(m);
         return NULL;

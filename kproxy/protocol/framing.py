@@ -214,6 +214,20 @@ class FrameReader:
             self.received(k)
             mv = mv[k:]
 
+    def take_buffered(self) -> bytes | None:
+        """The bytes received and not yet returned as frames, taken out (the reader is then at a frame
+        boundary), when they sit in the receive chunk from a frame boundary: what another reader of
+        the socket (the lane) must see first. None, taking nothing, when a frame has a buffer of its
+        own or is being taken piece by piece."""
+        if self._big is not None or self._ready is not None or self.streaming_left:
+            return None
+        if self._buf is None or self._start == self._end:
+            return b""
+        # Frames already returned may be views of the chunk: the bytes are copied, the chunk kept.
+        data = bytes(self._buf[self._start:self._end])
+        self._start = self._end
+        return data
+
     @property
     def idle_chunk_is_large(self) -> bool:
         """Nothing buffered, and the receive chunk has grown past the first size: worth releasing

@@ -498,6 +498,72 @@ class Session(SessionCutThrough, SessionSasl):
         head = _HEAD.pack(end, api_key, api_version, upstream_id)
         return [ToUpstream([head + frame[8:]] if end < _JOIN_BELOW else [head, frame[8:]], entry)]
 
+    # -- the lane (kproxy.server.lane): requests relayed outside the session, and given back
+
+    @property
+    def next_correlation_id(self) -> int:
+        """The correlation id the next request to the broker gets."""
+        return self._next_correlation_id
+
+    @property
+    def idle_for_lane(self) -> bool:
+        """Nothing of the session's own under way that the lane could not carry on: no raw SASL
+        tokens, no large request declined for streaming, no question to the key service."""
+        return (not self._raw_sasl and self._why_next is None and self._key_wait is None and self.front is None
+                and not self.closed)
+
+    def lane_programs(self, api_key: int, version: int) -> tuple[Any, Any, int] | None:
+        """How the lane may relay this api version both ways with the state in force now: (the
+        accelerator's header and body programs, where its answer's throttle time sits or -1), exactly
+        when ``_relay`` would relay its requests undecoded (its pass guards passing now) and
+        ``upstream_frame`` would pass its answers on unread (no answer guard that could read one, no
+        names learned from it); None otherwise. When metrics count requests, Produce and Fetch, whose
+        records metrics read from their bytes, are left out. A rules reload changes what the guards
+        say: the server takes a laned connection back first (``ClientConnection.lane_recall``)."""
+        unread_by = self._unread_by
+        if (unread_by is None or _SAMPLE in unread_by or self.reencode is not None or self.front is not None
+                or api_key in _NAMES_IN_ANSWERS or (_TELEMETRY in unread_by and api_key in (PRODUCE, FETCH))):
+            return None
+        programs: Any = unread_by.get(_RELAY | api_key << 16 | version)
+        if programs is None:
+            programs = self._relayable(unread_by, api_key, version)
+        if not programs or not all(f.passes(api_key, version) for f in programs[2]):
+            return None
+        unread = self._unread(unread_by, api_key, version)
+        if not unread or unread in (_PRODUCE_ANSWER, _FETCH_ANSWER):
+            return None
+        for f in unread_by[_ANSWER_GUARDS | api_key << 16 | version]:
+            if not f.may_pass or not f.passes(api_key, version) or api_key in f.reads_by_bytes:
+                return None
+        return programs[0], programs[1], unread if unread in _THROTTLE_OFFSETS else -1
+
+    def lane_returned(self, entries: Any, next_correlation_id: int, requests: int, client_id: str | None,
+                      now: float, broker: tuple[str, int] | None) -> None:
+        """The lane gave the connection back: ``requests`` it finished, the correlation id it would
+        have used next, and ``entries`` (``LaneEntry``, oldest first) sent to the broker and not yet
+        answered, which become relayed entries as ``_relay`` makes them, so that their answers, a
+        lost broker connection or a timeout are handled here as for any other."""
+        self._next_correlation_id = next_correlation_id
+        self.requests += requests
+        if client_id is not None:
+            self.ctx.client_id = client_id
+        for e in entries:
+            uid = e.upstream_correlation_id
+            if e.no_response:
+                # Finished (and counted) when it was sent; an answer a broker sends anyway is dropped.
+                self._no_response.append(uid)
+                continue
+            self.requests += 1
+            started = now - e.age_s
+            request = memoryview(e.request)
+            entry = InFlight(e.client_correlation_id, e.api_key, e.api_version, started,
+                             request_bytes=len(request) + 4, seq=self.requests, relayed=request)
+            entry.forwarded_at, entry.broker = started, broker
+            self.open.add(entry)
+            entry.upstream_correlation_id = uid
+            self.in_flight.append(entry)
+            self._by_upstream[uid] = entry
+
     def _sample(self, api_key: int) -> int | None:
         """The traffic log's and spans' draw for a request arriving now (``InFlight.sampled``)."""
         sample = self._unread_by.get(_SAMPLE) if self._unread_by is not None else None

@@ -53,6 +53,7 @@ from kproxy.server.clusters import Cluster, UpstreamClusters
 from kproxy.server.connection import ClientConnection, ConnectionSettings
 from kproxy.server.coordination import Coordinator
 from kproxy.server.encryption import encrypt_without_kms, kek_problems, open_key_service
+from kproxy.server.handover import merge_counts, open_lane
 from kproxy.server.identity import IdentityService
 from kproxy.server.ordering import run_clock
 from kproxy.server.origination import Originator, Roundtrip, direct_roundtrip
@@ -193,6 +194,14 @@ class ProxyServer:
         # Connection ids are unique in the process, whichever virtual cluster a connection is of.
         self._ids: itertools.count[int] = shared.connection_ids
         self.connections: set[ClientConnection] = set()
+        # The lane relaying this virtual cluster's steady plain connections without the event loop
+        # (kproxy.server.lane); None with ``lane: off``, where it is not built, with fleet quotas
+        # (their budgets are read per request) or per-client metrics (the lane counts by api only).
+        self.lane = (open_lane(config.lane, min(config.limits.max_frame_size, config.limits.max_buffered_bytes),
+                               self._cut_through_min_bytes())
+                     if self.coordinator is None and not config.metrics.client_labels else None)
+        if self.lane is not None and self.rule_store is not None:
+            self.rule_store.installed.append(self._recall_lanes)
         self._nursery: trio.Nursery | None = None
         self._listeners: dict[int, trio.socket.SocketType] = {}
         self._raw_listeners: dict[int, socket.socket] = {}     # fileno -> the stdlib listening socket
@@ -359,6 +368,10 @@ class ProxyServer:
                                                        stats.upstream_connect_failures, in_flight)
 
         m.add_reader(connections)
+        if self.lane is not None:
+            m.add_refresher(self.merge_lane_counts)
+            m.add_reader(lambda: metric_families.lane_families(sum(1 for c in self.connections if c.laned),
+                                                               stats.lane_given_back))
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
         m.add_reader(lambda: metric_families.memo_families(self.answer_memo))
         keys, crypto = self.keys, self.record_crypto
@@ -379,6 +392,17 @@ class ProxyServer:
         if self.reencode is not None:
             check = self.reencode
             m.add_reader(lambda: metric_families.reencode_families(check))
+
+    def merge_lane_counts(self) -> None:
+        """What the lane relayed since the last call, into ``stats`` and the metrics (each scrape)."""
+        if self.lane is not None:
+            merge_counts(self.lane.counts(), self.stats, self.metrics)
+
+    def _recall_lanes(self) -> None:
+        """The rules changed: every laned connection comes back before the lane relays another
+        request of it, and works out again what the lane may relay."""
+        for c in self.connections:
+            c.lane_recall()
 
     def _cut_through_min_bytes(self) -> int | None:
         """Answers this large stream to the client (None: none do). Spans that link the traces named
@@ -501,6 +525,10 @@ class ProxyServer:
         finally:
             for s in self._listeners.values():
                 s.close()
+            if self.lane is not None:
+                # Every connection has ended (and given the lane's sockets back): its thread stops.
+                self.merge_lane_counts()
+                self.lane.close()
             if self.keys is not None:
                 with trio.CancelScope(shield=True):
                     await self.keys.kms.aclose()
@@ -623,7 +651,7 @@ class ProxyServer:
                                      else self._completed, ctx, record)
         conn = ClientConnection(cluster.connection, self, transport, session, on_complete=complete,
                                 budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare,
-                                cluster=cluster.name)
+                                cluster=cluster.name, lane=self.lane, on_lane=record.add)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):

@@ -42,6 +42,12 @@ class ClientRecord:
         self.request_bytes += request_bytes
         self.response_bytes += response_bytes
 
+    def add(self, requests: int, request_bytes: int, response_bytes: int) -> None:
+        """Requests the lane relayed for this connection, counted when it gives the connection back."""
+        self.requests += requests
+        self.request_bytes += request_bytes
+        self.response_bytes += response_bytes
+
     def identity(self) -> dict[str, Any]:
         if self.frozen is not None:
             return self.frozen

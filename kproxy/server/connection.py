@@ -19,7 +19,7 @@ import socket
 import struct
 import termios
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -36,6 +36,7 @@ from kproxy.proxy.inflight import CLIENT_GONE, CLOSED, InFlight
 from kproxy.proxy.session import Session
 from kproxy.server.budget import BufferBudget
 from kproxy.server.executor import Executor
+from kproxy.server.handover import lane_api
 from kproxy.server.ordering import ClientGone, ClientWriter, ConnectionClosed, run_clock
 from kproxy.server.splice import Pipe
 from kproxy.server.splice import available as splice_available
@@ -43,6 +44,9 @@ from kproxy.server.stats import ProxyStats
 from kproxy.server.transport import PEEK_NOW, PlainTransport, Transport
 from kproxy.server.upstream import UpstreamSettings
 from kproxy.server.watchdog import watch
+
+if TYPE_CHECKING:                   # the lane is optional (a build without a compiler has none)
+    from kproxy.server.lane import Given, Lane, LaneApi, LaneHandle
 
 log = logging.getLogger("kproxy.server")
 
@@ -60,6 +64,15 @@ CLOSE_GRACE_S = 0.25
 PRE_LOGIN_FRAME_CAP = 256 * 1024
 # ``FrameReader.next_frame`` as a function, its common cases compiled where the accelerator is.
 _next_frame = frame_taker()
+# A connection goes to the lane (``_lane_turn``) after this many requests in a row that the lane
+# would relay: a client that mixes in requests the lane gives back (Metadata between heartbeats)
+# stays on the Python path rather than bouncing (bench/heartbeats.py, docs/architecture.md).
+LANE_AFTER = 3
+# The lane's reasons for giving a connection back that end it, and how (the log reasons the
+# watchdog and the pumps give for the same events).
+_UNSEEN: Any = object()
+_LANE_ENDS = {"idle": "no request for {idle:g}s (limits.idle_timeout_s)",
+              "frame_timeout": "a request frame did not arrive whole within {frame:g}s (limits.frame_timeout_s)"}
 
 
 @attrs.frozen(slots=True)
@@ -105,17 +118,61 @@ Completion = Callable[[InFlight], None]
 class ClientConnection(Executor):
     """One client connection and the broker connection behind it."""
 
-    __slots__ = ("_close_reason", "_drain_reason", "_held", "_linger", "_lose_pending", "_now", "_nursery",
-                 "_partial_frame", "_partial_since", "_pipe", "_pre_login", "_quiet_since", "_readers", "_room",
-                 "_seen_requests", "_splice_ok", "budget", "bytes_in", "bytes_out", "cancel_scope", "client",
-                 "client_gone", "client_reader", "closing", "cluster", "draining", "on_complete", "opened_at",
-                 "prepare", "requests_done", "route_key", "router", "session", "settings", "stats", "unrouted",
-                 "writer")
+    __slots__ = (
+        "_close_reason",
+        "_drain_reason",
+        "_held",
+        "_lane",
+        "_lane_apis",
+        "_lane_fed",
+        "_lane_handle",
+        "_lane_parked",
+        "_lane_resume",
+        "_lane_streak",
+        "_lane_waiter",
+        "_linger",
+        "_lose_pending",
+        "_now",
+        "_nursery",
+        "_partial_frame",
+        "_partial_since",
+        "_pipe",
+        "_pre_login",
+        "_quiet_since",
+        "_readers",
+        "_room",
+        "_seen_requests",
+        "_splice_ok",
+        "_up_park",
+        "budget",
+        "bytes_in",
+        "bytes_out",
+        "cancel_scope",
+        "client",
+        "client_gone",
+        "client_reader",
+        "closing",
+        "cluster",
+        "draining",
+        "on_complete",
+        "on_lane",
+        "opened_at",
+        "prepare",
+        "requests_done",
+        "route_key",
+        "router",
+        "session",
+        "settings",
+        "stats",
+        "unrouted",
+        "writer",
+    )
 
     def __init__(self, settings: ConnectionSettings, router: Router, client: Transport, session: Session,
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
-                 prepare: Callable[[memoryview], Awaitable[None]] | None = None, cluster: str = "default") -> None:
+                 prepare: Callable[[memoryview], Awaitable[None]] | None = None, cluster: str = "default",
+                 lane: Lane | None = None, on_lane: Callable[[int, int, int], None] | None = None) -> None:
         super().__init__()
         self.settings = settings
         self.cluster = cluster                      # the upstream cluster it uses for its life
@@ -163,6 +220,19 @@ class ClientConnection(Executor):
         if self._pre_login:
             self.client_reader.max_frame_size = min(settings.frame_cap, PRE_LOGIN_FRAME_CAP)
             self.client_reader.limit_name = "the frame limit before SASL login (256 KiB)"
+        # The process's lane (kproxy.server.lane), when it may ever take this connection: plain TCP
+        # to the client, none of kproxy's own SASL (the rest is asked at each hand-over, ``_lane_ready``).
+        self._lane = lane if lane is not None and type(client) is PlainTransport and front is None else None
+        self._lane_apis: dict[tuple[int, int], LaneApi | None] = {}  # what the lane may relay, as met
+        self.on_lane = on_lane          # (requests, bytes in, bytes out) the lane relayed, at each give-back
+        self._lane_streak = 0                       # requests in a row the lane would have relayed
+        self._lane_handle: LaneHandle | None = None   # the lane holds both sockets now
+        self._lane_waiter: trio.CancelScope | None = None   # the client pump waits to hand over
+        self._lane_parked: trio.Event | None = None   # set once the upstream pump has let go of the broker
+        # Wakes the parked upstream pump, which then reads ``_lane_fed`` first (None: it ends).
+        self._lane_resume: trio.Event | None = None
+        self._lane_fed: bytes | None = None
+        self._up_park: trio.CancelScope | None = None   # the upstream pump's scope, cancelled to park it
 
     # -- completion
 
@@ -183,6 +253,8 @@ class ClientConnection(Executor):
                           entry.request_bytes, entry.response_bytes)
         if not self._room.is_set():
             self._room.set()
+        if self._lane_waiter is not None and not session.open:
+            self._lane_waiter.cancel()      # idle now: the client pump may hand the connection over
         if self.draining and not session.open:
             self._close_from_task(f"{self._drain_reason} (answered what was in flight)", linger=True)
 
@@ -230,6 +302,8 @@ class ClientConnection(Executor):
                 self.closing = True
                 await self._lingering_close()
         finally:
+            # The lane lets go of both sockets before they close (and what it held comes back).
+            self._lane_detach()
             self.client.close()
             if self.upstream is not None:
                 # A request cut off part-way is never completed: the broker connection holding it goes.
@@ -260,6 +334,11 @@ class ClientConnection(Executor):
         a switch to another upstream cluster: the client reconnects)."""
         self.draining = True
         self._drain_reason = reason
+        if self._lane_handle is not None:
+            # The lane answers what it has in flight and gives the connection back; the client pump
+            # then drains it as any other.
+            self._lane_handle.recall()
+            return
         if not self.session.open:
             self._close_from_task(f"{reason} (nothing in flight)", linger=True)
 
@@ -307,18 +386,31 @@ class ClientConnection(Executor):
                 if reader.release_idle():
                     self._account()
                 await budget.wait_for_room()
-            if reader.chunk_is_large and reader.idle_chunk_is_large and not client.readable_now():
-                # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
-                reader.release_idle()
-                self._account()
-            n = await client.recv_into(reader.recv_buffer())
-            if self.draining and not reader.streaming_left:
+            if self._lane_streak >= LANE_AFTER:
+                # Steady: the lane may take the connection once it is idle; when it gives it back,
+                # the bytes it had read from the client are in the reader.
+                turn = await self._lane_turn(reader)
+                if turn is None:
+                    self._account()
+                    self.client_gone = True
+                    return
+            else:
+                turn = False
+            if not turn:
+                if reader.chunk_is_large and reader.idle_chunk_is_large and not client.readable_now():
+                    # Going idle: give a grown receive chunk back before waiting (a peek, not a copy).
+                    reader.release_idle()
+                    self._account()
+                n = await client.recv_into(reader.recv_buffer())
+                if self.draining and not reader.streaming_left:
+                    break
+                if n == 0:
+                    self._account()
+                    self.client_gone = True
+                    return
+                reader.received(n)
+            elif self.draining and not reader.streaming_left:
                 break
-            if n == 0:
-                self._account()
-                self.client_gone = True
-                return
-            reader.received(n)
             min_bytes = session.stream_min_bytes
             stream_from = min_bytes if min_bytes is not None else STREAM_NONE
             while True:
@@ -340,6 +432,8 @@ class ClientConnection(Executor):
                         self._room = trio.Event()
                 if self.prepare is not None:
                     await self.prepare(frame)
+                if self._lane is not None:
+                    self._lane_count(frame)
                 actions = session.client_frame(frame)
                 if len(actions) == 1 and type(actions[0]) is ToUpstream:
                     # A request forwarded (nearly always): to the broker without the executor's loop.
@@ -364,6 +458,210 @@ class ClientConnection(Executor):
             await self._room.wait()
         self._linger = True
         raise ConnectionClosed(f"{self._drain_reason} (answered what was in flight)")
+
+    # -- the lane (kproxy.server.lane): a steady connection relayed without the event loop
+
+    @property
+    def laned(self) -> bool:
+        """Whether the lane holds the connection now (for the lane's gauge)."""
+        return self._lane_handle is not None
+
+    def lane_recall(self) -> None:
+        """Have the lane give the connection back before it relays another request (a rules reload:
+        what the lane relays was worked out under the old rules)."""
+        self._lane_apis.clear()
+        if self._lane_handle is not None:
+            self._lane_handle.recall()
+
+    def _lane_count(self, frame: memoryview) -> None:
+        """Count a request the lane would have relayed (its api version is in the lane's table)."""
+        if len(frame) < 8:
+            self._lane_streak = 0
+            return
+        pair = (frame[0] << 8 | frame[1], frame[2] << 8 | frame[3])
+        apis = self._lane_apis
+        api = apis.get(pair, _UNSEEN)
+        if api is _UNSEEN:
+            got = self.session.lane_programs(*pair)
+            api = apis[pair] = lane_api(got) if got is not None else None
+        self._lane_streak = self._lane_streak + 1 if api is not None else 0
+
+    def _lane_ready(self) -> bool:
+        """Whether nothing but the lane's own work would happen to the connection's frames now, in
+        flight requests aside (``_lane_turn`` waits for those)."""
+        session = self.session
+        upstream = self.upstream
+        return (type(upstream) is PlainTransport and upstream.login is None and self._up_park is not None
+                and not self.draining and not self.closing and not self._pre_login and self.unrouted is None
+                and not self._holding and not self._lose_pending and self._login_answers is None
+                and not self._up_locked and self._pipe is None and session.throttle_until == 0.0
+                and session.asking is None and session.streaming is None and session.streaming_up is None
+                and session.idle_for_lane and not self.client_reader.streaming_left)
+
+    async def _lane_turn(self, reader: FrameReader) -> bool | None:
+        """Hand the connection to the lane once it is idle, and take it back: True when it went and
+        came back (the client's unread bytes are in ``reader``), False when it did not go (read the
+        client as usual), None when the client closed it meanwhile. Ending reasons raise as the
+        pumps and the watchdog would."""
+        session = self.session
+        writer = self.writer
+        if not self._lane_ready():
+            return False
+        if session.open or writer.pending or writer.writing:
+            # Wait for the answers owed, unless the client sends first (then it is read as usual).
+            with trio.CancelScope() as waiter:
+                self._lane_waiter = waiter
+                try:
+                    await trio.lowlevel.wait_readable(self.client.raw)      # type: ignore[attr-defined]
+                finally:
+                    self._lane_waiter = None
+            if not waiter.cancelled_caught or not self._lane_ready():
+                return False
+            if session.open or writer.pending or writer.writing:
+                return False
+        park = self._up_park
+        if park is None:
+            return False
+        # The upstream pump lets go of the broker's socket first (it waits for the give-back).
+        parked = self._lane_parked = trio.Event()
+        park.cancel()
+        await parked.wait()
+        if self._lane_resume is None:
+            return False        # it ended instead (the broker connection was lost)
+        client_bytes = reader.take_buffered()
+        upstream = self.upstream
+        assert self._lane is not None
+        if (client_bytes is None or len(client_bytes) > self._lane.max_frame + 4 or upstream is None
+                or not self._lane_ready() or session.open or writer.pending or writer.writing):
+            if client_bytes:
+                reader.feed(client_bytes)
+            self._upstream_resume(b"")
+            return False
+        if reader.release_idle():
+            self._account()
+        s = self.settings
+        client_id = session.ctx.client_id
+        try:
+            handle = self._lane.adopt(
+                self.client.raw.fileno(), upstream.raw.fileno(),      # type: ignore[attr-defined]
+                table={pair: api for pair, api in self._lane_apis.items() if api is not None},
+                next_correlation_id=session.next_correlation_id, client_bytes=client_bytes,
+                client_id=client_id.encode("utf-8", "surrogateescape") if client_id is not None else None,
+                max_in_flight=s.max_in_flight, request_timeout_s=s.request_timeout_s,
+                idle_timeout_s=s.idle_timeout_s, frame_timeout_s=s.frame_timeout_s)
+        except BaseException:
+            reader.feed(client_bytes)
+            self._upstream_resume(b"")
+            raise
+        self._lane_handle = handle
+        try:
+            await trio.lowlevel.wait_readable(handle.fd)
+        except BaseException:
+            # Cancelled (the connection ends): the lane lets go at once, and what it held comes back.
+            self._lane_detach()
+            raise
+        if self._lane_handle is not handle:
+            # Detached by another task, which is closing the connection: end here.
+            await trio.lowlevel.checkpoint()
+            return False
+        self._lane_handle = None
+        given = handle.take()
+        self._lane_restore(given)
+        return await self._lane_back(given)
+
+    def _lane_restore(self, given: Given) -> None:
+        """What the lane did and holds, back in the session, the connection and its readers."""
+        session = self.session
+        now = self._now()
+        client_id = given.client_id
+        session.lane_returned(given.in_flight, given.next_correlation_id, given.requests,
+                              client_id.decode("utf-8", "surrogateescape") if client_id is not None else None,
+                              now, self.connected_to)
+        self.requests_done += given.requests
+        self.bytes_in += given.bytes_in
+        self.bytes_out += given.bytes_out
+        if self.on_lane is not None and given.requests:
+            self.on_lane(given.requests, given.bytes_in, given.bytes_out)
+        self._quiet_since = now - given.quiet_s
+        self._seen_requests = session.requests
+        self._partial_frame = None
+        if given.client_bytes:
+            self.client_reader.feed(given.client_bytes)
+        self._lane_fed = given.broker_bytes
+        self._lane_streak = 0       # back to the Python path for LANE_AFTER requests at least
+        if self.stats is not None:
+            self.stats.lane_given_back[given.reason] = self.stats.lane_given_back.get(given.reason, 0) + 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("connection %d: the lane gave the connection back (%s: %s) after %d requests, "
+                      "%d in flight", session.ctx.connection_id, given.reason, safe(given.detail),
+                      given.requests, len(given.in_flight))
+        self._account()
+
+    def _lane_detach(self) -> None:
+        """The lane lets go of both sockets now (they are about to close); what it held comes back."""
+        handle = self._lane_handle
+        if handle is not None:
+            self._lane_handle = None
+            self._lane_restore(handle.detach())
+
+    async def _lane_back(self, given: Given) -> bool | None:
+        """Go on after the lane gave the connection back, by its reason (``_lane_turn``)."""
+        reason = given.reason
+        s = self.settings
+        if reason == "client_closed":
+            return None
+        if reason == "client_error":
+            raise OSError(given.detail)
+        ends = _LANE_ENDS.get(reason)
+        if ends is not None:
+            raise ConnectionClosed(ends.format(idle=s.idle_timeout_s, frame=s.frame_timeout_s))
+        if given.client_out:
+            # Answers the lane had queued for the client go before any other.
+            await self.client.send([given.client_out])
+        if reason in ("broker_closed", "broker_error"):
+            # As the upstream pump meets it: what was in flight gets retriable errors, the next
+            # request reconnects.
+            self._upstream_resume(None)
+            await self._upstream_lost("broker closed the connection" if reason == "broker_closed"
+                                      else given.detail)
+            return True
+        if given.broker_out and self.upstream is not None:
+            # Requests the lane had queued for the broker (in flight already) go before any other.
+            try:
+                await self.upstream.send([given.broker_out])
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                self._upstream_resume(None)
+                await self._upstream_lost(f"send failed: {e!r}")
+                return True
+        fed, self._lane_fed = self._lane_fed, None
+        self._upstream_resume(fed if fed is not None else b"")
+        if reason == "recalled":
+            self._lane_apis.clear()         # worked out again under the rules in force now
+        elif reason == "request_timeout" and self._nursery is not None and not self._lose_pending:
+            # The watchdog's handling of a broker that stopped answering.
+            late = self._overdue(self._now())
+            if late is not None:
+                self._lose_pending = True
+                self._nursery.start_soon(self._lose_overdue, late)
+        return True
+
+    async def _upstream_parked(self) -> bytes | None:
+        """The upstream pump, parked while the lane holds the broker connection: the broker's bytes
+        the lane left when it gives it back (read first), or None when the pump is to end."""
+        self._lane_resume = resume = trio.Event()
+        parked, self._lane_parked = self._lane_parked, None
+        if parked is not None:
+            parked.set()
+        await resume.wait()
+        fed, self._lane_fed = self._lane_fed, None
+        return fed
+
+    def _upstream_resume(self, fed: bytes | None) -> None:
+        """Wake the parked upstream pump: ``fed`` (the broker's bytes to read first), or None to end it."""
+        self._lane_fed = fed
+        resume, self._lane_resume = self._lane_resume, None
+        if resume is not None:
+            resume.set()
 
     # -- cut-through: a large request streamed to the broker while it arrives
 
@@ -414,47 +712,61 @@ class ClientConnection(Executor):
         session = self.session
         writer = self.writer
         counted = -1        # the reader's held bytes when last accounted for
+        fed: bytes | None = None        # the broker's bytes the lane left, read before the socket
+        park: trio.CancelScope | None = None
         try:
             while True:
-                if reader.chunk_is_large and reader.idle_chunk_is_large and not upstream.readable_now():
-                    reader.release_idle()
-                    self._account()
-                n = await upstream.recv_into(reader.recv_buffer())
-                if n == 0:
-                    raise ConnectionError("broker closed the connection")
-                reader.received(n)
-                min_bytes = session.stream_min_bytes
-                stream_from = min_bytes if min_bytes is not None else STREAM_NONE
-                while True:
-                    frame = _next_frame(reader, stream_from)
-                    if frame is STREAMS:
-                        # A large answer starting (or going on) here may go out as it arrives (one
-                        # too small to stream costs no coroutine).
-                        await self._stream_pieces(reader, upstream)
-                        frame = _next_frame(reader, 0)
-                    if frame is None:
-                        break
-                    if self._login_answers is not None and _I32.unpack_from(frame, 0)[0] in self._login_ids:
-                        # An answer to kproxy's own re-authentication: never the client's business.
-                        self._login_answers.send_nowait(bytes(frame))
-                        continue
-                    # Answers queue up across the frames of one read and go out in one write.
-                    actions = session.upstream_frame(frame)
-                    if len(actions) == 1 and type(actions[0]) is ToClient and actions[0].buffers:
-                        # An answer (nearly always): queued as the executor would, without its loop.
-                        writer.put(actions[0].buffers, actions[0].done)
-                    else:
-                        await self._execute(actions, flush=False)
-                    if self._settle is not None:
-                        self._settled()
-                    if self.unrouted is not None and not session.in_flight:
-                        await self.writer.flush()    # what is owed goes out before a reconnect
-                        self._check_route()
-                if writer.pending:
-                    await writer.flush()
-                if reader.held_bytes != counted or self._pipe is not None:
-                    counted = reader.held_bytes
-                    self._account()
+                # A scope per hand-over to the lane, not per answer: cancelled, it parks this pump.
+                with trio.CancelScope() as park:
+                    self._up_park = park
+                    while True:
+                        if fed is not None:
+                            reader.feed(fed)
+                            fed = None
+                        else:
+                            if reader.chunk_is_large and reader.idle_chunk_is_large and not upstream.readable_now():
+                                reader.release_idle()
+                                self._account()
+                            n = await upstream.recv_into(reader.recv_buffer())
+                            if n == 0:
+                                raise ConnectionError("broker closed the connection")
+                            reader.received(n)
+                        min_bytes = session.stream_min_bytes
+                        stream_from = min_bytes if min_bytes is not None else STREAM_NONE
+                        while True:
+                            frame = _next_frame(reader, stream_from)
+                            if frame is STREAMS:
+                                # A large answer starting (or going on) here may go out as it arrives (one
+                                # too small to stream costs no coroutine).
+                                await self._stream_pieces(reader, upstream)
+                                frame = _next_frame(reader, 0)
+                            if frame is None:
+                                break
+                            if self._login_answers is not None and _I32.unpack_from(frame, 0)[0] in self._login_ids:
+                                # An answer to kproxy's own re-authentication: never the client's business.
+                                self._login_answers.send_nowait(bytes(frame))
+                                continue
+                            # Answers queue up across the frames of one read and go out in one write.
+                            actions = session.upstream_frame(frame)
+                            if len(actions) == 1 and type(actions[0]) is ToClient and actions[0].buffers:
+                                # An answer (nearly always): queued as the executor would, without its loop.
+                                writer.put(actions[0].buffers, actions[0].done)
+                            else:
+                                await self._execute(actions, flush=False)
+                            if self._settle is not None:
+                                self._settled()
+                            if self.unrouted is not None and not session.in_flight:
+                                await self.writer.flush()    # what is owed goes out before a reconnect
+                                self._check_route()
+                        if writer.pending:
+                            await writer.flush()
+                        if reader.held_bytes != counted or self._pipe is not None:
+                            counted = reader.held_bytes
+                            self._account()
+                # Parked: the lane holds the broker connection until it gives it back.
+                fed = await self._upstream_parked()
+                if fed is None:
+                    return      # the broker connection ended meanwhile
         except (OSError, FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             if isinstance(e, FrameError) and self.stats is not None:
                 self.stats.decode_errors["response"] += 1
@@ -466,6 +778,10 @@ class ClientConnection(Executor):
         except ConnectionClosed as e:
             self._closed(e)
         finally:
+            if self._up_park is park:
+                self._up_park = None
+            if self._lane_parked is not None:
+                self._lane_parked.set()     # the client pump waits for it to park: it ended instead
             self._readers.remove(reader)
             self._account()
 
@@ -567,6 +883,7 @@ class ClientConnection(Executor):
         client's socket is closed gracefully (``_lingering_close``) rather than at once."""
         self._close_reason = reason
         self.closing = True
+        self._lane_detach()
         if linger:
             self._linger = True
         else:
@@ -623,8 +940,9 @@ class ClientConnection(Executor):
     def check(self, now: float) -> None:
         """Look at this connection's timeouts: a broker that stopped answering, a login not finished,
         a frame arriving too slowly, a client idle too long."""
-        if self._lose_pending or (self.cancel_scope is not None and self.cancel_scope.cancel_called):
-            return
+        if (self._lose_pending or self._lane_handle is not None
+                or (self.cancel_scope is not None and self.cancel_scope.cancel_called)):
+            return      # (the lane keeps the same timeouts while it holds the connection)
         s = self.settings
         session = self.session
         reader = self.client_reader

@@ -37,6 +37,8 @@ class ProxyStats:
         self.opened_by_listener: dict[str, int] = {}
         self.decode_errors = {"request": 0, "response": 0}
         self.upstream_connect_failures: dict[str, int] = {}
+        # Connections the lane gave back, by its reason (kproxy.server.lane).
+        self.lane_given_back: dict[str, int] = {}
         self._random = random.Random(seed)
         self._by_key: dict[int, ApiStats] = {}      # the same ApiStats by api key, read per request
 
@@ -61,6 +63,31 @@ class ProxyStats:
             j = self._random.randrange(s.count)
             if j < self.SAMPLE:
                 s.latencies[j] = latency
+
+    def add_relayed(self, api_key: int, count: int, request_bytes: int, response_bytes: int, latency_sum: float,
+                    latencies: tuple[float, ...]) -> None:
+        """Requests the lane relayed (``kproxy.server.handover.merge_counts``): counts and sums whole,
+        latencies from the lane's own uniform sample, each value standing for count/len of them."""
+        s = self._by_key.get(api_key)
+        if s is None:
+            name = api_name(api_key)
+            s = self.apis.get(name)
+            if s is None:
+                s = self.apis[name] = ApiStats()
+            self._by_key[api_key] = s
+        s.request_bytes += request_bytes
+        s.response_bytes += response_bytes
+        s.latency_sum += latency_sum
+        step = count // len(latencies) if latencies else count
+        for latency in latencies:
+            s.count += step
+            if len(s.latencies) < self.SAMPLE:
+                s.latencies.append(latency)
+            else:
+                j = self._random.randrange(s.count)
+                if j < self.SAMPLE:
+                    s.latencies[j] = latency
+        s.count += count - step * len(latencies)
 
     def opened(self, listener: str) -> None:
         self.connections_total += 1

@@ -85,6 +85,21 @@ class Histogram:
         self.fold()
         return self._sum
 
+    def add_sampled(self, values: Sequence[float], count: int, total: float) -> None:
+        """``count`` values of sum ``total`` known by a uniform sample of them (the lane's): the count
+        and sum exact, the buckets each sampled value's share of the count."""
+        if not values:
+            self._buckets[-1] += count
+            self._count += count
+            self._sum += total
+            return
+        base, extra = divmod(count, len(values))
+        buckets = self._buckets
+        for i, value in enumerate(values):
+            buckets[bisect.bisect_left(BUCKETS, value)] += base + (i < extra)
+        self._count += count
+        self._sum += total
+
     def cumulative(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
         total = 0
@@ -165,12 +180,35 @@ class Metrics(Collector):
         self.clients = Capped(self.cfg.label_cap) if self.cfg.client_labels else None
         self.topics = Capped(self.cfg.label_cap) if self.cfg.topic_labels else None
         self._readers: list[Reader] = []
+        self._refreshers: list[Callable[[], None]] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
     def add_reader(self, reader: Reader) -> None:
         """Families read at scrape time from another object."""
         self._readers.append(reader)
+
+    def add_refresher(self, refresh: Callable[[], None]) -> None:
+        """Called at the start of every scrape, to bring the counts up to date (the lane's)."""
+        self._refreshers.append(refresh)
+
+    def add_relayed(self, api: str, count: int, request_bytes: int, response_bytes: int, duration_sum: float,
+                    durations: Sequence[float], throttle_ms: int) -> None:
+        """Requests the lane relayed, in bulk (``kproxy.server.handover.merge_counts``): forwarded,
+        their answers stored whole; their durations from the lane's sample (no broker or added
+        duration: the lane does not time the two apart)."""
+        c = self.apis.get(api)
+        if c is None:
+            c = self.apis[api] = ApiCounters()
+        c.requests += count
+        c.request_bytes += request_bytes
+        c.response_bytes += response_bytes
+        c.duration.fold()
+        c.duration.add_sampled(durations, count, duration_sum)
+        c.outcomes["forwarded"] = c.outcomes.get("forwarded", 0) + count
+        c.paths[STORED] = c.paths.get(STORED, 0) + count
+        if throttle_ms > 0:
+            self.throttle_seconds["broker"] = self.throttle_seconds.get("broker", 0.0) + throttle_ms / 1000
 
     # -- per request (the event loop)
 
@@ -266,6 +304,8 @@ class Metrics(Collector):
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
+        for refresh in self._refreshers:
+            refresh()
         apis = sorted(self.apis.items())
         yield _counter("kproxy_requests", "Requests completed, by API.", ["api"],
                        {(a,): c.requests for a, c in apis})
@@ -404,6 +444,16 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
                  {(d,): decode_errors.get(d, 0) for d in ("request", "response")}),
         _counter("kproxy_upstream_connect_failures", "Failed connection attempts to brokers, by broker.",
                  ["broker"], {(k,): v for k, v in upstream_failures.items()}),
+    ]
+
+
+def lane_families(laned: int, given_back: Mapping[str, int]) -> list[Metric]:
+    return [
+        GaugeMetricFamily("kproxy_lane_connections", "Client connections the lane holds now (relayed without "
+                          "the event loop).", value=laned),
+        _counter("kproxy_lane_given_back", "Connections the lane gave back to the event loop, by reason (frame, "
+                 "recalled, bad_answer, request_timeout, client_closed, broker_closed, idle, ...).", ["reason"],
+                 {(k,): v for k, v in given_back.items()}),
     ]
 
 

@@ -274,6 +274,7 @@ def test_config_and_rules_endpoints(tel: Telemetered) -> None:
     cfg = json.loads(body)
     assert cfg["traffic_log"]["dir"] == str(tel.log_dir)
     assert cfg["admin"]["listen"] == tel.admin
+    assert cfg["lane"] == "auto"
     status, body = tel.get("/rules")
     assert status == 200
     rules = json.loads(body)

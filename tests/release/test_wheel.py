@@ -85,10 +85,12 @@ def test_the_wheel_holds_the_data_files_and_the_accelerator(dist: Path):
     assert {f"kproxy/protocol/schema/{p.name}" for p in schema_dir.glob("*.kschema")} <= set(names)
     assert "kproxy/telemetry/traffic_log.schema.json" in names
     assert any(n.startswith("kproxy/protocol/_accel.") and n.endswith(".so") for n in names), names
+    assert any(n.startswith("kproxy/server/_lane.") and n.endswith(".so") for n in names), names
     assert not [n for n in names if n.endswith(".c") or n.startswith("tests/")]
     (sdist,) = dist.glob("*.tar.gz")
     with tarfile.open(sdist) as tar:
         assert f"{FILE_PREFIX}-{kproxy.__version__}/kproxy/protocol/_accel.c" in tar.getnames()
+        assert f"{FILE_PREFIX}-{kproxy.__version__}/kproxy/server/_lane.c" in tar.getnames()
 
 
 def test_the_wheel_and_the_sdist_carry_the_license_text(dist: Path):
@@ -170,6 +172,7 @@ def test_a_wheel_built_without_a_compiler_runs_in_pure_python(dist: Path, venv: 
     built = run([sys.executable, "-m", "build", "--wheel", "--outdir", tmp_path / "nocc", src], cwd=tmp_path,
                 env=clean_env(CC=str(tmp_path / "no-compiler-here")))
     assert 'building extension "kproxy.protocol._accel" failed' in built.stdout + built.stderr
+    assert 'building extension "kproxy.server._lane" failed' in built.stdout + built.stderr
     (wheel,) = (tmp_path / "nocc").glob("*.whl")
     assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")]
     bare = tmp_path / "venv"
@@ -184,9 +187,11 @@ def test_a_wheel_built_without_a_compiler_runs_in_pure_python(dist: Path, venv: 
         cwd=tmp_path, env=clean_env())
     out = run([bare / "bin/kproxy", "decode", "-"], cwd=tmp_path, env=clean_env(), stdin=API_VERSIONS_FRAME)
     assert '"api": "api_versions"' in out.stdout
-    said = run([bare / "bin/python", "-c", "import kproxy, kproxy.protocol.compiler as c; "
-                "print(kproxy.__file__); print(c.codec_implementation()); print(c.accelerator_warning())"],
+    said = run([bare / "bin/python", "-c", "import kproxy, kproxy.protocol.compiler as c, kproxy.server.lane as l; "
+                "print(kproxy.__file__); print(c.codec_implementation()); print(c.accelerator_warning()); "
+                "print(l.AVAILABLE)"],
                cwd=tmp_path, env=clean_env()).stdout.splitlines()
     assert Path(said[0]).is_relative_to(bare), said
     assert said[1] == "generated Python (accelerator not built)"
     assert "no kproxy.protocol._accel extension" in said[2] and "circular" not in said[2]
+    assert said[3] == "False"       # no lane: nothing is handed to it

@@ -312,6 +312,7 @@ HEADER = 'listen: "127.0.0.1:9092"\nupstream:\n  bootstrap_servers: ["kafka:9092
         (HEADER + "mode: sidekick\n", 4, "mode: must be one of gateway, sidecar; got 'sidekick'"),
         (HEADER + "exposure:\n  mode: sin\n", 5, "got 'sin' (did you mean 'sni'?)"),
         (HEADER + "log_level: loud\n", 4, "log_level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL; got 'LOUD'"),
+        (HEADER + "lane: fast\n", 4, "lane: must be one of auto, off; got 'fast'"),
         # broker ports
         (HEADER + "exposure:\n  broker_port_start: 9050\n", 5,
          "exposure.broker_port_start: broker ports 9050..9113 include the listen port 9092"),
@@ -336,6 +337,12 @@ def test_errors_name_file_line_and_reason(tmp_path: Path, text: str, line: int, 
     err = load_error(tmp_path, text)
     assert reason in err.reason
     assert err.line == line, str(err)
+
+
+def test_lane_is_auto_unless_turned_off_and_a_bare_off_is_the_word(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, HEADER)).lane == "auto"
+    assert load_config(write(tmp_path, HEADER + "lane: off\n")).lane == "off"
+    assert load_config(write(tmp_path, HEADER + "lane: AUTO\n")).lane == "auto"
 
 
 def test_tls_files_must_exist_and_the_error_points_at_that_key(tmp_path: Path) -> None:

@@ -1,0 +1,306 @@
+"""Connections handed to the lane and taken back (kproxy.server.lane), with real clients on tansu:
+the lane's path counters show it adopted connections and relayed their requests, and what clients
+get, what metrics count, a lost broker, a drain, a rules reload and a frame the lane does not take
+are what the Python path gives. Skipped as a whole only where the lane is not built."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import confluent_kafka.admin
+import kafka
+import pytest
+import trio
+
+from kproxy.protocol.messages import body_class
+from kproxy.server import lane
+from kproxy.server.connection import LANE_AFTER
+from tests.e2e.proxied import start_proxy
+from tests.e2e.relay import Relay
+from tests.e2e.tansu import Tansu, TansuBroker, free_port, unique_name
+from tests.e2e.wire import Wire
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(not lane.AVAILABLE, reason="the lane is not built in this installation")]
+
+TIMEOUT = 30.0
+FETCH, LIST_OFFSETS = 1, 2
+NOT_LEADER_OR_FOLLOWER = 6
+
+
+def list_offsets(w: Wire, correlation_id: int, topic: str = "t") -> Any:
+    lo = body_class(LIST_OFFSETS, "request")
+    w.send(LIST_OFFSETS, 7, correlation_id, lo(replica_id=-1, topics=[lo.ListOffsetsTopic(name=topic, partitions=[
+        lo.ListOffsetsPartition(partition_index=0, timestamp=-1)])]))
+    return w.receive(LIST_OFFSETS, 7)
+
+
+def counts() -> dict[str, int]:
+    adopted, given_back, requests, answers = lane.path_counts()
+    return {"adopted": adopted, "given_back": given_back, "requests": requests, "answers": answers}
+
+
+def moved(before: dict[str, int]) -> dict[str, int]:
+    now = counts()
+    return {k: now[k] - before[k] for k in now}
+
+
+def scrape(admin: str) -> dict[str, float]:
+    """Every sample of a kproxy's /metrics, by its line's name and labels (the virtual_cluster label left out)."""
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name.replace('virtual_cluster="default",', "").replace(',virtual_cluster="default"', "")
+                    .replace('{virtual_cluster="default"}', "")] = float(value)
+    return out
+
+
+def wait_for(predicate: Any, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:g}s")
+        time.sleep(0.02)
+
+
+# -- the lane takes a steady connection, and metrics count what it relayed
+
+
+def test_metrics_count_every_request_the_lane_relayed(broker: TansuBroker) -> None:
+    admin = f"127.0.0.1:{free_port()}"
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1", admin={"listen": admin}) as p:
+        w = Wire(p.bootstrap)
+        before = counts()
+        n = 40
+        for i in range(n):
+            assert list_offsets(w, 10 + i).correlation_id == 10 + i
+        lane_moved = moved(before)
+        metrics = scrape(admin)
+        w.close()
+        # /clients counts them too, once the lane gives the closed connection back.
+        wait_for(lambda: p.server.clients.recent, "the connection closed")
+        row = p.server.clients.recent[-1].row()
+    assert (row["requests"], row["request_bytes"] > 0) == (n, True)
+    assert lane_moved["adopted"] == 1
+    # All but the first LANE_AFTER went through the lane (the last answer may still be on its way).
+    assert lane_moved["requests"] == n - LANE_AFTER
+    assert metrics['kproxy_requests_total{api="list_offsets"}'] == n
+    assert metrics['kproxy_request_duration_seconds_count{api="list_offsets"}'] == n
+    assert metrics['kproxy_lane_connections'] == 1
+
+
+def test_lane_off_takes_nothing(broker: TansuBroker) -> None:
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1", lane="off") as p:
+        assert p.server.lane is None
+        w = Wire(p.bootstrap)
+        before = counts()
+        for i in range(10):
+            assert list_offsets(w, i).correlation_id == i
+        w.close()
+    assert moved(before) == {"adopted": 0, "given_back": 0, "requests": 0, "answers": 0}
+
+
+def produce_and_group(bootstrap: str, topic: str, n: int) -> tuple[list[bytes], list[bytes]]:
+    """A confluent-kafka producer with linger.ms=0 writes ``n`` records one by one while a
+    kafka-python consumer group member reads them and heartbeats while idle; (acknowledged, read)."""
+    acked: list[bytes] = []
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "linger.ms": 0, "acks": "all",
+                                         "topic.metadata.refresh.interval.ms": 1000})
+    consumer = kafka.KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=unique_name("lane-g"),
+                                   auto_offset_reset="earliest", session_timeout_ms=6000,
+                                   heartbeat_interval_ms=200, max_poll_interval_ms=6000,
+                                   fetch_max_wait_ms=100)
+    read: list[bytes] = []
+    try:
+        for i in range(n):
+            producer.produce(topic, value=b"v%04d" % i,
+                             on_delivery=lambda err, msg: acked.append(msg.value()) if err is None else None)
+            producer.flush(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while len(read) < n and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200).values():
+                read.extend(r.value for r in records)
+        # Idle for a while: only heartbeats (and empty fetches) go by.
+        idle_until = time.monotonic() + 2.0
+        while time.monotonic() < idle_until:
+            consumer.poll(timeout_ms=200)
+    finally:
+        consumer.close()
+    return sorted(acked), sorted(read)
+
+
+def test_real_clients_get_the_same_with_the_lane_as_without(broker: TansuBroker) -> None:
+    results = {}
+    for setting in ("off", "auto"):
+        topic = unique_name(f"lane-{setting}")
+        with start_proxy(broker.bootstrap, advertised_host="127.0.0.1", lane=setting) as p:
+            before = counts()
+            results[setting] = produce_and_group(p.bootstrap, topic, 60)
+            results[setting + " moved"] = moved(before)       # type: ignore[assignment]
+    expected = sorted(b"v%04d" % i for i in range(60))
+    assert results["off"] == results["auto"] == (expected, expected)
+    assert results["off moved"]["adopted"] == 0
+    on = results["auto moved"]
+    # The producer's and the group member's connections were adopted, and the lane relayed requests
+    # (Produce with linger.ms=0, heartbeats while idle) and their answers.
+    assert on["adopted"] >= 2 and on["requests"] >= 20 and on["answers"] >= 20
+
+
+# -- the lane gives the connection back
+
+
+def test_a_broker_lost_while_laned_gives_retriable_errors_and_the_client_recovers(tansu_binary: str) -> None:
+    relay_port = free_port()
+    with Tansu(tansu_binary, advertised=("127.0.0.1", relay_port)) as tansu:
+        relay = Relay(("127.0.0.1", tansu.port), relay_port)
+        relay.start()
+        try:
+            with start_proxy(relay.bootstrap, advertised_host="127.0.0.1") as p:
+                w = Wire(p.bootstrap)
+                before = counts()
+                for i in range(LANE_AFTER + 2):
+                    assert list_offsets(w, i).correlation_id == i
+                assert moved(before)["adopted"] == 1
+                # A request in flight in the lane when the broker goes away.
+                relay.hung.set()
+                lo = body_class(LIST_OFFSETS, "request")
+                w.send(LIST_OFFSETS, 7, 100, lo(replica_id=-1, topics=[lo.ListOffsetsTopic(name="t", partitions=[
+                    lo.ListOffsetsPartition(partition_index=0, timestamp=-1)])]))
+                wait_for(lambda: moved(before)["requests"] >= 3, "request relayed by the lane")
+                relay.stop()
+                answer = w.receive(LIST_OFFSETS, 7)
+                assert answer.correlation_id == 100
+                assert answer.body.topics[0].partitions[0].error_code == NOT_LEADER_OR_FOLLOWER
+                assert moved(before)["given_back"] == 1
+                relay.hung.clear()
+                _restart(relay)
+                # The next request reconnects, on the same client connection.
+                assert list_offsets(w, 101).body.topics[0].partitions[0].error_code != NOT_LEADER_OR_FOLLOWER
+                w.close()
+        finally:
+            relay.stop()
+
+
+def fetch(w: Wire, correlation_id: int, topic: str, wait_ms: int) -> None:
+    """Send a Fetch v12 of partition 0 from offset 0 that the broker may hold for ``wait_ms``."""
+    cls = body_class(FETCH, "request")
+    w.send(FETCH, 12, correlation_id, cls(replica_id=-1, max_wait_ms=wait_ms, min_bytes=1, max_bytes=1 << 20,
+                                          topics=[cls.FetchTopic(topic=topic, partitions=[cls.FetchPartition(
+                                              partition=0, fetch_offset=0, partition_max_bytes=1 << 20)])]))
+
+
+def test_drain_answers_what_the_lane_has_in_flight_then_closes(broker: TansuBroker) -> None:
+    topic = unique_name("lane-drain")
+    admin = confluent_kafka.admin.AdminClient({"bootstrap.servers": broker.bootstrap})
+    admin.create_topics([confluent_kafka.admin.NewTopic(topic, 1, 1)])[topic].result(TIMEOUT)
+    p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1")
+    try:
+        w = Wire(p.bootstrap)
+        before = counts()
+        for i in range(LANE_AFTER + 1):
+            fetch(w, i, topic, 0)
+            assert w.receive(FETCH, 12).correlation_id == i
+        assert moved(before)["adopted"] == 1
+        # An empty topic: the broker holds this one for its max wait, in flight in the lane.
+        fetch(w, 50, topic, 1500)
+        wait_for(lambda: moved(before)["requests"] >= 2, "request relayed by the lane")
+        started = time.monotonic()
+        errors: list[BaseException] = []
+
+        def drain() -> None:
+            try:
+                p.drain(20.0)
+            except BaseException as e:     # reported below, with the test's own assertions
+                # (The drain ends the embedded proxy's run, which cancels the call that asked for it.)
+                if not (isinstance(e, BaseExceptionGroup) and e.split(trio.Cancelled)[1] is None):
+                    errors.append(e)
+
+        drained = threading.Thread(target=drain)
+        drained.start()
+        answer = w.receive(FETCH, 12)
+        assert answer.correlation_id == 50 and answer.body.error_code == 0
+        assert w.read_frame() is None       # then the connection closed
+        drained.join(TIMEOUT)
+        assert not drained.is_alive()
+        assert [repr(e) for e in errors] == []
+        # Recalled from the lane once answered, and closed gracefully, not at the drain timeout.
+        assert time.monotonic() - started < 10
+        assert moved(before)["given_back"] == 1
+        w.close()
+    finally:
+        p.stop()
+
+
+def test_a_rules_reload_reaches_a_laned_connection_before_its_next_request(broker: TansuBroker,
+                                                                         tmp_path: Path) -> None:
+    topic = unique_name("lane-rules")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("default: allow\n")
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1", rules=[str(rules)]) as p:
+        p.server.rules_poll_interval_s = 3600.0     # reloaded below, by hand
+        w = Wire(p.bootstrap)
+        before = counts()
+        for i in range(LANE_AFTER + 3):
+            assert list_offsets(w, i, topic).correlation_id == i
+        assert moved(before)["adopted"] == 1
+        rules.write_text(f"rules: [{{name: no-{topic}, match: {{topic: {topic}}}, action: deny}}]\n")
+        assert p.call(lambda: p.server.reload_rules("test"))
+        after = counts()
+        for i in range(100, 100 + LANE_AFTER + 3):
+            answer = list_offsets(w, i, topic)
+            assert answer.correlation_id == i
+            assert answer.body.topics[0].partitions[0].error_code == 29      # TOPIC_AUTHORIZATION_FAILED
+        # A rule addresses ListOffsets now: the lane takes the connection no more.
+        assert moved(after)["adopted"] == 0
+        w.close()
+
+
+def test_a_frame_the_lane_does_not_take_in_a_laned_produce_loop(broker: TansuBroker) -> None:
+    admin = f"127.0.0.1:{free_port()}"
+    topic = unique_name("lane-mix")
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1", admin={"listen": admin}) as p:
+        w = Wire(p.bootstrap)
+        before = counts()
+        for i in range(30):
+            # Metadata (which the lane gives back: topic names are learned from it) every 10 requests.
+            if i % 10 == 9:
+                assert w.metadata(1000 + i).correlation_id == 1000 + i
+            else:
+                assert list_offsets(w, i, topic).correlation_id == i
+        lane_moved = moved(before)
+        metrics = scrape(admin)
+        w.close()
+    assert lane_moved["adopted"] == 3 and lane_moved["given_back"] == 3
+    assert metrics['kproxy_lane_given_back_total{reason="frame"}'] == 3
+    assert metrics['kproxy_requests_total{api="list_offsets"}'] == 27
+    assert metrics['kproxy_requests_total{api="metadata"}'] == 3
+
+
+def _restart(relay: Relay) -> None:
+    """Listen again: the address is free once the relay's old accept thread, blocked in accept() on
+    the closed listener, has let go of it (a connection wakes it)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        with contextlib.suppress(OSError):
+            socket.create_connection(relay.address, timeout=1).close()
+        probe = socket.socket()
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(relay.address)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+        finally:
+            probe.close()
+    relay.start()
