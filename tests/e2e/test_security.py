@@ -82,9 +82,10 @@ def forged_login(user: str = "admin", password: str = "wrong-password") -> bytes
 
 
 @contextlib.contextmanager
-def proxy_behind_sasl_gate(tansu_binary: str, users: dict[str, str], ids: Identities) -> Iterator[ProxyThread]:
+def proxy_behind_sasl_gate(tansu_binary: str, users: dict[str, str], ids: Identities, *,
+                           session_lifetime_ms: int = 0) -> Iterator[ProxyThread]:
     """kproxy in front of a SASL-enforcing gate in front of tansu."""
-    gate = SaslGate(None, users)
+    gate = SaslGate(None, users, session_lifetime_ms=session_lifetime_ms)
     with Tansu(tansu_binary, advertised=gate.address) as tansu:
         gate.upstream = (tansu.host, tansu.port)
         with gate:
@@ -144,7 +145,9 @@ def test_mtls_plus_a_forged_sasl_user_keeps_the_certificate_identity(broker: Tan
 
 def test_failed_reauthentication_clears_the_identity(tansu_binary: str) -> None:
     ids = Identities()
-    with proxy_behind_sasl_gate(tansu_binary, {"alice": "pw"}, ids) as p:
+    # A session that ends: Kafka's broker re-authenticates only such a one (a session with no end
+    # gets ILLEGAL_SASL_STATE and no exchange, KafkaChannel.maybeBeginServerReauthentication).
+    with proxy_behind_sasl_gate(tansu_binary, {"alice": "pw"}, ids, session_lifetime_ms=60_000) as p:
         w = Wire(p.bootstrap)
         for step in forged_login_steps("alice", "pw"):    # one at a time: a real login
             w.send_raw(step)
