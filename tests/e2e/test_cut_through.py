@@ -99,6 +99,11 @@ def cleanup(broker: TansuBroker) -> Iterator[list[str]]:
         _ck_wait(_ck_admin(broker.bootstrap).delete_topics(made, request_timeout=30))
 
 
+# Where kafka-python's connection manager makes a connection's socket (tests/socket_origins.py's
+# frames, innermost first): its own connect, not kproxy's.
+_KP_OWN_CONNECT = "kafka/net/inet.py:88 connect < kafka/net/inet.py:21 create_connection < kafka/net/manager.py"
+
+
 def consumed_all(got: list) -> bool:
     return sorted((key, value) for _, key, value, _ in got) == records()
 
@@ -120,6 +125,11 @@ def test_real_clients_consume_streamed_answers_and_get_every_record(broker: Tans
             # Joined into the message: pytest's own rendering of the list cuts it before the frames.
             leaks = [f"{w.message} ({socket_origins.origin(w.source) or 'origin unknown'})"
                      for w in left if issubclass(w.category, ResourceWarning)]
+            # kafka-python 3.0.12 can leave the socket of a connection it was still opening when the
+            # consumer closed (its connection manager's own connect, seen once under load on the
+            # kproxy port); that is the library's, collected here so no later test meets it. Any
+            # other socket left, kproxy's above all, fails the test.
+            leaks = [leak for leak in leaks if not (name == "kafka-python" and _KP_OWN_CONNECT in leak)]
             assert not leaks, f"{name} left: " + "\n".join(leaks)
             assert consumed_all(got), f"{name}: {len(got)} of {N} records"
             after = metrics(admin)
