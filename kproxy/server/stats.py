@@ -42,14 +42,19 @@ class ProxyStats:
         self._random = random.Random(seed)
         self._by_key: dict[int, ApiStats] = {}      # the same ApiStats by api key, read per request
 
+    def _api(self, api_key: int) -> ApiStats:
+        """The statistics of one api, made at its first request and then found by key."""
+        name = api_name(api_key)
+        s = self.apis.get(name)
+        if s is None:
+            s = self.apis[name] = ApiStats()
+        self._by_key[api_key] = s
+        return s
+
     def record(self, entry: InFlight) -> None:
         s = self._by_key.get(entry.api_key)
         if s is None:
-            name = api_name(entry.api_key)
-            s = self.apis.get(name)
-            if s is None:
-                s = self.apis[name] = ApiStats()
-            self._by_key[entry.api_key] = s
+            s = self._api(entry.api_key)
         s.count += 1
         s.request_bytes += entry.request_bytes
         s.response_bytes += entry.response_bytes
@@ -70,11 +75,7 @@ class ProxyStats:
         latencies from the lane's own uniform sample, each value standing for count/len of them."""
         s = self._by_key.get(api_key)
         if s is None:
-            name = api_name(api_key)
-            s = self.apis.get(name)
-            if s is None:
-                s = self.apis[name] = ApiStats()
-            self._by_key[api_key] = s
+            s = self._api(api_key)
         s.request_bytes += request_bytes
         s.response_bytes += response_bytes
         s.latency_sum += latency_sum
