@@ -737,26 +737,26 @@ class Bench:
         request (its whole process tree: kproxy's workers too)."""
         out: dict[str, dict[str, list[tuple[LoadResult, float | None]]]] = {}
         targets = [t for t in self.args.targets if t in SMALL_TARGETS]
-        topics: dict[str, str] = {}
-        if "produce" in kinds:
-            # One topic per broker, written to by every connection (partition 0); the HAProxy target
-            # has a broker of its own, reached through its own admin client.
-            made: dict[int, str] = {}
-            for target in targets:
-                admin = self.admins.get(target, self.admin)
-                if id(admin) not in made:
-                    made[id(admin)] = f"small-produce-{uuid.uuid4().hex[:8]}"
-                    create_topic(admin, made[id(admin)])
-                topics[target] = made[id(admin)]
         for r in range(rounds):
             for kind in kinds:
                 for target in targets[r % len(targets):] + targets[: r % len(targets)]:
                     self.check_alive()
                     proxy = self.proxies.get(target)
+                    # Each produce run writes to a topic of its own, made just before it and deleted
+                    # after it, so that every run starts on an empty partition: tansu's memory storage
+                    # costs more per Produce as a partition fills, and the targets do not share one
+                    # broker (HAProxy's has only HAProxy's records), so a shared topic would charge
+                    # the targets on the first broker for each other's records.
+                    admin = self.admins.get(target, self.admin)
+                    topic = f"small-{kind}-{uuid.uuid4().hex[:8]}" if kind.startswith("produce") else None
+                    if topic:
+                        create_topic(admin, topic)
                     cpu0 = proxy.tree_cpu_seconds() if proxy else 0.0
                     res = run_load(f"{HOST}:{self.ports[target]}", clients, seconds, warmup=1.0, kind=kind,
-                                   topic=topics.get(target))
+                                   topic=topic)
                     cpu = (proxy.tree_cpu_seconds() - cpu0) / res.answers_total if proxy else None
+                    if topic:
+                        delete_topic(admin, topic)
                     out.setdefault(kind, {}).setdefault(target, []).append((res, cpu))
                     print(f"  round {r + 1}/{rounds}  {clients} clients  {kind:<9}{target:<15} "
                           f"{res.requests_per_s:>10,.0f} req/s  p99 {res.p99_ms:.1f} ms"
