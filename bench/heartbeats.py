@@ -4,7 +4,9 @@ few seconds (a consumer between polls), the load a gateway carries for every idl
 ``--connections`` connections (default 1,000) each send Heartbeat v4 for a group of their own every
 ``--period`` seconds (default 3), spread evenly over the period, and wait for the answer (tansu knows
 no such group and says so; it is still a full round trip through kproxy). After the connections open
-and one period of warm-up, kproxy's own CPU time (user + system, from /proc) is read over
+and ``--warmup-periods`` periods of heartbeats (default 3: kproxy hands a connection to its lane after
+three requests in a row it would relay, ``LANE_AFTER``, so a consumer that has heartbeated three
+times is in the steady state it keeps for the rest of its life), kproxy's own CPU time (user + system, from /proc) is read over
 ``--seconds`` (default 30). The same connections sending nothing give the floor (timers, the
 watchdog); the difference over the heartbeats answered is the CPU per heartbeat. With ``--metrics``,
 the table also says how often kproxy's loop-lag timer fired (from its /metrics) in either phase: 10
@@ -138,7 +140,7 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
     try:
         group = Group(kp, args.connections, args.period)
         try:
-            group.run(args.period, send=True)                      # warm-up: every connection once
+            group.run(args.period * args.warmup_periods, send=True)     # warm-up: each connection N times
             lag0 = lag_samples(name) if args.metrics else 0
             c0 = cpu_seconds(proc.pid)
             t0 = time.monotonic()
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=1000)
     ap.add_argument("--period", type=float, default=3.0, help="seconds between one connection's heartbeats")
     ap.add_argument("--seconds", type=float, default=30.0, help="seconds measured, idle and heartbeating")
+    ap.add_argument("--warmup-periods", type=int, default=3, metavar="N",
+                    help="heartbeats each connection sends before anything is measured (default 3: the "
+                         "lane takes a connection after three)")
     ap.add_argument("--baseline", type=Path, metavar="DIR", help="also measure the kproxy in DIR/kproxy")
     ap.add_argument("--instructions", action="store_true",
                     help="count kproxy's instructions (callgrind): per second quiet, and per heartbeat")
