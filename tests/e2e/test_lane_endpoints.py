@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import struct
 import time
+import uuid
 
 import confluent_kafka
 import confluent_kafka.admin
 import pytest
 
-from kproxy.protocol.messages import decode_response
+from kproxy.protocol.messages import body_class, decode_response
 from kproxy.server import lane
 from kproxy.server.connection import LANE_AFTER
-from tests.e2e.fake_cluster import HOST, NOT_LEADER_OR_FOLLOWER, PRODUCE, FakeCluster
+from tests.e2e.fake_cluster import HOST, METADATA, NOT_LEADER_OR_FOLLOWER, PRODUCE, FakeCluster
 from tests.e2e.proxied import start_proxy
 from tests.e2e.tansu import TansuBroker, unique_name
 from tests.e2e.test_lane import TIMEOUT, counts, moved
 from tests.e2e.test_multi_broker import ADVERTISED, at, broker_ports, metadata, produce_body
 from tests.e2e.wire import Wire
+
+FETCH = 1
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not lane.AVAILABLE, reason="the lane is not built in this installation")]
@@ -106,3 +109,45 @@ def test_confluent_kafka_produce_and_fetch_are_laned_on_tansu(broker: TansuBroke
     assert fetched["adopted"] >= 1 and fetched["requests"] >= 5
     # tansu's node_endpoints are always empty: no answer was given back for them.
     assert "endpoints" not in given_back
+
+
+def _fetch_v16(w: Wire, correlation_id: int, topic_id: uuid.UUID, wait_ms: int) -> None:
+    cls = body_class(FETCH, "request")
+    w.send(FETCH, 16, correlation_id, cls(max_wait_ms=wait_ms, min_bytes=1, max_bytes=1 << 20, topics=[
+        cls.FetchTopic(topic_id=topic_id, partitions=[cls.FetchPartition(
+            partition=0, fetch_offset=0, partition_max_bytes=1 << 20)])]))
+
+
+def test_a_laned_fetch_v16_long_poll_outlasting_the_request_timeout_is_answered(broker: TansuBroker) -> None:
+    # The lane times a request by request_timeout_s alone and gives the connection back; the
+    # watchdog's rule (the timeout plus the Fetch's max_wait_ms) then decides: not overdue, so the
+    # long poll is answered when the broker answers (a dropped broker connection would have answered
+    # it with a retriable error at once).
+    topic = unique_name("lane-poll")
+    admin = confluent_kafka.admin.AdminClient({"bootstrap.servers": broker.bootstrap})
+    admin.create_topics([confluent_kafka.admin.NewTopic(topic, 1, 1)])[topic].result(TIMEOUT)
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1",
+                     upstream_settings={"request_timeout_s": 0.5}) as p:
+        w = Wire(p.bootstrap)
+        meta = body_class(METADATA, "request")
+        w.send(METADATA, 12, 1, meta(topics=[meta.MetadataRequestTopic(name=topic)]))
+        (described,) = w.receive(METADATA, 12).body.topics
+        before = counts()
+        for cid in range(LANE_AFTER + 2):
+            _fetch_v16(w, 10 + cid, described.topic_id, 0)
+            assert w.receive(FETCH, 16).correlation_id == 10 + cid
+        assert moved(before)["adopted"] == 1
+        started = time.monotonic()
+        _fetch_v16(w, 50, described.topic_id, 1500)
+        answer = w.receive(FETCH, 16)
+        waited = time.monotonic() - started
+        assert answer.correlation_id == 50 and answer.body.error_code == 0
+        assert answer.body.responses[0].partitions[0].error_code == 0
+        assert waited > 0.5
+        given_back = p.call(lambda: dict(p.server.stats.lane_given_back))
+        assert given_back == {"request_timeout": 1}
+        # The connection goes on.
+        _fetch_v16(w, 60, described.topic_id, 0)
+        after = w.receive(FETCH, 16)
+        assert (after.correlation_id, after.body.error_code) == (60, 0)
+        w.close()
