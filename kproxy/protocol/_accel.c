@@ -1970,7 +1970,8 @@ done:
 /* Walks a Produce answer from its correlation id on to its body's closing tagged fields: the partitions
    it reports an error for into *failed (a new set, or left NULL when there are none; not collected
    when failed is NULL) and its throttle time into *throttle. The position of those tagged fields, or
-   -1 when the bytes run out or are not an answer (with a Python error set only when one was raised). */
+   -1 when the bytes run out or are not an answer (with a Python error set only when one was raised).
+   With failed NULL it touches no Python object (key stays NULL): the lane runs it so, without the GIL. */
 static Py_ssize_t pa_walk(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version, PyObject **failed,
                           int64_t *throttle)
 {
@@ -2119,7 +2120,8 @@ typedef struct {
     int64_t partition, offset;
 } FetchOffset;
 
-/* Each (topic key, partition) of a Fetch request frame and its fetch offset, into a new array. */
+/* Each (topic key, partition) of a Fetch request frame and its fetch offset, into a new array (malloc:
+   the walk that calls it runs without the GIL in the lane). */
 static int fc_offsets(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version, FetchOffset **out, Py_ssize_t *count)
 {
     int flexible = version >= 12, by_id = version >= 13;
@@ -2146,7 +2148,7 @@ static int fc_offsets(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version, Fe
                 goto fail;
             if (used == size) {
                 size = size ? 2 * size : 16;
-                FetchOffset *grown = PyMem_Realloc(offsets, (size_t)size * sizeof(FetchOffset));
+                FetchOffset *grown = realloc(offsets, (size_t)size * sizeof(FetchOffset));
                 if (grown == NULL)
                     goto fail;
                 offsets = grown;
@@ -2167,7 +2169,7 @@ static int fc_offsets(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version, Fe
     *count = used;
     return 0;
 fail:
-    PyMem_Free(offsets);
+    free(offsets);
     return -1;
 }
 
@@ -2193,33 +2195,22 @@ static int fc_batches(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t end, int64_
     return 0;
 }
 
-PyDoc_STRVAR(fetch_counts_doc,
-"fetch_counts(request, answer, version) -> (records, throttle_ms, node_endpoints) | None\n\n"
-"Of a Fetch request frame (None: records not counted) and its answer: as\n"
-"kproxy.proxy.fetch_bytes.py_fetch_counts.");
-
-static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* A Fetch answer from its correlation id on: the records fetched into *records (counted only when req,
+   the request frame, is given), its throttle time into *throttle, and whether its closing tagged fields
+   carry node_endpoints (v16+; an empty array does not count) into *endpoints. 0, or -1 when it cannot
+   be read so. Pure C, no Python object: the lane runs it without the GIL (req NULL). */
+static int fc_walk(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version, const uint8_t *req, Py_ssize_t req_len,
+                   int64_t *records, int64_t *throttle, int *endpoints)
 {
-    (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "fetch_counts() takes 3 arguments");
-        return NULL;
-    }
-    Py_ssize_t version = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_buffer view, request = {0};
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    const uint8_t *buf = view.buf;
-    Py_ssize_t end = view.len, pos = 4, asked = -1;
-    int flexible = version >= 12, by_id = version >= 13, endpoints = 0;
+    Py_ssize_t pos = 4, asked = -1;
+    int flexible = version >= 12, by_id = version >= 13, zero = 0, ok = -1;
     Py_ssize_t fixed = 6 + 8 + (version >= 4 ? 8 : 0) + (version >= 5 ? 8 : 0);
     FetchOffset *offsets = NULL;
-    PyObject *result = NULL;
-    int64_t throttle = 0, topics, partitions, n, size, records = 0;
+    int64_t topics, partitions, n, size;
+    *records = *throttle = 0;
+    *endpoints = 0;
     if (end < 4 || (flexible && fc_tags(buf, &pos, end, NULL))
-            || (version >= 1 && read_be(buf, &pos, end, 4, &throttle))
+            || (version >= 1 && read_be(buf, &pos, end, 4, throttle))
             || (version >= 7 && skip_bytes(&pos, end, 6))
             || fc_array(buf, &pos, end, flexible, &topics))
         goto done;
@@ -2243,13 +2234,10 @@ static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_
             if ((version >= 11 && skip_bytes(&pos, end, 4)) || pc_count(buf, &pos, end, flexible, 4, &size)
                     || size < -1 || skip_bytes(&pos, end, size > 0 ? size : 0))
                 goto done;
-            if (size > 0 && !error && args[0] != Py_None) {
-                if (asked < 0) {        /* the request is read when some partition holds records */
-                    if (PyObject_GetBuffer(args[0], &request, PyBUF_SIMPLE) < 0)
-                        goto done;
-                    if (fc_offsets(request.buf, request.len, version, &offsets, &asked))
-                        goto done;
-                }
+            if (size > 0 && !error && req != NULL) {
+                /* the request is read when some partition holds records */
+                if (asked < 0 && fc_offsets(req, req_len, version, &offsets, &asked))
+                    goto done;
                 int64_t from_offset = -1;
                 for (Py_ssize_t k = asked - 1; k >= 0; k--) {      /* the last one named, as a dict keeps */
                     if (offsets[k].partition == partition && offsets[k].len == len
@@ -2258,7 +2246,7 @@ static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_
                         break;
                     }
                 }
-                if (fc_batches(buf, pos - (Py_ssize_t)size, pos, from_offset, &records))
+                if (fc_batches(buf, pos - (Py_ssize_t)size, pos, from_offset, records))
                     goto done;
             }
             if (flexible && fc_tags(buf, &pos, end, NULL))
@@ -2267,18 +2255,70 @@ static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_
         if (flexible && fc_tags(buf, &pos, end, NULL))
             goto done;
     }
-    if (flexible && fc_tags(buf, &pos, end, &endpoints))
+    if (flexible && fc_tags(buf, &pos, end, &zero))
         goto done;
-    result = Py_BuildValue("(LLO)", (long long)records, (long long)throttle,
-                           endpoints && version >= 16 ? Py_True : Py_False);
+    *endpoints = zero && version >= 16;
+    ok = 0;
 done:
-    PyMem_Free(offsets);
+    free(offsets);
+    return ok;
+}
+
+PyDoc_STRVAR(fetch_counts_doc,
+"fetch_counts(request, answer, version) -> (records, throttle_ms, node_endpoints) | None\n\n"
+"Of a Fetch request frame (None: records not counted) and its answer: as\n"
+"kproxy.proxy.fetch_bytes.py_fetch_counts.");
+
+static PyObject *fetch_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fetch_counts() takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t version = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view, request = {0};
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (args[0] != Py_None && PyObject_GetBuffer(args[0], &request, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int64_t records, throttle;
+    int endpoints;
+    PyObject *result = NULL;
+    if (fc_walk(view.buf, view.len, version, request.obj != NULL ? request.buf : NULL, request.len, &records,
+                &throttle, &endpoints) == 0)
+        result = Py_BuildValue("(LLO)", (long long)records, (long long)throttle, endpoints ? Py_True : Py_False);
     if (request.obj != NULL)
         PyBuffer_Release(&request);
     PyBuffer_Release(&view);
     if (result == NULL && !PyErr_Occurred())
         Py_RETURN_NONE;
     return result;
+}
+
+/* Whether a Produce answer from its correlation id on carries node_endpoints (tag 0 of the body's
+   closing tagged fields, v10+): 1 or 0, -1 when it cannot be walked to the end of those fields. Pure C,
+   no Python object: the lane runs it without the GIL (lane_answer_endpoints). */
+static int pe_walk(const uint8_t *buf, Py_ssize_t end, Py_ssize_t version)
+{
+    int64_t throttle, count, tag, size;
+    int found = 0;
+    Py_ssize_t pos = pa_walk(buf, end, version, NULL, &throttle);
+    if (pos >= 0 && version >= 9) {
+        if (read_uv(buf, &pos, end, &count))
+            return -1;
+        for (int64_t i = 0; i < count; i++) {
+            if (read_uv(buf, &pos, end, &tag) || read_uv(buf, &pos, end, &size) || skip_bytes(&pos, end, size))
+                return -1;
+            if (tag == 0 && version >= 10)
+                found = 1;
+        }
+    }
+    return pos < 0 ? -1 : found;
 }
 
 PyDoc_STRVAR(produce_endpoints_doc,
@@ -2299,23 +2339,9 @@ static PyObject *produce_endpoints(PyObject *module, PyObject *const *args, Py_s
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    const uint8_t *buf = view.buf;
-    Py_ssize_t end = view.len;
-    int64_t throttle, count, tag, size;
-    int found = 0;
-    Py_ssize_t pos = pa_walk(buf, end, version, NULL, &throttle);
-    if (pos >= 0 && version >= 9) {
-        if (read_uv(buf, &pos, end, &count))
-            pos = -1;
-        for (int64_t i = 0; pos >= 0 && i < count; i++) {
-            if (read_uv(buf, &pos, end, &tag) || read_uv(buf, &pos, end, &size) || skip_bytes(&pos, end, size))
-                pos = -1;
-            else if (tag == 0 && version >= 10)
-                found = 1;
-        }
-    }
+    int found = pe_walk(view.buf, view.len, version);
     PyBuffer_Release(&view);
-    if (pos < 0)
+    if (found < 0)
         Py_RETURN_NONE;
     return PyBool_FromLong(found);
 }
@@ -3191,7 +3217,8 @@ static struct PyModuleDef module = {
 /* ---- The check engine for kproxy/server/_lane.c, as a capsule (_accel._C_API) -----------------------
 
    The lane relays requests in a thread without the GIL, with the very check Session._relay runs:
-   run() over the header program, then the body program from where the header ends. run() touches no
+   run() over the header program, then the body program from where the header ends; and, for answers the
+   address rewriter reads by their bytes, the walk that says whether one carries node_endpoints. run() touches no
    Python object when it is given no spans dict (spans is the only Python it reaches, on every path,
    errors included), so lane_check is safe without the GIL as long as the caller holds references to
    both programs (a Program's ops never change after program_new). _lane.c declares the same struct
@@ -3202,8 +3229,9 @@ typedef struct {
     size_t size;                    /* sizeof this struct */
     PyTypeObject *program_type;
     Py_ssize_t (*check)(PyObject *header, PyObject *body, const uint8_t *frame, Py_ssize_t len);
+    int (*answer_endpoints)(int api_key, int version, const uint8_t *frame, Py_ssize_t len);
 } AccelLaneAPI;
-#define LANE_CAPI_ABI 1
+#define LANE_CAPI_ABI 2
 
 /* The body's start when `frame` (a request without its size prefix) passes both programs, else -1. */
 static Py_ssize_t lane_check(PyObject *header, PyObject *body, const uint8_t *frame, Py_ssize_t len)
@@ -3216,7 +3244,23 @@ static Py_ssize_t lane_check(PyObject *header, PyObject *body, const uint8_t *fr
     return run(&bc, 0, pos, len, 1, 0) < 0 ? -1 : pos;
 }
 
-static AccelLaneAPI lane_api = {LANE_CAPI_ABI, sizeof(AccelLaneAPI), &ProgramType, lane_check};
+/* Whether an answer (from its correlation id on) of Produce v10+ or Fetch v16+ carries node_endpoints,
+   which the address rewriter must rewrite: 1, 0, or -1 when it cannot be walked (or is of another api).
+   The same walks as produce_endpoints and fetch_counts, the address rewriter's reads_answer. */
+static int lane_answer_endpoints(int api_key, int version, const uint8_t *frame, Py_ssize_t len)
+{
+    if (api_key == 0)
+        return pe_walk(frame, len, version);
+    if (api_key == 1) {
+        int64_t records, throttle;
+        int endpoints;
+        return fc_walk(frame, len, version, NULL, 0, &records, &throttle, &endpoints) < 0 ? -1 : endpoints;
+    }
+    return -1;
+}
+
+static AccelLaneAPI lane_api = {LANE_CAPI_ABI, sizeof(AccelLaneAPI), &ProgramType, lane_check,
+                                lane_answer_endpoints};
 
 static int add_lane_api(PyObject *m)
 {

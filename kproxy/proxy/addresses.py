@@ -290,6 +290,13 @@ class AddressRewriter(Filter):
             return read is None or read[2]
         return not _endpoints_walked(api_version) or answer_endpoints(frame, api_version) is not False
 
+    def lane_walks(self, api_key: int, api_version: int) -> bool:
+        # reads_answer above is the node_endpoints walk wherever it walks at all (an answer it cannot
+        # walk by its layout is always read, and stays out of the lane).
+        if api_key == FETCH:
+            return api_version <= FETCH_WALKED_UP_TO
+        return api_key == PRODUCE and _endpoints_walked(api_version)
+
     def on_response(self, ctx: ConnectionContext, exchange: Any, response: Response) -> float:
         root_node, sites = self._plan(response.api_key, response.api_version)
         if not sites:

@@ -198,6 +198,14 @@ class Filter:
         malformed answer is decoded, and the decoder says what is wrong)."""
         return True
 
+    def lane_walks(self, api_key: int, api_version: int) -> bool:
+        """For the api keys of ``reads_by_bytes``: whether ``reads_answer`` at this api version is
+        exactly the accelerator's node_endpoints walk (True when an answer carries node_endpoints or
+        cannot be walked), so that the lane may run that walk in its place, without the GIL, and give
+        such an answer back unread (``kproxy.server.lane.LaneApi.walk``). False keeps the api version
+        out of the lane."""
+        return False
+
     def on_request(self, ctx: ConnectionContext, exchange: Any) -> RequestVerdict:
         """See (and possibly change) ``exchange.request``. Return None to forward it.
 

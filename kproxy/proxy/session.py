@@ -512,14 +512,17 @@ class Session(SessionCutThrough, SessionSasl):
         return (not self._raw_sasl and self._why_next is None and self._key_wait is None and self.front is None
                 and not self.closed)
 
-    def lane_programs(self, api_key: int, version: int) -> tuple[Any, Any, int] | None:
+    def lane_programs(self, api_key: int, version: int) -> tuple[Any, Any, int, bool] | None:
         """How the lane may relay this api version both ways with the state in force now: (the
-        accelerator's header and body programs, where its answer's throttle time sits or -1), exactly
-        when ``_relay`` would relay its requests undecoded (its pass guards passing now) and
-        ``upstream_frame`` would pass its answers on unread (no answer guard that could read one, no
-        names learned from it); None otherwise. When metrics count requests, Produce and Fetch, whose
-        records metrics read from their bytes, are left out. A rules reload changes what the guards
-        say: the server takes a laned connection back first (``ClientConnection.lane_recall``)."""
+        accelerator's header and body programs, where its answer's throttle time sits or -1, whether
+        each answer is walked for node_endpoints first), exactly when ``_relay`` would relay its
+        requests undecoded (its pass guards passing now) and ``upstream_frame`` would pass its answers
+        on unread (no answer guard that could read one, no names learned from it), or when the only
+        guard that reads its answers by their bytes reads them by the walk the lane runs itself
+        (``Filter.lane_walks``: the address rewriter's node_endpoints in Produce v10+ and Fetch v16+);
+        None otherwise. When metrics count requests, Produce and Fetch, whose records metrics read
+        from their bytes, are left out. A rules reload changes what the guards say: the server takes
+        a laned connection back first (``ClientConnection.lane_recall``)."""
         unread_by = self._unread_by
         if (unread_by is None or _SAMPLE in unread_by or self.reencode is not None or self.front is not None
                 or api_key in _NAMES_IN_ANSWERS or (_TELEMETRY in unread_by and api_key in (PRODUCE, FETCH))):
@@ -532,10 +535,17 @@ class Session(SessionCutThrough, SessionSasl):
         unread = self._unread(unread_by, api_key, version)
         if not unread or unread in (_PRODUCE_ANSWER, _FETCH_ANSWER):
             return None
+        walk = False
         for f in unread_by[_ANSWER_GUARDS | api_key << 16 | version]:
-            if not f.may_pass or not f.passes(api_key, version) or api_key in f.reads_by_bytes:
+            if f.may_pass and not f.passes(api_key, version):
                 return None
-        return programs[0], programs[1], unread if unread in _THROTTLE_OFFSETS else -1
+            if api_key in f.reads_by_bytes:
+                if not f.lane_walks(api_key, version):
+                    return None
+                walk = True
+            elif not f.may_pass:
+                return None
+        return programs[0], programs[1], unread if unread in _THROTTLE_OFFSETS else -1, walk
 
     def lane_returned(self, entries: Any, next_correlation_id: int, requests: int, client_id: str | None,
                       now: float, broker: tuple[str, int] | None) -> None:

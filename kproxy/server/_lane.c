@@ -4,7 +4,8 @@
    It relays what it may (correlation ids rewritten both ways, answers in order, counted) and gives
    the connection back at a frame boundary the moment anything else happens; kproxy/server/lane.py
    wraps it and says the rules. The lane thread never touches a Python object: the programs it checks
-   requests with are read through the accelerator's capsule (_accel._C_API), whose check is GIL-free.
+   requests with are read through the accelerator's capsule (_accel._C_API), whose check is GIL-free,
+   and so is its walk of the answers that may name a broker (node_endpoints, read before they go on).
 
    Locking: one mutex per lane. The lane thread holds it while it handles one batch of readiness
    events, commands and timers, and drops it only around epoll_wait; every Python call (adopt, recall,
@@ -40,8 +41,9 @@ typedef struct {
     size_t size;
     PyTypeObject *program_type;
     Py_ssize_t (*check)(PyObject *header, PyObject *body, const uint8_t *frame, Py_ssize_t len);
+    int (*answer_endpoints)(int api_key, int version, const uint8_t *frame, Py_ssize_t len);
 } AccelLaneAPI;
-#define LANE_CAPI_ABI 1
+#define LANE_CAPI_ABI 2
 
 static const AccelLaneAPI *accel;
 
@@ -49,6 +51,7 @@ static const AccelLaneAPI *accel;
 #define SAMPLE 64
 #define NO_RESPONSE_KEPT 128     /* acks=0 ids remembered for a broker that answers anyway (tansu 0.6) */
 #define PRODUCE 0
+#define FETCH 1
 
 /* Process totals, for tests: adopted, given back, requests relayed, answers relayed. */
 static uint64_t total_adopted, total_given, total_requests, total_answers;
@@ -104,6 +107,7 @@ typedef struct {
 typedef struct {
     int32_t key_version;    /* api_key << 16 | api_version */
     int throttle_at;
+    int walk;               /* the answer is walked for node_endpoints before it is relayed (Produce v10+, Fetch v16+) */
     PyObject *header, *body;
 } Api;
 
@@ -483,6 +487,24 @@ static int read_throttle(const uint8_t *f, size_t size, int at, int *ms)
     return 1;
 }
 
+/* Whether an answer (f: from its correlation id on) may be relayed unread: 1, or 0 after giving the
+   connection back with that answer first in bin (what came before it is dropped: relayed already). An
+   answer that carries node_endpoints (KIP-951: a broker's own address) must be rewritten by Python's
+   address rewriter, never relayed raw; one that cannot be walked is decoded there, which says what is
+   wrong with it. */
+static int answer_walked(Conn *c, const Entry *e, const uint8_t *f, size_t size, size_t pos)
+{
+    int found = accel->answer_endpoints(e->key, e->version, f, (Py_ssize_t)size);
+    if (found == 0)
+        return 1;
+    char detail[160];
+    snprintf(detail, sizeof detail, found > 0 ? "api %d v%d answer carries node_endpoints"
+                                              : "api %d v%d answer that cannot be walked", e->key, e->version);
+    buf_drop(&c->bin, pos);
+    give_back(c, found > 0 ? "endpoints" : "bad_answer", detail);
+    return 0;
+}
+
 /* Relays the whole answers at the front of bin, in order, as far as the client's buffer allows. */
 static void broker_frames(Conn *c, double now)
 {
@@ -530,6 +552,8 @@ static void broker_frames(Conn *c, double now)
         }
         Entry *e = &c->ring[c->head];
         const Api *api = find_api(c, (int32_t)((uint32_t)(uint16_t)e->key << 16 | (uint16_t)e->version));
+        if (api != NULL && api->walk && !answer_walked(c, e, p + 4, (size_t)size, pos))
+            return;
         int ms = 0, has = api != NULL && api->throttle_at >= 0 && read_throttle(p + 4, (size_t)size, api->throttle_at, &ms);
         wr32(p + 4, e->client_cid);
         if (buf_put(&c->cout, p, 4 + (size_t)size, bound) < 0) {
@@ -1051,7 +1075,8 @@ static int api_order(const void *a, const void *b)
 PyDoc_STRVAR(adopt_doc,
 "adopt(client_fd, broker_fd, apis, next_correlation_id, client_bytes, client_id, max_in_flight,\n"
 "      request_timeout_s, idle_timeout_s, frame_timeout_s) -> Handle\n\n"
-"apis: a sequence of (api_key, api_version, header Program, body Program, throttle_at).");
+"apis: a sequence of (api_key, api_version, header Program, body Program, throttle_at, walk): walk\n"
+"(Produce and Fetch only) has each answer walked for node_endpoints first (given back if it has them).");
 
 static PyObject *lane_adopt(Lane *l, PyObject *args)
 {
@@ -1095,16 +1120,20 @@ static PyObject *lane_adopt(Lane *l, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *row = PySequence_Fast_GET_ITEM(seq, i);
-        int key, version, throttle_at;
+        int key, version, throttle_at, walk;
         PyObject *header, *body;
-        if (!PyArg_ParseTuple(row, "iiO!O!i:adopt's apis", &key, &version, accel->program_type, &header,
-                              accel->program_type, &body, &throttle_at))
+        if (!PyArg_ParseTuple(row, "iiO!O!ip:adopt's apis", &key, &version, accel->program_type, &header,
+                              accel->program_type, &body, &throttle_at, &walk))
             goto fail;
+        if (walk && key != PRODUCE && key != FETCH) {
+            PyErr_SetString(PyExc_ValueError, "adopt: only Produce and Fetch answers are walked");
+            goto fail;
+        }
         if (key < 0 || key >= MAX_API || version < 0 || version > 0x7FFF) {
             PyErr_SetString(PyExc_ValueError, "adopt: api key or version out of range");
             goto fail;
         }
-        c->apis[i] = (Api){(int32_t)(key << 16 | version), throttle_at, Py_NewRef(header), Py_NewRef(body)};
+        c->apis[i] = (Api){(int32_t)(key << 16 | version), throttle_at, walk, Py_NewRef(header), Py_NewRef(body)};
         c->napis = i + 1;
     }
     qsort(c->apis, (size_t)c->napis, sizeof(Api), api_order);

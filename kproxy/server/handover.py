@@ -53,11 +53,12 @@ def open_lane(setting: str, frame_cap: int, stream_min_bytes: int | None) -> Lan
     return lane
 
 
-def lane_api(programs: tuple[Any, Any, int]) -> LaneApi:
+def lane_api(programs: tuple[Any, Any, int, bool]) -> LaneApi:
     """The lane's table entry from ``Session.lane_programs``."""
     module = _lane_module()
     assert module is not None
-    api: LaneApi = module.LaneApi(header=programs[0], body=programs[1], throttle_at=programs[2])
+    api: LaneApi = module.LaneApi(header=programs[0], body=programs[1], throttle_at=programs[2],
+                                  walk=programs[3])
     return api
 
 

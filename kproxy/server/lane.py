@@ -30,6 +30,11 @@ class LaneApi:
     # session.py's ``_throttle_at``: 4 (right behind the answer's correlation id, header v0) or 5
     # (behind header v1's tagged fields, which the lane skips first); -1: no throttle time read.
     throttle_at: int = -1
+    # Produce v10+ and Fetch v16+: each answer is walked first (the accelerator's endpoints walk, the
+    # address rewriter's ``reads_answer``); one that carries node_endpoints, which name a broker behind
+    # kproxy, or cannot be walked is not relayed: the connection is given back with it unread
+    # (reason "endpoints" or "bad_answer") and the Python path rewrites or refuses it.
+    walk: bool = False
 
 
 @attrs.frozen
@@ -128,7 +133,7 @@ class Lane:
         """Relay this connection until something the lane does not take happens. Both fds must be
         non-blocking sockets; ``client_bytes`` starts at a frame boundary and holds at most
         ``max_frame + 4`` bytes. Timeouts of 0 are none."""
-        apis = [(k, v, a.header, a.body, a.throttle_at) for (k, v), a in table.items()]
+        apis = [(k, v, a.header, a.body, a.throttle_at, a.walk) for (k, v), a in table.items()]
         return LaneHandle(self._lane.adopt(client_fd, broker_fd, apis, next_correlation_id, client_bytes,
                                            client_id, max_in_flight, float(request_timeout_s),
                                            float(idle_timeout_s), float(frame_timeout_s)))

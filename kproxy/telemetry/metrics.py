@@ -452,7 +452,7 @@ def lane_families(laned: int, given_back: Mapping[str, int]) -> list[Metric]:
         GaugeMetricFamily("kproxy_lane_connections", "Client connections the lane holds now (relayed without "
                           "the event loop).", value=laned),
         _counter("kproxy_lane_given_back", "Connections the lane gave back to the event loop, by reason (frame, "
-                 "recalled, bad_answer, request_timeout, client_closed, broker_closed, idle, ...).", ["reason"],
+                 "recalled, bad_answer, endpoints, request_timeout, client_closed, broker_closed, idle, ...).", ["reason"],
                  {(k,): v for k, v in given_back.items()}),
     ]
 
