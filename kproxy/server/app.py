@@ -202,6 +202,11 @@ class ProxyServer:
                      if self.coordinator is None and not config.metrics.client_labels else None)
         if self.lane is not None and self.rule_store is not None:
             self.rule_store.installed.append(self._recall_lanes)
+        if self.lane is not None:
+            # The lane answers Metadata from its own memo of the rewrites made here (Session.lane_programs);
+            # when the address map moves they are all stale, and laned connections carry the old class.
+            self.answer_memo.lane = self.lane
+            self.address_map.on_move.append(self.lane.memo_clear)
         self._nursery: trio.Nursery | None = None
         self._listeners: dict[int, trio.socket.SocketType] = {}
         self._raw_listeners: dict[int, socket.socket] = {}     # fileno -> the stdlib listening socket
