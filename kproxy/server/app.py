@@ -375,8 +375,9 @@ class ProxyServer:
         m.add_reader(connections)
         if self.lane is not None:
             m.add_refresher(self.merge_lane_counts)
+            lane = self.lane
             m.add_reader(lambda: metric_families.lane_families(sum(1 for c in self.connections if c.laned),
-                                                               stats.lane_given_back))
+                                                               stats.lane_given_back, lane.memo_counts()))
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
         m.add_reader(lambda: metric_families.memo_families(self.answer_memo))
         keys, crypto = self.keys, self.record_crypto

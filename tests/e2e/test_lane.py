@@ -318,6 +318,8 @@ def test_a_metadata_loop_is_answered_by_the_lane_with_only_kproxys_addresses(bro
     assert lane_moved["answers"] >= 2 * n - 2 * LANE_AFTER
     assert memo.hits - memo_before.hits >= 2 * n - 2 * LANE_AFTER
     assert metrics.get('kproxy_lane_given_back_total{reason="answer_unknown"}', 0) <= 1
+    assert metrics['kproxy_lane_remembered_answers_total{result="hit"}'] >= memo.hits
+    assert 0 < metrics['kproxy_lane_remembered_answer_bytes'] < 1 << 20
     assert metrics['kproxy_requests_total{api="metadata"}'] >= 2 * n
 
 
@@ -353,6 +355,7 @@ def test_a_laned_metadata_loop_sees_brokers_come_and_move_at_kproxys_addresses()
             lane_moved = moved(before)
             exposed = p.call(p.server.address_map.exposed_ports)
             route = p.call(lambda: p.server.address_map.route_for_port(after_move[2][1]))
+            memo = p.server.lane.memo_counts()
             w.close()
     finally:
         cluster.stop()
@@ -367,6 +370,8 @@ def test_a_laned_metadata_loop_sees_brokers_come_and_move_at_kproxys_addresses()
     assert route is not None and route.upstream == ("127.0.0.1", new_port)
     # Laned again after each change (each changed answer given back unread, and answered by Python).
     assert lane_moved["adopted"] == 3 and lane_moved["given_back"] >= 2
+    # Each move of the address map cleared the lane's memo: only the answer since the last is there.
+    assert memo.entries == 1
     assert cluster.errors == []
 
 
