@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -80,6 +81,13 @@ class AddressMap:
         # Bumped whenever what a rewrite gives could change (a node exposed, moved or withdrawn):
         # remembered rewritten answers (kproxy.proxy.memo) are keyed by it.
         self.generation = 0
+        # Told after each move of ``generation`` (the server's lane forgets the rewrites it remembered).
+        self.on_move: list[Callable[[], None]] = []
+
+    def _moved(self) -> None:
+        self.generation += 1
+        for tell in self.on_move:
+            tell()
 
     # -- learning and exposing
 
@@ -93,7 +101,7 @@ class AddressMap:
             if self._by_name.get(name) != route or name in self._stale_names:
                 self._by_name[name] = route
                 self._stale_names.discard(name)
-                self.generation += 1
+                self._moved()
             assert self.sni_port is not None
             return name, self.sni_port
         key = (role, node_id)
@@ -103,13 +111,13 @@ class AddressMap:
             self._port_of[key] = exposed
             self._routes[exposed] = Route(role, node_id, upstream)
             self._unconfirmed.add(exposed)
-            self.generation += 1
+            self._moved()
         elif self._routes[exposed].upstream != upstream or exposed in self._stale:
             # The node moved (new host or port), or is the new cluster's node of that id: the same
             # exposed port now leads to its new place.
             self._routes[exposed] = Route(role, node_id, upstream)
             self._stale.discard(exposed)
-            self.generation += 1
+            self._moved()
         return self.advertised_host, exposed
 
     def forget_upstreams(self) -> None:
@@ -118,7 +126,7 @@ class AddressMap:
         id is learned (``expose``); meanwhile connections to it go through the bootstrap servers."""
         self._stale = set(self._routes)
         self._stale_names = set(self._by_name)
-        self.generation += 1
+        self._moved()
 
     def pending_ports(self) -> list[int]:
         """Ports exposed but not yet reported bound."""
@@ -139,7 +147,7 @@ class AddressMap:
         """
         self._unconfirmed.discard(port)
         self._unusable[port] = reason
-        self.generation += 1
+        self._moved()
         route = self._routes.pop(port, None)
         if route is not None:
             self._port_of.pop((route.role, route.node_id), None)

@@ -12,6 +12,10 @@ An answer that teaches topic ids' names (Metadata v10+, DescribeTopicPartitions)
 the broker's bytes named, before any filter changed them; serving it teaches them again, so the
 process's name table (the policy's rules, the traffic log, spans) learns from a remembered answer
 exactly what it would have learned decoding it.
+
+The server's lane (kproxy.server.lane) keeps a memo of its own in C for the answers it serves without
+the event loop: ``to_lane`` puts every entry of such an api stored or served here there too, under a
+number for everything the key holds besides the bytes (``lane_class``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import attrs
 MAX_FRAME = 64 * 1024
 MAX_ENTRIES = 512
 MAX_BYTES = 8 * 1024 * 1024
+MAX_CLASSES = 4096      # lane classes kept by key before the table starts again (numbers never reused)
 
 
 @attrs.frozen(slots=True)
@@ -44,7 +49,8 @@ class Remembered:
 class AnswerMemo:
     """A bounded LRU of rewritten answers, shared by the sessions of one process (sans-I/O)."""
 
-    __slots__ = ("_entries", "bytes", "hits", "max_bytes", "max_entries", "max_frame", "misses", "stored")
+    __slots__ = ("_classes", "_entries", "_next_class", "bytes", "hits", "lane", "max_bytes", "max_entries",
+                 "max_frame", "misses", "stored")
 
     def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES,
                  max_frame: int = MAX_FRAME) -> None:
@@ -56,6 +62,10 @@ class AnswerMemo:
         self.hits = 0
         self.misses = 0
         self.stored = 0
+        # The virtual cluster's lane (``Lane.memo_put``), when it has one: fed by ``to_lane``.
+        self.lane: Any = None
+        self._classes: dict[Hashable, int] = {}
+        self._next_class = 1
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -82,3 +92,20 @@ class AnswerMemo:
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             _, (_, dropped) = self._entries.popitem(last=False)
             self.bytes -= dropped
+
+    def lane_class(self, key: Hashable) -> int:
+        """A number for ``key`` (api, version, listener, the filters' keys): the lane memo's class. A
+        number is never given to another key, so what the lane stored under an old one is never
+        served for a new one; past ``MAX_CLASSES`` the table starts again, with new numbers."""
+        got = self._classes.get(key)
+        if got is None:
+            if len(self._classes) >= MAX_CLASSES:
+                self._classes.clear()
+            got = self._classes[key] = self._next_class
+            self._next_class += 1
+        return got
+
+    def to_lane(self, key: Hashable, seen: bytes, tail: bytes) -> None:
+        """The lane's memo learns that ``seen`` goes to connections of ``key``'s class as ``tail``."""
+        if self.lane is not None:
+            self.lane.memo_put(self.lane_class(key), seen, tail)

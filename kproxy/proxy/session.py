@@ -105,6 +105,10 @@ UNSUPPORTED_VERSION = 35
 METADATA_TOPIC_IDS_SINCE = 10    # Metadata responses name topic ids from v10 (KIP-516)
 DESCRIBE_TOPIC_PARTITIONS = 75
 _NAMES_IN_ANSWERS = frozenset({METADATA, DESCRIBE_TOPIC_PARTITIONS})   # answers topic names are learned from
+FIND_COORDINATOR = 10
+# Answers the address rewriter reads that repeat byte for byte: the lane serves them from its memo of
+# the rewrites the memo here made (``lane_programs``; kproxy/server/_lane.c's remembered_answer).
+_LANE_REMEMBERS = frozenset({METADATA, FIND_COORDINATOR})
 # Never relayed undecoded: requests the session reads itself. (A relayed Fetch is decoded when its
 # hold is looked at, its answer streams or is decoded: ``InFlight.decoded_request``.)
 _DECODED_ALWAYS = _READ_BY_SESSION
@@ -512,7 +516,7 @@ class Session(SessionCutThrough, SessionSasl):
         return (not self._raw_sasl and self._why_next is None and self._key_wait is None and self.front is None
                 and not self.closed)
 
-    def lane_programs(self, api_key: int, version: int) -> tuple[Any, Any, int, bool] | None:
+    def lane_programs(self, api_key: int, version: int) -> tuple[Any, Any, int, bool, bool] | None:
         """How the lane may relay this api version both ways with the state in force now: (the
         accelerator's header and body programs, where its answer's throttle time sits or -1, whether
         each answer is walked for node_endpoints first), exactly when ``_relay`` would relay its
@@ -522,16 +526,25 @@ class Session(SessionCutThrough, SessionSasl):
         (``Filter.lane_walks``: the address rewriter's node_endpoints in Produce v10+ and Fetch v16+);
         None otherwise. When metrics count requests, Produce and Fetch, whose records metrics read
         from their bytes, are left out. A rules reload changes what the guards say: the server takes
-        a laned connection back first (``ClientConnection.lane_recall``)."""
+        a laned connection back first (``ClientConnection.lane_recall``).
+
+        The fifth part says whether the answer goes out only as remembered (``_LANE_REMEMBERS``,
+        ``_lane_remembers``); then the lane needs ``lane_memo_class`` too."""
         unread_by = self._unread_by
         if (unread_by is None or _SAMPLE in unread_by or self.reencode is not None or self.front is not None
-                or api_key in _NAMES_IN_ANSWERS or (_TELEMETRY in unread_by and api_key in (PRODUCE, FETCH))):
+                or (api_key in _NAMES_IN_ANSWERS and api_key not in _LANE_REMEMBERS)
+                or (_TELEMETRY in unread_by and api_key in (PRODUCE, FETCH))):
             return None
         programs: Any = unread_by.get(_RELAY | api_key << 16 | version)
         if programs is None:
             programs = self._relayable(unread_by, api_key, version)
         if not programs or not all(f.passes(api_key, version) for f in programs[2]):
             return None
+        if api_key in _LANE_REMEMBERS:
+            if not self._lane_remembers(unread_by, api_key, version):
+                return None
+            at = _throttle_at(api_key, version)
+            return programs[0], programs[1], at if at in _THROTTLE_OFFSETS else -1, False, True
         unread = self._unread(unread_by, api_key, version)
         if not unread or unread in (_PRODUCE_ANSWER, _FETCH_ANSWER):
             return None
@@ -545,7 +558,35 @@ class Session(SessionCutThrough, SessionSasl):
                 walk = True
             elif not f.may_pass:
                 return None
-        return programs[0], programs[1], unread if unread in _THROTTLE_OFFSETS else -1, walk
+        return programs[0], programs[1], unread if unread in _THROTTLE_OFFSETS else -1, walk, False
+
+    def _lane_remembers(self, unread_by: dict[int, Any], api_key: int, version: int) -> bool:
+        """Whether the lane may answer this api version from its memo, as ``_recall`` would from this
+        one: the virtual cluster's memo feeds a lane, every response filter is pure, nothing reads the
+        completed exchange decoded (no on_done filter, telemetry only counting it) and no SASL moves.
+
+        Names (Metadata v10+ teaches topic ids' names, ``TopicNames``): a served answer must teach the
+        process's table what decoding it would. The lane cannot (the table is Python's and forgets past
+        its limit, so a name taught once may be gone later), so it serves such a version only while
+        nothing learns names (``_learns_names``), when decoding it would teach nothing either. What
+        wants names changes with the rules (a reload recalls laned connections first,
+        ``ClientConnection.lane_recall``) or is fixed when the server starts (telemetry labelling
+        topics): a laned connection never serves an answer while the table learns."""
+        memo = self.memo
+        return (memo is not None and memo.lane is not None and not self.sasl_in_progress
+                and not self._learns_names(api_key, version) and not self.chain.for_done(api_key)
+                and api_key not in unread_by.get(_TELEMETRY, ()) and self._filter_keys(api_key, version) is not None)
+
+    def lane_memo_class(self, api_key: int, version: int) -> int | None:
+        """The lane memo's class of this api version's answers on this connection now: what the memo
+        key holds besides the answer's bytes (api, version, listener, the response filters' keys), as a
+        number (``AnswerMemo.lane_class``); None when a filter is not pure. Worked out at each hand-over:
+        a filter's key (the address map's generation) may have moved since."""
+        memo = self.memo
+        keys = self._filter_keys(api_key, version)
+        if memo is None or keys is None:
+            return None
+        return memo.lane_class((api_key, version, self.ctx.listener, keys))
 
     def lane_returned(self, entries: Any, next_correlation_id: int, requests: int, client_id: str | None,
                       now: float, broker: tuple[str, int] | None) -> None:
@@ -1050,18 +1091,18 @@ class Session(SessionCutThrough, SessionSasl):
         names = self.topic_names
         return names is not None and names.learning and _teaches_names(api_key, version)
 
-    def _filter_keys(self, entry: InFlight, version: int) -> tuple | None:
-        """Every response filter's memo key for the answer to ``entry``; None when one is not pure (or
-        none runs: then nothing is rewritten, and answers with nothing to rewrite rarely repeat). A
-        filter that ``passes`` this api version and kept nothing for the request has nothing to do
-        with its answer: it counts as pure."""
-        api_key = entry.api_key
+    def _filter_keys(self, api_key: int, version: int, entry: InFlight | None = None) -> tuple | None:
+        """Every response filter's memo key for the answer to ``entry`` (None: a request relayed
+        undecoded, for which no filter kept anything); None when one is not pure (or none runs: then
+        nothing is rewritten, and answers with nothing to rewrite rarely repeat). A filter that
+        ``passes`` this api version and kept nothing for the request has nothing to do with its
+        answer: it counts as pure."""
         filters = self.chain.for_response(api_key)
         if not filters:
             return None
         keys: list[Any] = []
         for f in filters:
-            if f.may_pass and f.passes(api_key, version) and entry.kept(f) is None:
+            if f.may_pass and f.passes(api_key, version) and (entry is None or entry.kept(f) is None):
                 keys.append(_PASSED)
                 continue
             k = f.memo_key(self.ctx, api_key)
@@ -1083,11 +1124,16 @@ class Session(SessionCutThrough, SessionSasl):
             # (or read every exchange: no sampler): that one is decoded, as before the memo served
             # such answers.
             return None, None
-        keys = self._filter_keys(entry, version)
+        keys = self._filter_keys(api_key, version, entry)
         if keys is None:
             return None, None
         seen = bytes(frame[4:])
-        return seen, memo.get((api_key, version, self.ctx.listener, keys, seen))
+        got = memo.get((api_key, version, self.ctx.listener, keys, seen))
+        if got is not None and memo.lane is not None and api_key in _LANE_REMEMBERS:
+            # The lane missed it (its memo let it go first, or this connection is not laned yet): it
+            # learns it again, so that a laned connection does not come back for it each time.
+            memo.to_lane((api_key, version, self.ctx.listener, keys), seen, got.tail)
+        return seen, got
 
     def _send_remembered(self, entry: InFlight, version: int, got: Remembered, answered: float) -> list[Action]:
         cid = entry.client_correlation_id
@@ -1113,7 +1159,7 @@ class Session(SessionCutThrough, SessionSasl):
         (what they learned from this answer is part of the state the next one meets)."""
         memo = self.memo
         assert memo is not None and entry.reply is not None
-        keys = self._filter_keys(entry, version)
+        keys = self._filter_keys(entry.api_key, version, entry)
         if keys is None:
             return
         data = joined(entry.reply)
@@ -1126,6 +1172,8 @@ class Session(SessionCutThrough, SessionSasl):
         size = len(seen) + 2 * len(data) + (TopicNames.taught_bytes(taught) if taught else 0)
         memo.put((entry.api_key, version, self.ctx.listener, keys, seen),
                  Remembered(data[8:], stored.body, stored.trailing, entry.throttle_ms, taught), size)
+        if memo.lane is not None and entry.api_key in _LANE_REMEMBERS:
+            memo.to_lane((entry.api_key, version, self.ctx.listener, keys), seen, data[8:])
 
     def _response_filters(self, entry: InFlight, resp: Response) -> float:
         """Run the response filters; the longest throttle any asks for. FilterFailed if one raises."""

@@ -17,7 +17,13 @@
    a connection still adopted. Events of the current batch that still name a connection given back
    are skipped by that state, and its memory is freed only by the lane between batches (the `dead`
    list), so a stale pointer in a batch is never followed into freed memory. A reused fd number can
-   therefore never receive one client's bytes meant for another. */
+   therefore never receive one client's bytes meant for another.
+
+   The answer memo: an answer kproxy rewrites (Metadata names brokers) is never relayed as the broker
+   sent it. The Python path remembers each rewrite it makes (kproxy/proxy/memo.py) and puts it in its
+   lane's memo too; the lane serves such an answer only from there, by (the class Python gave the
+   connection's api version, the broker's bytes after the correlation id), and gives the connection
+   back with the answer unread when it is not there. The lane's mutex guards the memo. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -109,6 +115,8 @@ typedef struct {
     int throttle_at;
     int walk;               /* the answer is walked for node_endpoints before it is relayed (Produce v10+, Fetch v16+) */
     PyObject *header, *body;
+    int remember;           /* the answer goes out only as the memo remembers it (remembered_answer) */
+    uint64_t klass;         /* the memo's class for it (lane.py's LaneApi.memo_class) */
 } Api;
 
 typedef struct {
@@ -118,6 +126,27 @@ typedef struct {
 
 struct Lane;
 struct Conn;
+
+/* ---- The answer memo (one per lane) -------------------------------------------------------------- */
+
+#define MEMO_BUCKETS 1024               /* a power of 2 */
+#define MEMO_MAX_ENTRIES 512            /* the bounds of kproxy/proxy/memo.py's AnswerMemo */
+#define MEMO_MAX_BYTES ((size_t)8 << 20)
+
+typedef struct MemoEntry {
+    struct MemoEntry *chain;            /* the next in its bucket */
+    struct MemoEntry *newer, *older;    /* by last use */
+    uint64_t klass, hash;
+    uint32_t seen_len, tail_len;
+    uint8_t data[];                     /* the broker's bytes after the correlation id, then the client's */
+} MemoEntry;
+
+typedef struct {
+    MemoEntry *buckets[MEMO_BUCKETS];
+    MemoEntry *newest, *oldest;
+    size_t entries, bytes;
+    uint64_t hits, misses, stored;
+} Memo;
 
 typedef struct {
     struct Conn *conn;
@@ -167,6 +196,7 @@ typedef struct Lane {
     double next_scan;               /* earliest deadline of any connection (0: none) */
     uint64_t rng;
     ApiStats *stats;                /* MAX_API of them */
+    Memo memo;                      /* rewritten answers, under mu */
 } Lane;
 
 static void buf_free(Buf *b)
@@ -505,6 +535,140 @@ static int answer_walked(Conn *c, const Entry *e, const uint8_t *f, size_t size,
     return 0;
 }
 
+static uint64_t memo_hash(uint64_t klass, const uint8_t *p, size_t n)
+{
+    /* Not cryptographic: a collision costs a memcmp, never a wrong answer (the bytes are compared). */
+    uint64_t h = (klass + 1) * 0x9E3779B97F4A7C15ULL ^ (uint64_t)n;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+        h ^= h >> 32;
+    }
+    uint64_t w = 0;
+    memcpy(&w, p + i, n - i);
+    h = (h ^ w) * 0xC4CEB9FE1A85EC53ULL;
+    return h ^ (h >> 29);
+}
+
+/* Where the entry for (klass, seen) is in its bucket's chain; *result is NULL when there is none. */
+static MemoEntry **memo_slot(Memo *m, uint64_t klass, uint64_t h, const uint8_t *seen, size_t n)
+{
+    MemoEntry **at = &m->buckets[h & (MEMO_BUCKETS - 1)];
+    for (; *at != NULL; at = &(*at)->chain) {
+        MemoEntry *e = *at;
+        if (e->hash == h && e->klass == klass && e->seen_len == n && memcmp(e->data, seen, n) == 0)
+            break;
+    }
+    return at;
+}
+
+static void memo_unlink(Memo *m, MemoEntry *e)
+{
+    if (e->newer)
+        e->newer->older = e->older;
+    else
+        m->newest = e->older;
+    if (e->older)
+        e->older->newer = e->newer;
+    else
+        m->oldest = e->newer;
+    e->newer = e->older = NULL;
+}
+
+static void memo_push(Memo *m, MemoEntry *e)
+{
+    e->older = m->newest;
+    e->newer = NULL;
+    if (m->newest)
+        m->newest->newer = e;
+    m->newest = e;
+    if (m->oldest == NULL)
+        m->oldest = e;
+}
+
+static size_t memo_size(const MemoEntry *e)
+{
+    return sizeof(MemoEntry) + e->seen_len + e->tail_len;
+}
+
+/* Drops the entry *at points to. */
+static void memo_drop(Memo *m, MemoEntry **at)
+{
+    MemoEntry *e = *at;
+    *at = e->chain;
+    memo_unlink(m, e);
+    m->entries--;
+    m->bytes -= memo_size(e);
+    free(e);
+}
+
+/* Puts e (its key, hash and bytes filled in) in place of any entry of the same key, then drops the
+   least recently used until the bounds hold. */
+static void memo_insert(Memo *m, MemoEntry *e)
+{
+    MemoEntry **at = memo_slot(m, e->klass, e->hash, e->data, e->seen_len);
+    if (*at != NULL)
+        memo_drop(m, at);
+    e->chain = m->buckets[e->hash & (MEMO_BUCKETS - 1)];
+    m->buckets[e->hash & (MEMO_BUCKETS - 1)] = e;
+    memo_push(m, e);
+    m->entries++;
+    m->bytes += memo_size(e);
+    m->stored++;
+    while (m->entries > MEMO_MAX_ENTRIES || m->bytes > MEMO_MAX_BYTES) {
+        MemoEntry *old = m->oldest;
+        MemoEntry **slot = memo_slot(m, old->klass, old->hash, old->data, old->seen_len);
+        memo_drop(m, slot);
+    }
+}
+
+static void memo_clear(Memo *m)
+{
+    for (int i = 0; i < MEMO_BUCKETS; i++) {
+        while (m->buckets[i] != NULL)
+            memo_drop(m, &m->buckets[i]);
+    }
+}
+
+/* The answer to e (size bytes at p, behind its size prefix) of an api the lane serves only from the
+   memo: its remembered rewrite queued for the client behind the client's correlation id, and the
+   bytes queued returned; on a miss, 0, and the connection given back with this answer unread (what
+   came before it, at pos, dropped as relayed). Never the broker's bytes: they name the broker. */
+static size_t remembered_answer(Conn *c, const Api *api, const Entry *e, const uint8_t *p, size_t size,
+                                size_t pos, size_t bound)
+{
+    Memo *m = &c->lane->memo;
+    const uint8_t *seen = p + 8;
+    size_t n = size - 4;
+    /* Once recalled (a rules reload), what the class stood for may be gone: the Python path answers. */
+    MemoEntry *got = c->recall ? NULL : *memo_slot(m, api->klass, memo_hash(api->klass, seen, n), seen, n);
+    if (got == NULL) {
+        char detail[160];
+        m->misses += !c->recall;
+        buf_drop(&c->bin, pos);
+        snprintf(detail, sizeof detail, "an api %d v%d answer of %zu bytes %s", e->key, e->version, size + 4,
+                 c->recall ? "after a recall" : "not in the lane's memo");
+        give_back(c, c->recall ? "recalled" : "answer_unknown", detail);
+        return 0;
+    }
+    m->hits++;
+    memo_unlink(m, got);
+    memo_push(m, got);
+    uint8_t head[8];
+    wr32(head, (int32_t)(got->tail_len + 4));
+    wr32(head + 4, e->client_cid);
+    size_t mark = c->cout.len;
+    if (buf_put(&c->cout, head, 8, bound) < 0 || buf_put(&c->cout, got->data + got->seen_len, got->tail_len, bound) < 0) {
+        c->cout.len = mark;
+        buf_drop(&c->bin, pos);
+        give_back(c, "client_error", "out of memory queueing an answer");
+        return 0;
+    }
+    return 8 + (size_t)got->tail_len;
+}
+
 /* Relays the whole answers at the front of bin, in order, as far as the client's buffer allows. */
 static void broker_frames(Conn *c, double now)
 {
@@ -555,15 +719,21 @@ static void broker_frames(Conn *c, double now)
         if (api != NULL && api->walk && !answer_walked(c, e, p + 4, (size_t)size, pos))
             return;
         int ms = 0, has = api != NULL && api->throttle_at >= 0 && read_throttle(p + 4, (size_t)size, api->throttle_at, &ms);
-        wr32(p + 4, e->client_cid);
-        if (buf_put(&c->cout, p, 4 + (size_t)size, bound) < 0) {
-            wr32(p + 4, up);
-            buf_drop(&c->bin, pos);
-            give_back(c, "client_error", "out of memory queueing an answer");
-            return;
+        size_t sent = 4 + (size_t)size;
+        if (api != NULL && api->remember) {
+            if ((sent = remembered_answer(c, api, e, p, (size_t)size, pos, bound)) == 0)
+                return;
+        } else {
+            wr32(p + 4, e->client_cid);
+            if (buf_put(&c->cout, p, 4 + (size_t)size, bound) < 0) {
+                wr32(p + 4, up);
+                buf_drop(&c->bin, pos);
+                give_back(c, "client_error", "out of memory queueing an answer");
+                return;
+            }
         }
-        count_answer(l, e->key, e->len + 4, (uint64_t)size + 4, now - e->t, ms, has);
-        c->bytes_out += (uint64_t)size + 4;
+        count_answer(l, e->key, e->len + 4, sent, now - e->t, ms, has);
+        c->bytes_out += sent;
         __atomic_add_fetch(&total_answers, 1, __ATOMIC_RELAXED);
         free(e->request);
         e->request = NULL;
@@ -1038,6 +1208,7 @@ static void lane_dealloc(Lane *l)
     if (l->wake >= 0)
         close(l->wake);
     free(l->stats);
+    memo_clear(&l->memo);
     pthread_mutex_destroy(&l->mu);
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
@@ -1075,8 +1246,10 @@ static int api_order(const void *a, const void *b)
 PyDoc_STRVAR(adopt_doc,
 "adopt(client_fd, broker_fd, apis, next_correlation_id, client_bytes, client_id, max_in_flight,\n"
 "      request_timeout_s, idle_timeout_s, frame_timeout_s) -> Handle\n\n"
-"apis: a sequence of (api_key, api_version, header Program, body Program, throttle_at, walk): walk\n"
-"(Produce and Fetch only) has each answer walked for node_endpoints first (given back if it has them).");
+"apis: a sequence of (api_key, api_version, header Program, body Program, throttle_at[, walk,\n"
+"remember, memo_class]): walk (Produce and Fetch only) has each answer walked for node_endpoints\n"
+"first (given back if it has them); with remember, answers go to the client only as the memo\n"
+"remembers them.");
 
 static PyObject *lane_adopt(Lane *l, PyObject *args)
 {
@@ -1120,10 +1293,11 @@ static PyObject *lane_adopt(Lane *l, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *row = PySequence_Fast_GET_ITEM(seq, i);
-        int key, version, throttle_at, walk;
+        int key, version, throttle_at, walk = 0, remember = 0;
+        unsigned long long klass = 0;
         PyObject *header, *body;
-        if (!PyArg_ParseTuple(row, "iiO!O!ip:adopt's apis", &key, &version, accel->program_type, &header,
-                              accel->program_type, &body, &throttle_at, &walk))
+        if (!PyArg_ParseTuple(row, "iiO!O!i|ppK:adopt's apis", &key, &version, accel->program_type, &header,
+                              accel->program_type, &body, &throttle_at, &walk, &remember, &klass))
             goto fail;
         if (walk && key != PRODUCE && key != FETCH) {
             PyErr_SetString(PyExc_ValueError, "adopt: only Produce and Fetch answers are walked");
@@ -1133,7 +1307,8 @@ static PyObject *lane_adopt(Lane *l, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "adopt: api key or version out of range");
             goto fail;
         }
-        c->apis[i] = (Api){(int32_t)(key << 16 | version), throttle_at, walk, Py_NewRef(header), Py_NewRef(body)};
+        c->apis[i] = (Api){(int32_t)(key << 16 | version), throttle_at, walk, Py_NewRef(header), Py_NewRef(body),
+                           remember, (uint64_t)klass};
         c->napis = i + 1;
     }
     qsort(c->apis, (size_t)c->napis, sizeof(Api), api_order);
@@ -1274,8 +1449,86 @@ static PyObject *lane_counts(Lane *l, PyObject *unused)
     return out;
 }
 
+PyDoc_STRVAR(memo_put_doc,
+"memo_put(memo_class, seen, tail) -> bool\n\n"
+"Remember that an answer whose bytes after the correlation id are `seen` goes to a connection of\n"
+"`memo_class` as `tail` (after the client's correlation id). False when it is too large to keep.");
+
+static PyObject *lane_memo_put(Lane *l, PyObject *args)
+{
+    unsigned long long klass;
+    Py_buffer seen, tail;
+    if (!PyArg_ParseTuple(args, "Ky*y*:memo_put", &klass, &seen, &tail))
+        return NULL;
+    PyObject *result = Py_False;
+    size_t need = sizeof(MemoEntry) + (size_t)seen.len + (size_t)tail.len;
+    /* Both are whole frames the lane relays (the correlation id and these bytes within max_frame). */
+    if (seen.len + 4 <= l->max_frame && tail.len + 4 <= l->max_frame && need <= MEMO_MAX_BYTES) {
+        uint64_t h = memo_hash(klass, seen.buf, (size_t)seen.len);
+        pthread_mutex_lock(&l->mu);
+        MemoEntry *got = *memo_slot(&l->memo, klass, h, seen.buf, (size_t)seen.len);
+        int same = got != NULL && got->tail_len == (size_t)tail.len
+                   && memcmp(got->data + got->seen_len, tail.buf, (size_t)tail.len) == 0;
+        if (same) {
+            /* Served by the Python path's memo: the same again, kept as recently used. */
+            memo_unlink(&l->memo, got);
+            memo_push(&l->memo, got);
+        }
+        pthread_mutex_unlock(&l->mu);
+        result = Py_True;
+        if (!same) {
+            MemoEntry *e = malloc(need);
+            if (e == NULL) {
+                PyBuffer_Release(&seen);
+                PyBuffer_Release(&tail);
+                return PyErr_NoMemory();
+            }
+            e->klass = klass;
+            e->hash = h;
+            e->seen_len = (uint32_t)seen.len;
+            e->tail_len = (uint32_t)tail.len;
+            memcpy(e->data, seen.buf, (size_t)seen.len);
+            memcpy(e->data + seen.len, tail.buf, (size_t)tail.len);
+            pthread_mutex_lock(&l->mu);
+            memo_insert(&l->memo, e);
+            pthread_mutex_unlock(&l->mu);
+        }
+    }
+    PyBuffer_Release(&seen);
+    PyBuffer_Release(&tail);
+    return Py_NewRef(result);
+}
+
+static PyObject *lane_memo_clear(Lane *l, PyObject *unused)
+{
+    (void)unused;
+    pthread_mutex_lock(&l->mu);
+    memo_clear(&l->memo);
+    pthread_mutex_unlock(&l->mu);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(memo_counts_doc,
+"memo_counts() -> (entries, bytes, hits, misses, stored)\n\n"
+"What the memo holds now, and its totals since the lane was made.");
+
+static PyObject *lane_memo_counts(Lane *l, PyObject *unused)
+{
+    (void)unused;
+    pthread_mutex_lock(&l->mu);
+    Memo *m = &l->memo;
+    size_t entries = m->entries, bytes = m->bytes;
+    uint64_t hits = m->hits, misses = m->misses, stored = m->stored;
+    pthread_mutex_unlock(&l->mu);
+    return Py_BuildValue("(nnKKK)", (Py_ssize_t)entries, (Py_ssize_t)bytes, (unsigned long long)hits,
+                         (unsigned long long)misses, (unsigned long long)stored);
+}
+
 static PyMethodDef lane_methods[] = {
     {"adopt", (PyCFunction)lane_adopt, METH_VARARGS, adopt_doc},
+    {"memo_put", (PyCFunction)lane_memo_put, METH_VARARGS, memo_put_doc},
+    {"memo_clear", (PyCFunction)lane_memo_clear, METH_NOARGS, "Forget every remembered answer."},
+    {"memo_counts", (PyCFunction)lane_memo_counts, METH_NOARGS, memo_counts_doc},
     {"counts", (PyCFunction)lane_counts, METH_NOARGS, counts_doc},
     {"close", (PyCFunction)lane_close, METH_NOARGS, "Give every connection back (\"closed\") and stop the thread."},
     {NULL, NULL, 0, NULL},

@@ -202,6 +202,11 @@ class ProxyServer:
                      if self.coordinator is None and not config.metrics.client_labels else None)
         if self.lane is not None and self.rule_store is not None:
             self.rule_store.installed.append(self._recall_lanes)
+        if self.lane is not None:
+            # The lane answers Metadata from its own memo of the rewrites made here (Session.lane_programs);
+            # when the address map moves they are all stale, and laned connections carry the old class.
+            self.answer_memo.lane = self.lane
+            self.address_map.on_move.append(self.lane.memo_clear)
         self._nursery: trio.Nursery | None = None
         self._listeners: dict[int, trio.socket.SocketType] = {}
         self._raw_listeners: dict[int, socket.socket] = {}     # fileno -> the stdlib listening socket
@@ -370,8 +375,9 @@ class ProxyServer:
         m.add_reader(connections)
         if self.lane is not None:
             m.add_refresher(self.merge_lane_counts)
+            lane = self.lane
             m.add_reader(lambda: metric_families.lane_families(sum(1 for c in self.connections if c.laned),
-                                                               stats.lane_given_back))
+                                                               stats.lane_given_back, lane.memo_counts()))
         m.add_reader(lambda: metric_families.discovery_families(self.discovery_attempts))
         m.add_reader(lambda: metric_families.memo_families(self.answer_memo))
         keys, crypto = self.keys, self.record_crypto

@@ -36,7 +36,7 @@ from kproxy.proxy.inflight import CLIENT_GONE, CLOSED, InFlight
 from kproxy.proxy.session import Session
 from kproxy.server.budget import BufferBudget
 from kproxy.server.executor import Executor
-from kproxy.server.handover import lane_api
+from kproxy.server.handover import lane_api, lane_table
 from kproxy.server.ordering import ClientGone, ClientWriter, ConnectionClosed, run_clock
 from kproxy.server.splice import Pipe
 from kproxy.server.splice import available as splice_available
@@ -544,7 +544,7 @@ class ClientConnection(Executor):
         try:
             handle = self._lane.adopt(
                 self.client.raw.fileno(), upstream.raw.fileno(),      # type: ignore[attr-defined]
-                table={pair: api for pair, api in self._lane_apis.items() if api is not None},
+                table=lane_table(self._lane_apis, session.lane_memo_class),
                 next_correlation_id=session.next_correlation_id, client_bytes=client_bytes,
                 client_id=client_id.encode("utf-8", "surrogateescape") if client_id is not None else None,
                 max_in_flight=s.max_in_flight, request_timeout_s=s.request_timeout_s,

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from kproxy.protocol.messages import api_name
 
@@ -53,13 +55,28 @@ def open_lane(setting: str, frame_cap: int, stream_min_bytes: int | None) -> Lan
     return lane
 
 
-def lane_api(programs: tuple[Any, Any, int, bool]) -> LaneApi:
-    """The lane's table entry from ``Session.lane_programs``."""
+def lane_api(programs: tuple[Any, Any, int, bool, bool]) -> LaneApi:
+    """The lane's table entry from ``Session.lane_programs`` (its memo class is set at each hand-over,
+    ``lane_table``)."""
     module = _lane_module()
     assert module is not None
     api: LaneApi = module.LaneApi(header=programs[0], body=programs[1], throttle_at=programs[2],
-                                  walk=programs[3])
+                                  walk=programs[3], remember=programs[4])
     return api
+
+
+def lane_table(apis: Mapping[tuple[int, int], LaneApi | None],
+               memo_class: Callable[[int, int], int | None]) -> dict[tuple[int, int], LaneApi]:
+    """The table a connection hands the lane: what it may relay, each answer served from the memo
+    with its class as it is now (``Session.lane_memo_class``; left out when it has none)."""
+    table = {}
+    for pair, api in apis.items():
+        if api is not None and api.remember:
+            klass = memo_class(*pair)
+            api = attrs.evolve(api, memo_class=klass) if klass is not None else None
+        if api is not None:
+            table[pair] = api
+    return table
 
 
 def merge_counts(counts: Mapping[int, ApiCounts], stats: ProxyStats, metrics: Metrics | None) -> None:

@@ -35,6 +35,12 @@ class LaneApi:
     # kproxy, or cannot be walked is not relayed: the connection is given back with it unread
     # (reason "endpoints" or "bad_answer") and the Python path rewrites or refuses it.
     walk: bool = False
+    # An answer kproxy rewrites (Metadata): it goes to the client only as the Python path rewrote the
+    # same bytes before (``Lane.memo_put`` under ``memo_class``); else the connection comes back with
+    # the answer unread (reason "answer_unknown"). The class stands for everything the rewrite read
+    # besides the bytes (``Session.lane_memo_class``).
+    remember: bool = False
+    memo_class: int = 0
 
 
 @attrs.frozen
@@ -85,6 +91,17 @@ class ApiCounts:
     throttled: int
 
 
+@attrs.frozen
+class MemoCounts:
+    """The lane's answer memo: entries and bytes now; hits, misses and entries stored in all."""
+
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    stored: int
+
+
 def _given(t: tuple) -> Given:
     (reason, detail, client_bytes, broker_bytes, next_cid, entries, requests, bytes_in, bytes_out, quiet_s,
      client_id, client_out, broker_out) = t
@@ -133,10 +150,26 @@ class Lane:
         """Relay this connection until something the lane does not take happens. Both fds must be
         non-blocking sockets; ``client_bytes`` starts at a frame boundary and holds at most
         ``max_frame + 4`` bytes. Timeouts of 0 are none."""
-        apis = [(k, v, a.header, a.body, a.throttle_at, a.walk) for (k, v), a in table.items()]
+        apis = [(k, v, a.header, a.body, a.throttle_at, a.walk, a.remember, a.memo_class)
+                for (k, v), a in table.items()]
         return LaneHandle(self._lane.adopt(client_fd, broker_fd, apis, next_correlation_id, client_bytes,
                                            client_id, max_in_flight, float(request_timeout_s),
                                            float(idle_timeout_s), float(frame_timeout_s)))
+
+    def memo_put(self, memo_class: int, seen: bytes, tail: bytes) -> bool:
+        """Remember that the broker's answer bytes ``seen`` (after its correlation id) go to a connection
+        of ``memo_class`` as ``tail``. Bounded as ``AnswerMemo`` is (512 entries, 8 MiB, least recently
+        used first out); False when the answer is larger than the lane relays."""
+        stored: bool = self._lane.memo_put(memo_class, seen, tail)
+        return stored
+
+    def memo_clear(self) -> None:
+        """Forget every remembered answer (what a rewrite reads changed: the address map moved)."""
+        self._lane.memo_clear()
+
+    def memo_counts(self) -> MemoCounts:
+        """What the memo holds and has done since the lane was made."""
+        return MemoCounts(*self._lane.memo_counts())
 
     def counts(self) -> dict[int, ApiCounts]:
         """Per api key, what the lane relayed since the previous call, across all its connections."""

@@ -447,13 +447,19 @@ def connection_families(opened: Mapping[str, int], open_now: Mapping[str, int],
     ]
 
 
-def lane_families(laned: int, given_back: Mapping[str, int]) -> list[Metric]:
+def lane_families(laned: int, given_back: Mapping[str, int], memo: Any) -> list[Metric]:
+    """The lane's connections and give-backs, and its memo of rewritten answers (``Lane.memo_counts``)."""
     return [
         GaugeMetricFamily("kproxy_lane_connections", "Client connections the lane holds now (relayed without "
                           "the event loop).", value=laned),
         _counter("kproxy_lane_given_back", "Connections the lane gave back to the event loop, by reason (frame, "
-                 "recalled, bad_answer, endpoints, request_timeout, client_closed, broker_closed, idle, ...).", ["reason"],
-                 {(k,): v for k, v in given_back.items()}),
+                 "recalled, bad_answer, endpoints, answer_unknown, request_timeout, client_closed, broker_closed, idle, "
+                 "...).", ["reason"], {(k,): v for k, v in given_back.items()}),
+        _counter("kproxy_lane_remembered_answers", "Answers the lane serves only from memory (Metadata, "
+                 "FindCoordinator) looked up among the rewrites the event loop made, by result (a miss gives the "
+                 "connection back).", ["result"], {("hit",): memo.hits, ("miss",): memo.misses}),
+        GaugeMetricFamily("kproxy_lane_remembered_answer_bytes", "Bytes held by the lane's remembered "
+                          "rewritten answers.", value=memo.bytes),
     ]
 
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not lane.AVAILABLE, reason="the lane is not built in this installation")]
 
 TIMEOUT = 30.0
-FETCH, LIST_OFFSETS = 1, 2
+FETCH, LIST_OFFSETS, METADATA, API_VERSIONS = 1, 2, 3, 18
 NOT_LEADER_OR_FOLLOWER = 6
 
 
@@ -271,9 +271,11 @@ def test_a_frame_the_lane_does_not_take_in_a_laned_produce_loop(broker: TansuBro
         w = Wire(p.bootstrap)
         before = counts()
         for i in range(30):
-            # Metadata (which the lane gives back: topic names are learned from it) every 10 requests.
+            # ApiVersions (which the lane gives back: the session reads it) every 10 requests.
             if i % 10 == 9:
-                assert w.metadata(1000 + i).correlation_id == 1000 + i
+                av = body_class(API_VERSIONS, "request")
+                w.send(API_VERSIONS, 3, 1000 + i, av(client_software_name="t", client_software_version="1"))
+                assert w.receive(API_VERSIONS, 3).correlation_id == 1000 + i
             else:
                 assert list_offsets(w, i, topic).correlation_id == i
         lane_moved = moved(before)
@@ -282,7 +284,95 @@ def test_a_frame_the_lane_does_not_take_in_a_laned_produce_loop(broker: TansuBro
     assert lane_moved["adopted"] == 3 and lane_moved["given_back"] == 3
     assert metrics['kproxy_lane_given_back_total{reason="frame"}'] == 3
     assert metrics['kproxy_requests_total{api="list_offsets"}'] == 27
-    assert metrics['kproxy_requests_total{api="metadata"}'] == 3
+    assert metrics['kproxy_requests_total{api="api_versions"}'] == 3
+
+
+# -- Metadata answered from the lane's memory of the rewrites the Python path made
+
+
+def test_a_metadata_loop_is_answered_by_the_lane_with_only_kproxys_addresses(broker: TansuBroker) -> None:
+    admin = f"127.0.0.1:{free_port()}"
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1", admin={"listen": admin}) as p:
+        assert p.server.lane is not None
+        client = confluent_kafka.admin.AdminClient({"bootstrap.servers": p.bootstrap})
+        client.list_topics(timeout=TIMEOUT)
+        before, memo_before = counts(), p.server.lane.memo_counts()
+        n = 40
+        addresses = set()
+        for _ in range(n):
+            addresses |= {(b.host, b.port) for b in client.list_topics(timeout=TIMEOUT).brokers.values()}
+        w = Wire(p.bootstrap)
+        for i in range(n):
+            answer = w.metadata(i)
+            assert answer.correlation_id == i
+            addresses |= {(b.host, b.port) for b in answer.body.brokers}
+        lane_moved, memo = moved(before), p.server.lane.memo_counts()
+        exposed = p.call(p.server.address_map.exposed_ports)
+        metrics = scrape(admin)
+        w.close()
+    # Every broker address either client saw is one of kproxy's, never tansu's own.
+    assert addresses == {("127.0.0.1", port) for port in exposed} and broker.port not in exposed
+    # Both clients' connections were laned (librdkafka's at its first list_topics), and the lane
+    # answered their Metadata from its memory, the first LANE_AFTER of the new connection aside.
+    assert metrics['kproxy_lane_connections'] == 2 and lane_moved["adopted"] >= 1
+    assert lane_moved["answers"] >= 2 * n - 2 * LANE_AFTER
+    assert memo.hits - memo_before.hits >= 2 * n - 2 * LANE_AFTER
+    assert metrics.get('kproxy_lane_given_back_total{reason="answer_unknown"}', 0) <= 1
+    assert metrics['kproxy_lane_remembered_answers_total{result="hit"}'] >= memo.hits
+    assert 0 < metrics['kproxy_lane_remembered_answer_bytes'] < 1 << 20
+    assert metrics['kproxy_requests_total{api="metadata"}'] >= 2 * n
+
+
+def test_a_laned_metadata_loop_sees_brokers_come_and_move_at_kproxys_addresses() -> None:
+    """The cluster changes under a laned Metadata loop (``FakeCluster``, as tansu is one node that
+    does not move): a new node, then a node on another port. The lane gives each first changed
+    answer back unread; the client gets it rewritten, and kproxy's address for the new node."""
+    from tests.e2e.fake_cluster import FakeBroker, FakeCluster
+
+    cluster = FakeCluster((1, 2, 3))
+    try:
+        with start_proxy(cluster.bootstrap, advertised_host="127.0.0.1") as p:
+            w = Wire(p.bootstrap)
+            before = counts()
+
+            def loop(first: int, n: int = LANE_AFTER + 4) -> dict[int, tuple[str, int]]:
+                seen: dict[int, tuple[str, int]] = {}
+                for i in range(first, first + n):
+                    answer = w.metadata(i)
+                    assert answer.correlation_id == i
+                    brokers = {b.node_id: (b.host, b.port) for b in answer.body.brokers}
+                    assert seen in ({}, brokers)        # the same in every answer of one loop
+                    seen = brokers
+                return seen
+
+            start = loop(0)
+            assert moved(before)["adopted"] == 1 and moved(before)["answers"] >= 3
+            cluster.brokers[4] = FakeBroker(cluster, 4)
+            cluster.brokers[4].start()
+            grown = loop(100)
+            new_port = cluster.move(2)
+            after_move = loop(200)
+            lane_moved = moved(before)
+            exposed = p.call(p.server.address_map.exposed_ports)
+            route = p.call(lambda: p.server.address_map.route_for_port(after_move[2][1]))
+            memo = p.server.lane.memo_counts()
+            w.close()
+    finally:
+        cluster.stop()
+    broker_ports = {b.port for b in cluster.brokers.values()}
+    assert set(grown) == {1, 2, 3, 4} and set(start) == {1, 2, 3}
+    for seen in (start, grown, after_move):
+        assert all(host == "127.0.0.1" and port in exposed and port not in broker_ports
+                   for host, port in seen.values())
+    # The new node got a kproxy port of its own; the moved one kept its kproxy port, which leads to
+    # where it is now.
+    assert grown[4] not in start.values() and after_move == grown
+    assert route is not None and route.upstream == ("127.0.0.1", new_port)
+    # Laned again after each change (each changed answer given back unread, and answered by Python).
+    assert lane_moved["adopted"] == 3 and lane_moved["given_back"] >= 2
+    # Each move of the address map cleared the lane's memo: only the answer since the last is there.
+    assert memo.entries == 1
+    assert cluster.errors == []
 
 
 def _restart(relay: Relay) -> None:
