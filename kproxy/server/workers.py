@@ -293,7 +293,7 @@ async def _fetch(address: str | None, target: str, timeout: float, method: str =
 ADDITIVE_GAUGES = frozenset({
     "kproxy_connections_open", "kproxy_requests_in_flight", "kproxy_buffered_bytes", "kproxy_buffer_budget_bytes",
     "kproxy_remembered_answer_bytes", "kproxy_dek_cache_entries", "kproxy_kms_keys_backing_off",
-    "kproxy_lane_connections",
+    "kproxy_lane_connections", "kproxy_lane_remembered_answer_bytes",
 })
 
 
