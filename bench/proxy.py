@@ -8,7 +8,7 @@ multi-tenant rules, see TENANT; ``--quotas`` kproxy with rule files, see QUOTAS;
 quota with fleet coordination on, see FLEET; ``--sasl`` kproxy logging in to the brokers by SCRAM, see
 SASL).
 
-One tansu broker (memory storage) serves the whole run; kproxy (``python -m kproxy run``, its own
+tansu brokers (memory storage) serve the run; kproxy (``python -m kproxy run``, its own
 process, log level WARNING) and ``tansu proxy`` sit in front of it. confluent-kafka (librdkafka)
 produces N records with acks=all to a fresh topic and then consumes exactly those N records from the
 beginning (assign, no group), through each target in turn; cases interleave, the order of the targets
@@ -25,10 +25,13 @@ listener, which advertises HAProxy's address so clients stay on the relay after 
 answers as kproxy does, in front of the same tansu: give the path of a binary built beside the project
 with ``--kafka-proxy-bin PATH`` (or ``KAFKA_PROXY_BIN``). Nothing of it is part of this repository.
 
-On tansu, ``--targets ...,haproxy`` adds the same HAProxy in front of a second tansu (memory storage,
-the same settings) that advertises HAProxy's port: tansu has a single listener, so the broker the
-other targets use cannot also send clients to the relay. Targets run one after another, so only one
-of the two brokers is busy at a time; haproxy/direct is the floor of a relay that decodes nothing.
+On tansu, ``--targets ...,haproxy`` adds the same HAProxy in front of a tansu (memory storage, the
+same settings) that advertises HAProxy's port: tansu has a single listener, so the broker the other
+targets use cannot also send clients to the relay. haproxy/direct is the floor of a relay that decodes
+nothing. Every other relay target (kproxy and its variants, kafka-proxy) also has an identical tansu
+of its own, so that no target pays for the state another left in a shared broker (``--shared-broker``
+puts them all behind direct's, as before); ``tansu-proxy`` and the SASL targets keep theirs as
+described. Targets run one after another, so only one broker is busy at a time.
 """
 
 from __future__ import annotations
@@ -461,26 +464,42 @@ class Bench:
         broker.start([bp])
         self.broker = broker
         self.ports["direct"] = bp
+        self.admins: dict[str, AdminClient] = {}
 
         if "kproxy" in self.args.targets:
-            self._start_kproxy(bp)
+            self._start_kproxy(self._broker_for("kproxy", bp))
         if BASELINE in self.args.targets:
-            self._start_kproxy(bp, BASELINE)
+            self._start_kproxy(self._broker_for(BASELINE, bp), BASELINE)
         for name, options in {**TELEMETRY, **VIRTUAL, **QUOTAS, **FLEET, **SPLICE, **LANE}.items():
             if name in self.args.targets:
-                self._start_kproxy(bp, name, options)
+                self._start_kproxy(self._broker_for(name, bp), name, options)
         if TENANT in self.args.targets:
-            self._start_kproxy(bp, TENANT, extra=["--rules", str(TENANT_RULES)])
+            self._start_kproxy(self._broker_for(TENANT, bp), TENANT, extra=["--rules", str(TENANT_RULES)])
         if "tansu-proxy" in self.args.targets:
             self._start_tansu_proxy(tansu, url)
         if KAFKA_PROXY in self.args.targets:
-            self._start_kafka_proxy(bp)
+            self._start_kafka_proxy(self._broker_for(KAFKA_PROXY, bp))
         self.admin = AdminClient({"bootstrap.servers": f"{HOST}:{bp}"})
-        self.admins: dict[str, AdminClient] = {}
         if set(SASL) & set(self.args.targets):
             self._start_gate()
         if HAPROXY in self.args.targets:
             self._start_relay_tansu()
+
+    def _broker_for(self, name: str, shared: int) -> int:
+        """The port of the tansu behind target ``name``: one of its own, started with the same
+        settings as direct's, unless ``--shared-broker``. One tansu serving several targets can charge
+        each for the others' leftovers (its memory storage costs more per Produce as a partition
+        fills; topics and connections other targets left). With a broker each, what differs between
+        targets is only what the relay in front does to the broker's work."""
+        if self.args.shared_broker:
+            return shared
+        launcher = Tansu(port=free_port())
+        broker = Child(f"tansu broker ({name})", launcher.argv(), self.workdir / f"broker-{name}.log")
+        self.children.append(broker)
+        broker.start([launcher.port])
+        # Topics are made and deleted on the target's own broker, directly (it advertises itself).
+        self.admins[name] = AdminClient({"bootstrap.servers": f"{HOST}:{launcher.port}"})
+        return launcher.port
 
     def _start_gate(self) -> None:
         sys.path.insert(0, str(REPO))
@@ -970,6 +989,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-seconds", type=float, default=5.0, help="seconds per small-requests run")
     ap.add_argument("--small-kinds", default="metadata,produce",
                     help="small-request loops: metadata, produce (one 100-byte record, acks=1) or both (default)")
+    ap.add_argument("--shared-broker", action="store_true",
+                    help="on tansu, one broker behind direct, kproxy and kafka-proxy (and their variants) rather "
+                         "than an identical broker of its own for each")
     ap.add_argument("--no-throughput", action="store_true", help="skip the throughput part")
     ap.add_argument("--kafka-proxy-bin", metavar="PATH", type=Path, default=os.environ.get("KAFKA_PROXY_BIN"),
                     help=f"the grepplabs kafka-proxy binary for the {KAFKA_PROXY} target (default: $KAFKA_PROXY_BIN)")
