@@ -87,7 +87,10 @@ class Broker:
             return
         self.conn = conn
         buf = b""
-        with contextlib.suppress(OSError):
+        # The thread closes what it accepted: close() may run before self.conn is set (a test that
+        # ends right after dialling), and a socket left to the collector fails the test it lands in
+        # with a ResourceWarning.
+        with conn, contextlib.suppress(OSError):
             while True:
                 while self.stop_reading.is_set():
                     time.sleep(0.05)
