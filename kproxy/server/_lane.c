@@ -176,7 +176,6 @@ typedef struct Conn {
     Unowed unowed[NO_RESPONSE_KEPT];
     int nunowed;
     int recall, want_give, kick;          /* want_give: "frame" at the boundary, once nothing is in flight */
-    int queued;                     /* in this batch's list of connections to write at its end (lane_main) */
     char reason[24];
     char detail[160];
     double last_rx, partial_since;
@@ -798,21 +797,17 @@ static int read_side(Conn *c, Side *s, double now)
     }
 }
 
-/* One look at a connection: read what is ready, relay, write, give back if due, set what to wait for.
-   With `later` (a batch of readiness events) it stops after the reads and returns 1 when the rest is
-   still to do: lane_main writes every connection of the batch together at its end (see there). */
-static int service(Conn *c, int client_ready, int broker_ready, double now, int later)
+/* One look at a connection: read what is ready, relay, write, give back if due, set what to wait for. */
+static void service(Conn *c, int client_ready, int broker_ready, double now)
 {
     Lane *l = c->lane;
     if (c->state != ADOPTED)
-        return 0;
+        return;
     /* Answers first: they free room in the in-flight queue for the requests behind them. */
     if (broker_ready && read_side(c, &c->bs, now))
-        return 0;
+        return;
     if (client_ready && read_side(c, &c->cs, now))
-        return 0;
-    if (later)
-        return 1;
+        return;
     for (int round = 0; round < 2; round++) {
         flush_side(&c->cout, c->cs.fd);
         flush_side(&c->bout, c->bs.fd);
@@ -820,18 +815,18 @@ static int service(Conn *c, int client_ready, int broker_ready, double now, int 
         if (c->bin.len >= 4)
             broker_frames(c, now);
         if (c->state != ADOPTED)
-            return 0;
+            return;
         if (c->cin.len >= 4)
             client_frames(c, now);
         if (c->state != ADOPTED)
-            return 0;
+            return;
     }
     if ((c->want_give || c->recall) && c->count == 0) {
         if (c->want_give)
             give_back(c, "frame", c->detail);
         else
             give_back(c, "recalled", "recalled at a frame boundary");
-        return 0;
+        return;
     }
     int read_client = !c->want_give && !c->recall && c->count < c->max_in_flight
                       && c->bout.len < (size_t)l->write_limit && c->cin.len < c->cin.cap;
@@ -840,7 +835,6 @@ static int service(Conn *c, int client_ready, int broker_ready, double now, int 
        bytes says it. */
     set_mask(c, &c->cs, (read_client ? EPOLLIN : 0) | (c->cout.len ? EPOLLOUT : 0));
     set_mask(c, &c->bs, (read_broker ? EPOLLIN : 0) | (c->bout.len ? EPOLLOUT : 0));
-    return 0;
 }
 
 /* The watchdog's three timeouts, for every connection; sets the next time to look. */
@@ -888,8 +882,6 @@ static void *lane_main(void *arg)
 {
     Lane *l = arg;
     struct epoll_event evs[256];
-    Conn *later[256];       /* each event queues at most one connection */
-    int nlater = 0;
     for (;;) {
         int timeout = -1;
         pthread_mutex_lock(&l->mu);
@@ -924,20 +916,8 @@ static void *lane_main(void *arg)
                 continue;
             }
             int ready = (e & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0;
-            if (service(c, s->client && ready, !s->client && ready, now, 1) && !c->queued) {
-                c->queued = 1;
-                later[nlater++] = c;
-            }
+            service(c, s->client && ready, !s->client && ready, now);
         }
-        /* Every read of the batch first, then every write: the sends of one batch leave close
-           together, so a client or broker woken by the first finds the others' bytes at the same
-           wake-up (HAProxy's loop has the same shape: receive all, then send). A connection given
-           back meanwhile is skipped by its state; none is freed before the `dead` list below. */
-        for (int i = 0; i < nlater; i++) {
-            later[i]->queued = 0;
-            service(later[i], 0, 0, now, 0);
-        }
-        nlater = 0;
         if (l->stopping) {
             while (l->conns != NULL)
                 give_back(l->conns, "closed", "the lane closed");
@@ -948,7 +928,7 @@ static void *lane_main(void *arg)
                 next = c->next;
                 if (c->kick) {
                     c->kick = 0;
-                    service(c, 1, 1, now, 0);
+                    service(c, 1, 1, now);
                 }
             }
         }
