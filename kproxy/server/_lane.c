@@ -552,7 +552,9 @@ static uint64_t memo_hash(uint64_t klass, const uint8_t *p, size_t n)
     return h ^ (h >> 29);
 }
 
-/* Where the entry for (klass, seen) is in its bucket's chain; *result is NULL when there is none. */
+/* Where the entry for (klass, seen) is in its bucket's chain; *result is NULL when there is none.
+   For equal bytes memo_hash is a bijection of the class (each step is), so equal hashes and equal
+   bytes already mean equal classes: the class comparison never decides, and no test can make it. */
 static MemoEntry **memo_slot(Memo *m, uint64_t klass, uint64_t h, const uint8_t *seen, size_t n)
 {
     MemoEntry **at = &m->buckets[h & (MEMO_BUCKETS - 1)];

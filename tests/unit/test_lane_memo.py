@@ -35,6 +35,8 @@ from .test_answer_memo import metadata_answer
 from .test_lane import Link, frame, frames_of, given_back, lane, link, readable, wait_for  # noqa: F401
 from .test_session import METADATA, metadata_request, response_frame
 
+FIND_COORDINATOR = 10
+
 pytestmark = pytest.mark.skipif(not lane_module.AVAILABLE, reason="the lane is native")
 
 PROXY = "proxy.example"
@@ -207,10 +209,15 @@ def python_path(sink: Any, names: TopicNames | None = None) -> tuple[AddressMap,
 
 def ask(s: Session, cid: int, body: Any, version: int = 12) -> bytes:
     """A Metadata exchange through the session; the bytes the client got (no size prefix)."""
-    req = Request.build(METADATA, version, cid, "app", body_class(METADATA, "request")(topics=[]))
+    return exchange(s, METADATA, version, cid, body_class(METADATA, "request")(topics=[]), body)
+
+
+def exchange(s: Session, api_key: int, version: int, cid: int, request: Any, body: Any) -> bytes:
+    """One exchange through the session; the bytes the client got (no size prefix)."""
+    req = Request.build(api_key, version, cid, "app", request)
     out = s.client_frame(memoryview(b"".join(encode_request_frame(req))[4:]))
     up = struct.unpack_from(">i", bytes(out[-1].buffers[0]), 8)[0]
-    got = s.upstream_frame(memoryview(response_frame(METADATA, version, up, body)))
+    got = s.upstream_frame(memoryview(response_frame(api_key, version, up, body)))
     sent = got[-1]
     assert isinstance(sent, ToClient)
     for a in got:
@@ -274,5 +281,33 @@ def test_a_session_and_a_lane_answer_alike(lane: Lane, link: Link) -> None:
     assert answer == struct.pack(">i", 77) + sent[4:]
     resp = decode_response(memoryview(answer), METADATA, 12)
     assert [(b.host, b.port) for b in resp.body.brokers] == [(PROXY, 19000), (PROXY, 19001)]
+    handle.recall()
+    assert given_back(handle).reason == "recalled"
+
+
+def test_a_find_coordinator_answer_from_the_lane_is_the_sessions_rewrite(lane: Lane, link: Link) -> None:
+    """FindCoordinator v4, a consumer's look-up of its group coordinator: the Python path rewrites the
+    coordinator's address and feeds the lane; the laned connection then gets those very bytes with its
+    own correlation id, and never the broker's address."""
+    _, s = python_path(lane)
+    answer_cls = body_class(FIND_COORDINATOR, "response")
+    body = answer_cls(coordinators=[answer_cls.Coordinator(key="g1", node_id=2, host="b2.internal", port=9092)])
+    request = body_class(FIND_COORDINATOR, "request")(key_type=0, coordinator_keys=["g1"])
+    exchange(s, FIND_COORDINATOR, 4, 1, request, body)          # a new port: not remembered yet
+    sent = exchange(s, FIND_COORDINATOR, 4, 2, request, body)
+    assert lane.memo_counts().entries == 1
+    programs = s.lane_programs(FIND_COORDINATOR, 4)
+    assert programs is not None and programs[4] is True         # served only as remembered
+    table = {(FIND_COORDINATOR, 4): LaneApi(programs[0], programs[1], programs[2], programs[3], programs[4],
+                                            s.lane_memo_class(FIND_COORDINATOR, 4) or 0)}
+    link.broker.reply = lambda f: struct.pack(">i", len(response_frame(FIND_COORDINATOR, 4, 0, body))) + response_frame(
+        FIND_COORDINATOR, 4, struct.unpack_from(">i", f, 4)[0], body)
+    handle = link.adopt(lane, table=table)
+    link.client.sendall(frame(FIND_COORDINATOR, 4, 77, request))
+    (answer,) = frames_of(link.recv_exactly(4 + len(sent)))
+    assert answer == struct.pack(">i", 77) + sent[4:]
+    resp = decode_response(memoryview(answer), FIND_COORDINATOR, 4)
+    assert [(c.key, c.node_id, c.host, c.port) for c in resp.body.coordinators] == [("g1", 2, PROXY, 19000)]
+    assert lane.memo_counts().hits == 1
     handle.recall()
     assert given_back(handle).reason == "recalled"
