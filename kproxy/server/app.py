@@ -873,6 +873,8 @@ class ProxyServer:
 # The signals kproxy handles. A supervisor starts its workers with them blocked (Worker.start), and
 # serve_until_signal unblocks them once it listens for them.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Set by the supervisor in each worker's environment: its own pid (``_supervisor_pid``).
+SUPERVISOR_ENV = "KPROXY_SUPERVISOR"
 
 
 class Serving(Protocol):
@@ -913,7 +915,7 @@ async def serve_until_signal(server: Serving) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             if server.worker is not None:
-                nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, os.getppid())
+                nursery.start_soon(_drain_when_orphaned, server, nursery.cancel_scope, _supervisor_pid())
             log.info("signals: SIGTERM or SIGINT drains, SIGHUP reloads the rule files and sample ratios")
             async for signum in signals:
                 name = signal.Signals(signum).name
@@ -931,6 +933,15 @@ async def serve_until_signal(server: Serving) -> None:
                 nursery.start_soon(_drain_then_stop, server, nursery.cancel_scope)
             nursery.cancel_scope.cancel()
     log.info("kproxy stopped")
+
+
+def _supervisor_pid() -> int:
+    """The pid of the supervisor that started this worker, as it wrote it in the environment
+    (``SUPERVISOR_ENV``); the parent now, from a supervisor that did not. Asking the parent alone
+    would miss a supervisor killed while the worker was still starting: its parent is then already
+    another process, and it would hold the ports for ever."""
+    value = os.environ.get(SUPERVISOR_ENV, "")
+    return int(value) if value.isdigit() else os.getppid()
 
 
 async def _drain_when_orphaned(server: Serving, scope: trio.CancelScope, parent: int) -> None:

@@ -25,7 +25,7 @@ import trio
 
 from kproxy.config import ProxyConfig, effective_workers
 from kproxy.server import admin
-from kproxy.server.app import SIGNALS
+from kproxy.server.app import SIGNALS, SUPERVISOR_ENV
 from kproxy.server.clients import MAX_LISTED
 
 log = logging.getLogger("kproxy.supervisor")
@@ -79,6 +79,7 @@ class Worker:
     async def start(self) -> None:
         env = dict(os.environ)
         env[WORKER_ENV] = f"{self.index}/{self.count}"
+        env[SUPERVISOR_ENV] = str(os.getpid())
         if self.admin_address is not None:
             env[WORKER_ADMIN_ENV] = self.admin_address
         # Its own session: a terminal's Ctrl-C reaches only the supervisor, which passes it on once (a

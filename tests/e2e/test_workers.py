@@ -154,3 +154,33 @@ def test_workers_stop_when_their_supervisor_is_killed(broker: TansuBroker, tmp_p
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_a_worker_whose_supervisor_died_while_it_started_stops_once_it_serves(broker: TansuBroker,
+                                                                               tmp_path: Path) -> None:
+    """The supervisor writes its pid in each worker's environment. A worker that comes up after its
+    supervisor was killed (its parent is already another process) compares with that pid, not with
+    the parent it finds, so it drains and stops instead of holding the ports for ever. Here the
+    worker is started directly, named the worker of a supervisor that has already exited."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    port = free_port_block(3)
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(f'listen: "127.0.0.1:{port}"\nupstream: {{bootstrap_servers: "{broker.bootstrap}"}}\n'
+                      f"exposure: {{advertised_host: 127.0.0.1, node_id_base: {broker.node_id}, "
+                      f"broker_port_count: 2}}\nworkers: 2\n")
+    log = tmp_path / "kproxy.log"
+    env = {**os.environ, "KPROXY_WORKER": "0/2", "KPROXY_SUPERVISOR": str(gone.pid)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=out, start_new_session=True)
+    try:
+        wait_until(lambda: proc.poll() is not None, log, timeout=60)
+        text = log.read_text()
+        assert f"the supervisor (pid {gone.pid}) is gone: draining and stopping this worker" in text
+        assert "kproxy listening on" in text         # it had started: the stop came after, not a failure
+        assert proc.returncode == 0, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
