@@ -1,7 +1,9 @@
 """One local Spark session for the whole test run, on two cores and with the settings ``kproxy
 report`` uses for a tiny log (SMALL_INPUT_SETTINGS: the demo's): the test logs are small, so each
 Spark job's fixed cost is what dominates; generated code and the JVM's optimising compiler cost more
-than they save on them."""
+than they save on them. The test files import PySpark (and ``kproxy.analytics.dry_run`` or ``job``,
+which import it) inside their tests, not at the top: both xdist workers collect every file, and PySpark
+at collection cost each of them its import whether or not it ran a Spark test."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from kproxy.analytics.dry_run import _charges, _replay
 from kproxy.policy.loader import load_rules
 
 RULES = """\
@@ -36,6 +35,7 @@ def line(api: str, api_key: int, version: int, partition_bytes: int, response_by
 
 
 def test_a_fetch_is_charged_its_answer_and_a_produce_its_records(tmp_path: Path) -> None:
+    from kproxy.analytics.dry_run import _charges
     rules_file = tmp_path / "quotas.yaml"
     rules_file.write_text(RULES)
     batch = pd.DataFrame([line("fetch", 1, 13, 4000, 5000), line("produce", 0, 9, 1000, 60),
@@ -50,6 +50,7 @@ def test_a_fetch_is_charged_its_answer_and_a_produce_its_records(tmp_path: Path)
 
 
 def test_a_produce_is_charged_as_it_arrives_and_a_fetch_when_its_answer_comes(tmp_path: Path) -> None:
+    from kproxy.analytics.dry_run import _charges
     rules_file = tmp_path / "quotas.yaml"
     rules_file.write_text(RULES)
     batch = pd.DataFrame([line("produce", 0, 9, 1000, 60, at=2.0, done=7.0),
@@ -72,6 +73,7 @@ quotas:
 
 
 def throttled_ms(rules, lines: list[dict]) -> int:
+    from kproxy.analytics.dry_run import _charges, _replay
     (charges,) = list(_charges(rules, False)(iter([pd.DataFrame(lines)])))
     (row,) = _replay(rules, 1.0)(charges).itertuples(index=False)
     assert row.requests == len(lines)

@@ -14,17 +14,18 @@ from typing import Any
 import pytest
 
 import kproxy
-from kproxy.analytics.dry_run import check_executors
-from kproxy.analytics.source import ReportError
 
 pytestmark = pytest.mark.spark
 
 
 def test_an_executor_with_kproxy_passes(spark: Any) -> None:
+    from kproxy.analytics.dry_run import check_executors
     check_executors(spark)
 
 
 def test_an_executor_without_kproxy_is_one_line_saying_what_to_install(spark: Any, tmp_path: Path) -> None:
+    from kproxy.analytics.dry_run import check_executors
+    from kproxy.analytics.source import ReportError
     bare = tmp_path / "bare"
     venv.create(bare, with_pip=False)
     node_python = tmp_path / "node-python"

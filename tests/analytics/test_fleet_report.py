@@ -10,10 +10,7 @@ from typing import Any
 
 import pytest
 
-from kproxy.analytics.dry_run import coordination_tables, dry_run
-from kproxy.analytics.source import ReportError, read_lines
 from kproxy.analytics.synthetic import base_line, epoch_ms, write_log
-from kproxy.analytics.tables import requests_table
 from kproxy.quota.fleet import Load, record_key, record_value
 
 pytestmark = pytest.mark.spark
@@ -41,10 +38,13 @@ def requests(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     lines = [produce(START + dt.timedelta(seconds=i, milliseconds=100 + 300 * n), f"kproxy-{n}:1", n + 1, 40960)
              for i in range(60) for n in (0, 1, 2)]
     write_log(root, lines)
+    from kproxy.analytics.source import read_lines
+    from kproxy.analytics.tables import requests_table
     return requests_table(read_lines(spark, [str(root)]))
 
 
 def throttled(spark: Any, requests: Any, tmp_path: Path, **kwargs: Any) -> dict[str, dict[str, Any]]:
+    from kproxy.analytics.dry_run import dry_run
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
     table = dry_run(requests, rules, **kwargs)["dry_run_throttled"]
@@ -64,6 +64,8 @@ def test_each_instance_alone_is_within_the_limit_but_the_fleet_is_not(spark, req
 
 
 def test_a_coordination_dump_is_summed_per_budget_key(spark, tmp_path):
+    from kproxy.analytics.dry_run import coordination_tables
+    from kproxy.analytics.source import ReportError
     at = int(START.timestamp() * 1000)
     lines = []
     for i in range(10):
