@@ -69,10 +69,10 @@ kerberos-deps:
 demo: $(VENV)/.installed
 	$(BIN)/kproxy demo
 
-# Two workers (pytest-xdist): much of the suite waits on brokers, clients and timers rather than on a
+# Three workers (pytest-xdist) on two cores: much of the suite waits on brokers, clients and timers rather than on a
 # core. Each test file runs whole on one worker (see tests/conftest.py).
 test: $(VENV)/.installed system-deps
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 3
 
 test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"

@@ -56,7 +56,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (``make test`` runs ``-n 2``) each test file runs whole on one worker, so its
+    """Under pytest-xdist (``make test`` runs ``-n 3``) each test file runs whole on one worker, so its
     module fixtures (a built wheel, a proxy per module) are made once, and every analytics file goes
     to the same worker, so one Spark session serves them all (each worker would start its own)."""
     from xdist.scheduler import LoadScopeScheduling
@@ -74,7 +74,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 # Under pytest-xdist, the files whose tests wait longest (Spark, package builds, brokers) are handed
-# out first, so the last ones left are short and the two workers finish together.
+# out first, so the last ones left are short and the workers finish together.
 _FIRST = ("tests/analytics/", "tests/release/", "tests/e2e/", "tests/deploy/")
 
 
