@@ -238,12 +238,17 @@ class ClientConnection(Executor):
 
     def _complete(self, done: tuple[InFlight, ...] | list[InFlight], now: float) -> None:
         session = self.session
+        lane = self._lane
         for entry in done:
             entry.finished_at = now
             session.finish(entry)
             self.requests_done += 1
             self.bytes_in += entry.request_bytes
             self.bytes_out += entry.response_bytes
+            if lane is not None and entry.response_bytes > lane.max_frame:
+                # An answer the lane would give back (a consumer's large Fetch): the streak starts
+                # again, so a connection whose answers are large is not offered to the lane each time.
+                self._lane_streak = 0
             if self.on_complete is not None:
                 self.on_complete(entry)
             if log.isEnabledFor(logging.DEBUG):

@@ -394,3 +394,28 @@ def _restart(relay: Relay) -> None:
         finally:
             probe.close()
     relay.start()
+
+
+def test_a_consumer_whose_answers_are_larger_than_the_lane_takes_is_left_on_the_python_path(
+        broker: TansuBroker) -> None:
+    """A consumer reading large batches gets every Fetch answer larger than the lane relays: handing
+    it over between fetches would only have it given back (or cost the client pump a wait and the
+    broker's pump a park each time), so such a connection stays off the lane, whatever its streak."""
+    topic = unique_name("lane-large")
+    admin = confluent_kafka.admin.AdminClient({"bootstrap.servers": broker.bootstrap})
+    admin.create_topics([confluent_kafka.admin.NewTopic(topic, 1, 1)])[topic].result(TIMEOUT)
+    producer = confluent_kafka.Producer({"bootstrap.servers": broker.bootstrap})
+    producer.produce(topic, b"x" * (3 * 65536), partition=0)
+    assert producer.flush(TIMEOUT) == 0
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1") as p:
+        w = Wire(p.bootstrap)
+        before = counts()
+        try:
+            for i in range(4 * LANE_AFTER):
+                fetch(w, i, topic, 500)
+                answer = w.receive(FETCH, 12)
+                assert answer.correlation_id == i
+                assert len(answer.body.responses[0].partitions[0].records) > 3 * 65536
+        finally:
+            w.close()
+        assert moved(before)["adopted"] == 0
