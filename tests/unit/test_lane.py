@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kproxy.protocol.compiler import whole_skip
 from kproxy.protocol.messages import request_codecs
 from kproxy.server import lane as lane_module
-from kproxy.server.lane import Given, Lane, LaneApi, path_counts
+from kproxy.server.lane import Given, Lane, LaneApi, held_bytes, path_counts
 
 from .test_session import HEARTBEAT, METADATA, PRODUCE, heartbeat_request, metadata_request, produce_request
 from .test_session import request_frame as session_request_frame
@@ -436,6 +436,28 @@ def test_broker_not_reading_stops_the_lane_reading_the_client(link: Link) -> Non
         lane.close()
 
 
+def test_buffers_grow_to_a_large_frame_and_shrink_once_it_has_gone(lane: Lane, link: Link) -> None:
+    """Memory bounded by the bytes received: a connection's input buffers start at 4 KiB, grow to
+    the frame a size prefix announces (relayed whole), and go back to 4 KiB about a second later."""
+    before = held_bytes()
+    big = b"\x00\x00\x00\x00" + b"a" * 50_000
+    link.broker.reply = lambda f: answer(struct.unpack_from(">i", f, 4)[0], big)
+    handle = link.adopt(lane)
+    assert held_bytes() - before == 2 * 4096         # the two input buffers; no output buffer yet
+    link.client.sendall(heartbeat(7))
+    got = link.recv_exactly(len(answer(7, big)))
+    assert got == answer(7, big)
+    grown = held_bytes() - before
+    assert grown >= 2 * 50_000                      # the broker's input buffer and the client's output one
+    assert grown <= 4 * 4096 + 2 * (50_008 + 4096)
+    wait_for(lambda: held_bytes() - before == 4 * 4096, timeout=3.0)
+    link.client.sendall(heartbeat(8))               # still relays after shrinking
+    assert link.recv_exactly(len(answer(8, big))) == answer(8, big)
+    handle.detach()
+    del handle                                      # the lane frees it at once
+    wait_for(lambda: held_bytes() == before)
+
+
 def cut(data: bytes, points: list[int]) -> list[bytes]:
     at = sorted({p % (len(data) + 1) for p in points} | {0, len(data)})
     return [data[a:b] for a, b in itertools.pairwise(at)]
@@ -531,6 +553,7 @@ def test_a_thousand_connections_on_one_lane(lane: Lane) -> None:
     broker = ManyBroker()
     front = socket.create_server(("127.0.0.1", 0), backlog=2048)
     links, handles = [], []
+    before = held_bytes()
     try:
         for _ in range(1000):
             client = socket.create_connection(front.getsockname())
@@ -552,6 +575,9 @@ def test_a_thousand_connections_on_one_lane(lane: Lane) -> None:
                 while len(data) < len(answer(0)):
                     data += client.recv(64)
                 assert struct.unpack_from(">i", data, 4)[0] == i * 10 + rounds
+        # Idle, each holds its four buffers at their first 4 KiB and nothing else (its input buffers
+        # no longer start at max_frame + 4: 128 KiB a connection).
+        assert held_bytes() - before == 1000 * 4 * 4096
         for h in handles:
             h.recall()
         given = [given_back(h) for h in handles]
