@@ -23,7 +23,10 @@
    sent it. The Python path remembers each rewrite it makes (kproxy/proxy/memo.py) and puts it in its
    lane's memo too; the lane serves such an answer only from there, by (the class Python gave the
    connection's api version, the broker's bytes after the correlation id), and gives the connection
-   back with the answer unread when it is not there. The lane's mutex guards the memo. */
+   back with the answer unread when it is not there. The lane's mutex guards the memo.
+
+   Memory: see IN_START (buffers follow the bytes that arrived) and `held` (the process's buffer
+   budget, which pauses client reads). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -138,13 +141,14 @@ typedef struct {
     uint64_t klass;         /* the memo's class for it (lane.py's LaneApi.memo_class) */
 } Api;
 
+struct Lane;
+struct Conn;
+
 typedef struct {
     uint8_t *buf;
     size_t len, cap;
+    struct Conn *conn;      /* whose: growing past IN_START sets its shrink timer (NULL until adopted) */
 } Buf;
-
-struct Lane;
-struct Conn;
 
 /* ---- The answer memo (one per lane) -------------------------------------------------------------- */
 
@@ -239,7 +243,10 @@ static void buf_free(Buf *b)
     b->len = b->cap = 0;
 }
 
-/* The one place a buffer's capacity changes, counted in `held`. */
+static void note_deadline(struct Lane *l, double at);
+
+/* The one place a buffer's capacity changes, counted in `held`; one grown past IN_START is shrunk
+   again by the watchdog's scan (a timer here, so that the data path checks nothing for it). */
 static int buf_resize(Buf *b, size_t cap)
 {
     uint8_t *nb = realloc(b->buf, cap);
@@ -248,6 +255,10 @@ static int buf_resize(Buf *b, size_t cap)
     held_add((int64_t)cap - (int64_t)b->cap);
     b->buf = nb;
     b->cap = cap;
+    if (cap > IN_START && b->conn != NULL && b->conn->shrink_at == 0) {
+        b->conn->shrink_at = now_s() + SHRINK_AFTER_S;
+        note_deadline(b->conn->lane, b->conn->shrink_at);
+    }
     return 0;
 }
 
@@ -270,7 +281,7 @@ static int buf_put(Buf *b, const uint8_t *p, size_t n, size_t bound)
 
 /* Room for the whole frame at the front of an input buffer, as its size prefix says, within `most`
    (max_frame + 4): 1 when it grew, 0 when it need not or may not (a bad size is the frame loops'
-   to refuse), -1 out of memory. service() sets the timer that shrinks it again. */
+   to refuse), -1 out of memory. */
 static int buf_grow(Buf *in, size_t most)
 {
     if (in->len < 4)
@@ -372,7 +383,7 @@ static void give_back(Conn *c, const char *reason, const char *detail)
     }
 }
 
-static void note_deadline(Lane *l, double at)
+static void note_deadline(struct Lane *l, double at)
 {
     if (at > 0 && (l->next_scan == 0 || at < l->next_scan))
         l->next_scan = at;
@@ -915,11 +926,6 @@ static void service(Conn *c, int client_ready, int broker_ready, double now)
     }
     int read_client = !c->want_give && !c->recall && !c->starved && c->count < c->max_in_flight
                       && c->bout.len < (size_t)l->write_limit && c->cin.len < c->cin.cap;
-    if (c->shrink_at == 0 && (c->cout.cap | c->bout.cap | c->cin.cap | c->bin.cap) > IN_START) {
-        /* Grown past IN_START (an OR is enough to tell: they start at 0 or IN_START). */
-        c->shrink_at = now + SHRINK_AFTER_S;
-        note_deadline(l, c->shrink_at);
-    }
     int read_broker = c->cout.len < (size_t)l->write_limit && c->bin.len < c->bin.cap;
     /* EPOLLRDHUP is not asked for: a half-closed client still gets its answers, and the read of 0
        bytes says it. */
@@ -957,8 +963,9 @@ static void scan_timeouts(Lane *l, double now)
         }
         if (c->shrink_at > 0 && now >= c->shrink_at) {
             buf_shrink(&c->cin); buf_shrink(&c->bin); buf_shrink(&c->cout); buf_shrink(&c->bout);
-            c->shrink_at = (c->cout.cap | c->bout.cap | c->cin.cap | c->bin.cap) > IN_START
-                           ? now + SHRINK_AFTER_S : 0;
+            /* One still holding more than half of IN_START: another look later. */
+            c->shrink_at = c->cout.cap > IN_START || c->bout.cap > IN_START || c->cin.cap > IN_START
+                           || c->bin.cap > IN_START ? now + SHRINK_AFTER_S : 0;
         }
         note_deadline(l, c->shrink_at);
         if (c->count == 0 && c->idle_to > 0) {
@@ -1487,6 +1494,12 @@ static PyObject *lane_adopt(Lane *l, PyObject *args)
         goto fail;
     }
     c->state = ADOPTED;
+    c->cin.conn = c->bin.conn = c->cout.conn = c->bout.conn = c;
+    if (c->cin.cap > IN_START) {
+        /* What was handed over made it larger: back to IN_START once it is relayed. */
+        c->shrink_at = now + SHRINK_AFTER_S;
+        note_deadline(l, c->shrink_at);
+    }
     c->next = l->conns;
     if (l->conns)
         l->conns->prev = c;

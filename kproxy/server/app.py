@@ -219,6 +219,9 @@ class ProxyServer:
         self.draining = False
         limits = config.limits
         self.budget = shared.budget
+        if self.lane is not None:
+            # Laned connections' bytes count in the process's budget, and the lane pauses clients with it.
+            self.budget.attach_lane(self.lane)
         upstream = config.upstream
         self.settings = ConnectionSettings(
             # A frame is forwarded only once it is whole, so what one direction of a connection
@@ -535,6 +538,7 @@ class ProxyServer:
                 # Every connection has ended (and given the lane's sockets back): its thread stops.
                 self.merge_lane_counts()
                 self.lane.close()
+                self.budget.detach_lane(self.lane)
             if self.keys is not None:
                 with trio.CancelScope(shield=True):
                     await self.keys.kms.aclose()

@@ -416,14 +416,7 @@ def test_broker_not_reading_stops_the_lane_reading_the_client(link: Link) -> Non
                        (link.proxy_client, socket.SO_RCVBUF)):
             s.setsockopt(socket.SOL_SOCKET, opt, 16384)
         handle = link.adopt(lane, max_in_flight=65536)
-        link.client.setblocking(False)
-        chunk, sent, quiet_since = heartbeat(1) * 500, 0, time.monotonic()
-        while time.monotonic() - quiet_since < 0.5:
-            try:
-                sent += link.client.send(chunk[sent % len(chunk):])
-                quiet_since = time.monotonic()
-            except BlockingIOError:
-                time.sleep(0.01)
+        sent = flood(link, 0.5)
         got = handle.detach()
         assert (got.reason, got.detail) == ("detached", "detached by the caller")
         # What the lane took is what was sent, but for the client's and our sockets' small buffers.
@@ -456,6 +449,53 @@ def test_buffers_grow_to_a_large_frame_and_shrink_once_it_has_gone(lane: Lane, l
     handle.detach()
     del handle                                      # the lane frees it at once
     wait_for(lambda: held_bytes() == before)
+
+
+def flood(link: Link, quiet_s: float = 0.3) -> int:
+    """Sends heartbeats without waiting until the client's socket takes nothing for quiet_s; the bytes sent."""
+    link.client.setblocking(False)
+    chunk, sent, quiet_since = heartbeat(1) * 500, 0, time.monotonic()
+    while time.monotonic() - quiet_since < quiet_s:
+        try:
+            sent += link.client.send(chunk[sent % len(chunk):])
+            quiet_since = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)
+    return sent
+
+
+def test_buffer_budget_stops_the_lane_reading_clients_until_there_is_room(link: Link) -> None:
+    """With the process's budget exhausted the lane reads no client (a broker that keeps every request
+    unanswered makes it hold them all), and it reads again within its 10 ms poll once there is room."""
+    lane = Lane(max_frame=65536, write_limit=1 << 20)
+    try:
+        link.broker.hold.set()
+        for s, opt in ((link.client, socket.SO_SNDBUF), (link.proxy_client, socket.SO_RCVBUF)):
+            s.setsockopt(socket.SOL_SOCKET, opt, 16384)
+        before = held_bytes()
+        limit = before + 64 * 1024
+        assert lane.budget(limit, 0) == before
+        handle = link.adopt(lane, max_in_flight=65536)
+        sent = flood(link)
+        taken = len(link.broker.received)
+        held = held_bytes() - before
+        # It stopped at the limit, overshooting by at most what one read brought (a receive buffer's
+        # worth, kept twice: queued for the broker and as a request in flight).
+        assert 64 * 1024 <= held <= 64 * 1024 + 3 * (65536 + 4)
+        assert taken * len(heartbeat(1)) < sent - 64 * 1024     # the rest waits in the client's socket
+        time.sleep(0.1)
+        assert len(link.broker.received) == taken               # paused, not slowed
+        # The Python path's bytes count too: room in the limit, but not with what Python holds.
+        lane.budget(limit + 1024 * 1024, 1024 * 1024)
+        time.sleep(0.1)
+        assert len(link.broker.received) == taken
+        lane.budget(limit + 1024 * 1024, 0)                     # room: it reads the client again
+        wait_for(lambda: len(link.broker.received) > taken)
+        got = handle.detach()
+        assert got.reason == "detached"
+        assert got.requests * len(heartbeat(1)) > taken * len(heartbeat(1))
+    finally:
+        lane.close()
 
 
 def cut(data: bytes, points: list[int]) -> list[bytes]:
