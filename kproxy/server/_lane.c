@@ -1198,6 +1198,16 @@ static PyObject *handle_detach(HandleObject *self, PyObject *unused)
     return handle_finish(self, 1);
 }
 
+static PyObject *handle_progress(HandleObject *self, PyObject *unused)
+{
+    (void)unused;
+    Lane *l = self->lane;
+    pthread_mutex_lock(&l->mu);
+    unsigned long long requests = self->conn->requests, in = self->conn->bytes_in, out = self->conn->bytes_out;
+    pthread_mutex_unlock(&l->mu);
+    return Py_BuildValue("(KKK)", requests, in, out);
+}
+
 static PyObject *handle_fd(HandleObject *self, void *closure)
 {
     (void)closure;
@@ -1236,6 +1246,8 @@ static PyMethodDef handle_methods[] = {
     {"recall", (PyCFunction)handle_recall, METH_NOARGS, "Give the connection back at the next frame boundary."},
     {"take", (PyCFunction)handle_take, METH_NOARGS, "The state given back (a tuple; lane.py makes it a Given)."},
     {"detach", (PyCFunction)handle_detach, METH_NOARGS, "Stop touching both fds now; the state as it is."},
+    {"progress", (PyCFunction)handle_progress, METH_NOARGS,
+     "(requests, bytes_in, bytes_out) relayed since adopt, as of now (for /clients)."},
     {NULL, NULL, 0, NULL},
 };
 

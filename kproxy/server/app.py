@@ -661,7 +661,7 @@ class ProxyServer:
                                      else self._completed, ctx, record)
         conn = ClientConnection(cluster.connection, self, transport, session, on_complete=complete,
                                 budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare,
-                                cluster=cluster.name, lane=self.lane, on_lane=record.add)
+                                cluster=cluster.name, lane=self.lane, record=record)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):

@@ -128,6 +128,12 @@ class LaneHandle:
         """After ``fd`` is readable, exactly once: the lane no longer touches the fds."""
         return _given(self._h.take())
 
+    def progress(self) -> tuple[int, int, int]:
+        """Requests relayed, their bytes and the answers' bytes since adopt, as of now (``Given`` has
+        the same at the give-back)."""
+        counts: tuple[int, int, int] = self._h.progress()
+        return counts
+
     def detach(self) -> Given:
         """Synchronous: the lane stops touching both fds before this returns. The reason is
         "detached", or the one it was given back for if that happened first."""

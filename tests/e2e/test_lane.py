@@ -86,11 +86,15 @@ def test_metrics_count_every_request_the_lane_relayed(broker: TansuBroker) -> No
             assert list_offsets(w, 10 + i).correlation_id == 10 + i
         lane_moved = moved(before)
         metrics = scrape(admin)
+        # /clients is current while the lane holds the connection, not as of its last give-back.
+        live = p.call(lambda: p.server.clients.view())["connections"]
         w.close()
         # /clients counts them too, once the lane gives the closed connection back.
         wait_for(lambda: p.server.clients.recent, "the connection closed")
         row = p.server.clients.recent[-1].row()
     assert (row["requests"], row["request_bytes"] > 0) == (n, True)
+    assert [(c["requests"], c["request_bytes"], c["response_bytes"]) for c in live] == \
+        [(row["requests"], row["request_bytes"], row["response_bytes"])]
     assert lane_moved["adopted"] == 1
     # All but the first LANE_AFTER went through the lane (the last answer may still be on its way).
     assert lane_moved["requests"] == n - LANE_AFTER
