@@ -15,12 +15,14 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kproxy.protocol.compiler import whole_skip
 from kproxy.protocol.messages import request_codecs
 from kproxy.server import lane as lane_module
+from kproxy.server.budget import BufferBudget
 from kproxy.server.lane import Given, Lane, LaneApi, held_bytes, path_counts
 
 from .test_session import HEARTBEAT, METADATA, PRODUCE, heartbeat_request, metadata_request, produce_request
@@ -496,6 +498,38 @@ def test_buffer_budget_stops_the_lane_reading_clients_until_there_is_room(link: 
         assert got.requests * len(heartbeat(1)) > taken * len(heartbeat(1))
     finally:
         lane.close()
+
+
+def test_buffer_budget_counts_the_lanes_bytes_and_wakes_python_readers_when_they_go(lane: Lane,
+                                                                                      link: Link) -> None:
+    """The Python path's budget is exhausted by what a lane holds, and a client pump waiting for room
+    goes on once the lane lets go of it (the lane does not tell: the wait looks again every 10 ms)."""
+    before = held_bytes()
+    handles = [link.adopt(lane, client_bytes=struct.pack(">i", 60_000) + b"\x00" * 2000)]  # a frame begun
+    laned = held_bytes() - before
+    assert laned == (2004 + 4096) + 4096
+    budget = BufferBudget(before + laned)
+    budget.attach_lane(lane)
+    assert budget.exhausted and budget.used == 0 and budget.total() == before + laned
+    waited: list[float] = []
+
+    async def main() -> None:
+        async def wait() -> None:
+            started = trio.current_time()
+            await budget.wait_for_room()
+            waited.append(trio.current_time() - started)
+
+        with trio.fail_after(WAIT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait)
+                await trio.sleep(0.1)
+                assert not waited
+                handles.pop().detach()          # and dropped: the lane frees what it held
+                await trio.to_thread.run_sync(wait_for, lambda: held_bytes() < before + laned)
+
+    trio.run(main)
+    assert waited and waited[0] >= 0.1 and not budget.exhausted
+    budget.detach_lane(lane)
 
 
 def cut(data: bytes, points: list[int]) -> list[bytes]:
