@@ -68,7 +68,7 @@ static uint64_t total_adopted, total_given, total_requests, total_answers;
 /* Memory. An input buffer starts at IN_START (or what was handed over, plus IN_START) and grows only
    to the frame its size prefix announces, never past max_frame + 4; a buffer grown past IN_START goes
    back to it once it holds little, SHRINK_AFTER_S after it grew (a timer, not every frame: a stream
-   of large frames would otherwise realloc twice a frame). */
+   of large frames would otherwise realloc twice a frame), once the client has been silent as long. */
 #define IN_START 4096
 #define SHRINK_AFTER_S 1.0
 /* The process's buffer budget (kproxy/server/budget.py): `held` is what every lane of the process
@@ -962,10 +962,15 @@ static void scan_timeouts(Lane *l, double now)
             note_deadline(l, c->partial_since + c->frame_to);
         }
         if (c->shrink_at > 0 && now >= c->shrink_at) {
-            buf_shrink(&c->cin); buf_shrink(&c->bin); buf_shrink(&c->cout); buf_shrink(&c->bout);
-            /* One still holding more than half of IN_START: another look later. */
+            /* Only once the client has been silent that long: a connection busy with large frames
+               keeps its buffers (shrinking between them would realloc twice a frame). */
+            double quiet_until = c->last_rx + SHRINK_AFTER_S;
+            if (now >= quiet_until) {
+                buf_shrink(&c->cin); buf_shrink(&c->bin); buf_shrink(&c->cout); buf_shrink(&c->bout);
+            }
+            /* Busy, or one still holding more than half of IN_START: another look later. */
             c->shrink_at = c->cout.cap > IN_START || c->bout.cap > IN_START || c->cin.cap > IN_START
-                           || c->bin.cap > IN_START ? now + SHRINK_AFTER_S : 0;
+                           || c->bin.cap > IN_START ? (now >= quiet_until ? now + SHRINK_AFTER_S : quiet_until) : 0;
         }
         note_deadline(l, c->shrink_at);
         if (c->count == 0 && c->idle_to > 0) {

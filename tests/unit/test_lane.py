@@ -484,7 +484,7 @@ def test_buffer_budget_stops_the_lane_reading_clients_until_there_is_room(link: 
         # It stopped at the limit, overshooting by at most what one read brought (a receive buffer's
         # worth, kept twice: queued for the broker and as a request in flight).
         assert 64 * 1024 <= held <= 64 * 1024 + 3 * (65536 + 4)
-        assert taken * len(heartbeat(1)) < sent - 64 * 1024     # the rest waits in the client's socket
+        assert sent - taken * len(heartbeat(1)) > 8 * 1024      # the rest waits in the sockets
         time.sleep(0.1)
         assert len(link.broker.received) == taken               # paused, not slowed
         # The Python path's bytes count too: room in the limit, but not with what Python holds.
