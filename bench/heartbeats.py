@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import per_request  # noqa: E402
+from big_fetch import proc_kib  # noqa: E402
 from per_request import HOST, start_kproxy, stop  # noqa: E402
 from small_requests import heartbeat_v4_request  # noqa: E402
 
@@ -146,6 +147,9 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
             t0 = time.monotonic()
             group.run(args.seconds, send=False)
             idle = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+            # Memory with every connection laned and quiet: resident, and allocated (VmData counts
+            # heap a connection reserved but never touched, which VmRSS does not).
+            rss_kib, data_kib = proc_kib(proc.pid, "VmRSS"), proc_kib(proc.pid, "VmData")
             lag1 = lag_samples(name) if args.metrics else 0
             lag_quiet = (lag1 - lag0) / (time.monotonic() - t0)
             perf = syscalls_start(proc.pid, workdir / f"perf.{name}.txt") if args.syscalls else None
@@ -163,7 +167,7 @@ def measure(bp: int, tree: Path | None, name: str, args: argparse.Namespace, wor
     finally:
         stop(proc)
     rate = answered / elapsed
-    got = {"idle": idle, "busy": busy, "system": system, "rate": rate, "lag_quiet": lag_quiet, "lag_beating": lag_beating,
+    got = {"rss_kib": rss_kib, "data_kib": data_kib, "idle": idle, "busy": busy, "system": system, "rate": rate, "lag_quiet": lag_quiet, "lag_beating": lag_beating,
            "per_request": (busy - idle) / rate if rate else float("nan")}
     # perf counts a little longer than the phase (its start and stop): per heartbeat, a slight overstatement.
     got.update({f"calls_{k}": v / answered for k, v in calls.items()} if answered else {})
@@ -314,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{g['per_request'] * 1e6:>13.0f} us"
               + (f"{g['lag_quiet']:>19.1f}{g['lag_beating']:>9.1f}" if args.metrics else ""))
     print("(CPU: kproxy's user + system time as a share of one core)")
+    print(f"{'tree':<14}{'RSS quiet':>14}{'VmData quiet':>14}   (every connection laned and silent)")
+    for name, g in got.items():
+        print(f"{name:<14}{g['rss_kib'] / 1024:>10.1f} MiB{g['data_kib'] / 1024:>10.1f} MiB")
     if args.syscalls:
         kinds = ("all", *per_request.SYSCALLS, "other")
         print("System calls per heartbeat while heartbeating (perf stat)")

@@ -23,7 +23,10 @@
    sent it. The Python path remembers each rewrite it makes (kproxy/proxy/memo.py) and puts it in its
    lane's memo too; the lane serves such an answer only from there, by (the class Python gave the
    connection's api version, the broker's bytes after the correlation id), and gives the connection
-   back with the answer unread when it is not there. The lane's mutex guards the memo. */
+   back with the answer unread when it is not there. The lane's mutex guards the memo.
+
+   Memory: see IN_START (buffers follow the bytes that arrived) and `held` (the process's buffer
+   budget, which pauses client reads). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,6 +64,25 @@ static const AccelLaneAPI *accel;
 
 /* Process totals, for tests: adopted, given back, requests relayed, answers relayed. */
 static uint64_t total_adopted, total_given, total_requests, total_answers;
+
+/* Memory. An input buffer starts at IN_START (or what was handed over, plus IN_START) and grows only
+   to the frame its size prefix announces, never past max_frame + 4; a buffer grown past IN_START goes
+   back to it once it holds little, SHRINK_AFTER_S after it grew (a timer, not every frame: a stream
+   of large frames would otherwise realloc twice a frame), once the client has been silent as long. */
+#define IN_START 4096
+#define SHRINK_AFTER_S 1.0
+/* The process's buffer budget (kproxy/server/budget.py): `held` is what every lane of the process
+   has allocated for connections (the four buffers' capacity and the requests kept for give-back),
+   kept as it changes; each lane gets the budget's limit and the bytes the Python path holds
+   (Lane.budget) and reads no client while the sum is at the limit. A paused lane looks again every
+   BUDGET_POLL_S: what frees room may be another lane or the Python path, which do not wake it. */
+#define BUDGET_POLL_S 0.01
+static int64_t held;
+
+static inline void held_add(int64_t delta)
+{
+    __atomic_add_fetch(&held, delta, __ATOMIC_RELAXED);
+}
 
 static double now_s(void)
 {
@@ -119,13 +141,14 @@ typedef struct {
     uint64_t klass;         /* the memo's class for it (lane.py's LaneApi.memo_class) */
 } Api;
 
+struct Lane;
+struct Conn;
+
 typedef struct {
     uint8_t *buf;
     size_t len, cap;
+    struct Conn *conn;      /* whose: growing past IN_START sets its shrink timer (NULL until adopted) */
 } Buf;
-
-struct Lane;
-struct Conn;
 
 /* ---- The answer memo (one per lane) -------------------------------------------------------------- */
 
@@ -181,6 +204,8 @@ typedef struct Conn {
     double last_rx, partial_since;
     uint64_t requests, bytes_in, bytes_out;
     double given_at;
+    double shrink_at;               /* when to shrink buffers grown past IN_START (0: none is) */
+    int starved;                    /* not reading the client: the buffer budget is exhausted */
 } Conn;
 
 typedef struct Lane {
@@ -197,13 +222,44 @@ typedef struct Lane {
     uint64_t rng;
     ApiStats *stats;                /* MAX_API of them */
     Memo memo;                      /* rewritten answers, under mu */
+    int64_t budget_limit;           /* atomic: the buffer budget (-1: none); see `held` */
+    int64_t budget_outside;         /* atomic: what the Python path holds of it */
+    int starved;                    /* some connection waits for room in the budget */
 } Lane;
+
+/* Whether the buffer budget leaves no room: then the lane reads no client. */
+static inline int over_budget(const Lane *l)
+{
+    int64_t limit = __atomic_load_n(&l->budget_limit, __ATOMIC_RELAXED);
+    return limit >= 0 && __atomic_load_n(&held, __ATOMIC_RELAXED)
+                         + __atomic_load_n(&l->budget_outside, __ATOMIC_RELAXED) >= limit;
+}
 
 static void buf_free(Buf *b)
 {
+    held_add(-(int64_t)b->cap);
     free(b->buf);
     b->buf = NULL;
     b->len = b->cap = 0;
+}
+
+static void note_deadline(struct Lane *l, double at);
+
+/* The one place a buffer's capacity changes, counted in `held`; one grown past IN_START is shrunk
+   again by the watchdog's scan (a timer here, so that the data path checks nothing for it). */
+static int buf_resize(Buf *b, size_t cap)
+{
+    uint8_t *nb = realloc(b->buf, cap);
+    if (nb == NULL)
+        return -1;
+    held_add((int64_t)cap - (int64_t)b->cap);
+    b->buf = nb;
+    b->cap = cap;
+    if (cap > IN_START && b->conn != NULL && b->conn->shrink_at == 0) {
+        b->conn->shrink_at = now_s() + SHRINK_AFTER_S;
+        note_deadline(b->conn->lane, b->conn->shrink_at);
+    }
+    return 0;
 }
 
 /* Appends n bytes; cap is a hard bound fixed at adopt (write_limit + max_frame + 4). */
@@ -215,17 +271,34 @@ static int buf_put(Buf *b, const uint8_t *p, size_t n, size_t bound)
             want *= 2;
         if (want > bound)
             want = bound;
-        if (b->len + n > want)
+        if (b->len + n > want || buf_resize(b, want) < 0)
             return -1;
-        uint8_t *nb = realloc(b->buf, want);
-        if (nb == NULL)
-            return -1;
-        b->buf = nb;
-        b->cap = want;
     }
     memcpy(b->buf + b->len, p, n);
     b->len += n;
     return 0;
+}
+
+/* Room for the whole frame at the front of an input buffer, as its size prefix says, within `most`
+   (max_frame + 4): 1 when it grew, 0 when it need not or may not (a bad size is the frame loops'
+   to refuse), -1 out of memory. */
+static int buf_grow(Buf *in, size_t most)
+{
+    if (in->len < 4)
+        return 0;
+    int32_t size = rd32(in->buf);
+    size_t want = 4 + (size_t)size;
+    if (size < 0 || want <= in->cap || want > most)
+        return 0;
+    return buf_resize(in, want) < 0 ? -1 : 1;
+}
+
+/* Back to IN_START once it holds less than half of that: strictly less, so that an input buffer
+   keeps room to read into (the loop's masks stop reading a full one). */
+static void buf_shrink(Buf *b)
+{
+    if (b->cap > IN_START && b->len < IN_START / 2)
+        buf_resize(b, IN_START);        /* out of memory: kept as it is, the next look tries again */
 }
 
 static void buf_drop(Buf *b, size_t n)
@@ -240,8 +313,12 @@ static void buf_drop(Buf *b, size_t n)
 
 static void conn_free_raw(Conn *c)
 {
-    for (int i = 0; i < c->count; i++)
-        free(c->ring[(c->head + i) % c->max_in_flight].request);
+    for (int i = 0; i < c->count; i++) {
+        Entry *e = &c->ring[(c->head + i) % c->max_in_flight];
+        if (e->request != NULL)
+            held_add(-(int64_t)e->len);
+        free(e->request);
+    }
     free(c->ring);
     buf_free(&c->cin); buf_free(&c->bin); buf_free(&c->cout); buf_free(&c->bout);
     free(c->client_id);
@@ -306,7 +383,7 @@ static void give_back(Conn *c, const char *reason, const char *detail)
     }
 }
 
-static void note_deadline(Lane *l, double at)
+static void note_deadline(struct Lane *l, double at)
 {
     if (at > 0 && (l->next_scan == 0 || at < l->next_scan))
         l->next_scan = at;
@@ -475,6 +552,7 @@ static void client_frames(Conn *c, double now)
                 return;
             }
             memcpy(e->request, f, (size_t)size);
+            held_add(size);
             e->len = (uint32_t)size;
             e->client_cid = cid;
             e->up_cid = up;
@@ -737,6 +815,7 @@ static void broker_frames(Conn *c, double now)
         count_answer(l, e->key, e->len + 4, sent, now - e->t, ms, has);
         c->bytes_out += sent;
         __atomic_add_fetch(&total_answers, 1, __ATOMIC_RELAXED);
+        held_add(-(int64_t)e->len);
         free(e->request);
         e->request = NULL;
         c->head = (c->head + 1) % c->max_in_flight;
@@ -761,9 +840,24 @@ static int read_side(Conn *c, Side *s, double now)
                          || c->bout.len >= (size_t)l->write_limit)
                       : c->cout.len >= (size_t)l->write_limit)
             return 0;
+        if (s->client && over_budget(l)) {
+            /* Brokers are still read: their answers are what frees memory. */
+            c->starved = l->starved = 1;
+            return 0;
+        }
         size_t room = in->cap - in->len;
-        if (room == 0)
-            return 0;       /* a whole frame of max_frame waits for the limits above */
+        if (room == 0) {
+            /* Full: the frame at its front is larger than the buffer is yet, or it is whole and
+               waits for the limits above. */
+            int grown = buf_grow(in, (size_t)l->max_frame + 4);
+            if (grown < 0) {
+                give_back(c, s->client ? "client_error" : "broker_error", "out of memory reading a frame");
+                return 1;
+            }
+            if (grown == 0)
+                return 0;
+            room = in->cap - in->len;
+        }
         ssize_t n = recv(s->fd, in->buf + in->len, room, MSG_DONTWAIT);
         if (n > 0) {
             in->len += (size_t)n;
@@ -830,7 +924,7 @@ static void service(Conn *c, int client_ready, int broker_ready, double now)
             give_back(c, "recalled", "recalled at a frame boundary");
         return;
     }
-    int read_client = !c->want_give && !c->recall && c->count < c->max_in_flight
+    int read_client = !c->want_give && !c->recall && !c->starved && c->count < c->max_in_flight
                       && c->bout.len < (size_t)l->write_limit && c->cin.len < c->cin.cap;
     int read_broker = c->cout.len < (size_t)l->write_limit && c->bin.len < c->bin.cap;
     /* EPOLLRDHUP is not asked for: a half-closed client still gets its answers, and the read of 0
@@ -867,6 +961,18 @@ static void scan_timeouts(Lane *l, double now)
             }
             note_deadline(l, c->partial_since + c->frame_to);
         }
+        if (c->shrink_at > 0 && now >= c->shrink_at) {
+            /* Only once the client has been silent that long: a connection busy with large frames
+               keeps its buffers (shrinking between them would realloc twice a frame). */
+            double quiet_until = c->last_rx + SHRINK_AFTER_S;
+            if (now >= quiet_until) {
+                buf_shrink(&c->cin); buf_shrink(&c->bin); buf_shrink(&c->cout); buf_shrink(&c->bout);
+            }
+            /* Busy, or one still holding more than half of IN_START: another look later. */
+            c->shrink_at = c->cout.cap > IN_START || c->bout.cap > IN_START || c->cin.cap > IN_START
+                           || c->bin.cap > IN_START ? (now >= quiet_until ? now + SHRINK_AFTER_S : quiet_until) : 0;
+        }
+        note_deadline(l, c->shrink_at);
         if (c->count == 0 && c->idle_to > 0) {
             if (now - c->last_rx >= c->idle_to) {
                 snprintf(detail, sizeof detail, "the client silent for %.3f s", now - c->last_rx);
@@ -924,18 +1030,28 @@ static void *lane_main(void *arg)
             while (l->conns != NULL)
                 give_back(l->conns, "closed", "the lane closed");
         }
+        if (l->starved && !over_budget(l)) {
+            /* Room again: every connection that stopped reading its client for it gets a look. */
+            l->starved = 0;
+            for (Conn *c = l->conns; c != NULL; c = c->next)
+                c->kick |= c->starved;
+            l->kicked = 1;
+        }
         if (l->kicked) {
             l->kicked = 0;
             for (Conn *c = l->conns, *next; c != NULL; c = next) {
                 next = c->next;
                 if (c->kick) {
                     c->kick = 0;
+                    c->starved = 0;
                     service(c, 1, 1, now);
                 }
             }
         }
         if (l->next_scan > 0 && now >= l->next_scan)
             scan_timeouts(l, now);
+        if (l->starved)
+            note_deadline(l, now + BUDGET_POLL_S);
         while (l->dead != NULL) {
             Conn *c = l->dead;
             l->dead = c->next;
@@ -1087,6 +1203,16 @@ static PyObject *handle_detach(HandleObject *self, PyObject *unused)
     return handle_finish(self, 1);
 }
 
+static PyObject *handle_progress(HandleObject *self, PyObject *unused)
+{
+    (void)unused;
+    Lane *l = self->lane;
+    pthread_mutex_lock(&l->mu);
+    unsigned long long requests = self->conn->requests, in = self->conn->bytes_in, out = self->conn->bytes_out;
+    pthread_mutex_unlock(&l->mu);
+    return Py_BuildValue("(KKK)", requests, in, out);
+}
+
 static PyObject *handle_fd(HandleObject *self, void *closure)
 {
     (void)closure;
@@ -1112,7 +1238,9 @@ static void handle_dealloc(HandleObject *self)
             l->dead = c;
         }
         pthread_mutex_unlock(&l->mu);
-        if (!running)
+        if (running)
+            lane_wake(l);       /* its memory goes back now, not at the lane's next event */
+        else
             conn_free_raw(c);
     }
     Py_XDECREF(l);
@@ -1123,6 +1251,8 @@ static PyMethodDef handle_methods[] = {
     {"recall", (PyCFunction)handle_recall, METH_NOARGS, "Give the connection back at the next frame boundary."},
     {"take", (PyCFunction)handle_take, METH_NOARGS, "The state given back (a tuple; lane.py makes it a Given)."},
     {"detach", (PyCFunction)handle_detach, METH_NOARGS, "Stop touching both fds now; the state as it is."},
+    {"progress", (PyCFunction)handle_progress, METH_NOARGS,
+     "(requests, bytes_in, bytes_out) relayed since adopt, as of now (for /clients)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1161,6 +1291,7 @@ static PyObject *lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     l->max_frame = max_frame;
     l->write_limit = write_limit;
     l->rng = 0x9E3779B97F4A7C15ULL;
+    l->budget_limit = -1;
     pthread_mutex_init(&l->mu, NULL);
     l->stats = calloc(MAX_API, sizeof(ApiStats));
     l->ep = epoll_create1(EPOLL_CLOEXEC);
@@ -1328,16 +1459,16 @@ static PyObject *lane_adopt(Lane *l, PyObject *args)
     c->request_to = request_to;
     c->idle_to = idle_to;
     c->frame_to = frame_to;
-    /* The input buffers hold one whole frame of max_frame: every read is bounded by them. */
-    size_t in_cap = (size_t)l->max_frame + 4;
-    c->cin.buf = malloc(in_cap);
-    c->bin.buf = malloc(in_cap);
+    /* The input buffers start small (what was handed over, plus IN_START) and grow to the frame a
+       size prefix announces, at most max_frame + 4: every read is bounded by them. */
+    size_t most = (size_t)l->max_frame + 4;
+    size_t cin_cap = (size_t)cb.len + IN_START < most ? (size_t)cb.len + IN_START : most;
+    size_t bin_cap = IN_START < most ? IN_START : most;
     c->ring = calloc((size_t)max_in_flight, sizeof(Entry));
-    if (c->cin.buf == NULL || c->bin.buf == NULL || c->ring == NULL) {
+    if (buf_resize(&c->cin, cin_cap) < 0 || buf_resize(&c->bin, bin_cap) < 0 || c->ring == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    c->cin.cap = c->bin.cap = in_cap;
     memcpy(c->cin.buf, cb.buf, (size_t)cb.len);
     c->cin.len = (size_t)cb.len;
     c->cs = (Side){c, cfd, 1, EPOLLIN};
@@ -1380,6 +1511,12 @@ static PyObject *lane_adopt(Lane *l, PyObject *args)
         goto fail;
     }
     c->state = ADOPTED;
+    c->cin.conn = c->bin.conn = c->cout.conn = c->bout.conn = c;
+    if (c->cin.cap > IN_START) {
+        /* What was handed over made it larger: back to IN_START once it is relayed. */
+        c->shrink_at = now + SHRINK_AFTER_S;
+        note_deadline(l, c->shrink_at);
+    }
     c->next = l->conns;
     if (l->conns)
         l->conns->prev = c;
@@ -1526,7 +1663,24 @@ static PyObject *lane_memo_counts(Lane *l, PyObject *unused)
                          (unsigned long long)misses, (unsigned long long)stored);
 }
 
+PyDoc_STRVAR(budget_doc,
+"budget(limit, outside) -> held\n\n"
+"The process's buffer budget (limit; -1: none) and the bytes the Python path holds of it (outside):\n"
+"the lane reads no client while held + outside >= limit. Returns held: what every lane of the\n"
+"process holds now.");
+
+static PyObject *lane_budget(Lane *l, PyObject *args)
+{
+    long long limit, outside;
+    if (!PyArg_ParseTuple(args, "LL:budget", &limit, &outside))
+        return NULL;
+    __atomic_store_n(&l->budget_outside, (int64_t)outside, __ATOMIC_RELAXED);
+    __atomic_store_n(&l->budget_limit, (int64_t)(limit < 0 ? -1 : limit), __ATOMIC_RELAXED);
+    return PyLong_FromLongLong((long long)__atomic_load_n(&held, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef lane_methods[] = {
+    {"budget", (PyCFunction)lane_budget, METH_VARARGS, budget_doc},
     {"adopt", (PyCFunction)lane_adopt, METH_VARARGS, adopt_doc},
     {"memo_put", (PyCFunction)lane_memo_put, METH_VARARGS, memo_put_doc},
     {"memo_clear", (PyCFunction)lane_memo_clear, METH_NOARGS, "Forget every remembered answer."},
@@ -1560,8 +1714,15 @@ static PyObject *path_counts(PyObject *module, PyObject *unused)
                          (unsigned long long)__atomic_load_n(&total_answers, __ATOMIC_RELAXED));
 }
 
+static PyObject *path_held(PyObject *module, PyObject *unused)
+{
+    (void)module; (void)unused;
+    return PyLong_FromLongLong((long long)__atomic_load_n(&held, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef module_methods[] = {
     {"counts", (PyCFunction)path_counts, METH_NOARGS, path_counts_doc},
+    {"held", (PyCFunction)path_held, METH_NOARGS, "Bytes every lane of the process holds for its connections."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -219,6 +219,9 @@ class ProxyServer:
         self.draining = False
         limits = config.limits
         self.budget = shared.budget
+        if self.lane is not None:
+            # Laned connections' bytes count in the process's budget, and the lane pauses clients with it.
+            self.budget.attach_lane(self.lane)
         upstream = config.upstream
         self.settings = ConnectionSettings(
             # A frame is forwarded only once it is whole, so what one direction of a connection
@@ -535,6 +538,7 @@ class ProxyServer:
                 # Every connection has ended (and given the lane's sockets back): its thread stops.
                 self.merge_lane_counts()
                 self.lane.close()
+                self.budget.detach_lane(self.lane)
             if self.keys is not None:
                 with trio.CancelScope(shield=True):
                     await self.keys.kms.aclose()
@@ -657,7 +661,7 @@ class ProxyServer:
                                      else self._completed, ctx, record)
         conn = ClientConnection(cluster.connection, self, transport, session, on_complete=complete,
                                 budget=self.budget, route_key=(port, name), stats=self.stats, prepare=prepare,
-                                cluster=cluster.name, lane=self.lane, on_lane=record.add)
+                                cluster=cluster.name, lane=self.lane, record=record)
         if route is None and (port is not None or (self.sni and name is not None
                                                   and not name.startswith(self._sni_bootstrap_prefix()))):
             # A broker address kproxy cannot place yet (brokers that need SASL defeat discovery):

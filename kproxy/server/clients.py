@@ -26,7 +26,7 @@ class ClientRecord:
     """One connection's counters; the context is read at snapshot time while the connection lives
     (the client id arrives with the first request), and frozen when it closes."""
 
-    __slots__ = ("closed_at", "ctx", "frozen", "opened_at", "request_bytes", "requests", "response_bytes")
+    __slots__ = ("closed_at", "ctx", "frozen", "lane", "opened_at", "request_bytes", "requests", "response_bytes")
 
     def __init__(self, ctx: ConnectionContext) -> None:
         self.ctx: ConnectionContext | None = ctx
@@ -36,6 +36,9 @@ class ClientRecord:
         self.requests = 0
         self.request_bytes = 0
         self.response_bytes = 0
+        # The lane's handle while it holds the connection (its counts reach the fields above only when
+        # it gives the connection back): read at each snapshot, so a laned connection's row is current.
+        self.lane: Any = None
 
     def completed(self, request_bytes: int, response_bytes: int) -> None:
         self.requests += 1
@@ -69,9 +72,17 @@ class ClientRecord:
         self.ctx = None
         self.closed_at = time.time()
 
-    def row(self) -> dict[str, Any]:
-        return {**self.identity(), "requests": self.requests, "request_bytes": self.request_bytes,
-                "response_bytes": self.response_bytes, "opened_at": round(self.opened_at, 3),
+    def counts(self) -> tuple[int, int, int]:
+        """Requests, request bytes and response bytes as of now, the lane's so far included."""
+        if self.lane is None:
+            return self.requests, self.request_bytes, self.response_bytes
+        requests, request_bytes, response_bytes = self.lane.progress()
+        return self.requests + requests, self.request_bytes + request_bytes, self.response_bytes + response_bytes
+
+    def row(self, counts: tuple[int, int, int] | None = None) -> dict[str, Any]:
+        requests, request_bytes, response_bytes = counts if counts is not None else self.counts()
+        return {**self.identity(), "requests": requests, "request_bytes": request_bytes,
+                "response_bytes": response_bytes, "opened_at": round(self.opened_at, 3),
                 "closed_at": None if self.closed_at is None else round(self.closed_at, 3)}
 
 
@@ -94,12 +105,13 @@ class ClientTable:
 
     def view(self, limit: int = MAX_LISTED) -> dict[str, Any]:
         """The JSON body of /clients: the busiest live connections first, then the newest closed."""
-        live = sorted(self.live.values(), key=lambda r: r.request_bytes + r.response_bytes, reverse=True)
+        live = sorted(((r, r.counts()) for r in self.live.values()), key=lambda rc: rc[1][1] + rc[1][2],
+                      reverse=True)
         recent = list(reversed(self.recent))
         return {
             "time": round(time.time(), 3),
             "live": len(live),
-            "connections": [r.row() for r in live[:limit]],
+            "connections": [r.row(counts) for r, counts in live[:limit]],
             "recent": [r.row() for r in recent[:limit]],
             "omitted": max(0, len(live) - limit) + max(0, len(recent) - limit),
         }

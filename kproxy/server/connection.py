@@ -35,6 +35,7 @@ from kproxy.proxy.addresses import Route
 from kproxy.proxy.inflight import CLIENT_GONE, CLOSED, InFlight
 from kproxy.proxy.session import Session
 from kproxy.server.budget import BufferBudget
+from kproxy.server.clients import ClientRecord
 from kproxy.server.executor import Executor
 from kproxy.server.handover import lane_api, lane_table
 from kproxy.server.ordering import ClientGone, ClientWriter, ConnectionClosed, run_clock
@@ -155,9 +156,9 @@ class ClientConnection(Executor):
         "cluster",
         "draining",
         "on_complete",
-        "on_lane",
         "opened_at",
         "prepare",
+        "record",
         "requests_done",
         "route_key",
         "router",
@@ -172,7 +173,7 @@ class ClientConnection(Executor):
                  *, on_complete: Completion | None = None, budget: BufferBudget | None = None,
                  route_key: tuple[int | None, str | None] = (None, None), stats: ProxyStats | None = None,
                  prepare: Callable[[memoryview], Awaitable[None]] | None = None, cluster: str = "default",
-                 lane: Lane | None = None, on_lane: Callable[[int, int, int], None] | None = None) -> None:
+                 lane: Lane | None = None, record: ClientRecord | None = None) -> None:
         super().__init__()
         self.settings = settings
         self.cluster = cluster                      # the upstream cluster it uses for its life
@@ -224,7 +225,7 @@ class ClientConnection(Executor):
         # to the client, none of kproxy's own SASL (the rest is asked at each hand-over, ``_lane_ready``).
         self._lane = lane if lane is not None and type(client) is PlainTransport and front is None else None
         self._lane_apis: dict[tuple[int, int], LaneApi | None] = {}  # what the lane may relay, as met
-        self.on_lane = on_lane          # (requests, bytes in, bytes out) the lane relayed, at each give-back
+        self.record = record            # its /clients row: told when the lane holds it and what it relayed
         self._lane_streak = 0                       # requests in a row the lane would have relayed
         self._lane_handle: LaneHandle | None = None   # the lane holds both sockets now
         self._lane_waiter: trio.CancelScope | None = None   # the client pump waits to hand over
@@ -559,6 +560,8 @@ class ClientConnection(Executor):
             self._upstream_resume(b"")
             raise
         self._lane_handle = handle
+        if self.record is not None:
+            self.record.lane = handle       # /clients reads the lane's counts while it holds the connection
         try:
             await trio.lowlevel.wait_readable(handle.fd)
         except BaseException:
@@ -585,8 +588,10 @@ class ClientConnection(Executor):
         self.requests_done += given.requests
         self.bytes_in += given.bytes_in
         self.bytes_out += given.bytes_out
-        if self.on_lane is not None and given.requests:
-            self.on_lane(given.requests, given.bytes_in, given.bytes_out)
+        if self.record is not None:
+            self.record.lane = None
+            if given.requests:
+                self.record.add(given.requests, given.bytes_in, given.bytes_out)
         self._quiet_since = now - given.quiet_s
         self._seen_requests = session.requests
         self._partial_frame = None

@@ -128,6 +128,12 @@ class LaneHandle:
         """After ``fd`` is readable, exactly once: the lane no longer touches the fds."""
         return _given(self._h.take())
 
+    def progress(self) -> tuple[int, int, int]:
+        """Requests relayed, their bytes and the answers' bytes since adopt, as of now (``Given`` has
+        the same at the give-back)."""
+        counts: tuple[int, int, int] = self._h.progress()
+        return counts
+
     def detach(self) -> Given:
         """Synchronous: the lane stops touching both fds before this returns. The reason is
         "detached", or the one it was given back for if that happened first."""
@@ -171,6 +177,13 @@ class Lane:
         """What the memo holds and has done since the lane was made."""
         return MemoCounts(*self._lane.memo_counts())
 
+    def budget(self, limit: int | None, outside: int) -> int:
+        """The process's buffer budget (``BufferBudget``; None: none) and the bytes the Python path
+        holds of it: the lane reads no client while what every lane holds plus ``outside`` is at the
+        limit, and looks again every 10 ms. Returns what every lane of the process holds now."""
+        held: int = self._lane.budget(-1 if limit is None else limit, outside)
+        return held
+
     def counts(self) -> dict[int, ApiCounts]:
         """Per api key, what the lane relayed since the previous call, across all its connections."""
         return {k: ApiCounts(*v) for k, v in self._lane.counts().items()}
@@ -178,6 +191,12 @@ class Lane:
     def close(self) -> None:
         """Give every connection back (reason "closed") and stop the thread."""
         self._lane.close()
+
+
+def held_bytes() -> int:
+    """What every lane of the process holds for its connections now: the buffers' capacity (input
+    buffers start at 4 KiB and grow only to the frame a size prefix announces) and requests kept."""
+    return _lane.held() if _lane is not None else 0
 
 
 def path_counts() -> tuple[int, int, int, int]:

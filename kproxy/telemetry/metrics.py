@@ -508,8 +508,8 @@ def identity_families(identity: Any) -> list[Metric]:
 
 def budget_families(budget: Any) -> list[Metric]:
     out = [
-        GaugeMetricFamily("kproxy_buffered_bytes", "Bytes held in frame buffers, all connections.",
-                          value=budget.used),
+        GaugeMetricFamily("kproxy_buffered_bytes", "Bytes held in frame buffers, all connections "
+                          "(laned ones too).", value=budget.total()),
         CounterMetricFamily("kproxy_buffer_budget_pauses", "Times a client read waited for the process "
                             "buffer budget (limits.max_buffered_bytes_total).", value=budget.pauses),
     ]

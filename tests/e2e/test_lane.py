@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 import urllib.request
@@ -85,17 +86,61 @@ def test_metrics_count_every_request_the_lane_relayed(broker: TansuBroker) -> No
             assert list_offsets(w, 10 + i).correlation_id == 10 + i
         lane_moved = moved(before)
         metrics = scrape(admin)
+        # /clients is current while the lane holds the connection, not as of its last give-back.
+        live = p.call(lambda: p.server.clients.view())["connections"]
         w.close()
         # /clients counts them too, once the lane gives the closed connection back.
         wait_for(lambda: p.server.clients.recent, "the connection closed")
         row = p.server.clients.recent[-1].row()
     assert (row["requests"], row["request_bytes"] > 0) == (n, True)
+    assert [(c["requests"], c["request_bytes"], c["response_bytes"]) for c in live] == \
+        [(row["requests"], row["request_bytes"], row["response_bytes"])]
     assert lane_moved["adopted"] == 1
     # All but the first LANE_AFTER went through the lane (the last answer may still be on its way).
     assert lane_moved["requests"] == n - LANE_AFTER
     assert metrics['kproxy_requests_total{api="list_offsets"}'] == n
     assert metrics['kproxy_request_duration_seconds_count{api="list_offsets"}'] == n
     assert metrics['kproxy_lane_connections'] == 1
+
+
+def test_the_buffer_budget_counts_laned_connections_and_pauses_them(broker: TansuBroker) -> None:
+    """A laned connection's buffers are in kproxy_buffered_bytes, and while the process's budget is
+    exhausted (another client's half-sent large frame) the lane reads none of its requests; the
+    request is relayed by the lane once the budget has room."""
+    admin = f"127.0.0.1:{free_port()}"
+    with start_proxy(broker.bootstrap, advertised_host="127.0.0.1", admin={"listen": admin},
+                     limits={"max_buffered_bytes_total": 512 * 1024}) as p:
+        w, hog = Wire(p.bootstrap, timeout=20), Wire(p.bootstrap)
+        try:
+            before = counts()
+            for i in range(LANE_AFTER + 2):
+                assert list_offsets(w, 10 + i).correlation_id == 10 + i
+            assert moved(before)["adopted"] == 1
+            # Its four 4 KiB buffers, which the Python path does not hold (the process's gauge: no cluster).
+            gauge = scrape(admin)['kproxy_buffered_bytes{virtual_cluster=""}']
+            assert gauge >= 4 * 4096 + p.call(lambda: p.server.budget.used)
+            hog.send_raw(struct.pack(">i", 4 * 1024 * 1024) + b"\x00" * 600_000)   # an incomplete big frame
+            wait_for(lambda: p.call(lambda: p.server.budget.exhausted), "the budget exhausted")
+            relayed = moved(before)["requests"]
+            result: list[float] = []
+
+            def ask() -> None:
+                started = time.monotonic()
+                list_offsets(w, 99)
+                result.append(time.monotonic() - started)
+
+            t = threading.Thread(target=ask)
+            t.start()
+            time.sleep(0.5)
+            assert not result and moved(before)["requests"] == relayed      # not read while exhausted
+            hog.close()                                                     # its buffer goes back
+            t.join(10)
+            assert result and result[0] >= 0.45
+            assert moved(before)["requests"] == relayed + 1                 # by the lane, still laned
+            assert moved(before)["given_back"] == 0
+        finally:
+            hog.close()
+            w.close()
 
 
 def test_lane_off_takes_nothing(broker: TansuBroker) -> None:

@@ -15,13 +15,15 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kproxy.protocol.compiler import whole_skip
 from kproxy.protocol.messages import request_codecs
 from kproxy.server import lane as lane_module
-from kproxy.server.lane import Given, Lane, LaneApi, path_counts
+from kproxy.server.budget import BufferBudget
+from kproxy.server.lane import Given, Lane, LaneApi, held_bytes, path_counts
 
 from .test_session import HEARTBEAT, METADATA, PRODUCE, heartbeat_request, metadata_request, produce_request
 from .test_session import request_frame as session_request_frame
@@ -416,14 +418,7 @@ def test_broker_not_reading_stops_the_lane_reading_the_client(link: Link) -> Non
                        (link.proxy_client, socket.SO_RCVBUF)):
             s.setsockopt(socket.SOL_SOCKET, opt, 16384)
         handle = link.adopt(lane, max_in_flight=65536)
-        link.client.setblocking(False)
-        chunk, sent, quiet_since = heartbeat(1) * 500, 0, time.monotonic()
-        while time.monotonic() - quiet_since < 0.5:
-            try:
-                sent += link.client.send(chunk[sent % len(chunk):])
-                quiet_since = time.monotonic()
-            except BlockingIOError:
-                time.sleep(0.01)
+        sent = flood(link, 0.5)
         got = handle.detach()
         assert (got.reason, got.detail) == ("detached", "detached by the caller")
         # What the lane took is what was sent, but for the client's and our sockets' small buffers.
@@ -434,6 +429,107 @@ def test_broker_not_reading_stops_the_lane_reading_the_client(link: Link) -> Non
         assert sent < 8 * 1024 * 1024
     finally:
         lane.close()
+
+
+def test_buffers_grow_to_a_large_frame_and_shrink_once_it_has_gone(lane: Lane, link: Link) -> None:
+    """Memory bounded by the bytes received: a connection's input buffers start at 4 KiB, grow to
+    the frame a size prefix announces (relayed whole), and go back to 4 KiB about a second later."""
+    before = held_bytes()
+    big = b"\x00\x00\x00\x00" + b"a" * 50_000
+    link.broker.reply = lambda f: answer(struct.unpack_from(">i", f, 4)[0], big)
+    handle = link.adopt(lane)
+    assert held_bytes() - before == 2 * 4096         # the two input buffers; no output buffer yet
+    link.client.sendall(heartbeat(7))
+    got = link.recv_exactly(len(answer(7, big)))
+    assert got == answer(7, big)
+    grown = held_bytes() - before
+    assert grown >= 2 * 50_000                      # the broker's input buffer and the client's output one
+    assert grown <= 4 * 4096 + 2 * (50_008 + 4096)
+    wait_for(lambda: held_bytes() - before == 4 * 4096, timeout=3.0)
+    link.client.sendall(heartbeat(8))               # still relays after shrinking
+    assert link.recv_exactly(len(answer(8, big))) == answer(8, big)
+    handle.detach()
+    del handle                                      # the lane frees it at once
+    wait_for(lambda: held_bytes() == before)
+
+
+def flood(link: Link, quiet_s: float = 0.3) -> int:
+    """Sends heartbeats without waiting until the client's socket takes nothing for quiet_s; the bytes sent."""
+    link.client.setblocking(False)
+    chunk, sent, quiet_since = heartbeat(1) * 500, 0, time.monotonic()
+    while time.monotonic() - quiet_since < quiet_s:
+        try:
+            sent += link.client.send(chunk[sent % len(chunk):])
+            quiet_since = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)
+    return sent
+
+
+def test_buffer_budget_stops_the_lane_reading_clients_until_there_is_room(link: Link) -> None:
+    """With the process's budget exhausted the lane reads no client (a broker that keeps every request
+    unanswered makes it hold them all), and it reads again within its 10 ms poll once there is room."""
+    lane = Lane(max_frame=65536, write_limit=1 << 20)
+    try:
+        link.broker.hold.set()
+        for s, opt in ((link.client, socket.SO_SNDBUF), (link.proxy_client, socket.SO_RCVBUF)):
+            s.setsockopt(socket.SOL_SOCKET, opt, 16384)
+        before = held_bytes()
+        limit = before + 64 * 1024
+        assert lane.budget(limit, 0) == before
+        handle = link.adopt(lane, max_in_flight=65536)
+        sent = flood(link)
+        taken = len(link.broker.received)
+        held = held_bytes() - before
+        # It stopped at the limit, overshooting by at most what one read brought (a receive buffer's
+        # worth, kept twice: queued for the broker and as a request in flight).
+        assert 64 * 1024 <= held <= 64 * 1024 + 3 * (65536 + 4)
+        assert sent - taken * len(heartbeat(1)) > 8 * 1024      # the rest waits in the sockets
+        time.sleep(0.1)
+        assert len(link.broker.received) == taken               # paused, not slowed
+        # The Python path's bytes count too: room in the limit, but not with what Python holds.
+        lane.budget(limit + 1024 * 1024, 1024 * 1024)
+        time.sleep(0.1)
+        assert len(link.broker.received) == taken
+        lane.budget(limit + 1024 * 1024, 0)                     # room: it reads the client again
+        wait_for(lambda: len(link.broker.received) > taken)
+        got = handle.detach()
+        assert got.reason == "detached"
+        assert got.requests * len(heartbeat(1)) > taken * len(heartbeat(1))
+    finally:
+        lane.close()
+
+
+def test_buffer_budget_counts_the_lanes_bytes_and_wakes_python_readers_when_they_go(lane: Lane,
+                                                                                      link: Link) -> None:
+    """The Python path's budget is exhausted by what a lane holds, and a client pump waiting for room
+    goes on once the lane lets go of it (the lane does not tell: the wait looks again every 10 ms)."""
+    before = held_bytes()
+    handles = [link.adopt(lane, client_bytes=struct.pack(">i", 60_000) + b"\x00" * 2000)]  # a frame begun
+    laned = held_bytes() - before
+    assert laned == (2004 + 4096) + 4096
+    budget = BufferBudget(before + laned)
+    budget.attach_lane(lane)
+    assert budget.exhausted and budget.used == 0 and budget.total() == before + laned
+    waited: list[float] = []
+
+    async def main() -> None:
+        async def wait() -> None:
+            started = trio.current_time()
+            await budget.wait_for_room()
+            waited.append(trio.current_time() - started)
+
+        with trio.fail_after(WAIT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait)
+                await trio.sleep(0.1)
+                assert not waited
+                handles.pop().detach()          # and dropped: the lane frees what it held
+                await trio.to_thread.run_sync(wait_for, lambda: held_bytes() < before + laned)
+
+    trio.run(main)
+    assert waited and waited[0] >= 0.1 and not budget.exhausted
+    budget.detach_lane(lane)
 
 
 def cut(data: bytes, points: list[int]) -> list[bytes]:
@@ -531,6 +627,7 @@ def test_a_thousand_connections_on_one_lane(lane: Lane) -> None:
     broker = ManyBroker()
     front = socket.create_server(("127.0.0.1", 0), backlog=2048)
     links, handles = [], []
+    before = held_bytes()
     try:
         for _ in range(1000):
             client = socket.create_connection(front.getsockname())
@@ -552,6 +649,9 @@ def test_a_thousand_connections_on_one_lane(lane: Lane) -> None:
                 while len(data) < len(answer(0)):
                     data += client.recv(64)
                 assert struct.unpack_from(">i", data, 4)[0] == i * 10 + rounds
+        # Idle, each holds its four buffers at their first 4 KiB and nothing else (its input buffers
+        # no longer start at max_frame + 4: 128 KiB a connection).
+        assert held_bytes() - before == 1000 * 4 * 4096
         for h in handles:
             h.recall()
         given = [given_back(h) for h in handles]
