@@ -1,0 +1,122 @@
+"""One consumer's large-frame reads through several kproxy trees and HAProxy, side by side: each
+relay's CPU per MB and the rate, per interleaved round, from one fake broker.
+
+`bench/proxy.py` starts each target once for a produce and a consume phase; this bench produces once
+(direct) and then times only consumes, so a change to the consume path is compared round by round
+on the same records, and each relay's CPU is read from ``/proc`` around each consume alone. Usage:
+
+    .venv/bin/python bench/consume_ab.py --trees BASEDIR,. --records 1000000 --rounds 5
+
+Each tree is a directory holding a ``kproxy`` package (``git archive COMMIT kproxy | tar -x -C
+DIR`` plus the built ``_accel`` and ``_lane`` extensions); ``.`` is this checkout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import IO
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from proxy import HOST, consume, free_port, produce
+
+REPO = Path(__file__).resolve().parent.parent
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of one process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", required=True, help="comma-separated directories holding a kproxy package")
+    ap.add_argument("--records", type=int, default=1_000_000, help="1 KiB records (default 1,000,000)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-haproxy", action="store_true", help="leave HAProxy out")
+    args = ap.parse_args()
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    for t in trees:
+        if not (t / "kproxy" / "__init__.py").exists():
+            ap.error(f"{t}: no kproxy package in it")
+    work = Path(tempfile.mkdtemp(prefix="kproxy-consume-ab-"))
+    with (work / "children.log").open("wb") as log:
+        results = run(args, trees, work, log)
+    report(args, results)
+
+
+def run(args: argparse.Namespace, trees: list[Path], work: Path, log: IO[bytes]) -> dict[str, list[tuple[float, float]]]:
+    """Produce once, then consume through every relay per round; (MB/s, CPU ms per MB) per round."""
+    python = sys.executable
+    broker, hap_port, hap_broker = free_port(), free_port(), free_port()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    ports: dict[str, int] = {}
+    # The fake broker's second listener advertises HAProxy's port, so the consumer stays behind it.
+    fake = subprocess.Popen([python, str(REPO / "bench" / "fake_broker.py"), "--listen", f"{HOST}:{broker}",
+                             "--listen", f"{HOST}:{hap_broker}={HOST}:{hap_port}"], stdout=log, stderr=log)
+    try:
+        for i, tree in enumerate(trees):
+            name = f"{i}:{tree.name or tree}"
+            ports[name] = free_port()
+            procs[name] = subprocess.Popen(
+                [python, "-m", "kproxy", "run", "--upstream", f"{HOST}:{broker}", "--listen",
+                 f"{HOST}:{ports[name]}", "--log-level", "WARNING"], cwd=tree, stdout=log, stderr=log)
+        if not args.no_haproxy:
+            cfg = work / "haproxy.cfg"
+            cfg.write_text("\n".join([
+                "global", "    maxconn 1000", "defaults", "    mode tcp", "    option splice-auto",
+                "    timeout connect 5s", "    timeout client 60s", "    timeout server 60s",
+                "listen relay", f"    bind {HOST}:{hap_port}", f"    server broker {HOST}:{hap_broker}", ""]))
+            procs["haproxy"] = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=log, stderr=log)
+            ports["haproxy"] = hap_port
+        time.sleep(3)
+        topic = f"consume-ab-{uuid.uuid4().hex[:8]}"
+        produce(f"{HOST}:{broker}", topic, args.records, b"x" * 1024)
+        load_before = os.getloadavg()
+        mb = args.records * 1024 / 1e6
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in ports}
+        for r in range(args.rounds):
+            order = list(ports) if r % 2 == 0 else list(reversed(ports))
+            for name in order:
+                before = cpu_seconds(procs[name].pid)
+                seconds = consume(f"{HOST}:{ports[name]}", topic, args.records, 1024)
+                cpu_ms_per_mb = (cpu_seconds(procs[name].pid) - before) * 1e3 / mb
+                results[name].append((mb / seconds, cpu_ms_per_mb))
+                print(f"round {r + 1}/{args.rounds}  {name:28s} {mb / seconds:7.1f} MB/s  "
+                      f"{cpu_ms_per_mb:5.2f} ms CPU/MB", flush=True)
+    finally:
+        for p in [*procs.values(), fake]:
+            p.terminate()
+        for p in [*procs.values(), fake]:
+            p.wait(10)
+    args.load = (load_before[0], os.getloadavg()[0])
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, list[tuple[float, float]]]) -> None:
+    print(f"\n{args.records:,} records of 1 KiB, {args.rounds} interleaved rounds; load average "
+          f"{args.load[0]:.2f} before, {args.load[1]:.2f} after")
+    print(f"{'relay':28s} {'MB/s median (min-max)':>26s} {'CPU ms/MB median (min-max)':>30s}")
+    for name, rows in results.items():
+        rates, cpus = [x for x, _ in rows], [y for _, y in rows]
+        print(f"{name:28s} {statistics.median(rates):9.1f} ({min(rates):.0f}-{max(rates):.0f})"
+              f"{statistics.median(cpus):16.2f} ({min(cpus):.2f}-{max(cpus):.2f})")
+    first = next(iter(results))
+    for name in results:
+        if name != first:
+            paired = [b[1] / a[1] for a, b in zip(results[first], results[name], strict=True)]
+            print(f"CPU per MB, {name} / {first}, paired per round: median {statistics.median(paired):.2f} "
+                  f"({min(paired):.2f}-{max(paired):.2f})")
+
+
+if __name__ == "__main__":
+    main()
