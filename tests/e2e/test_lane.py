@@ -125,17 +125,17 @@ def test_the_buffer_budget_counts_laned_connections_and_pauses_them(broker: Tans
             result: list[float] = []
 
             def ask() -> None:
-                started = time.monotonic()
                 list_offsets(w, 99)
-                result.append(time.monotonic() - started)
+                result.append(time.monotonic())       # when the answer came
 
             t = threading.Thread(target=ask)
             t.start()
             time.sleep(0.5)
             assert not result and moved(before)["requests"] == relayed      # not read while exhausted
+            freed_at = time.monotonic()
             hog.close()                                                     # its buffer goes back
             t.join(10)
-            assert result and result[0] >= 0.45
+            assert result and result[0] >= freed_at                         # answered only once there was room
             assert moved(before)["requests"] == relayed + 1                 # by the lane, still laned
             assert moved(before)["given_back"] == 0
         finally:
