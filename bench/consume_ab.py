@@ -6,9 +6,12 @@ relay's CPU per MB and the rate, per interleaved round, from one fake broker.
 on the same records, and each relay's CPU is read from ``/proc`` around each consume alone. Usage:
 
     .venv/bin/python bench/consume_ab.py --trees BASEDIR,. --records 1000000 --rounds 5
+    .venv/bin/python bench/consume_ab.py --trees ".,.@cut_through_splice: true"
 
 Each tree is a directory holding a ``kproxy`` package (``git archive COMMIT kproxy | tar -x -C
-DIR`` plus the built ``_accel`` and ``_lane`` extensions); ``.`` is this checkout."""
+DIR`` plus the built ``_accel`` and ``_lane`` extensions); ``.`` is this checkout. ``DIR@LINE`` runs
+that tree with a configuration file holding ``LINE`` (a top-level setting) besides the listener and
+the broker, so two settings of one tree can be compared the same way."""
 
 from __future__ import annotations
 
@@ -31,21 +34,25 @@ REPO = Path(__file__).resolve().parent.parent
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
     """User and system CPU of one process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trees", required=True, help="comma-separated directories holding a kproxy package")
+    ap.add_argument("--trees", required=True,
+                    help="comma-separated directories holding a kproxy package, each DIR or DIR@SETTING")
     ap.add_argument("--records", type=int, default=1_000_000, help="1 KiB records (default 1,000,000)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-haproxy", action="store_true", help="leave HAProxy out")
     args = ap.parse_args()
-    trees = [Path(t).resolve() for t in args.trees.split(",")]
-    for t in trees:
+    trees: list[tuple[Path, str | None]] = []
+    for spec in args.trees.split(","):
+        tree, _, setting = spec.partition("@")
+        trees.append((Path(tree).resolve(), setting or None))
+    for t, _ in trees:
         if not (t / "kproxy" / "__init__.py").exists():
             ap.error(f"{t}: no kproxy package in it")
     work = Path(tempfile.mkdtemp(prefix="kproxy-consume-ab-"))
@@ -54,7 +61,7 @@ def main() -> None:
     report(args, results)
 
 
-def run(args: argparse.Namespace, trees: list[Path], work: Path, log: IO[bytes]) -> dict[str, list[tuple[float, float]]]:
+def run(args: argparse.Namespace, trees: list[tuple[Path, str | None]], work: Path, log: IO[bytes]) -> dict[str, list[tuple[float, float]]]:
     """Produce once, then consume through every relay per round; (MB/s, CPU ms per MB) per round."""
     python = sys.executable
     broker, hap_port, hap_broker = free_port(), free_port(), free_port()
@@ -64,12 +71,18 @@ def run(args: argparse.Namespace, trees: list[Path], work: Path, log: IO[bytes])
     fake = subprocess.Popen([python, str(REPO / "bench" / "fake_broker.py"), "--listen", f"{HOST}:{broker}",
                              "--listen", f"{HOST}:{hap_broker}={HOST}:{hap_port}"], stdout=log, stderr=log)
     try:
-        for i, tree in enumerate(trees):
-            name = f"{i}:{tree.name or tree}"
+        for i, (tree, setting) in enumerate(trees):
+            name = f"{i}:{tree.name or tree}" + (f" {setting}" if setting else "")
             ports[name] = free_port()
-            procs[name] = subprocess.Popen(
-                [python, "-m", "kproxy", "run", "--upstream", f"{HOST}:{broker}", "--listen",
-                 f"{HOST}:{ports[name]}", "--log-level", "WARNING"], cwd=tree, stdout=log, stderr=log)
+            argv = [python, "-m", "kproxy", "run", "--upstream", f"{HOST}:{broker}", "--listen",
+                    f"{HOST}:{ports[name]}", "--log-level", "WARNING"]
+            if setting:
+                config = work / f"kproxy-{i}.yaml"
+                config.write_text(f'listen: "{HOST}:{ports[name]}"\n'
+                                  f'upstream: {{bootstrap_servers: "{HOST}:{broker}"}}\n'
+                                  f"log_level: WARNING\n{setting}\n")
+                argv = [python, "-m", "kproxy", "run", "--config", str(config)]
+            procs[name] = subprocess.Popen(argv, cwd=tree, stdout=log, stderr=log)
         if not args.no_haproxy:
             cfg = work / "haproxy.cfg"
             cfg.write_text("\n".join([
@@ -87,12 +100,14 @@ def run(args: argparse.Namespace, trees: list[Path], work: Path, log: IO[bytes])
         for r in range(args.rounds):
             order = list(ports) if r % 2 == 0 else list(reversed(ports))
             for name in order:
-                before = cpu_seconds(procs[name].pid)
+                user0, sys0 = cpu_seconds(procs[name].pid)
                 seconds = consume(f"{HOST}:{ports[name]}", topic, args.records, 1024)
-                cpu_ms_per_mb = (cpu_seconds(procs[name].pid) - before) * 1e3 / mb
+                user1, sys1 = cpu_seconds(procs[name].pid)
+                cpu_ms_per_mb = (user1 - user0 + sys1 - sys0) * 1e3 / mb
                 results[name].append((mb / seconds, cpu_ms_per_mb))
                 print(f"round {r + 1}/{args.rounds}  {name:28s} {mb / seconds:7.1f} MB/s  "
-                      f"{cpu_ms_per_mb:5.2f} ms CPU/MB", flush=True)
+                      f"{cpu_ms_per_mb:5.2f} ms CPU/MB ({(sys1 - sys0) * 1e3 / mb:.2f} of it in the kernel)",
+                      flush=True)
     finally:
         for p in [*procs.values(), fake]:
             p.terminate()
