@@ -480,8 +480,10 @@ class ClientConnection(Executor):
             self._lane_handle.recall()
 
     def _lane_count(self, frame: memoryview) -> None:
-        """Count a request the lane would have relayed (its api version is in the lane's table)."""
-        if len(frame) < 8:
+        """Count a request the lane would have relayed (its api version is in the lane's table, and it
+        is no larger than the lane takes: a client sending large requests would only be given back)."""
+        assert self._lane is not None
+        if len(frame) < 8 or len(frame) > self._lane.max_frame:
             self._lane_streak = 0
             return
         pair = (frame[0] << 8 | frame[1], frame[2] << 8 | frame[3])
@@ -659,6 +661,9 @@ class ClientConnection(Executor):
         """The upstream pump, parked while the lane holds the broker connection: the broker's bytes
         the lane left when it gives it back (read first), or None when the pump is to end."""
         self._lane_resume = resume = trio.Event()
+        # Its scope is spent: no hand-over may cancel it again, and wait for a park that has
+        # happened, until the pump runs again and opens another (``_lane_ready`` asks for one).
+        self._up_park = None
         parked, self._lane_parked = self._lane_parked, None
         if parked is not None:
             parked.set()
