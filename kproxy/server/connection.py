@@ -661,9 +661,6 @@ class ClientConnection(Executor):
         """The upstream pump, parked while the lane holds the broker connection: the broker's bytes
         the lane left when it gives it back (read first), or None when the pump is to end."""
         self._lane_resume = resume = trio.Event()
-        # Its scope is spent: no hand-over may cancel it again, and wait for a park that has
-        # happened, until the pump runs again and opens another (``_lane_ready`` asks for one).
-        self._up_park = None
         parked, self._lane_parked = self._lane_parked, None
         if parked is not None:
             parked.set()
@@ -673,6 +670,9 @@ class ClientConnection(Executor):
 
     def _upstream_resume(self, fed: bytes | None) -> None:
         """Wake the parked upstream pump: ``fed`` (the broker's bytes to read first), or None to end it."""
+        # Its scope is spent: until the pump runs again and opens another, ``_lane_ready`` says no, so
+        # a hand-over cannot cancel the spent one and wait for ever for a park that has happened.
+        self._up_park = None
         self._lane_fed = fed
         resume, self._lane_resume = self._lane_resume, None
         if resume is not None:
