@@ -480,8 +480,10 @@ class ClientConnection(Executor):
             self._lane_handle.recall()
 
     def _lane_count(self, frame: memoryview) -> None:
-        """Count a request the lane would have relayed (its api version is in the lane's table)."""
-        if len(frame) < 8:
+        """Count a request the lane would have relayed (its api version is in the lane's table, and it
+        is no larger than the lane takes: a client sending large requests would only be given back)."""
+        assert self._lane is not None
+        if len(frame) < 8 or len(frame) > self._lane.max_frame:
             self._lane_streak = 0
             return
         pair = (frame[0] << 8 | frame[1], frame[2] << 8 | frame[3])
@@ -668,6 +670,9 @@ class ClientConnection(Executor):
 
     def _upstream_resume(self, fed: bytes | None) -> None:
         """Wake the parked upstream pump: ``fed`` (the broker's bytes to read first), or None to end it."""
+        # Its scope is spent: until the pump runs again and opens another, ``_lane_ready`` says no, so
+        # a hand-over cannot cancel the spent one and wait for ever for a park that has happened.
+        self._up_park = None
         self._lane_fed = fed
         resume, self._lane_resume = self._lane_resume, None
         if resume is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -23,7 +25,8 @@ import trio
 from kproxy.protocol.messages import body_class
 from kproxy.server import lane
 from kproxy.server.connection import LANE_AFTER
-from tests.e2e.proxied import start_proxy
+from tests.e2e.fake_cluster import FakeCluster
+from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.relay import Relay
 from tests.e2e.tansu import Tansu, TansuBroker, free_port, unique_name
 from tests.e2e.wire import Wire
@@ -32,7 +35,8 @@ pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not lane.AVAILABLE, reason="the lane is not built in this installation")]
 
 TIMEOUT = 30.0
-FETCH, LIST_OFFSETS, METADATA, API_VERSIONS = 1, 2, 3, 18
+REPO = Path(__file__).resolve().parents[2]
+PRODUCE, FETCH, LIST_OFFSETS, METADATA, API_VERSIONS = 0, 1, 2, 3, 18
 NOT_LEADER_OR_FOLLOWER = 6
 
 
@@ -372,7 +376,7 @@ def test_a_laned_metadata_loop_sees_brokers_come_and_move_at_kproxys_addresses()
     """The cluster changes under a laned Metadata loop (``FakeCluster``, as tansu is one node that
     does not move): a new node, then a node on another port. The lane gives each first changed
     answer back unread; the client gets it rewritten, and kproxy's address for the new node."""
-    from tests.e2e.fake_cluster import FakeBroker, FakeCluster
+    from tests.e2e.fake_cluster import FakeBroker
 
     cluster = FakeCluster((1, 2, 3))
     try:
@@ -463,4 +467,46 @@ def test_a_consumer_whose_answers_are_larger_than_the_lane_takes_is_left_on_the_
                 assert len(answer.body.responses[0].partitions[0].records) > 3 * 65536
         finally:
             w.close()
+        print("MOVED", moved(before))
         assert moved(before)["adopted"] == 0
+
+
+
+def test_a_producer_of_batches_stored_whole_is_read_to_the_end(tmp_path: Path) -> None:
+    """confluent-kafka producing 1 MB batches (its default batch size), several in flight, through
+    kproxy storing frames whole (``cut_through_min_bytes: null``): every record is acknowledged.
+
+    A request whose first bytes were read into a buffer of its own used to have the connection
+    offered to the lane on each read of it. An offer refused woke the broker's pump without letting it
+    run, and the next offer cancelled that pump's spent scope and waited for ever for it to park: the
+    client was read no more, and the request timed out after ``limits.frame_timeout_s``. It takes a
+    broker that acknowledges at once (tansu is slower than the second offer) and a kproxy process of
+    its own, so ``bench/fake_broker.py`` and ``kproxy run``, with no admin listener (metrics keep
+    Produce off the lane). The log (DEBUG) says what the lane did."""
+    broker, port = free_port(), free_port_block(2)
+    config = tmp_path / "kproxy.yaml"
+    config.write_text(f'listen: "127.0.0.1:{port}"\nupstream: {{bootstrap_servers: "127.0.0.1:{broker}"}}\n'
+                      "cut_through_min_bytes: null\nlimits: {frame_timeout_s: 5}\nlog_level: DEBUG\n")
+    log = tmp_path / "kproxy.log"
+    with open(log, "wb") as out:
+        fake = subprocess.Popen([sys.executable, str(REPO / "bench" / "fake_broker.py"), "--listen",
+                                 f"127.0.0.1:{broker}"], stdout=subprocess.DEVNULL, stderr=out)
+        proxy = subprocess.Popen([sys.executable, "-m", "kproxy", "run", "--config", str(config)],
+                                 stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        wait_for(lambda: b"kproxy listening" in log.read_bytes(), "kproxy listening")
+        producer = confluent_kafka.Producer({"bootstrap.servers": f"127.0.0.1:{port}", "acks": 1,
+                                             "queue.buffering.max.messages": 100_000})
+        for _ in range(30_000):
+            producer.produce("stored-batches", b"x" * 1024, partition=0)
+        left = producer.flush(TIMEOUT)
+    finally:
+        for proc in (proxy, fake):
+            proc.terminate()
+            proc.wait(10)
+    text = log.read_text()
+    assert left == 0, text[-2000:]
+    assert "did not arrive whole" not in text
+    # Requests larger than the lane takes keep the connection off it: it is never handed over only to
+    # be given back at the next request.
+    assert "the lane gave the connection back (frame" not in text
