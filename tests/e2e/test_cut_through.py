@@ -73,11 +73,17 @@ def metrics(admin: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
+# These tests are about how a frame streams, not which frames do by default (2 MiB): they stream
+# everything from 64 KiB, so that records of a few hundred KiB take the streaming path.
+STREAM_FROM = 64 * 1024
+
+
 @contextlib.contextmanager
 def proxy(upstream: str, cut_through: bool = True, splice: bool = False) -> Iterator[tuple[ProxyThread, str]]:
     admin = f"127.0.0.1:{free_port()}"
     if cut_through:
-        p = start_proxy(upstream, advertised_host="127.0.0.1", admin={"listen": admin}, cut_through_splice=splice)
+        p = start_proxy(upstream, advertised_host="127.0.0.1", admin={"listen": admin}, cut_through_splice=splice,
+                        cut_through_min_bytes=STREAM_FROM)
     else:
         # null in a file; None among quick-mode overrides means "not given", so the setting is
         # replaced on the built config.

@@ -23,7 +23,15 @@ from kproxy.server.embedded import ProxyThread
 from tests.e2e.proxied import free_port_block, start_proxy
 from tests.e2e.scenarios import _ck_admin, _ck_wait
 from tests.e2e.tansu import Tansu, TansuBroker, free_port
-from tests.e2e.test_cut_through import SPLICED, STREAMED, consumed_all, metrics, produce_direct, records
+from tests.e2e.test_cut_through import (
+    SPLICED,
+    STREAM_FROM,
+    STREAMED,
+    consumed_all,
+    metrics,
+    produce_direct,
+    records,
+)
 from tests.e2e.test_produce_cut_through import STREAMED as PRODUCE_STREAMED
 from tests.e2e.test_produce_cut_through import confluent_produce
 from tests.e2e.test_produce_cut_through import records as produce_records
@@ -78,7 +86,7 @@ def filled(broker: TansuBroker) -> Iterator[str]:
 def proxy(broker: TansuBroker, rules: Path, **overrides: Any) -> Iterator[tuple[ProxyThread, str]]:
     admin = f"127.0.0.1:{free_port()}"
     p = start_proxy(broker.bootstrap, advertised_host="127.0.0.1", admin={"listen": admin}, rules=[str(rules)],
-                    **overrides)
+                    **{"cut_through_min_bytes": STREAM_FROM, **overrides})
     try:
         yield p, admin
     finally:
@@ -150,6 +158,7 @@ upstream:
 exposure: {{advertised_host: 127.0.0.1, broker_port_count: 6}}
 admin: {{listen: "{admin}"}}
 rules: ["{rules_file}"]
+cut_through_min_bytes: {STREAM_FROM}
 """)
         with ProxyThread(cfg) as p:
             topic = f"stream-tls-{uuid.uuid4().hex[:8]}"
