@@ -11,7 +11,10 @@ on the same records, and each relay's CPU is read from ``/proc`` around each con
 Each tree is a directory holding a ``kproxy`` package (``git archive COMMIT kproxy | tar -x -C
 DIR`` plus the built ``_accel`` and ``_lane`` extensions); ``.`` is this checkout. ``DIR@LINE`` runs
 that tree with a configuration file holding ``LINE`` (a top-level setting) besides the listener and
-the broker, so two settings of one tree can be compared the same way."""
+the broker, so two settings of one tree can be compared the same way. ``--partitions N`` reads N
+partitions at once (the fake broker holds them preloaded, ``--records`` spread over them), so each
+Fetch answer carries about N MiB: with N of 3 or more they are over ``cut_through_min_bytes``'s 2 MiB
+default and stream, where one partition's 1 MiB answers are stored."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from proxy import HOST, consume, free_port, produce
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,6 +44,30 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
 
 
+def consume_partitions(bootstrap: str, topic: str, partitions: int, n: int) -> float:
+    """Seconds to read n records from the start of partitions 0..partitions-1 at once (assign, no group)."""
+    c = Consumer({"bootstrap.servers": bootstrap, "client.id": "kproxy-bench", "group.id": uuid.uuid4().hex,
+                  "enable.auto.commit": False, "enable.partition.eof": False,
+                  "queued.min.messages": 2 * n, "queued.max.messages.kbytes": 2_097_151})
+    try:
+        c.list_topics(topic, timeout=30)
+        got = 0
+        deadline = time.monotonic() + 120
+        t0 = time.perf_counter()
+        c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        while got < n:
+            msgs = c.consume(min(10_000, n - got), 0.5)
+            for m in msgs:
+                if m.error():
+                    raise KafkaException(m.error())
+            got += len(msgs)
+            if not msgs and time.monotonic() > deadline:
+                raise RuntimeError(f"consume via {bootstrap}: read {got} of {n} records")
+        return time.perf_counter() - t0
+    finally:
+        c.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", required=True,
@@ -47,6 +75,8 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=1_000_000, help="1 KiB records (default 1,000,000)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-haproxy", action="store_true", help="leave HAProxy out")
+    ap.add_argument("--partitions", type=int, default=1,
+                    help="partitions read at once (default 1: 1 MiB answers; N: about N MiB each)")
     args = ap.parse_args()
     trees: list[tuple[Path, str | None]] = []
     for spec in args.trees.split(","):
@@ -68,8 +98,10 @@ def run(args: argparse.Namespace, trees: list[tuple[Path, str | None]], work: Pa
     procs: dict[str, subprocess.Popen[bytes]] = {}
     ports: dict[str, int] = {}
     # The fake broker's second listener advertises HAProxy's port, so the consumer stays behind it.
+    topic = f"consume-ab-{uuid.uuid4().hex[:8]}"
+    preload = ["--preload", f"{topic}:{args.partitions}:{args.records // args.partitions}:1024"] if args.partitions > 1 else []
     fake = subprocess.Popen([python, str(REPO / "bench" / "fake_broker.py"), "--listen", f"{HOST}:{broker}",
-                             "--listen", f"{HOST}:{hap_broker}={HOST}:{hap_port}"], stdout=log, stderr=log)
+                             "--listen", f"{HOST}:{hap_broker}={HOST}:{hap_port}", *preload], stdout=log, stderr=log)
     try:
         for i, (tree, setting) in enumerate(trees):
             name = f"{i}:{tree.name or tree}" + (f" {setting}" if setting else "")
@@ -92,16 +124,18 @@ def run(args: argparse.Namespace, trees: list[tuple[Path, str | None]], work: Pa
             procs["haproxy"] = subprocess.Popen(["haproxy", "-f", str(cfg), "-db"], stdout=log, stderr=log)
             ports["haproxy"] = hap_port
         time.sleep(3)
-        topic = f"consume-ab-{uuid.uuid4().hex[:8]}"
-        produce(f"{HOST}:{broker}", topic, args.records, b"x" * 1024)
+        if args.partitions == 1:
+            produce(f"{HOST}:{broker}", topic, args.records, b"x" * 1024)
+        records = args.records // args.partitions * args.partitions
         load_before = os.getloadavg()
-        mb = args.records * 1024 / 1e6
+        mb = records * 1024 / 1e6
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in ports}
         for r in range(args.rounds):
             order = list(ports) if r % 2 == 0 else list(reversed(ports))
             for name in order:
                 user0, sys0 = cpu_seconds(procs[name].pid)
-                seconds = consume(f"{HOST}:{ports[name]}", topic, args.records, 1024)
+                seconds = (consume(f"{HOST}:{ports[name]}", topic, args.records, 1024) if args.partitions == 1
+                           else consume_partitions(f"{HOST}:{ports[name]}", topic, args.partitions, records))
                 user1, sys1 = cpu_seconds(procs[name].pid)
                 cpu_ms_per_mb = (user1 - user0 + sys1 - sys0) * 1e3 / mb
                 results[name].append((mb / seconds, cpu_ms_per_mb))
@@ -118,7 +152,7 @@ def run(args: argparse.Namespace, trees: list[tuple[Path, str | None]], work: Pa
 
 
 def report(args: argparse.Namespace, results: dict[str, list[tuple[float, float]]]) -> None:
-    print(f"\n{args.records:,} records of 1 KiB, {args.rounds} interleaved rounds; load average "
+    print(f"\n{args.records:,} records of 1 KiB in {args.partitions} partition(s), {args.rounds} interleaved rounds; load average "
           f"{args.load[0]:.2f} before, {args.load[1]:.2f} after")
     print(f"{'relay':28s} {'MB/s median (min-max)':>26s} {'CPU ms/MB median (min-max)':>30s}")
     for name, rows in results.items():
