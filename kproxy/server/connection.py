@@ -127,6 +127,7 @@ class ClientConnection(Executor):
         "_lane_apis",
         "_lane_fed",
         "_lane_handle",
+        "_lane_max",
         "_lane_parked",
         "_lane_resume",
         "_lane_streak",
@@ -224,6 +225,7 @@ class ClientConnection(Executor):
         # The process's lane (kproxy.server.lane), when it may ever take this connection: plain TCP
         # to the client, none of kproxy's own SASL (the rest is asked at each hand-over, ``_lane_ready``).
         self._lane = lane if lane is not None and type(client) is PlainTransport and front is None else None
+        self._lane_max = self._lane.max_frame if self._lane is not None else 0     # the largest frame it takes
         self._lane_apis: dict[tuple[int, int], LaneApi | None] = {}  # what the lane may relay, as met
         self.record = record            # its /clients row: told when the lane holds it and what it relayed
         self._lane_streak = 0                       # requests in a row the lane would have relayed
@@ -482,8 +484,7 @@ class ClientConnection(Executor):
     def _lane_count(self, frame: memoryview) -> None:
         """Count a request the lane would have relayed (its api version is in the lane's table, and it
         is no larger than the lane takes: a client sending large requests would only be given back)."""
-        assert self._lane is not None
-        if len(frame) < 8 or len(frame) > self._lane.max_frame:
+        if len(frame) < 8 or len(frame) > self._lane_max:
             self._lane_streak = 0
             return
         pair = (frame[0] << 8 | frame[1], frame[2] << 8 | frame[3])
